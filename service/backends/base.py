@@ -1,0 +1,127 @@
+"""The port to a language model: prompt token ids and spans in, per-token log-probs out.
+
+Prompt building lives outside the backends (``service.prompts``), so every backend receives
+byte-identical token ids and can be cross-checked against the others on the same requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+
+@dataclass(frozen=True, slots=True)
+class Encoding:
+    """Token ids of a text with the character span ``[start, end)`` each token covers."""
+
+    ids: tuple[int, ...]
+    offsets: tuple[tuple[int, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@runtime_checkable
+class PromptTokenizer(Protocol):
+    """What prompt building needs from a model's tokenizer."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]: ...
+
+    def render_chat(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool
+    ) -> str:
+        """The model's chat template applied to ``messages``, as text (not tokenised)."""
+        ...
+
+    def encode(self, text: str) -> Encoding:
+        """Tokenise ``text`` exactly as the model sees it (no special tokens added)."""
+        ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class SpanRequest:
+    """Score tokens ``token_ids[span_start:span_end]`` given everything before each of them.
+
+    ``span_start >= 1``: the first token of a prompt has no context and no log-prob.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    span_start: int
+    span_end: int
+
+
+@dataclass(frozen=True, slots=True)
+class SpanLogprobs:
+    """``logprobs[k] = log P(token_ids[span_start + k] | token_ids[:span_start + k])``, nats."""
+
+    request_id: str
+    logprobs: tuple[float, ...]
+
+    @property
+    def total(self) -> float:
+        return float(sum(self.logprobs))
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """Greedy continuation of ``token_ids`` (later strategies generate short answers)."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    max_new_tokens: int
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """Generated ids with the log-prob of each chosen token; ``finish_reason`` is stop|length."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class PromptFailure:
+    """One prompt that could not be scored; the caller drops it and degrades, not fails."""
+
+    request_id: str
+    reason: str
+
+
+ScoreResult = SpanLogprobs | PromptFailure
+GenerateResult = Generation | PromptFailure
+
+
+@runtime_checkable
+class LogprobBackend(Protocol):
+    """Port to a language model. Implementations: vLLM, transformers, and a deterministic fake.
+
+    ``score`` and ``generate`` return one result per request, in request order. A prompt that
+    fails (engine error, non-finite output) comes back as ``PromptFailure``; an exception means
+    the whole backend is unusable.
+    """
+
+    @property
+    def model_id(self) -> str: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    @property
+    def tokenizer(self) -> PromptTokenizer: ...
+
+    async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]: ...
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]: ...
+
+    async def aclose(self) -> None: ...

@@ -1,0 +1,58 @@
+"""Domain errors, split client/server. ``app`` maps each class to one HTTP status in one table."""
+
+from __future__ import annotations
+
+
+class ReorderError(Exception):
+    """Base of every error the service raises on purpose."""
+
+    code: str = "internal_error"
+
+    def __init__(self, message: str, *, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class ClientError(ReorderError):
+    """The request cannot be served as asked; retrying it unchanged will fail again."""
+
+    code = "invalid_request"
+
+
+class InvalidRequest(ClientError):
+    code = "invalid_request"
+
+
+class LimitExceeded(ClientError):
+    """An input is over a configured limit; the message names the parameter, limit and value."""
+
+    code = "limit_exceeded"
+
+    def __init__(self, param: str, limit: int | float, value: int | float, what: str = "") -> None:
+        detail = f" ({what})" if what else ""
+        super().__init__(f"{param} is {value}, over the limit of {limit}{detail}", param=param)
+        self.limit = limit
+        self.value = value
+
+
+class UnidentifiableRequest(ClientError):
+    """The chosen design cannot identify what the fit needs (e.g. cyclic without a profile)."""
+
+    code = "unidentifiable_design"
+
+
+class ServerError(ReorderError):
+    """The service failed; the same request may succeed later."""
+
+    code = "internal_error"
+
+
+class BackendUnavailable(ServerError):
+    code = "backend_unavailable"
+
+
+class ScoringFailed(ServerError):
+    """Too many prompts failed to leave an identifiable design."""
+
+    code = "scoring_failed"

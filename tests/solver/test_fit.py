@@ -1,0 +1,314 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from scipy.stats import kendalltau
+
+import solver
+from solver import DesignError, InvalidReference, UnidentifiableDesign, fit, plan
+from tests.solver.conftest import bias_shape, synthesize
+
+
+def _tau(x: np.ndarray, y: np.ndarray) -> float:
+    return float(kendalltau(x, y)[0])
+
+
+@pytest.mark.parametrize("kind", ["random", "pruned_random"])
+@pytest.mark.parametrize("shape", ["primacy", "U"])
+def test_recovery_at_one_percent_noise(kind: str, shape: str) -> None:
+    taus = []
+    for trial in range(20):
+        rng = np.random.default_rng(100 + trial)
+        perms = plan(kind, 20, seed=trial)  # type: ignore[arg-type]
+        a = bias_shape(shape, perms.shape[1])
+        u = rng.standard_normal(20)
+        f = fit(perms, synthesize(perms, u, a, 0.01, rng))
+        assert f.converged
+        taus.append(_tau(f.utilities, u))
+    # Misorderings left at 1% noise are pairs whose utilities differ by less than the noise.
+    assert np.mean(taus) >= 0.99, taus
+
+
+@pytest.mark.parametrize("kind", ["random", "pruned_random"])
+@pytest.mark.parametrize("shape", ["primacy", "U", "recency"])
+@pytest.mark.parametrize("n", [5, 12, 20])
+def test_exact_recovery_without_noise(kind: str, shape: str, n: int) -> None:
+    rng = np.random.default_rng(n)
+    perms = plan(kind, n, seed=1)  # type: ignore[arg-type]
+    a = bias_shape(shape, perms.shape[1])
+    u = rng.standard_normal(n)
+    f = fit(perms, synthesize(perms, u, a, 0.0, rng))
+    if kind == "pruned_random" or shape != "recency":
+        # Pruned designs orient themselves; full ones are oriented by the primacy prior,
+        # which agrees with primacy and U truths.
+        assert _tau(f.utilities, u) == pytest.approx(1.0)
+        assert f.r2 == pytest.approx(1.0, abs=1e-9)
+    if kind == "pruned_random":
+        assert f.identification == "full" and f.orientation == "data"
+        np.testing.assert_allclose(f.position_bias, a, atol=1e-6)
+
+
+def test_pruned_design_orients_itself_against_a_wrong_prior() -> None:
+    rng = np.random.default_rng(5)
+    perms = plan("pruned_random", 20, seed=5)
+    a = bias_shape("primacy", perms.shape[1])
+    u = rng.standard_normal(20)
+    s = synthesize(perms, u, a, 0.01, rng)
+    right = fit(perms, s, reference_bias=a)
+    wrong = fit(perms, s, reference_bias=a[::-1])
+    assert right.order == wrong.order
+    np.testing.assert_allclose(right.utilities, wrong.utilities, atol=1e-8)
+    assert right.orientation == wrong.orientation == "data"
+    assert right.orientation_strength is not None and right.orientation_strength > 0.9
+
+
+def test_full_design_orientation_comes_from_the_reference() -> None:
+    """The same objective holds for the reversed ranking: the reference decides, and says so."""
+    rng = np.random.default_rng(6)
+    perms = plan("random", 10, seed=6)
+    a = bias_shape("primacy", 10)
+    u = rng.standard_normal(10)
+    s = synthesize(perms, u, a, 0.0, rng)
+    default = fit(perms, s)
+    flipped = fit(perms, s, reference_bias=a[::-1])
+    assert default.orientation == "default_reference"
+    assert flipped.orientation == "reference"
+    assert default.identification == "up_to_scale" and default.bias_identified
+    assert _tau(default.utilities, u) == pytest.approx(1.0)
+    assert _tau(flipped.utilities, u) == pytest.approx(-1.0)
+    assert default.objective == pytest.approx(flipped.objective, abs=1e-9)
+    assert default.orientation_strength is not None and default.orientation_strength > 0.99
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    seed=st.integers(0, 10_000),
+    scale=st.floats(0.01, 100.0),
+    shift=st.floats(-1000.0, 1000.0),
+    lam=st.floats(0.2, 1.0),
+)
+def test_scale_and_sign_symmetry_of_full_designs(
+    seed: int, scale: float, shift: float, lam: float
+) -> None:
+    """(a~, u~) -> (lam a~, u~/lam) fits identically, for lam < 0 too; and the order is
+    invariant to s -> shift + scale * s."""
+    rng = np.random.default_rng(seed)
+    n = 8
+    perms = plan("random", n, seed=seed)
+    a = bias_shape("primacy", n)
+    u = rng.standard_normal(n)
+    s = synthesize(perms, u, a, 0.05, rng)
+    base = fit(perms, s)
+    moved = fit(perms, shift + scale * s)
+    assert moved.order == base.order
+    np.testing.assert_allclose(moved.utilities, scale * base.utilities, rtol=1e-5, atol=1e-7)
+    # Negating the scores negates the utilities: the reference keeps the bias orientation.
+    negated = fit(perms, -s)
+    assert negated.order == base.order[::-1] or np.allclose(
+        negated.utilities, -base.utilities, atol=1e-6
+    )
+    # (lam a~, u~/lam) is feasible (a >= 0) for small negative lam too, with the same RSS:
+    # the objective cannot tell a ranking from its reverse.
+    a_t = base.position_bias - 1.0 / n
+    span = (1.0 / n) / max(float(np.abs(a_t).max()), 1e-12)
+    for lam_s in (lam * span, -lam * span):
+        a2 = 1.0 / n + lam_s * a_t
+        assert a2.min() >= -1e-12
+        signal = (base.utilities / lam_s)[perms] @ a2
+        rss = float(((signal - s - (signal - s).mean()) ** 2).sum())
+        assert rss == pytest.approx(base.objective, rel=1e-6, abs=1e-9)
+
+
+def test_cyclic_without_a_profile_is_refused() -> None:
+    perms = plan("cyclic", 10)
+    with pytest.raises(UnidentifiableDesign, match="calibrated reference_bias"):
+        fit(perms, np.arange(10.0))
+    with pytest.raises(UnidentifiableDesign):
+        fit(plan("pruned_cyclic", 10), np.arange(10.0))
+
+
+def test_under_determined_random_design_is_refused() -> None:
+    perms = plan("random", 10, num_prompts=12, seed=0)  # < 2N - 1 distinct prompts
+    with pytest.raises(UnidentifiableDesign, match="rank"):
+        fit(perms, np.random.default_rng(0).normal(size=12))
+
+
+@pytest.mark.parametrize(("noise", "min_tau"), [(0.0, 1.0), (0.01, 0.95)])
+def test_cyclic_with_a_calibrated_profile(noise: float, min_tau: float) -> None:
+    rng = np.random.default_rng(11)
+    perms = plan("cyclic", 20)
+    a = bias_shape("primacy", 20)
+    u = rng.standard_normal(20)
+    f = fit(perms, synthesize(perms, u, a, noise, rng), reference_bias=a)
+    assert _tau(f.utilities, u) >= min_tau - 1e-12
+    assert not f.bias_identified and f.orientation == "reference" and f.method == "fixed_bias"
+    assert f.confidence is None and f.residual_dof == 0
+    assert any("zero residual degrees of freedom" in w for w in f.warnings)
+    assert f.prior_sensitivity is not None and f.prior_sensitivity > 0.5
+
+
+def test_cyclic_fft_path_equals_ridge_least_squares() -> None:
+    rng = np.random.default_rng(3)
+    n = 9
+    perms = plan("cyclic", n)
+    a = bias_shape("primacy", n)
+    s = synthesize(perms, rng.standard_normal(n), a, 0.05, rng)
+    fast = fit(perms, s, reference_bias=a)
+    shuffled = np.random.default_rng(0).permutation(n)  # rows out of order: still cyclic
+    assert fit(perms[shuffled], s[shuffled], reference_bias=a).order == fast.order
+    # Relabelling the passages defeats the cyclic detector, so the general solver runs.
+    relabel = np.random.default_rng(1).permutation(n)
+    general = fit(relabel[perms][:, ::-1], s, reference_bias=a[::-1])
+    assert general.method == "fixed_bias"
+    np.testing.assert_allclose(general.utilities[relabel], fast.utilities, atol=1e-8)
+
+
+def test_confidences_are_probabilities_and_calibrated_in_shape() -> None:
+    rng = np.random.default_rng(8)
+    perms = plan("random", 20, seed=8)
+    u = rng.standard_normal(20)
+    f = fit(perms, synthesize(perms, u, bias_shape("primacy", 20), 0.1, rng))
+    assert f.confidence is not None and f.confidence.shape == (19,)
+    assert np.all((f.confidence >= 0.5) & (f.confidence <= 1.0))
+    gaps = -np.diff(f.utilities[list(f.order)])
+    # Bigger gaps are more certain.
+    assert np.corrcoef(gaps, f.confidence)[0, 1] > 0.3
+    assert f.utility_stderr is not None and np.all(f.utility_stderr > 0)
+    assert f.residual_dof == 60 - (20 + 18)
+
+
+def test_zero_noise_gives_certain_confidences() -> None:
+    rng = np.random.default_rng(2)
+    perms = plan("pruned_random", 10, seed=2)
+    u = rng.standard_normal(10)
+    f = fit(perms, synthesize(perms, u, bias_shape("primacy", 5), 0.0, rng))
+    assert f.confidence is not None
+    assert np.all(f.confidence > 0.999)
+
+
+class TestRobustness:
+    def test_single_passage(self) -> None:
+        f = fit([[0]], [-3.2])
+        assert f.order == (0,) and f.position_bias.tolist() == [1.0] and f.method == "trivial"
+
+    def test_all_equal_scores_keep_the_retriever_order(self) -> None:
+        perms = plan("random", 6, seed=0)
+        f = fit(perms, np.full(perms.shape[0], -12.5), retriever_scores=[1, 5, 3, 2, 4, 0])
+        assert f.order == (1, 4, 2, 3, 0, 5)
+        assert any("all scores are equal" in w for w in f.warnings)
+        assert not f.bias_identified
+
+    def test_non_finite_scores_drop_their_prompts(self) -> None:
+        rng = np.random.default_rng(4)
+        perms = plan("pruned_random", 10, seed=4)
+        u = rng.standard_normal(10)
+        s = synthesize(perms, u, bias_shape("primacy", 5), 0.0, rng)
+        s[[3, 7]] = [np.nan, -np.inf]
+        f = fit(perms, s)
+        assert f.prompts_dropped == 2 and f.prompts_used == perms.shape[0] - 2
+        assert any("2 prompt(s) had a non-finite score" in w for w in f.warnings)
+        assert _tau(f.utilities, u) == pytest.approx(1.0)
+
+    def test_dropping_prompts_rechecks_identifiability(self) -> None:
+        perms = plan("random", 6, seed=0)
+        s = np.random.default_rng(0).normal(size=perms.shape[0])
+        s[6:] = np.nan  # six prompts left for eleven parameters
+        with pytest.raises(UnidentifiableDesign):
+            fit(perms, s)
+
+    def test_all_scores_non_finite(self) -> None:
+        with pytest.raises(UnidentifiableDesign, match="no prompt"):
+            fit(plan("random", 4), np.full(12, np.nan))
+
+    def test_never_shown_passages_go_last_in_retriever_order(self) -> None:
+        rng = np.random.default_rng(9)
+        perms = plan("pruned_random", 8, seed=9)
+        u = rng.standard_normal(8)
+        s = synthesize(perms, u, bias_shape("primacy", 4), 0.0, rng)
+        # Passages 8 and 9 exist but no prompt shows them.
+        f = fit(perms, s, retriever_scores=[0, 0, 0, 0, 0, 0, 0, 0, 1.0, 2.0])
+        assert f.order[-2:] == (9, 8)
+        assert np.isnan(f.utilities[8:]).all() and not f.shown[8:].any()
+        assert f.confidence is not None and np.isnan(f.confidence[-2:]).all()
+        assert any("never shown" in w for w in f.warnings)
+
+    def test_ties_break_by_retriever_score_then_index(self) -> None:
+        perms = np.array([[0, 1], [1, 0], [2, 3], [3, 2], [0, 2], [2, 0], [1, 3], [3, 1]])
+        u = np.array([1.0, 1.0, 0.0, 0.0])
+        s = synthesize(perms, u, np.array([0.7, 0.3]), 0.0, np.random.default_rng(0))
+        f = fit(perms, s, reference_bias=[0.7, 0.3], retriever_scores=[1.0, 2.0, 0.0, 0.0])
+        assert f.order == (1, 0, 2, 3)
+
+    @pytest.mark.parametrize(
+        ("perms", "match"),
+        [
+            ([[0, 1], [1, 5]], "not a passage index"),
+            ([[0, 0], [1, 0]], "more than once"),
+            ([[0, -1, 1]], "empty slot"),
+            ([[-1, -1]], "shows no passage"),
+            ([[0.5, 1.0]], "integers"),
+            ([0, 1, 2], "2-D"),
+        ],
+    )
+    def test_malformed_designs_are_errors(self, perms: list[object], match: str) -> None:
+        with pytest.raises(DesignError, match=match):
+            fit(perms, np.zeros(len(perms)), n_passages=3)
+
+    def test_score_count_must_match(self) -> None:
+        with pytest.raises(DesignError, match="scores has shape"):
+            fit(plan("random", 4), [1.0, 2.0])
+
+    @pytest.mark.parametrize(
+        ("ref", "match"),
+        [
+            ([0.25] * 4, "uniform"),
+            ([0.5, 0.5, 0.0], "slots"),
+            ([1.0, -0.5, 0.3, 0.2], ">= 0"),
+            ([1.0, np.nan, 0.3, 0.2], "non-finite"),
+        ],
+    )
+    def test_unusable_reference_profiles(self, ref: list[float], match: str) -> None:
+        perms = plan("random", 4, seed=0)
+        with pytest.raises(InvalidReference, match=match):
+            fit(perms, np.random.default_rng(0).normal(size=12), reference_bias=ref)
+
+
+def test_ragged_variable_pruning_design_is_fitted_with_an_intercept() -> None:
+    rng = np.random.default_rng(21)
+    n = 12
+    retr = np.linspace(3, 0, n)
+    perms = plan("pruned_random", n, num_prompts=40, retriever_scores=retr, seed=3)
+    assert (perms < 0).any()
+    a = bias_shape("primacy", perms.shape[1])
+    u = rng.standard_normal(n)
+    f = fit(perms, synthesize(perms, u, a, 0.0, rng), retriever_scores=retr)
+    assert f.identification == "full"
+    assert _tau(f.utilities, u) == pytest.approx(1.0)
+    np.testing.assert_allclose(f.position_bias, a, atol=1e-6)
+
+
+def test_fit_is_deterministic() -> None:
+    rng = np.random.default_rng(0)
+    perms = plan("pruned_random", 15, seed=0)
+    s = synthesize(perms, rng.standard_normal(15), bias_shape("U", 8), 0.05, rng)
+    a, b = fit(perms, s), fit(perms, s)
+    assert a.order == b.order and np.array_equal(a.utilities, b.utilities)
+
+
+def test_bias_is_on_the_simplex() -> None:
+    rng = np.random.default_rng(1)
+    for kind in ("random", "pruned_random", "hybrid"):
+        perms = plan(kind, 10, seed=1)  # type: ignore[arg-type]
+        s = synthesize(perms, rng.standard_normal(10), bias_shape("U", perms.shape[1]), 0.3, rng)
+        f = fit(perms, s)
+        assert f.position_bias.sum() == pytest.approx(1.0)
+        assert f.position_bias.min() >= 0.0
+
+
+def test_identifiability_report() -> None:
+    assert solver.identifiability(solver.as_design(plan("cyclic", 6))).level == "none"
+    assert solver.identifiability(solver.as_design(plan("random", 6))).level == "up_to_scale"
+    assert solver.identifiability(solver.as_design(plan("pruned_random", 6))).level == "full"
+    assert solver.identifiability(solver.as_design(plan("hybrid", 6))).level == "up_to_scale"

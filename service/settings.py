@@ -11,7 +11,9 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-BackendKind = Literal["auto", "vllm", "transformers", "fake"]
+# The deterministic fake backend is not configurable: it needs known truth per passage, so
+# tests inject it (``create_app(settings, backend=FakeBackend(...))``).
+BackendKind = Literal["auto", "vllm", "transformers"]
 EMBEDDED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 
 

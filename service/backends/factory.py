@@ -1,0 +1,53 @@
+"""Choose and build the scoring backend from settings.
+
+``auto`` takes vLLM when vLLM is installed and an NVIDIA GPU is visible, else transformers (the
+embedded CPU default). Backend modules are imported lazily: only the chosen one pulls in its
+heavy dependencies.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+from typing import Literal
+
+from service.backends.base import LogprobBackend
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+ResolvedBackend = Literal["vllm", "transformers"]
+
+
+def gpu_visible() -> bool:
+    """An NVIDIA device node exists (checked without importing torch or initialising CUDA)."""
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/version").exists()
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def resolve_backend(settings: Settings) -> ResolvedBackend:
+    """The backend ``settings.backend`` stands for on this machine."""
+    if settings.backend != "auto":
+        return settings.backend
+    return "vllm" if gpu_visible() and vllm_installed() else "transformers"
+
+
+def create_backend(settings: Settings) -> LogprobBackend:
+    """Build the configured backend. Blocks while the model loads (run it in a thread).
+
+    Raises:
+        BackendUnavailable: the model or the engine cannot be loaded.
+    """
+    kind = resolve_backend(settings)
+    log.info("loading backend %s for model %s", kind, settings.model)
+    if kind == "vllm":
+        from service.backends.vllm_backend import VLLMBackend
+
+        return VLLMBackend.from_settings(settings)
+    from service.backends.transformers_backend import TransformersBackend
+
+    return TransformersBackend.from_settings(settings)

@@ -1,0 +1,548 @@
+"""Prompt building: (query, passages, order) -> token ids plus the spans to score.
+
+Prompts are built here and not in the backends, so every backend receives identical token ids
+and their log-probs can be cross-checked on the same requests. The rendered chat is tokenised
+ONCE with character offsets, and the query span is located by offsets: METHOD.md section 2
+requires the query's token ids to be identical in every permutation, which only holds when the
+query starts and ends on token boundaries. Byte-level BPE merges a space into the next word
+(" what"), so every template puts the query right after a newline and the chat template's
+end-of-turn marker (a special token) right after it; the alignment is checked on every prompt
+and a violation is an error, never a silent approximation.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from service.backends.base import ChatMessage, Encoding, PromptTokenizer, SpanRequest
+from service.errors import InvalidRequest, LimitExceeded, ServerError
+
+__all__ = [
+    "DEFAULT_TEMPLATE",
+    "BuiltPrompt",
+    "Passage",
+    "PromptAlignmentError",
+    "PromptTemplate",
+    "build_generation_prompt",
+    "build_prompt",
+    "build_prompts",
+    "get_template",
+    "register_template",
+    "template_names",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class Passage:
+    """One retrieved passage as the caller hands it over.
+
+    ``id`` and ``score`` (the retriever's) are carried for the response and for strategies that
+    use the retriever prior; only ``title`` and ``text`` reach the prompt.
+    """
+
+    text: str
+    title: str | None = None
+    id: str | None = None
+    score: float | None = None
+
+
+class PromptAlignmentError(ServerError):
+    """The query is not token-aligned in a prompt, or its tokens differ between permutations.
+
+    A server-side fault: it depends on the template and the tokenizer, and scoring such prompts
+    would compare log-probs of different token sequences.
+    """
+
+    code = "prompt_misaligned"
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTemplate:
+    """A named QA prompt layout (rendered inside the model's own chat template).
+
+    The user message is ``instruction``, the documents in slot order, then ``question_prefix``
+    followed by the query, each part separated by ``separator``. A passage is rendered with
+    ``document`` (``{index}`` is the 1-based slot, ``{title}``, ``{text}``), or with
+    ``untitled_document`` when it has no title. ``question_prefix`` should end with a newline:
+    byte-level BPE merges a preceding space into the query's first word.
+    """
+
+    name: str
+    instruction: str
+    document: str
+    untitled_document: str
+    question_prefix: str = "Question:\n"
+    separator: str = "\n\n"
+    system: str | None = None
+    """If set, sent as a system message; the instruction then stays in the user message."""
+
+    def __post_init__(self) -> None:
+        for field_name in ("document", "untitled_document"):
+            fmt: str = getattr(self, field_name)
+            if fmt.count("{text}") != 1:
+                raise ValueError(f"template {self.name!r}: {field_name} needs exactly one {{text}}")
+            # Render once to catch unknown placeholders at registration, not per request.
+            try:
+                fmt.replace("{text}", "").format(index=1, title="t")
+            except (KeyError, IndexError, ValueError) as exc:
+                raise ValueError(f"template {self.name!r}: bad {field_name}: {exc!r}") from None
+        if "{title}" in self.untitled_document:
+            raise ValueError(f"template {self.name!r}: untitled_document cannot use {{title}}")
+
+    def render_document(self, slot: int, passage: Passage) -> tuple[str, int]:
+        """The document block for ``passage`` in 0-based ``slot``, and its text's offset in it."""
+        title = passage.title
+        fmt = self.document if title else self.untitled_document
+        head, tail = fmt.split("{text}")
+        # Format head and tail separately: the passage text is inserted verbatim, never parsed.
+        head_text = head.format(index=slot + 1, title=title or "")
+        tail_text = tail.format(index=slot + 1, title=title or "")
+        return head_text + passage.text + tail_text, len(head_text)
+
+
+_QA_INSTRUCTION = (
+    "Answer the question based on the documents below. Some documents may be irrelevant. "
+    "Reply with a short answer only."
+)
+
+DEFAULT_TEMPLATE = "qa_default"
+
+_REGISTRY: dict[str, PromptTemplate] = {}
+
+
+def register_template(template: PromptTemplate, *, replace: bool = False) -> None:
+    """Add a template to the registry under ``template.name``.
+
+    Args:
+        template: the template to register.
+        replace: allow overwriting an existing template of the same name.
+
+    Raises:
+        ValueError: the name is taken and ``replace`` is false.
+    """
+    if template.name in _REGISTRY and not replace:
+        raise ValueError(f"prompt template {template.name!r} is already registered")
+    _REGISTRY[template.name] = template
+
+
+def template_names() -> tuple[str, ...]:
+    """Names of the registered templates, sorted."""
+    return tuple(sorted(_REGISTRY))
+
+
+def get_template(name: str) -> PromptTemplate:
+    """The registered template called ``name``.
+
+    Raises:
+        InvalidRequest: no template has that name (the message lists the known ones).
+    """
+    try:
+        return _REGISTRY[name]
+    except KeyError:
+        known = ", ".join(template_names())
+        raise InvalidRequest(
+            f"unknown prompt template {name!r}; known templates: {known}", param="template"
+        ) from None
+
+
+register_template(
+    PromptTemplate(
+        name="qa_default",
+        instruction=_QA_INSTRUCTION,
+        document="Document [{index}] (Title: {title})\n{text}",
+        untitled_document="Document [{index}]\n{text}",
+    )
+)
+register_template(
+    PromptTemplate(
+        name="qa_plain",
+        instruction=_QA_INSTRUCTION,
+        document="Document [{index}]\n{text}",
+        untitled_document="Document [{index}]\n{text}",
+    )
+)
+register_template(
+    PromptTemplate(
+        name="qa_system",
+        system=_QA_INSTRUCTION,
+        instruction="Documents:",
+        document="Document [{index}] (Title: {title})\n{text}",
+        untitled_document="Document [{index}]\n{text}",
+    )
+)
+
+
+@dataclass(frozen=True, slots=True)
+class BuiltPrompt:
+    """One rendered and tokenised prompt.
+
+    Spans are half-open token ranges ``[start, end)`` into ``token_ids``. ``query_span`` is
+    exactly token-aligned with the (outer-whitespace-stripped) query. ``passage_spans[k]`` is
+    the smallest token range covering the text of the passage in slot ``k`` (``order[k]``); it
+    may include a separator character when the tokenizer merges it (only the optional ``joint``
+    score uses it).
+    """
+
+    token_ids: tuple[int, ...]
+    query_span: tuple[int, int]
+    passage_spans: tuple[tuple[int, int], ...]
+    order: tuple[int, ...]
+    text: str
+    template: str
+
+    @property
+    def query_token_ids(self) -> tuple[int, ...]:
+        return self.token_ids[self.query_span[0] : self.query_span[1]]
+
+    def scored_span(self, *, joint: bool = False) -> tuple[int, int]:
+        """Token range to request: the query, or from the first passage to the query (joint)."""
+        start, end = self.query_span
+        if joint and self.passage_spans:
+            start = min(start, *(s for s, _ in self.passage_spans))
+        return start, end
+
+    def span_request(self, request_id: str, *, joint: bool = False) -> SpanRequest:
+        """The backend request scoring this prompt.
+
+        Tokens after the query are dropped: a causal model's log-probs of the query do not
+        depend on them, so they would only cost prefill.
+
+        Args:
+            request_id: id echoed back by the backend.
+            joint: also score the passages' own tokens (METHOD.md section 2, ``joint``).
+
+        Returns:
+            A ``SpanRequest`` over ``scored_span(joint=joint)``.
+        """
+        start, end = self.scored_span(joint=joint)
+        return SpanRequest(
+            request_id=request_id, token_ids=self.token_ids[:end], span_start=start, span_end=end
+        )
+
+    def totals(self, logprobs: Sequence[float], *, joint: bool = False) -> tuple[float, float]:
+        """Split a backend answer to ``span_request(joint=joint)`` into its two sums.
+
+        Args:
+            logprobs: the per-token log-probs of that request, in order.
+            joint: the value used to build the request.
+
+        Returns:
+            ``(query log-prob, passages' log-prob)``; the second is 0.0 unless ``joint``.
+
+        Raises:
+            ValueError: ``logprobs`` has the wrong length for that span.
+        """
+        start, end = self.scored_span(joint=joint)
+        if len(logprobs) != end - start:
+            raise ValueError(f"expected {end - start} log-probs, got {len(logprobs)}")
+        q0, q1 = self.query_span
+        query = float(sum(logprobs[q0 - start : q1 - start]))
+        passages = 0.0
+        if joint:
+            passages = float(
+                sum(sum(logprobs[s - start : e - start]) for s, e in self.passage_spans)
+            )
+        return query, passages
+
+
+def build_prompt(
+    tokenizer: PromptTokenizer,
+    template_name: str,
+    query: str,
+    passages: Sequence[Passage],
+    order: Sequence[int],
+    *,
+    max_tokens: int | None = None,
+) -> BuiltPrompt:
+    """Build the scoring prompt showing ``passages[order[0]], passages[order[1]], ...``.
+
+    The chat is rendered without a generation prompt: the scored query is the end of the user
+    turn. The query is scored without its outer whitespace (it would otherwise merge with the
+    template's separators); nothing is ever truncated.
+
+    Args:
+        tokenizer: the scoring model's tokenizer and chat template.
+        template_name: a registered template name (``template_names()``).
+        query: the question; any Unicode, not blank.
+        passages: all passages of the request.
+        order: passage indices in slot order; a subset (pruned prompt) is allowed, repeats not.
+        max_tokens: if given, the most tokens the prompt may have.
+
+    Returns:
+        The prompt's token ids, query span and passage spans.
+
+    Raises:
+        InvalidRequest: unknown template, blank query or passage, text that is not valid
+            Unicode, or a bad ``order``.
+        LimitExceeded: the prompt is longer than ``max_tokens``.
+        PromptAlignmentError: the query is not token-aligned, or is the prompt's first token.
+    """
+    template = get_template(template_name)
+    clean_query = _check_inputs(query, passages)
+    return _build(
+        tokenizer,
+        template,
+        clean_query,
+        passages,
+        _check_order(order, len(passages)),
+        add_generation_prompt=False,
+        max_tokens=max_tokens,
+    )
+
+
+def build_prompts(
+    tokenizer: PromptTokenizer,
+    template_name: str,
+    query: str,
+    passages: Sequence[Passage],
+    orders: Sequence[Sequence[int]],
+    *,
+    max_tokens: int | None = None,
+) -> list[BuiltPrompt]:
+    """Build one scoring prompt per order, checking the query tokens are the same in all.
+
+    Args:
+        tokenizer: the scoring model's tokenizer and chat template.
+        template_name: a registered template name.
+        query: the question.
+        passages: all passages of the request.
+        orders: one passage-index sequence per prompt (see ``build_prompt``).
+        max_tokens: if given, the most tokens any prompt may have.
+
+    Returns:
+        The prompts, in the order of ``orders``.
+
+    Raises:
+        InvalidRequest: as ``build_prompt``.
+        LimitExceeded: a prompt is longer than ``max_tokens``.
+        PromptAlignmentError: a query span is misaligned, or the query's token ids differ
+            between two orders (the scores would not be comparable).
+    """
+    template = get_template(template_name)
+    clean_query = _check_inputs(query, passages)
+    built: list[BuiltPrompt] = []
+    for i, order in enumerate(orders):
+        try:
+            checked = _check_order(order, len(passages))
+        except InvalidRequest as exc:
+            raise InvalidRequest(f"orders[{i}]: {exc.message}", param="orders") from None
+        prompt = _build(
+            tokenizer,
+            template,
+            clean_query,
+            passages,
+            checked,
+            add_generation_prompt=False,
+            max_tokens=max_tokens,
+        )
+        if built and prompt.query_token_ids != built[0].query_token_ids:
+            raise PromptAlignmentError(
+                f"template {template.name!r}: the query tokenises differently in orders[{i}] "
+                f"than in orders[0] ({len(prompt.query_token_ids)} vs "
+                f"{len(built[0].query_token_ids)} tokens)"
+            )
+        built.append(prompt)
+    return built
+
+
+def build_generation_prompt(
+    tokenizer: PromptTokenizer,
+    template_name: str,
+    query: str,
+    passages: Sequence[Passage],
+    order: Sequence[int] | None = None,
+    *,
+    max_tokens: int | None = None,
+) -> BuiltPrompt:
+    """Build the prompt a generator answers from: same layout, assistant turn left open.
+
+    Args:
+        tokenizer: the generating model's tokenizer and chat template.
+        template_name: a registered template name.
+        query: the question.
+        passages: the passages of the request (may be empty: closed-book).
+        order: passage indices in slot order; default: all, in the given order.
+        max_tokens: if given, the most tokens the prompt may have.
+
+    Returns:
+        The prompt; ``token_ids`` end with the chat template's generation prompt. The spans
+        are filled as for a scoring prompt.
+
+    Raises:
+        InvalidRequest, LimitExceeded, PromptAlignmentError: as ``build_prompt``.
+    """
+    template = get_template(template_name)
+    clean_query = _check_inputs(query, passages)
+    chosen = range(len(passages)) if order is None else order
+    return _build(
+        tokenizer,
+        template,
+        clean_query,
+        passages,
+        _check_order(chosen, len(passages)),
+        add_generation_prompt=True,
+        max_tokens=max_tokens,
+    )
+
+
+def _check_inputs(query: str, passages: Sequence[Passage]) -> str:
+    _check_unicode(query, "query")
+    clean = query.strip()
+    if not clean:
+        raise InvalidRequest("query is empty", param="query")
+    for i, passage in enumerate(passages):
+        _check_unicode(passage.text, f"passages[{i}].text")
+        if passage.title is not None:
+            _check_unicode(passage.title, f"passages[{i}].title")
+        if not passage.text.strip():
+            raise InvalidRequest(f"passages[{i}].text is empty", param=f"passages[{i}].text")
+    return clean
+
+
+def _check_unicode(text: str, param: str) -> None:
+    # Lone surrogates (possible from JSON "\ud800") have no UTF-8 form: no tokenizer takes them.
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidRequest(f"{param} is not valid Unicode text", param=param) from None
+
+
+def _check_order(order: Sequence[int], n_passages: int) -> tuple[int, ...]:
+    checked = tuple(int(i) for i in order)
+    for i in checked:
+        if not 0 <= i < n_passages:
+            raise InvalidRequest(
+                f"passage index {i} is out of range for {n_passages} passages", param="order"
+            )
+    if len(set(checked)) != len(checked):
+        raise InvalidRequest(f"order {list(checked)} repeats a passage", param="order")
+    return checked
+
+
+def _build(
+    tokenizer: PromptTokenizer,
+    template: PromptTemplate,
+    query: str,
+    passages: Sequence[Passage],
+    order: tuple[int, ...],
+    *,
+    add_generation_prompt: bool,
+    max_tokens: int | None,
+) -> BuiltPrompt:
+    # Assemble the user message, remembering where each passage text and the query sit in it.
+    parts: list[str] = []
+    length = 0
+    passage_chars: list[tuple[int, int]] = []
+
+    def add(part: str) -> int:
+        nonlocal length
+        start = length
+        parts.append(part)
+        length += len(part)
+        return start
+
+    if template.instruction:
+        add(template.instruction)
+        add(template.separator)
+    for slot, index in enumerate(order):
+        block, text_offset = template.render_document(slot, passages[index])
+        start = add(block) + text_offset
+        passage_chars.append((start, start + len(passages[index].text)))
+        add(template.separator)
+    query_start = add(template.question_prefix) + len(template.question_prefix)
+    add(query)
+    content = "".join(parts)
+
+    messages = [ChatMessage(role="user", content=content)]
+    if template.system is not None:
+        messages.insert(0, ChatMessage(role="system", content=template.system))
+    text = tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    base = text.find(content)
+    if base < 0 or text.find(content, base + 1) >= 0:
+        raise PromptAlignmentError(
+            f"template {template.name!r}: the chat template does not reproduce the user "
+            "message verbatim exactly once, so the query cannot be located"
+        )
+
+    encoding = tokenizer.encode(text)
+    if max_tokens is not None and len(encoding.ids) > max_tokens:
+        raise LimitExceeded(
+            "prompt_tokens",
+            max_tokens,
+            len(encoding.ids),
+            what=f"{len(order)} passages with template {template.name!r}",
+        )
+    locator = _SpanLocator(encoding)
+    q_chars = (base + query_start, base + query_start + len(query))
+    query_span = locator.covering(*q_chars)
+    _check_aligned(
+        tokenizer, encoding, text, span=query_span, chars=q_chars, template_name=template.name
+    )
+    passage_spans = tuple(locator.covering(base + s, base + e) for s, e in passage_chars)
+    return BuiltPrompt(
+        token_ids=encoding.ids,
+        query_span=query_span,
+        passage_spans=passage_spans,
+        order=order,
+        text=text,
+        template=template.name,
+    )
+
+
+def _check_aligned(
+    tokenizer: PromptTokenizer,
+    encoding: Encoding,
+    text: str,
+    *,
+    span: tuple[int, int],
+    chars: tuple[int, int],
+    template_name: str,
+) -> None:
+    start, end = span
+    first = encoding.offsets[start] if start < end else None
+    last = encoding.offsets[end - 1] if start < end else None
+    if first is None or last is None or first[0] != chars[0] or last[1] != chars[1]:
+        got = (first[0] if first else None, last[1] if last else None)
+        raise PromptAlignmentError(
+            f"template {template_name!r}: the query is not token-aligned (query characters "
+            f"{chars}, its tokens cover {got}); a token merges the query with its surroundings"
+        )
+    if start == 0:
+        raise PromptAlignmentError(
+            f"template {template_name!r}: the query is the first token of the prompt, "
+            "which has no log-prob"
+        )
+    # Offsets can hide a merged separator (a tokenizer that trims offsets); decoding cannot.
+    decoded = tokenizer.decode(encoding.ids[start:end])
+    if decoded != text[chars[0] : chars[1]]:
+        raise PromptAlignmentError(
+            f"template {template_name!r}: the query's tokens decode to a different text "
+            f"({len(decoded)} vs {chars[1] - chars[0]} characters); the span is not aligned"
+        )
+
+
+class _SpanLocator:
+    """Maps character ranges to the smallest covering token range of one encoding."""
+
+    def __init__(self, encoding: Encoding) -> None:
+        self._offsets = encoding.offsets
+
+    def covering(self, start: int, end: int) -> tuple[int, int]:
+        """Token range ``[i, j)`` of the non-empty tokens overlapping chars ``[start, end)``."""
+        offsets = self._offsets
+        # Tokenizers report non-decreasing offsets, so bisect finds the range in O(log T); the
+        # neighbours are checked, and a tokenizer that breaks the order gets the linear scan.
+        i = bisect.bisect_right(offsets, start, key=lambda o: o[1])
+        j = bisect.bisect_left(offsets, end, key=lambda o: o[0])
+        while i < j and offsets[i][0] == offsets[i][1]:
+            i += 1
+        inner_ok = i >= j or (offsets[i][1] > start and offsets[j - 1][0] < end)
+        outer_ok = (i == 0 or offsets[i - 1][1] <= start) and (
+            j == len(offsets) or offsets[j][0] >= end
+        )
+        if inner_ok and outer_ok:
+            return (i, j) if i < j else (i, i)
+        hits = [k for k, (s, e) in enumerate(offsets) if s < e and s < end and e > start]
+        return (hits[0], hits[-1] + 1) if hits else (0, 0)

@@ -37,7 +37,7 @@ from scipy.optimize import minimize
 from scipy.stats import kendalltau
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import solver  # noqa: E402
+import solver
 
 DESIGNS = ["random", "pruned_random", "variable_pruned", "hybrid", "cyclic", "pruned_cyclic"]
 
@@ -80,8 +80,13 @@ def slsqp(perms: np.ndarray, s: np.ndarray, n: int, seed: int) -> tuple[np.ndarr
         jac=True,
         method="SLSQP",
         bounds=[(0.0, 1.0)] * L + [(None, None)] * n,
-        constraints=[{"type": "eq", "fun": lambda x: x[:L].sum() - 1.0,
-                      "jac": lambda x: np.concatenate([np.ones(L), np.zeros(n)])}],
+        constraints=[
+            {
+                "type": "eq",
+                "fun": lambda x: x[:L].sum() - 1.0,
+                "jac": lambda x: np.concatenate([np.ones(L), np.zeros(n)]),
+            }
+        ],
         options={"maxiter": 2000, "ftol": 1e-12},
     )
     return res.x[L:], float(res.fun), bool(res.success)
@@ -148,9 +153,11 @@ def main() -> int:
     args = ap.parse_args()
     ns = [5, 10, 20] if args.quick else [5, 10, 20, 50, 100]
     rows = []
-    hdr = (f"{'N':>4} {'design':<16} {'M':>4} {'L':>3} {'ident':<11} {'ours ms':>8} "
-           f"{'+diag ms':>8} {'SLSQP ms':>9} {'x':>6} {'obj ours':>10} {'obj SLSQP':>10} "
-           f"{'tau ours':>8} {'tau SLSQP':>9}")
+    hdr = (
+        f"{'N':>4} {'design':<16} {'M':>4} {'L':>3} {'ident':<11} {'ours ms':>8} "
+        f"{'+diag ms':>8} {'SLSQP ms':>9} {'x':>6} {'obj ours':>10} {'obj SLSQP':>10} "
+        f"{'tau ours':>8} {'tau SLSQP':>9}"
+    )
     print(hdr)
     for n in ns:
         reps = 200 if n <= 20 else (40 if n == 50 else 10)
@@ -160,33 +167,51 @@ def main() -> int:
         for design in DESIGNS:
             r = case(n, design, seed=n, reps=reps, slsqp_reps=sl_reps)
             rows.append(r)
-            print(f"{n:>4} {design:<16} {r['prompts']:>4} {r['slots']:>3} "
-                  f"{r['identification']:<11} {r['ours_ms']:>8.3f} {r['ours_full_ms']:>8.3f} "
-                  f"{r['slsqp_ms']:>9.1f} {r['speedup']:>6.0f} {r['objective_ours']:>10.3e} "
-                  f"{r['objective_slsqp']:>10.3e} {r['tau_ours']:>8.3f} {r['tau_slsqp']:>9.3f}",
-                  flush=True)
+            print(
+                f"{n:>4} {design:<16} {r['prompts']:>4} {r['slots']:>3} "
+                f"{r['identification']:<11} {r['ours_ms']:>8.3f} {r['ours_full_ms']:>8.3f} "
+                f"{r['slsqp_ms']:>9.1f} {r['speedup']:>6.0f} {r['objective_ours']:>10.3e} "
+                f"{r['objective_slsqp']:>10.3e} {r['tau_ours']:>8.3f} {r['tau_slsqp']:>9.3f}",
+                flush=True,
+            )
     checks = []
     by = {(r["n"], r["design"]): r for r in rows}
     for d in ("random", "pruned_random"):
         r = by[(20, d)]
         checks.append((f"N=20 {d}: joint fit <= 2 ms median", r["ours_ms"] <= 2.0, r["ours_ms"]))
-        checks.append((f"N=20 {d}: with everything <= 6 ms", r["ours_full_ms"] <= 6.0,
-                       r["ours_full_ms"]))
-    checks.append(("N=20 cyclic: <= 0.5 ms", by[(20, "cyclic")]["ours_ms"] <= 0.5,
-                   by[(20, "cyclic")]["ours_ms"]))
+        checks.append(
+            (f"N=20 {d}: with everything <= 6 ms", r["ours_full_ms"] <= 6.0, r["ours_full_ms"])
+        )
+    checks.append(
+        (
+            "N=20 cyclic: <= 0.5 ms",
+            by[(20, "cyclic")]["ours_ms"] <= 0.5,
+            by[(20, "cyclic")]["ours_ms"],
+        )
+    )
     for r in rows:
         if r["design"] in ("random", "pruned_random", "hybrid"):
             better = r["objective_ours"] <= r["objective_slsqp"] * (1 + 1e-6) + 1e-9
-            checks.append((f"N={r['n']} {r['design']}: >= 10x SLSQP at <= its objective",
-                           r["speedup"] >= 10 and better, f"{r['speedup']}x, obj ok={better}"))
+            checks.append(
+                (
+                    f"N={r['n']} {r['design']}: >= 10x SLSQP at <= its objective",
+                    r["speedup"] >= 10 and better,
+                    f"{r['speedup']}x, obj ok={better}",
+                )
+            )
     print()
     for name, ok, val in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name}  ({val})")
     out = {
         "command": "python bench/solver.py" + (" --quick" if args.quick else ""),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform(),
-                    "python": platform.python_version(), "numpy": np.__version__,
-                    "scipy": scipy.__version__, "blas_threads": os.environ["OPENBLAS_NUM_THREADS"]},
+        "machine": {
+            "cpu_count": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "scipy": scipy.__version__,
+            "blas_threads": os.environ["OPENBLAS_NUM_THREADS"],
+        },
         "rows": rows,
         "checks": [{"check": c, "pass": bool(ok), "value": str(v)} for c, ok, v in checks],
     }

@@ -169,8 +169,30 @@ def identifiability(design: Design) -> Identifiability:
     """Rank test of the bilinear model on the shown passages.
 
     The model is polynomial in its parameters, so the Jacobian's rank at a random point is
-    its generic rank; a fixed seed keeps the verdict deterministic.
+    its generic rank; a fixed seed keeps the verdict deterministic. Verdicts are cached per
+    design: designs are seeded, so a service sees the same few again and again.
     """
+    key = (design.perms.shape, design.n_passages, design.perms.tobytes())
+    return _identifiability_cached(key, design)
+
+
+_CACHE: dict[tuple[tuple[int, ...], int, bytes], Identifiability] = {}
+_CACHE_SIZE = 1024
+
+
+def _identifiability_cached(
+    key: tuple[tuple[int, ...], int, bytes], design: Design
+) -> Identifiability:
+    hit = _CACHE.get(key)
+    if hit is None:
+        hit = _rank_test(design)
+        if len(_CACHE) >= _CACHE_SIZE:
+            _CACHE.pop(next(iter(_CACHE)))  # oldest first: dicts keep insertion order
+        _CACHE[key] = hit
+    return hit
+
+
+def _rank_test(design: Design) -> Identifiability:
     comp, _ = design.compact()
     m, n, slots = comp.prompts, comp.n_passages, comp.slots
     params = n + (slots - 1) + (1 if comp.ragged else 0)

@@ -32,9 +32,7 @@ class PromptTokenizer(Protocol):
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 
-    def render_chat(
-        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool
-    ) -> str:
+    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         """The model's chat template applied to ``messages``, as text (not tokenised)."""
         ...
 

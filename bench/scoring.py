@@ -1,0 +1,141 @@
+"""Scoring benchmark: the MoI pipeline end to end against the backend scoring the same prompts.
+
+For each query (NQ-Open dev, first N passages) it runs, interleaved A/B in one process so both
+see the same machine state:
+
+- pipeline: ``Reorderer.reorder`` (plan, tokenise, dedupe, score, fit, place);
+- direct: ``backend.score`` on the identical span requests, tokenised beforehand (the floor).
+
+It prints the ratio direct / pipeline (target >= 0.95: the pipeline adds at most 5%), tokens
+per second, and the pipeline's time split (tokenise, score, solve), and writes JSON.
+
+Usage: python bench/scoring.py [--queries 6] [--passages 10] [--out bench/results/scoring.json]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.backends.factory import create_backend, resolve_backend
+from service.dataset import load_examples
+from service.pipeline import Reorderer, ReorderRequest
+from service.prompts import build_prompts
+from service.settings import Settings
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    settings = Settings()
+    t0 = time.perf_counter()
+    backend = await asyncio.to_thread(create_backend, settings)
+    load_s = time.perf_counter() - t0
+    reorderer = Reorderer(backend, settings)
+    examples = load_examples(Path(args.data), limit=args.queries + 1)
+    rows = []
+    # One untimed warm-up query: first-call allocations are not what we measure.
+    warm = examples[0]
+    await reorderer.reorder(ReorderRequest(warm.question, warm.passages[: args.passages]))
+    for k, ex in enumerate(examples[1:]):
+        passages = ex.passages[: args.passages]
+        req = ReorderRequest(ex.question, passages, request_id=f"bench-{k}")
+        kind, perms = reorderer.plan(req.design, passages)
+        orders = [tuple(int(p) for p in row if p >= 0) for row in perms]
+        prompts = build_prompts(
+            backend.tokenizer, settings.chat_template, ex.question, passages, orders
+        )
+        spans = [p.span_request(f"direct-{k}-{i}") for i, p in enumerate(prompts)]
+        pair: dict[str, float] = {}
+        # Alternate which side goes first so drift on a shared machine cancels out.
+        for side in ("direct", "pipeline") if k % 2 == 0 else ("pipeline", "direct"):
+            t = time.perf_counter()
+            if side == "direct":
+                await backend.score(spans)
+            else:
+                result = await reorderer.reorder(req)
+            pair[side] = time.perf_counter() - t
+        tokens = sum(len(s.token_ids) for s in spans)
+        rows.append(
+            {
+                "query": ex.id,
+                "design": kind,
+                "prompts": len(spans),
+                "prompt_tokens": tokens,
+                "direct_s": pair["direct"],
+                "pipeline_s": pair["pipeline"],
+                "ratio": pair["direct"] / pair["pipeline"],
+                "tokenize_s": result.timing.tokenize_s,
+                "scoring_s": result.timing.scoring_s,
+                "solver_s": result.timing.solver_s,
+                "tokens_per_s": tokens / pair["pipeline"],
+            }
+        )
+        r = rows[-1]
+        print(
+            f"{ex.id:<24} M={r['prompts']:<3} tokens={tokens:<6} direct={r['direct_s']:.2f}s "
+            f"pipeline={r['pipeline_s']:.2f}s ratio={r['ratio']:.3f} "
+            f"(tokenise {r['tokenize_s']:.3f}s, score {r['scoring_s']:.2f}s, "
+            f"solve {1e3 * r['solver_s']:.1f}ms)",
+            flush=True,
+        )
+    await backend.aclose()
+    direct = sum(r["direct_s"] for r in rows)
+    pipe = sum(r["pipeline_s"] for r in rows)
+    summary = {
+        "ratio_total": direct / pipe,
+        "ratio_median": statistics.median(r["ratio"] for r in rows),
+        "tokens_per_s": sum(r["prompt_tokens"] for r in rows) / pipe,
+        "split_s": {k: sum(r[k] for r in rows) for k in ("tokenize_s", "scoring_s", "solver_s")},
+        "pipeline_s": pipe,
+        "direct_s": direct,
+        "model_load_s": load_s,
+    }
+    print(
+        f"\nratio direct/pipeline: total {summary['ratio_total']:.3f}, median "
+        f"{summary['ratio_median']:.3f} (target >= 0.95: "
+        f"{'PASS' if summary['ratio_total'] >= 0.95 else 'FAIL'}); "
+        f"{summary['tokens_per_s']:.0f} prompt tokens/s; split "
+        + ", ".join(f"{k} {v:.2f}s" for k, v in summary["split_s"].items())
+    )
+    return {
+        "command": "python bench/scoring.py " + " ".join(sys.argv[1:]),
+        "backend": resolve_backend(settings),
+        "model": backend.model_id,
+        "passages": args.passages,
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "summary": summary,
+        "rows": rows,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--queries", type=int, default=6)
+    ap.add_argument("--passages", type=int, default=10)
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "scoring.json"))
+    args = ap.parse_args()
+    out = asyncio.run(run(args))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

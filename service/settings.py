@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The deterministic fake backend is not configurable: it needs known truth per passage, so
@@ -57,12 +57,69 @@ class Settings(BaseSettings):
     """vLLM: sequences scheduled per engine step."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0.0, le=0.98)
     """vLLM: fraction of GPU memory the engine may take (weights + KV cache)."""
+    vllm_kv_cache_bytes: int | None = Field(default=None, ge=1 << 20)
+    """vLLM: fixed KV-cache size in bytes instead of the utilisation share (recommended on
+    CPU, where vLLM reads the share as a fraction of all RAM)."""
 
     # --- method defaults ---------------------------------------------------------------
     bias_profile_dir: Path | None = None
     """Folder of calibrated bias profiles (default: `<cache_dir>/profiles`)."""
     seed: int = 0
     """Default seed for permutation designs (a request may override it)."""
+
+    # --- HTTP service (app/) -----------------------------------------------------------
+    host: str = "127.0.0.1"
+    """Interface `rag-reorder serve` binds by default (`0.0.0.0` for every interface)."""
+    port: int = Field(default=8000, ge=0, le=65535)
+    """TCP port `rag-reorder serve` listens on by default."""
+    api_key: SecretStr | None = None
+    """If set, every route except `/health` and `/ready` needs `Authorization: Bearer <key>`
+    (compared in constant time)."""
+    cors_origins: tuple[str, ...] = ()
+    """Browser origins allowed by CORS, as a JSON list (`["https://app.example"]`); none by
+    default, and then no CORS headers are sent at all."""
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    """Log level of the service and the HTTP server. Query and passage text is never logged."""
+    access_log: bool = True
+    """Log one line per HTTP request (method, path, status; no bodies)."""
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    """Largest request body accepted, in bytes, counted as it streams in (413 above it)."""
+    max_passages: int = Field(default=100, ge=1, le=4096)
+    """Most passages (or rerank documents) per request (422 above it)."""
+    max_passage_chars: int = Field(default=32_768, ge=1, le=1_000_000)
+    """Most characters (Unicode code points) in one passage's text plus title (422 above it)."""
+    max_query_chars: int = Field(default=4096, ge=1, le=100_000)
+    """Most characters in the query (422 above it)."""
+    max_prompts_per_request: int = Field(default=512, ge=1)
+    """Most distinct prompts one request may need scored, explicit or from the design's
+    default (422 above it)."""
+    max_prompt_tokens_x_prompts: int = Field(default=262_144, ge=64)
+    """Most prompt tokens one request may send to the model, summed over its prompts
+    (prompts x tokens; 422 above it, checked after tokenising and before any scoring)."""
+    max_inflight_prompt_tokens: int = Field(default=1_048_576, ge=64)
+    """Admission budget: prompt tokens of all requests being scored at once. A request that
+    does not fit gets 503 with Retry-After (one request is always admitted when none runs)."""
+    max_concurrent_requests: int = Field(default=64, ge=1)
+    """Most reorder/rerank requests in flight; the next one gets 503 with Retry-After."""
+    retry_after_s: int = Field(default=2, ge=1, le=3600)
+    """Seconds sent in `Retry-After` with 503 (admission, warm-up, draining)."""
+    request_timeout_s: float = Field(default=120.0, gt=0)
+    """Deadline of one request, from admission to response; its scoring is cancelled and the
+    client gets 504 when it passes."""
+    warmup: bool = True
+    """Run one tiny real scoring request after the model loads; `/ready` stays 503 until it
+    succeeds (and the process exits non-zero if it fails)."""
+    canary_interval_s: float = Field(default=60.0, ge=0)
+    """Seconds between liveness canaries (a tiny scoring request, skipped while real requests
+    succeed); 0 disables them."""
+    canary_timeout_s: float = Field(default=60.0, gt=0)
+    """Deadline of one canary or of the warm-up request."""
+    canary_failures_fatal: int = Field(default=3, ge=1)
+    """Consecutive canary failures after which `/health` turns 503 and the process exits
+    non-zero (a closed or dead engine is fatal at once)."""
+    drain_timeout_s: float = Field(default=30.0, ge=0)
+    """On SIGTERM: how long in-flight requests may finish (new ones get 503) before the
+    server stops; keep it inside Kubernetes' `terminationGracePeriodSeconds`."""
 
     @property
     def profiles_path(self) -> Path:

@@ -47,7 +47,9 @@ def create_backend(settings: Settings) -> LogprobBackend:
     if kind == "vllm":
         from service.backends.vllm_backend import VLLMBackend
 
-        return VLLMBackend.from_settings(settings)
+        return VLLMBackend.from_settings(
+            settings, kv_cache_memory_bytes=settings.vllm_kv_cache_bytes
+        )
     from service.backends.transformers_backend import TransformersBackend
 
     return TransformersBackend.from_settings(settings)

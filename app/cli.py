@@ -1,0 +1,236 @@
+"""``rag-reorder``: serve the API, reorder once, calibrate a bias profile, list profiles.
+
+Configuration comes from the environment (``RAG_REORDER_*``, see the README's reference); the
+few flags below override it for one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+# Dense numerics on small matrices: one BLAS thread is faster and leaves cores to the model.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from service.errors import ClientError, ReorderError
+from service.prompts import Passage
+from service.settings import Settings
+
+log = logging.getLogger("rag_reorder")
+
+_DESIGNS = ("random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid")
+_PLACEMENTS = ("descending_utility", "bias_matched")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``rag-reorder`` command. Returns the process exit code."""
+    args = _parser().parse_args(argv)
+    logging.basicConfig(
+        level=os.environ.get("RAG_REORDER_LOG_LEVEL", "INFO").upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    try:
+        settings = _settings(args)
+    except ValidationError as exc:
+        _fail(f"invalid configuration: {exc}")
+        return 2
+    try:
+        if args.command == "serve":
+            from app.server import serve
+
+            serve(settings, args.host, args.port)
+            return 0
+        if args.command == "reorder":
+            return asyncio.run(_reorder(settings, args))
+        if args.command == "calibrate":
+            return asyncio.run(_calibrate(settings, args))
+        if args.command == "profiles":
+            from service.profile_store import ProfileStore
+
+            profiles = ProfileStore(settings.profiles_path).list()
+            print(json.dumps([asdict(p) for p in profiles], indent=2))
+            return 0
+    except ClientError as exc:
+        _fail(exc.message, code=exc.code, param=exc.param)
+        return 2
+    except ReorderError as exc:
+        _fail(exc.message, code=exc.code)
+        return 1
+    raise AssertionError(args.command)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="rag-reorder", description=__doc__)
+    p.add_argument("--backend", choices=("auto", "vllm", "transformers"))
+    p.add_argument("--model", help="local model folder (default: embedded SmolLM2-135M)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"))
+    sub = p.add_subparsers(dest="command", required=True)
+
+    s = sub.add_parser("serve", help="serve the HTTP API")
+    s.add_argument("--host", default=os.environ.get("RAG_REORDER_HOST", "127.0.0.1"))
+    s.add_argument("--port", type=int, default=int(os.environ.get("RAG_REORDER_PORT", "8000")))
+
+    r = sub.add_parser("reorder", help="reorder passages once and print the result as JSON")
+    r.add_argument("--query", required=True)
+    r.add_argument(
+        "--passages",
+        required=True,
+        type=Path,
+        help="JSON file: a list of strings or of objects with text (title, id, score optional)",
+    )
+    r.add_argument("--design", choices=_DESIGNS, help="default: pruned_random")
+    r.add_argument("--num-prompts", type=int)
+    r.add_argument("--prompt-passages", type=int)
+    r.add_argument("--seed", type=int)
+    r.add_argument("--variable-pruning", action="store_true")
+    r.add_argument("--placement", choices=_PLACEMENTS, default="descending_utility")
+    r.add_argument("--joint", action="store_true", help="add the passages' own log-likelihood")
+    r.add_argument("--template")
+
+    c = sub.add_parser("calibrate", help="fit and store a bias profile from a QA set (JSONL)")
+    c.add_argument("--data", required=True, type=Path)
+    c.add_argument("--limit", type=int, default=20, help="queries to use")
+    c.add_argument("--max-passages", type=int, default=10, help="N: passages per query")
+    c.add_argument("--design", choices=("random", "pruned_random"), default="random")
+    c.add_argument("--prompt-passages", type=int, help="L for pruned_random")
+    c.add_argument("--num-prompts", type=int)
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--template")
+
+    sub.add_parser("profiles", help="list the stored bias profiles")
+    return p
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    overrides = {k: getattr(args, k) for k in ("backend", "model", "device") if getattr(args, k)}
+    return Settings(**overrides)
+
+
+def read_passages(path: Path) -> list[Passage]:
+    """Passages from a JSON list of strings or objects with ``text``.
+
+    Raises:
+        ClientError: unreadable file or an entry that is neither.
+    """
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ClientError(f"cannot read passages from {path}: {exc}", param="passages") from None
+    if not isinstance(raw, list) or not raw:
+        raise ClientError("the passages file must hold a non-empty JSON list", param="passages")
+    out = []
+    for i, item in enumerate(raw):
+        if isinstance(item, str):
+            out.append(Passage(text=item))
+        elif isinstance(item, dict) and isinstance(item.get("text"), str):
+            score = item.get("score")
+            if score is not None and not isinstance(score, int | float):
+                raise ClientError(f"passages[{i}].score must be a number", param="passages")
+            out.append(
+                Passage(
+                    text=item["text"],
+                    title=item.get("title"),
+                    id=None if item.get("id") is None else str(item["id"]),
+                    score=None if score is None else float(score),
+                )
+            )
+        else:
+            raise ClientError(
+                f"passages[{i}] must be a string or an object with a string 'text'",
+                param="passages",
+            )
+    return out
+
+
+async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
+    import anyio.to_thread
+
+    from app.schemas import reorder_response
+    from service.backends.factory import create_backend
+    from service.pipeline import DesignSpec, Reorderer, ReorderRequest
+
+    passages = read_passages(args.passages)
+    backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
+    try:
+        result = await Reorderer(backend, settings).reorder(
+            ReorderRequest(
+                query=args.query,
+                passages=passages,
+                design=DesignSpec(
+                    kind=args.design,
+                    num_prompts=args.num_prompts,
+                    prompt_passages=args.prompt_passages,
+                    seed=args.seed,
+                    variable_pruning=args.variable_pruning,
+                ),
+                placement=args.placement,
+                joint=args.joint,
+                template=args.template,
+            )
+        )
+    finally:
+        await backend.aclose()
+    print(reorder_response(result, passages).model_dump_json(indent=2))
+    return 0
+
+
+async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
+    import anyio.to_thread
+
+    from service.backends.factory import create_backend
+    from service.calibration import calibrate_profile
+    from service.dataset import load_examples
+    from service.pipeline import Reorderer
+
+    try:
+        examples = load_examples(args.data, limit=args.limit)
+    except OSError as exc:
+        raise ClientError(f"cannot read {args.data}: {exc}", param="data") from None
+    backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
+
+    def progress(done: int, total: int) -> None:
+        print(f"\rcalibrating: {done}/{total} queries", end="", file=sys.stderr, flush=True)
+
+    try:
+        report = await calibrate_profile(
+            Reorderer(backend, settings),
+            examples,
+            max_passages=args.max_passages,
+            design=args.design,
+            prompt_passages=args.prompt_passages,
+            num_prompts=args.num_prompts,
+            seed=args.seed,
+            template=args.template,
+            source=f"{args.data.name}: {args.limit} queries, {args.design} design",
+            progress=progress,
+        )
+    finally:
+        await backend.aclose()
+    print(file=sys.stderr)
+    out: dict[str, Any] = asdict(report.profile)
+    out.update(queries=report.queries, prompts=report.prompts, warnings=list(report.warnings))
+    out["prompts_failed"] = report.prompts_failed
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+def _fail(message: str, *, code: str = "invalid_request", param: str | None = None) -> None:
+    print(
+        json.dumps({"error": {"type": code, "message": message, "param": param}}), file=sys.stderr
+    )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

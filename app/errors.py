@@ -1,0 +1,217 @@
+"""The one table from errors to HTTP: status, envelope type, headers; and the handlers.
+
+Every error response, from middleware, routes or the catch-all, is built by ``error_response``
+from a ``ReorderError``, so the envelope ``{"error": {type, message, param, code,
+request_id}}`` is the same everywhere and each failure is counted once in the metrics.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Final
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Scope
+
+from app.exceptions import (
+    ClientDisconnected,
+    DeadlineExceeded,
+    MalformedRequest,
+    MethodNotAllowed,
+    NotReady,
+    Overloaded,
+    PayloadTooLarge,
+    RouteNotFound,
+    Unauthorized,
+    ValidationFailed,
+)
+from app.schemas import ErrorEnvelope, ErrorType
+from app.state import context_of, request_id_of
+from service.errors import (
+    BackendUnavailable,
+    ClientError,
+    InvalidRequest,
+    LimitExceeded,
+    ReorderError,
+    ScoringFailed,
+    ServerError,
+    UnidentifiableRequest,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ErrorKind:
+    status: int
+    type: ErrorType
+    retry_after: bool = False
+
+
+# The table. Looked up along the exception's MRO, so the most specific class wins and any
+# other ClientError/ServerError still maps somewhere sensible.
+ERROR_TABLE: Final[Mapping[type[ReorderError], ErrorKind]] = {
+    PayloadTooLarge: ErrorKind(413, "request_too_large"),
+    Unauthorized: ErrorKind(401, "authentication_error"),
+    RouteNotFound: ErrorKind(404, "not_found_error"),
+    MethodNotAllowed: ErrorKind(405, "invalid_request_error"),
+    MalformedRequest: ErrorKind(400, "invalid_request_error"),
+    ValidationFailed: ErrorKind(422, "invalid_request_error"),
+    LimitExceeded: ErrorKind(422, "invalid_request_error"),
+    UnidentifiableRequest: ErrorKind(422, "invalid_request_error"),
+    InvalidRequest: ErrorKind(422, "invalid_request_error"),
+    # 499 is nginx's "client closed request": never received, but visible in logs and metrics.
+    ClientDisconnected: ErrorKind(499, "client_closed_request"),
+    ClientError: ErrorKind(422, "invalid_request_error"),
+    Overloaded: ErrorKind(503, "overloaded_error", retry_after=True),
+    NotReady: ErrorKind(503, "unavailable_error", retry_after=True),
+    BackendUnavailable: ErrorKind(503, "unavailable_error", retry_after=True),
+    DeadlineExceeded: ErrorKind(504, "timeout_error"),
+    ScoringFailed: ErrorKind(502, "server_error"),
+    ServerError: ErrorKind(500, "server_error"),
+    ReorderError: ErrorKind(500, "server_error"),
+}
+
+# Documented on every route that can return them (OpenAPI `responses`).
+_DESCRIPTIONS: Final[Mapping[int, str]] = {
+    400: "The body is not JSON or not UTF-8.",
+    401: "Missing or wrong API key (when one is configured).",
+    413: "Request body over `max_body_bytes`.",
+    422: "Schema violation (bounded echo of the value), a limit (param, limit, value), or a "
+    "design that cannot identify the fit.",
+    500: "Internal error; the body carries the request id, never a traceback.",
+    502: "Too many prompts failed to score for the rest to identify the fit.",
+    503: "Not ready, draining, or admission refused; retry after `Retry-After` seconds.",
+    504: "The request's deadline (`request_timeout_s`) passed; its scoring was cancelled.",
+}
+
+
+def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI ``responses`` for these statuses, all with the error envelope."""
+    return {s: {"model": ErrorEnvelope, "description": _DESCRIPTIONS[s]} for s in statuses}
+
+
+POST_ERRORS: Final = error_responses(400, 401, 413, 422, 500, 502, 503, 504)
+GET_ERRORS: Final = error_responses(401, 500)
+PROBE_ERRORS: Final = error_responses(503)
+
+_ABS_PATH = re.compile(r"(?<![\w.])/(?:[\w.\-]+/)+[\w.\-]*")
+_MAX_MESSAGE = 1000
+
+
+def classify(exc: ReorderError) -> ErrorKind:
+    for cls in type(exc).__mro__:
+        kind = ERROR_TABLE.get(cls)
+        if kind is not None:
+            return kind
+    return ERROR_TABLE[ReorderError]
+
+
+def sanitise(message: str) -> str:
+    """No file system paths and a bounded length in anything a client reads."""
+    clean = _ABS_PATH.sub("<path>", message)
+    return clean if len(clean) <= _MAX_MESSAGE else clean[: _MAX_MESSAGE - 3] + "..."
+
+
+def error_response(scope: Scope, exc: ReorderError) -> JSONResponse:
+    """The envelope response for ``exc``; counts it in the app's failure metrics."""
+    kind = classify(exc)
+    rid = request_id_of(scope)
+    ctx = context_of(scope)
+    body: dict[str, Any] = {
+        "type": kind.type,
+        "message": sanitise(exc.message),
+        "param": exc.param,
+        "code": exc.code,
+        "request_id": rid,
+    }
+    if isinstance(exc, LimitExceeded):
+        body["limit"] = exc.limit
+        body["value"] = exc.value
+    headers: dict[str, str] = {}
+    if rid is not None:
+        headers["X-Request-Id"] = rid
+    if kind.retry_after:
+        headers["Retry-After"] = str(ctx.settings.retry_after_s if ctx is not None else 1)
+    if kind.status == 401:
+        headers["WWW-Authenticate"] = "Bearer"
+    if ctx is not None:
+        ctx.metrics.failures.labels(kind.type, exc.code).inc()
+    return JSONResponse({"error": body}, status_code=kind.status, headers=headers)
+
+
+def _param(loc: tuple[int | str, ...]) -> str | None:
+    """``("body", "passages", 3, "text")`` -> ``passages[3].text``."""
+    out = ""
+    for part in loc[1:] if loc and loc[0] == "body" else loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += f".{part}" if out else str(part)
+    return out or None
+
+
+def _echo(value: Any) -> str:
+    """A bounded echo of the offending value: enough to find it, never the whole body."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validation_error(exc: RequestValidationError) -> ReorderError:
+    errors = list(exc.errors())
+    if not errors:
+        return ValidationFailed("the request does not match the schema")
+    first = errors[0]
+    if first.get("type") == "json_invalid":
+        return MalformedRequest(
+            f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}"
+        )
+    param = _param(tuple(first.get("loc", ())))
+    msg = str(first.get("msg", "invalid value"))
+    if "input" in first and first.get("type") != "missing":
+        msg += f" (got {_echo(first['input'])})"
+    if len(errors) > 1:
+        msg += f"; and {len(errors) - 1} more error(s)"
+    return ValidationFailed(f"{param or 'body'}: {msg}", param=param)
+
+
+async def _on_reorder_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, ReorderError)
+    if isinstance(exc, ServerError) and not isinstance(exc, (NotReady, Overloaded)):
+        log.warning(
+            "request %s failed: %s (%s)", request_id_of(request.scope), exc.code, exc.message
+        )
+    return error_response(request.scope, exc)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(request.scope, validation_error(exc))
+
+
+async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, StarletteHTTPException)
+    err: ReorderError
+    if exc.status_code == 404:
+        err = RouteNotFound(f"no route {request.url.path}")
+    elif exc.status_code == 405:
+        err = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
+    elif exc.status_code < 500:
+        # FastAPI raises 400 for a body it cannot decode (e.g. not UTF-8).
+        err = MalformedRequest(f"the request body could not be read: {exc.detail}")
+    else:
+        err = ServerError("internal error")
+    return error_response(request.scope, err)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Register the table's handlers. Anything else is caught by ``RequestContextMiddleware``."""
+    app.add_exception_handler(ReorderError, _on_reorder_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_exception)

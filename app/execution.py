@@ -1,0 +1,125 @@
+"""Running one request's work: admission, one deadline, cancellation on client disconnect.
+
+Both the native and the rerank routes go through ``execute``:
+
+    ready? (503) -> request slot (503) -> [deadline (504) | client disconnect] -> work
+
+The work gets a ``Reorderer`` whose backend checks the request's limits and admits its prompt
+tokens (``app.admission``). Cancellation reaches the backend call: the fake backend and vLLM
+stop at once, the transformers backend after its current forward batch.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import anyio
+from starlette.requests import Request
+
+from app.admission import AdmittedBackend
+from app.exceptions import ClientDisconnected, DeadlineExceeded
+from app.state import AppContext, request_id_of
+from service.errors import BackendUnavailable
+from service.pipeline import Reorderer, ReorderResult
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+async def execute(
+    ctx: AppContext,
+    request: Request,
+    work: Callable[[Reorderer], Awaitable[ReorderResult]],
+) -> ReorderResult:
+    """Run ``work`` for one HTTP request under the service's admission and deadline.
+
+    Raises:
+        NotReady: loading, warming up, draining or unhealthy (503).
+        Overloaded: too many requests in flight (503), or the token budget is full.
+        DeadlineExceeded: ``request_timeout_s`` passed; the work was cancelled (504).
+        ClientDisconnected: the client went away; the work was cancelled.
+        ReorderError: whatever the work raised.
+    """
+    ctx.lifecycle.check_serving()
+    backend = ctx.engine.require()
+    settings = ctx.settings
+    rid = request_id_of(request.scope)
+    reorderer = Reorderer(
+        AdmittedBackend(backend, ctx.admission, settings), settings, ctx.engine.profiles
+    )
+    t0 = time.perf_counter()
+    with ctx.admission.request():
+        try:
+            with anyio.fail_after(settings.request_timeout_s):
+                result = await cancel_on_disconnect(request, lambda: work(reorderer))
+        except TimeoutError:
+            raise DeadlineExceeded(
+                f"the request did not finish within request_timeout_s = "
+                f"{settings.request_timeout_s:g} s; its scoring was cancelled"
+            ) from None
+        except ClientDisconnected:
+            log.info(
+                "request %s: client disconnected after %.3f s, work cancelled",
+                rid,
+                time.perf_counter() - t0,
+            )
+            raise
+        except BackendUnavailable:
+            # Maybe the engine died: let the watchdog check now rather than at the next tick.
+            ctx.lifecycle.suspect()
+            raise
+    ctx.lifecycle.succeeded()
+    ctx.metrics.observe(result)
+    log.info(
+        "request %s: %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s",
+        rid,
+        len(result.fit.utilities),
+        result.prompts,
+        result.usage.prompts_failed,
+        result.usage.prompt_tokens,
+        result.timing.total_s,
+    )
+    return result
+
+
+async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:
+    """Await ``work()``, cancelling it if the client disconnects first.
+
+    Starlette does not cancel a handler when its client goes away; after the body has been read,
+    the next ``receive`` returns only when the client disconnects (or the response is sent),
+    so a watcher task waits on it.
+
+    Raises:
+        ClientDisconnected: the client went away and ``work`` was cancelled.
+    """
+    disconnected = False
+    result: list[T] = []
+    error: Exception | None = None
+
+    async with anyio.create_task_group() as tg:
+
+        async def watch() -> None:
+            nonlocal disconnected
+            while True:
+                message = await request.receive()
+                if message["type"] == "http.disconnect":
+                    disconnected = True
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(watch)
+        try:
+            result.append(await work())
+        except Exception as exc:
+            # Raised from here, not inside the task group, which would wrap it in a group.
+            error = exc
+        tg.cancel_scope.cancel()
+    if error is not None:
+        raise error
+    if disconnected and not result:
+        raise ClientDisconnected("the client closed the connection; the work was cancelled")
+    return result[0]

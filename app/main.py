@@ -1,0 +1,216 @@
+"""The app factory and its lifespan: load the engine, warm it up, watch it, close it.
+
+``create_app`` does no I/O. The lifespan starts a supervisor task and returns at once, so the
+server answers probes while the model loads (``/health`` 200, ``/ready`` 503). The supervisor
+loads the backend in a worker thread, runs one real scoring request (warm-up) before
+``/ready`` turns 200, then runs a tiny canary whenever no real request has proved the engine
+alive for ``canary_interval_s``, or at once when a request saw the engine fail. A dead engine,
+or ``canary_failures_fatal`` failures in a row, makes ``/health`` 503 and calls
+``Lifecycle.on_fatal``: ``app.server`` then stops the process with a non-zero status so
+Kubernetes restarts it (an in-process engine cannot be revived, vLLM's cannot either).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+import anyio
+import anyio.to_thread
+from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
+
+from app.admission import Admission
+from app.errors import install_error_handlers
+from app.metrics import ServiceMetrics
+from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
+from app.routes import info, probes, reorder, rerank
+from app.state import AppContext, Engine, Lifecycle
+from service.backends.base import LogprobBackend
+from service.backends.factory import create_backend
+from service.errors import BackendUnavailable
+from service.pipeline import Reorderer, ReorderRequest
+from service.profile_store import ProfileStore
+from service.prompts import Passage
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+# The warm-up and canary request: two short passages, the default design (two prompts of one
+# passage each), so it costs two tiny forwards and still runs tokenizer, model and solver.
+PROBE_QUERY = "What is the capital of France?"
+PROBE_PASSAGES = (
+    Passage(text="Paris is the capital and largest city of France."),
+    Passage(text="Berlin is the capital of Germany."),
+)
+
+
+def _version() -> str:
+    try:
+        return version("rag-reorder")
+    except PackageNotFoundError:  # running from a checkout that was not pip-installed
+        return "0+unknown"
+
+
+def create_app(settings: Settings, backend: LogprobBackend | None = None) -> FastAPI:
+    """Build the HTTP app.
+
+    Args:
+        settings: the service configuration.
+        backend: a ready backend (tests pass ``FakeBackend``); default: the lifespan builds
+            one with ``service.backends.factory.create_backend``. Either way the lifespan
+            closes it on shutdown.
+
+    Returns:
+        The FastAPI app; its context is ``app.state.ctx`` (``app.state.AppContext``).
+
+    Raises:
+        ValueError: ``api_key`` is set but blank.
+    """
+    metrics = ServiceMetrics()
+    ctx = AppContext(
+        settings=settings,
+        version=_version(),
+        lifecycle=Lifecycle(metrics),
+        engine=Engine(ProfileStore(settings.profiles_path)),
+        admission=Admission(settings, metrics),
+        metrics=metrics,
+    )
+    app = FastAPI(
+        title="rag-reorder",
+        version=ctx.version,
+        summary="Debiased passage ordering for RAG: native reorder API and Cohere-style rerank.",
+        lifespan=_lifespan(ctx, backend),
+        redoc_url=None,
+    )
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    for module in (reorder, rerank, info, probes):
+        app.include_router(module.router)
+    # add_middleware wraps: the last added runs first. Order on the way in:
+    # request context -> CORS (if configured) -> body limit (413) -> API key (401) -> routes.
+    if settings.api_key is not None:
+        key = settings.api_key.get_secret_value()
+        if not key.strip():
+            # Fail closed and loudly: an empty secret is a deployment mistake, not "no auth".
+            raise ValueError("RAG_REORDER_API_KEY is set but empty; unset it to disable auth")
+        app.add_middleware(ApiKeyMiddleware, api_key=key)
+    app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
+    if settings.cors_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.cors_origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
+    app.add_middleware(RequestContextMiddleware)
+    return app
+
+
+def _lifespan(
+    ctx: AppContext, given: LogprobBackend | None
+) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        ctx.lifecycle.wake = anyio.Event()
+        # A plain task rather than a task group held across the yield: a task group would wrap
+        # every exception thrown into the lifespan (test failures, shutdown) in a group.
+        supervisor = asyncio.get_running_loop().create_task(_supervise(ctx, given))
+        try:
+            yield
+        finally:
+            supervisor.cancel()
+            await asyncio.wait({supervisor})
+        backend = ctx.engine.backend
+        ctx.engine.backend = None
+        if backend is not None:
+            # Shielded: shutdown may itself be a cancellation, and the engine must be released.
+            with anyio.move_on_after(30, shield=True):
+                await backend.aclose()
+            log.info("backend closed")
+
+    return lifespan
+
+
+async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
+    """Load, warm up, then watch the engine. Never raises: failures go to ``Lifecycle.fail``."""
+    lc = ctx.lifecycle
+    try:
+        if given is not None:
+            backend = given
+        else:
+            # abandon_on_cancel: a SIGTERM during a long load must not wait for it to finish.
+            backend = await anyio.to_thread.run_sync(
+                create_backend, ctx.settings, abandon_on_cancel=True
+            )
+    except Exception as exc:
+        log.exception("loading the scoring backend failed")
+        lc.fail(f"loading the model failed ({type(exc).__name__})")
+        return
+    ctx.engine.backend = backend
+    ctx.metrics.build_info.labels(ctx.version, backend.model_id, type(backend).__name__).set(1)
+    lc.mark(loaded=True)
+    log.info("backend %s loaded: %s", type(backend).__name__, backend.model_id)
+    if ctx.settings.warmup:
+        error, _ = await _probe(ctx, backend, "warmup")
+        if error is not None:
+            lc.fail(f"warm-up failed: {error}")
+            return
+    lc.mark(warmed=True)
+    log.info("ready")
+    await _watch(ctx, backend)
+
+
+async def _watch(ctx: AppContext, backend: LogprobBackend) -> None:
+    lc = ctx.lifecycle
+    interval = ctx.settings.canary_interval_s
+    while lc.alive:
+        wake = lc.wake
+        assert wake is not None
+        if interval > 0:
+            with anyio.move_on_after(interval):
+                await wake.wait()
+        else:
+            await wake.wait()
+        suspected = wake.is_set()
+        lc.wake = anyio.Event()
+        recent = lc.last_success is not None and time.monotonic() - lc.last_success < interval
+        if lc.draining or (recent and not suspected):
+            continue  # real traffic is proving the engine alive; don't compete with it
+        error, dead = await _probe(ctx, backend, "canary")
+        if error is None:
+            continue
+        lc.canary_failures += 1
+        log.warning("canary failed (%d in a row): %s", lc.canary_failures, error)
+        if dead or lc.canary_failures >= ctx.settings.canary_failures_fatal:
+            lc.fail(f"canary failed {lc.canary_failures} time(s): {error}")
+
+
+async def _probe(ctx: AppContext, backend: LogprobBackend, what: str) -> tuple[str | None, bool]:
+    """Run the tiny probe request: ``(None, False)`` if it scored, else (why, engine dead)."""
+    reorderer = Reorderer(backend, ctx.settings, ctx.engine.profiles)
+    req = ReorderRequest(PROBE_QUERY, PROBE_PASSAGES, request_id=f"{what}-{time.monotonic_ns():x}")
+    error: str | None = None
+    dead = False
+    try:
+        with anyio.fail_after(ctx.settings.canary_timeout_s):
+            result = await reorderer.reorder(req)
+        if result.usage.prompts_failed:
+            error = f"{result.usage.prompts_failed} of {result.usage.prompts} prompts failed"
+    except TimeoutError:
+        error = f"no answer within {ctx.settings.canary_timeout_s:g} s"
+    except BackendUnavailable as exc:
+        error, dead = f"engine unavailable: {exc.message}", True
+    except Exception as exc:
+        log.exception("%s request failed", what)
+        error = f"{type(exc).__name__}"
+    if error is None:
+        ctx.lifecycle.succeeded()
+    else:
+        ctx.metrics.canary_failures.inc()
+    return error, dead

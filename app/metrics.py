@@ -1,0 +1,138 @@
+"""Prometheus metrics: prefix ``rag_reorder_``, base units (seconds, tokens), ``_total`` counters.
+
+Each app owns a registry (tests build many apps in one process, and a metric can only be
+registered once per registry). ``/metrics`` also exposes prometheus_client's default registry,
+where an in-process vLLM engine registers its own metrics, and the process collectors.
+Labels are low-cardinality by construction: route templates from a fixed list, status codes,
+the fixed error vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
+
+from service.pipeline import ReorderResult
+
+PREFIX = "rag_reorder"
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_SOLVER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+_PROMPT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
+_TOKEN_BUCKETS = tuple(float(4**k) for k in range(3, 11))  # 64 .. 1,048,576
+
+
+class _DefaultRegistry(Collector):
+    """Re-exports the default registry (engine and process metrics) from an app's registry."""
+
+    def collect(self) -> Iterator[Metric]:
+        yield from REGISTRY.collect()
+
+    def describe(self) -> list[Metric]:
+        # Nothing to check for name clashes: the default registry never holds our prefix.
+        return []
+
+
+class ServiceMetrics:
+    """The service's metrics, registered in a private registry."""
+
+    def __init__(self, *, include_default_registry: bool = True) -> None:
+        r = self.registry = CollectorRegistry(auto_describe=True)
+        p = PREFIX
+        self.build_info = Gauge(
+            f"{p}_build_info",
+            "Always 1; the labels say what is running.",
+            ["version", "model", "backend"],
+            registry=r,
+        )
+        self.ready = Gauge(f"{p}_ready", "1 when /ready answers 200.", registry=r)
+        self.http_requests = Counter(
+            f"{p}_http_requests",
+            "HTTP requests answered, by route template and status code.",
+            ["route", "status"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            f"{p}_http_request_duration_seconds",
+            "Time from the first byte read to the response, by route template.",
+            ["route"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.failures = Counter(
+            f"{p}_request_failures",
+            "Error responses by envelope type and code.",
+            ["type", "code"],
+            registry=r,
+        )
+        self.in_flight = Gauge(
+            f"{p}_requests_in_flight",
+            "Reorder and rerank requests admitted and running.",
+            registry=r,
+        )
+        self.inflight_prompt_tokens = Gauge(
+            f"{p}_inflight_prompt_tokens",
+            "Prompt tokens admitted and being scored (the admission budget in use).",
+            registry=r,
+        )
+        self.admission_rejections = Counter(
+            f"{p}_admission_rejections",
+            "Requests refused by admission with 503, by reason.",
+            ["reason"],
+            registry=r,
+        )
+        self.prompts = Histogram(
+            f"{p}_request_prompts",
+            "Prompts (permutations) planned per request.",
+            buckets=_PROMPT_BUCKETS,
+            registry=r,
+        )
+        self.request_prompt_tokens = Histogram(
+            f"{p}_request_prompt_tokens",
+            "Prompt tokens prefilled per request.",
+            buckets=_TOKEN_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(f"{p}_prompt_tokens", "Prompt tokens prefilled.", registry=r)
+        self.scored_tokens = Counter(
+            f"{p}_scored_tokens", "Tokens whose log-probs were read.", registry=r
+        )
+        self.prompts_failed = Counter(
+            f"{p}_prompts_failed", "Prompts that failed to score and were dropped.", registry=r
+        )
+        self.scoring_duration = Histogram(
+            f"{p}_scoring_duration_seconds",
+            "Time spent in the model per request.",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.solver_duration = Histogram(
+            f"{p}_solver_duration_seconds",
+            "Time spent in the fit per request.",
+            buckets=_SOLVER_BUCKETS,
+            registry=r,
+        )
+        self.canary_failures = Counter(
+            f"{p}_canary_failures", "Warm-up and canary requests that failed.", registry=r
+        )
+        if include_default_registry:
+            r.register(_DefaultRegistry())
+
+    def observe(self, result: ReorderResult) -> None:
+        """Record a successful request's work."""
+        self.prompts.observe(result.prompts)
+        self.request_prompt_tokens.observe(result.usage.prompt_tokens)
+        self.prompt_tokens.inc(result.usage.prompt_tokens)
+        self.scored_tokens.inc(result.usage.scored_tokens)
+        self.prompts_failed.inc(result.usage.prompts_failed)
+        self.scoring_duration.observe(result.timing.scoring_s)
+        self.solver_duration.observe(result.timing.solver_s)
+
+    def render(self, accept: str) -> tuple[bytes, str]:
+        """The exposition for an ``Accept`` header: body and content type."""
+        encoder, content_type = choose_encoder(accept)
+        return encoder(self.registry), content_type

@@ -1,0 +1,183 @@
+"""Pure ASGI middleware, outermost first: request context -> body limit -> API key.
+
+Pure ASGI (not ``BaseHTTPMiddleware``) so the body can be counted as it streams in and the
+route can still read ``http.disconnect`` from the real ``receive`` to cancel its work.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+import re
+import time
+import uuid
+from typing import Final
+
+from starlette.datastructures import Headers, MutableHeaders
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.errors import error_response
+from app.exceptions import MissingApiKey, PayloadTooLarge, Unauthorized
+from app.state import context_of
+from service.errors import ServerError
+
+log = logging.getLogger(__name__)
+
+PROBE_PATHS: Final = frozenset({"/health", "/ready"})
+ROUTES: Final = frozenset(
+    {
+        "/v1/reorder",
+        "/rerank",
+        "/v1/rerank",
+        "/v2/rerank",
+        "/v1/models",
+        "/info",
+        "/health",
+        "/ready",
+        "/metrics",
+        "/openapi.json",
+        "/docs",
+    }
+)
+# Accepted client request ids: short, printable, no separators that could forge log fields.
+_REQUEST_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
+
+
+def _route_label(path: str) -> str:
+    # Unknown paths share one label so scanners cannot blow up the metric's cardinality.
+    return path if path in ROUTES else "other"
+
+
+class RequestContextMiddleware:
+    """Request id (accepted from ``X-Request-Id`` or generated, echoed), request metrics, and the
+    catch-all: an unexpected exception becomes a 500 envelope with the request id and no
+    traceback (the traceback goes to the log)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        given = Headers(scope=scope).get("x-request-id", "")
+        rid = given if _REQUEST_ID.fullmatch(given) else f"req-{uuid.uuid4().hex}"
+        scope.setdefault("state", {})["request_id"] = rid
+        started = time.perf_counter()
+        status = 500
+        response_started = False
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status, response_started
+            if message["type"] == "http.response.start":
+                response_started = True
+                status = message["status"]
+                MutableHeaders(scope=message)["X-Request-Id"] = rid
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        except Exception:
+            log.exception("unhandled error in request %s", rid)
+            if not response_started:
+                response = error_response(
+                    scope, ServerError(f"internal error (request id {rid}); see the server log")
+                )
+                await response(scope, receive, send_with_id)
+        finally:
+            ctx = context_of(scope)
+            if ctx is not None:
+                route = _route_label(scope.get("path", ""))
+                ctx.metrics.http_requests.labels(route, str(status)).inc()
+                ctx.metrics.request_duration.labels(route).observe(time.perf_counter() - started)
+
+
+class BodyLimitMiddleware:
+    """413 for a body over ``limit`` bytes, before anything parses it.
+
+    ``Content-Length`` is only a shortcut: the bytes are counted as they arrive (chunked bodies
+    have no length, and a declared length can lie to a non-validating server). The body is
+    buffered (at most ``limit`` bytes) and replayed; later ``receive`` calls go to the server,
+    so ``http.disconnect`` still reaches the route.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.limit:
+            await self._reject(scope, receive, send, int(declared))
+            return
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # http.disconnect: nobody left to answer
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.limit:
+                await self._reject(scope, receive, send, size, at_least=True)
+                return
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        body: Message | None = {
+            "type": "http.request",
+            "body": b"".join(chunks),
+            "more_body": False,
+        }
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = body, None
+                return message
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(
+        self, scope: Scope, receive: Receive, send: Send, size: int, *, at_least: bool = False
+    ) -> None:
+        what = "more than " if at_least else ""
+        exc = PayloadTooLarge(
+            f"request body is {what}{size} bytes, over the limit of {self.limit} bytes",
+            param="body",
+        )
+        await error_response(scope, exc)(scope, receive, send)
+
+
+class ApiKeyMiddleware:
+    """``Authorization: Bearer <key>`` on every route but the probes, compared in constant time.
+
+    Both sides are hashed first: ``hmac.compare_digest`` is constant time only for inputs of
+    equal length, and the digests always are, so neither the key nor its length leaks.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._digest = hashlib.sha256(api_key.encode()).digest()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("path") in PROBE_PATHS:
+            await self.app(scope, receive, send)
+            return
+        header = Headers(scope=scope).get("authorization", "")
+        scheme, _, token = header.partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            exc = MissingApiKey("missing API key: send Authorization: Bearer <key>")
+            await error_response(scope, exc)(scope, receive, send)
+            return
+        # Starlette decodes header bytes as latin-1: encoding back gives the bytes sent.
+        given = hashlib.sha256(token.strip().encode("latin-1")).digest()
+        if not hmac.compare_digest(given, self._digest):
+            await error_response(scope, Unauthorized("invalid API key"))(scope, receive, send)
+            return
+        await self.app(scope, receive, send)

@@ -1,0 +1,68 @@
+"""``GET /v1/models`` (OpenAI shape) and ``GET /info`` (version, model, limits, options)."""
+
+from __future__ import annotations
+
+from typing import get_args
+
+from fastapi import APIRouter
+
+from app.errors import GET_ERRORS
+from app.schemas import (
+    DesignKind,
+    InfoOut,
+    LimitsOut,
+    ModelCard,
+    ModelList,
+    PlacementName,
+    Strategy,
+)
+from app.state import AppContext, Ctx
+from service.prompts import template_names
+
+router = APIRouter(tags=["info"])
+
+
+def _model(ctx: AppContext) -> tuple[str, int | None]:
+    backend = ctx.engine.backend
+    if backend is None:
+        return ctx.settings.model, None
+    return backend.model_id, backend.max_model_len
+
+
+@router.get("/v1/models", response_model=ModelList, responses=GET_ERRORS, summary="Models")
+async def models(ctx: Ctx) -> ModelList:
+    """The scoring model and its context length (null until loaded)."""
+    model, max_len = _model(ctx)
+    return ModelList(data=[ModelCard(id=model, max_model_len=max_len)])
+
+
+@router.get("/info", response_model=InfoOut, responses=GET_ERRORS, summary="Service info")
+async def info(ctx: Ctx) -> InfoOut:
+    """Version, model, limits and the accepted option values."""
+    s = ctx.settings
+    model, max_len = _model(ctx)
+    backend = ctx.engine.backend
+    return InfoOut(
+        name="rag-reorder",
+        version=ctx.version,
+        model=model,
+        backend=type(backend).__name__ if backend is not None else None,
+        ready=ctx.lifecycle.ready,
+        auth=s.api_key is not None,
+        limits=LimitsOut(
+            max_body_bytes=s.max_body_bytes,
+            max_passages=s.max_passages,
+            max_passage_chars=s.max_passage_chars,
+            max_query_chars=s.max_query_chars,
+            max_prompts_per_request=s.max_prompts_per_request,
+            max_prompt_tokens_x_prompts=s.max_prompt_tokens_x_prompts,
+            max_inflight_prompt_tokens=s.max_inflight_prompt_tokens,
+            max_concurrent_requests=s.max_concurrent_requests,
+            request_timeout_s=s.request_timeout_s,
+            max_model_len=max_len,
+        ),
+        strategies=list(get_args(Strategy)),
+        design_kinds=list(get_args(DesignKind)),
+        placements=list(get_args(PlacementName)),
+        templates=list(template_names()),
+    )

@@ -1,0 +1,41 @@
+"""``POST /v1/reorder``: the native API, everything the fit knows (API.md)."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+
+from app.errors import POST_ERRORS
+from app.execution import execute
+from app.limits import check_inputs
+from app.schemas import ReorderBody, ReorderResponse, reorder_response, to_passages
+from app.state import Ctx, RequestId
+from service.pipeline import ReorderRequest
+
+router = APIRouter(tags=["reorder"])
+
+
+@router.post(
+    "/v1/reorder",
+    response_model=ReorderResponse,
+    responses=POST_ERRORS,
+    summary="Order passages by debiased utility",
+)
+async def reorder(
+    body: ReorderBody, request: Request, ctx: Ctx, request_id: RequestId
+) -> ReorderResponse:
+    """Score permutations of the passages, fit utilities and position bias, and return the
+    debiased order with the fit's diagnostics."""
+    passages = to_passages(body.passages)
+    spec = body.design.spec()
+    check_inputs(ctx.settings, body.query, passages, spec)
+    req = ReorderRequest(
+        query=body.query,
+        passages=passages,
+        design=spec,
+        placement=body.placement,
+        joint=body.joint,
+        template=body.template,
+        request_id=request_id,
+    )
+    result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
+    return reorder_response(result, passages, top_n=body.top_n)

@@ -1,0 +1,117 @@
+"""``POST /rerank``, ``/v1/rerank``, ``/v2/rerank``: the Cohere/Jina/vLLM rerank shape.
+
+RAG stacks (LiteLLM, LangChain, LlamaIndex, Haystack, Dify, RAGFlow) already call this shape;
+the results are the debiased ranking, and ``meta.reorder`` carries what the native API returns.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio.to_thread
+from fastapi import APIRouter, Request
+
+from app.errors import POST_ERRORS
+from app.execution import execute
+from app.limits import check_inputs
+from app.schemas import (
+    RerankBody,
+    RerankDocument,
+    RerankMetaOut,
+    RerankResponse,
+    RerankResult,
+    RerankUsage,
+    relevance_scores,
+    reorder_meta,
+    to_passages,
+)
+from app.state import Ctx, RequestId
+from service.backends.base import PromptTokenizer
+from service.errors import LimitExceeded
+from service.pipeline import Reorderer, ReorderRequest, ReorderResult
+from service.prompts import Passage
+
+router = APIRouter(tags=["rerank"])
+
+
+@router.post(
+    "/rerank",
+    response_model=RerankResponse,
+    responses=POST_ERRORS,
+    summary="Rerank documents (Cohere/Jina/vLLM shape)",
+)
+@router.post(
+    "/v1/rerank",
+    response_model=RerankResponse,
+    responses=POST_ERRORS,
+    summary="Rerank documents (Cohere/Jina/vLLM shape)",
+)
+@router.post(
+    "/v2/rerank",
+    response_model=RerankResponse,
+    responses=POST_ERRORS,
+    summary="Rerank documents (Cohere/Jina/vLLM shape)",
+)
+async def rerank(
+    body: RerankBody, request: Request, ctx: Ctx, request_id: RequestId
+) -> RerankResponse:
+    """Documents by debiased utility. `relevance_score` is `sigmoid(u / sd(u))` of the
+    utility `u` (never-shown documents score 0); unknown fields are ignored; our options go in
+    `reorder`."""
+    passages = to_passages(body.documents)
+    opts = body.reorder
+    spec = opts.design.spec()
+    check_inputs(ctx.settings, body.query, passages, spec, passages_param="documents")
+    req = ReorderRequest(
+        query=body.query,
+        passages=passages,
+        design=spec,
+        placement=opts.placement,
+        joint=opts.joint,
+        template=opts.template,
+        request_id=request_id,
+    )
+    max_tokens = body.max_tokens_per_doc
+
+    async def work(reorderer: Reorderer) -> ReorderResult:
+        if max_tokens is not None:
+            await _check_doc_tokens(reorderer.backend.tokenizer, passages, max_tokens)
+        return await reorderer.reorder(req)
+
+    result = await execute(ctx, request, work)
+    scores = relevance_scores(result)
+    top_n = body.top_n or None
+    keep = result.ranking[:top_n] if top_n else result.ranking
+    return RerankResponse(
+        id=request_id,
+        model=result.model,
+        usage=RerankUsage(total_tokens=result.usage.prompt_tokens),
+        results=[
+            RerankResult(
+                index=i,
+                relevance_score=scores[i],
+                document=RerankDocument(text=passages[i].text) if body.return_documents else None,
+            )
+            for i in keep
+        ],
+        meta=RerankMetaOut(reorder=reorder_meta(result, passages, top_n)),
+    )
+
+
+async def _check_doc_tokens(
+    tokenizer: PromptTokenizer, passages: Sequence[Passage], limit: int
+) -> None:
+    """422 for the first document longer than ``max_tokens_per_doc``: never truncated."""
+
+    def longest() -> tuple[int, int]:
+        for i, p in enumerate(passages):
+            n = len(tokenizer.encode(p.text).ids)
+            if n > limit:
+                return i, n
+        return -1, 0
+
+    index, n = await anyio.to_thread.run_sync(longest)
+    if index >= 0:
+        raise LimitExceeded(
+            f"documents[{index}]", limit, n, what="tokens over max_tokens_per_doc; not truncated"
+        )

@@ -1,0 +1,483 @@
+"""Wire models of the HTTP API (API.md): requests, responses and the error envelope.
+
+Native models forbid unknown fields, so a misspelt option is a 422 and not a silent default;
+the rerank models ignore them (Cohere, Jina and vLLM clients send fields we do not use), except
+inside our own ``reorder`` object. Every string and list is bounded in its type; the
+configurable limits (``Settings.max_*``) are checked after parsing so their errors can name the
+limit and the value. Numbers must be finite: Python's JSON parser accepts ``NaN`` and turns
+``1e999`` into infinity, and neither may reach the solver.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+
+from service.pipeline import DesignSpec, ReorderResult
+from service.profile_store import StoredProfile
+from service.prompts import Passage
+
+# Absolute caps of the wire types. The configurable limits in Settings are bounded by the same
+# numbers (their `le=`), so a limit can be lowered in configuration but never raised past the
+# type; above a cap the client still gets a 422 naming the parameter.
+MAX_PASSAGES = 4096
+MAX_TEXT_CHARS = 1_000_000
+MAX_QUERY_CHARS = 100_000
+MAX_TITLE_CHARS = 4096
+MAX_ID_CHARS = 512
+MAX_NUM_PROMPTS = 100_000
+MAX_SEED = 2**32 - 1
+
+Strategy = Literal["moi"]
+DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
+PlacementName = Literal["descending_utility", "bias_matched"]
+ErrorType = Literal[
+    "invalid_request_error",
+    "authentication_error",
+    "not_found_error",
+    "request_too_large",
+    "overloaded_error",
+    "unavailable_error",
+    "timeout_error",
+    "client_closed_request",
+    "server_error",
+]
+
+
+class _Model(BaseModel):
+    # Field docstrings become the OpenAPI descriptions.
+    model_config = ConfigDict(use_attribute_docstrings=True)
+
+
+class _Strict(_Model):
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True)
+
+
+class _Lenient(_Model):
+    model_config = ConfigDict(extra="ignore", use_attribute_docstrings=True)
+
+
+# --- requests ---------------------------------------------------------------------------
+
+
+class PassageIn(_Strict):
+    """A retrieved passage. A bare JSON string is accepted as ``{"text": ...}``."""
+
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    title: str | None = Field(default=None, max_length=MAX_TITLE_CHARS)
+    id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+    score: float | None = Field(default=None, allow_inf_nan=False)
+    """The retriever's score: variable pruning, ties and never-shown passages use it."""
+
+
+def _text_object(value: Any) -> Any:
+    return {"text": value} if isinstance(value, str) else value
+
+
+PassageItem = Annotated[
+    PassageIn, BeforeValidator(_text_object, json_schema_input_type=str | PassageIn)
+]
+
+
+class DesignIn(_Strict):
+    """Which permutations to score; absent fields take the design's defaults (METHOD.md 3.1)."""
+
+    kind: DesignKind | None = None
+    """Default `pruned_random`: the best identifiability per scored token. Cyclic kinds need
+    a calibrated bias profile."""
+    num_prompts: int | None = Field(default=None, ge=1, le=MAX_NUM_PROMPTS)
+    prompt_passages: int | None = Field(default=None, ge=1, le=MAX_PASSAGES)
+    """Passages per prompt (pruned kinds)."""
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    variable_pruning: bool = False
+    """Shorter prompts where the retriever is confident; needs a score on every passage."""
+
+    def spec(self) -> DesignSpec:
+        return DesignSpec(
+            kind=self.kind,
+            num_prompts=self.num_prompts,
+            prompt_passages=self.prompt_passages,
+            seed=self.seed,
+            variable_pruning=self.variable_pruning,
+        )
+
+
+class ReorderOptions(_Strict):
+    """How to reorder: the native request's options, and `reorder` on the rerank routes."""
+
+    strategy: Strategy = "moi"
+    """Only `moi` (mixture of interventions) for now."""
+    design: DesignIn = Field(default_factory=DesignIn)
+    placement: PlacementName = "descending_utility"
+    """`descending_utility` (best first) or `bias_matched` (best into the strongest slot)."""
+    joint: bool = False
+    """Also score the passages' own tokens (METHOD.md section 2)."""
+    template: str | None = Field(default=None, min_length=1, max_length=64)
+    """Named scoring prompt template (default: the configured `chat_template`)."""
+
+
+class ReorderBody(ReorderOptions):
+    """`POST /v1/reorder`."""
+
+    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    passages: list[PassageItem] = Field(min_length=1, max_length=MAX_PASSAGES)
+    top_n: int | None = Field(default=None, ge=1, le=MAX_PASSAGES)
+    """Keep the top_n best passages in `order` (all passages are still scored)."""
+
+
+class RerankDocument(_Lenient):
+    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+
+
+DocumentItem = Annotated[
+    RerankDocument, BeforeValidator(_text_object, json_schema_input_type=str | RerankDocument)
+]
+
+
+class RerankBody(_Lenient):
+    """`POST /rerank`, `/v1/rerank`, `/v2/rerank`: Cohere/Jina/vLLM request shape.
+
+    Unknown fields are ignored; our options go in `reorder`, which is strict.
+    """
+
+    model: str | None = Field(default=None, max_length=256)
+    """Accepted for compatibility and ignored: the service scores with its own model."""
+    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    documents: list[DocumentItem] = Field(min_length=1, max_length=MAX_PASSAGES)
+    top_n: int | None = Field(default=None, ge=0, le=MAX_PASSAGES)
+    """0 or absent: all documents."""
+    return_documents: bool = True
+    max_tokens_per_doc: int | None = Field(default=None, ge=1)
+    """A document longer than this (in the model's tokens) is a 422, never truncated."""
+    reorder: ReorderOptions = Field(default_factory=ReorderOptions)
+
+
+# --- responses --------------------------------------------------------------------------
+
+
+class PassageOut(_Model):
+    index: int
+    id: str | None
+    utility: float | None
+    """Debiased utility (nats of query log-likelihood per unit of slot weight, centred on the
+    mean shown passage); null when no prompt showed the passage."""
+    stderr: float | None
+    confidence_above_next: float | None
+    """Probability that this passage truly beats the next one in `ranking`."""
+    shown: bool
+
+
+class ProfileOut(_Model):
+    model: str
+    template: str
+    slots: int
+    coefficients: list[float]
+    identification: str
+    runs: int
+    prompts: int
+    r2: float | None
+    source: str
+    created_at: float
+
+
+class PositionBiasOut(_Model):
+    coefficients: list[float]
+    """Fitted weight of each prompt slot (sums to 1)."""
+    identified: bool
+    identification: Literal["full", "up_to_scale", "none"]
+    orientation: Literal["data", "reference", "default_reference", "none"]
+    orientation_strength: float | None
+    profile: ProfileOut | None
+    """The calibrated profile used (cyclic designs and orientation), if any."""
+
+
+class DiagnosticsOut(_Model):
+    design: DesignKind
+    template: str
+    method: str
+    prompts: int
+    prompts_failed: int
+    slots: int
+    r2: float | None
+    converged: bool
+    iterations: int
+    residual_dof: int
+    prior_sensitivity: float | None
+    warnings: list[str]
+
+
+class UsageOut(_Model):
+    prompt_tokens: int
+    scored_tokens: int
+    prompts_scored: int
+
+
+class TimingOut(_Model):
+    tokenize_s: float
+    scoring_s: float
+    solver_s: float
+    total_s: float
+
+
+class ReorderMeta(_Model):
+    """Everything the fit knows, without the envelope fields."""
+
+    order: list[int]
+    """The placement: passage indices in prompt order (top_n best when top_n is set)."""
+    ranking: list[int]
+    """All passages by debiased utility, best first."""
+    passages: list[PassageOut]
+    """All passages, in `ranking` order."""
+    position_bias: PositionBiasOut
+    diagnostics: DiagnosticsOut
+    usage: UsageOut
+    timing: TimingOut
+
+
+class ReorderResponse(ReorderMeta):
+    id: str
+    model: str
+
+
+class RerankResult(_Model):
+    index: int
+    relevance_score: float
+    document: RerankDocument | None = None
+
+
+class RerankUsage(_Model):
+    total_tokens: int
+    """Prompt tokens the model prefilled for this request."""
+
+
+class RerankMetaOut(_Model):
+    reorder: ReorderMeta
+
+
+class RerankResponse(_Model):
+    id: str
+    model: str
+    usage: RerankUsage
+    results: list[RerankResult]
+    """Sorted by descending relevance_score."""
+    meta: RerankMetaOut
+
+
+class ErrorDetail(_Model):
+    type: ErrorType
+    message: str
+    param: str | None
+    code: str
+    request_id: str | None
+    limit: float | None = None
+    """Limit errors only: the configured limit."""
+    value: float | None = None
+    """Limit errors only: the request's value."""
+
+
+class ErrorEnvelope(_Model):
+    error: ErrorDetail
+
+
+class ProbeStatus(_Model):
+    status: str
+
+
+class ModelCard(_Model):
+    id: str
+    object: Literal["model"] = "model"
+    owned_by: str = "rag-reorder"
+    max_model_len: int | None
+    """Context length of the scoring model (null until it has loaded)."""
+
+
+class ModelList(_Model):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class LimitsOut(_Model):
+    max_body_bytes: int
+    max_passages: int
+    max_passage_chars: int
+    max_query_chars: int
+    max_prompts_per_request: int
+    max_prompt_tokens_x_prompts: int
+    max_inflight_prompt_tokens: int
+    max_concurrent_requests: int
+    request_timeout_s: float
+    max_model_len: int | None
+
+
+class InfoOut(_Model):
+    name: str
+    version: str
+    model: str
+    backend: str | None
+    ready: bool
+    auth: bool
+    """Whether an API key is required."""
+    limits: LimitsOut
+    strategies: list[str]
+    design_kinds: list[str]
+    placements: list[str]
+    templates: list[str]
+
+
+# --- conversions ------------------------------------------------------------------------
+
+
+def to_passages(items: Sequence[PassageIn | RerankDocument]) -> list[Passage]:
+    return [
+        Passage(text=p.text, title=p.title, id=p.id, score=p.score)
+        if isinstance(p, PassageIn)
+        else Passage(text=p.text)
+        for p in items
+    ]
+
+
+def _finite(x: float | None) -> float | None:
+    """JSON has no NaN: a value the fit could not estimate is null."""
+    if x is None:
+        return None
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
+def _profile(p: StoredProfile | None) -> ProfileOut | None:
+    if p is None:
+        return None
+    return ProfileOut(
+        model=p.model,
+        template=p.template,
+        slots=p.slots,
+        coefficients=[float(c) for c in p.coefficients],
+        identification=p.identification,
+        runs=p.runs,
+        prompts=p.prompts,
+        r2=_finite(p.r2),
+        source=p.source,
+        created_at=p.created_at,
+    )
+
+
+def selected_order(result: ReorderResult, top_n: int | None) -> list[int]:
+    """The placement, or with ``top_n`` the ``top_n`` best passages in their placement order.
+
+    For ``descending_utility`` this is the placement's first ``top_n``; for ``bias_matched``
+    truncating the placement would drop good passages put into strong late slots, so the
+    best passages are kept instead, in the relative order the placement gives them.
+    """
+    if top_n is None or top_n >= len(result.order):
+        return list(result.order)
+    best = set(result.ranking[:top_n])
+    return [i for i in result.order if i in best]
+
+
+def reorder_meta(
+    result: ReorderResult, passages: Sequence[Passage], top_n: int | None = None
+) -> ReorderMeta:
+    fit = result.fit
+    conf = fit.confidence
+    stderr = fit.utility_stderr
+    rank_of = {idx: k for k, idx in enumerate(result.ranking)}
+    out = []
+    for idx in result.ranking:
+        k = rank_of[idx]
+        out.append(
+            PassageOut(
+                index=idx,
+                id=passages[idx].id if idx < len(passages) else None,
+                utility=_finite(fit.utilities[idx]),
+                stderr=_finite(stderr[idx]) if stderr is not None else None,
+                confidence_above_next=(
+                    _finite(conf[k]) if conf is not None and k < len(conf) else None
+                ),
+                shown=bool(fit.shown[idx]),
+            )
+        )
+    return ReorderMeta(
+        order=selected_order(result, top_n),
+        ranking=list(result.ranking),
+        passages=out,
+        position_bias=PositionBiasOut(
+            coefficients=[float(c) for c in fit.position_bias],
+            identified=fit.bias_identified,
+            identification=fit.identification,
+            orientation=fit.orientation,
+            orientation_strength=_finite(fit.orientation_strength),
+            profile=_profile(result.profile),
+        ),
+        diagnostics=DiagnosticsOut(
+            design=result.design,
+            template=result.template,
+            method=fit.method,
+            prompts=result.prompts,
+            prompts_failed=result.usage.prompts_failed,
+            slots=result.slots,
+            r2=_finite(fit.r2),
+            converged=fit.converged,
+            iterations=fit.iterations,
+            residual_dof=fit.residual_dof,
+            prior_sensitivity=_finite(fit.prior_sensitivity),
+            warnings=list(result.warnings),
+        ),
+        usage=UsageOut(
+            prompt_tokens=result.usage.prompt_tokens,
+            scored_tokens=result.usage.scored_tokens,
+            prompts_scored=result.usage.prompts_scored,
+        ),
+        timing=TimingOut(
+            tokenize_s=result.timing.tokenize_s,
+            scoring_s=result.timing.scoring_s,
+            solver_s=result.timing.solver_s,
+            total_s=result.timing.total_s,
+        ),
+    )
+
+
+def reorder_response(
+    result: ReorderResult,
+    passages: Sequence[Passage] | None = None,
+    *,
+    top_n: int | None = None,
+) -> ReorderResponse:
+    """The native response for a result (the CLI prints the same JSON as the route).
+
+    Args:
+        result: what ``Reorderer.reorder`` returned.
+        passages: the request's passages, for their ids (omitted: ids are null).
+        top_n: keep the ``top_n`` best passages in ``order``.
+
+    Returns:
+        The ``POST /v1/reorder`` response; values the fit could not estimate (NaN) are null.
+    """
+    meta = reorder_meta(result, passages or (), top_n)
+    return ReorderResponse(id=result.request_id, model=result.model, **dict(meta))
+
+
+def relevance_scores(result: ReorderResult) -> dict[int, float]:
+    """Debiased utilities mapped monotonically into [0, 1] for the rerank routes.
+
+    ``sigmoid(u / sd)`` with ``sd`` the standard deviation of the shown passages' utilities
+    (utilities are centred, so the mean passage scores 0.5 and the scale is the request's own
+    spread); equal utilities score 0.5. A passage no prompt showed scores 0.0, below every
+    shown one. Scores are comparable within one response, not across requests.
+    """
+    u = result.fit.utilities
+    finite = [float(x) for x in u if math.isfinite(float(x))]
+    mean = sum(finite) / len(finite) if finite else 0.0
+    sd = math.sqrt(sum((x - mean) ** 2 for x in finite) / len(finite)) if finite else 0.0
+    out: dict[int, float] = {}
+    for idx in result.ranking:
+        x = float(u[idx])
+        if not math.isfinite(x):
+            out[idx] = 0.0
+        elif sd <= 0.0:
+            out[idx] = 0.5
+        else:
+            out[idx] = 1.0 / (1.0 + math.exp(-max(min(x / sd, 700.0), -700.0)))
+    return out

@@ -1,0 +1,159 @@
+"""The app's one typed context (on ``app.state.ctx``) and the lifecycle the probes report."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Literal
+
+import anyio
+from fastapi import Depends, Request
+from starlette.types import Scope
+
+from app.admission import Admission
+from app.exceptions import Draining, NotReady, Unhealthy
+from app.metrics import ServiceMetrics
+from service.backends.base import LogprobBackend
+from service.profile_store import ProfileStore
+from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Phase = Literal["loading", "warming", "ready", "draining", "unhealthy"]
+
+
+class Lifecycle:
+    """Liveness and readiness facts: written by the lifespan tasks and the server, read by the
+    probes and by admission. Event-loop thread only."""
+
+    def __init__(self, metrics: ServiceMetrics) -> None:
+        self._metrics = metrics
+        self.loaded = False
+        self.warmed = False
+        self.draining = False
+        self.fatal: str | None = None
+        """Why the process must be restarted (engine dead, load or warm-up failed)."""
+        self.canary_failures = 0
+        """Consecutive failed canaries (reset by any success)."""
+        self.last_success: float | None = None
+        """Monotonic time of the last successful scoring (request, canary or warm-up)."""
+        self.on_fatal: Callable[[str], None] | None = None
+        """Set by the server: stop the process (non-zero exit) once the engine is dead."""
+        self.wake: anyio.Event | None = None
+        """Set by the lifespan (an event needs a running loop): wakes the canary early."""
+
+    @property
+    def alive(self) -> bool:
+        return self.fatal is None
+
+    @property
+    def phase(self) -> Phase:
+        if self.fatal is not None:
+            return "unhealthy"
+        if self.draining:
+            return "draining"
+        if not self.loaded:
+            return "loading"
+        if not self.warmed:
+            return "warming"
+        return "ready"
+
+    @property
+    def ready(self) -> bool:
+        return self.phase == "ready"
+
+    def succeeded(self) -> None:
+        self.canary_failures = 0
+        self.last_success = time.monotonic()
+
+    def suspect(self) -> None:
+        """A request saw the engine fail: run the canary now instead of at its next tick."""
+        if self.wake is not None:
+            self.wake.set()
+
+    def check_serving(self) -> None:
+        """Raise unless new requests may be admitted.
+
+        Raises:
+            Unhealthy: the engine failed (the process is about to exit).
+            Draining: SIGTERM received.
+            NotReady: loading or warming up.
+        """
+        phase = self.phase
+        if phase == "unhealthy":
+            raise Unhealthy(f"the scoring engine failed ({self.fatal}); the server is restarting")
+        if phase == "draining":
+            raise Draining("the server is shutting down; retry on another replica")
+        if phase == "loading":
+            raise NotReady("the model is still loading")
+        if phase == "warming":
+            raise NotReady("the model is warming up")
+
+    def mark(self, **changes: bool) -> None:
+        for name, value in changes.items():
+            setattr(self, name, value)
+        self._metrics.ready.set(1 if self.ready else 0)
+
+    def fail(self, reason: str) -> None:
+        """The engine cannot serve any more: liveness fails and the server exits non-zero."""
+        if self.fatal is not None:
+            return
+        log.error("fatal: %s", reason)
+        self.fatal = reason
+        self._metrics.ready.set(0)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+
+class Engine:
+    """The scoring backend once the lifespan has loaded it, and the bias-profile store."""
+
+    def __init__(self, profiles: ProfileStore) -> None:
+        self.backend: LogprobBackend | None = None
+        self.profiles = profiles
+
+    def require(self) -> LogprobBackend:
+        if self.backend is None:
+            raise NotReady("the model is still loading")
+        return self.backend
+
+
+@dataclass(frozen=True)
+class AppContext:
+    settings: Settings
+    version: str
+    lifecycle: Lifecycle
+    engine: Engine
+    admission: Admission
+    metrics: ServiceMetrics
+
+
+def context_of(scope: Scope) -> AppContext | None:
+    """The context of the app serving ``scope`` (``None`` outside a rag-reorder app)."""
+    app = scope.get("app")
+    ctx = getattr(getattr(app, "state", None), "ctx", None)
+    return ctx if isinstance(ctx, AppContext) else None
+
+
+def request_id_of(scope: Scope) -> str | None:
+    state = scope.get("state")
+    rid = state.get("request_id") if isinstance(state, dict) else None
+    return rid if isinstance(rid, str) else None
+
+
+def get_context(request: Request) -> AppContext:
+    ctx = context_of(request.scope)
+    assert ctx is not None, "create_app sets app.state.ctx"
+    return ctx
+
+
+def get_request_id(request: Request) -> str:
+    rid = request_id_of(request.scope)
+    assert rid is not None, "RequestContextMiddleware sets the request id"
+    return rid
+
+
+Ctx = Annotated[AppContext, Depends(get_context)]
+RequestId = Annotated[str, Depends(get_request_id)]

@@ -1,0 +1,168 @@
+"""``PromptTokenizer`` over any Hugging Face tokenizer object, duck-typed.
+
+Does not import transformers: the transformers backend passes an ``AutoTokenizer`` and the vLLM
+backend passes vLLM's own tokenizer (a transformers tokenizer underneath), and both must give
+byte-identical token ids for the same prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
+
+from service.backends.base import ChatMessage, Encoding
+
+# End-of-turn markers of common chat templates. One counts as an end-of-sequence id only when the
+# model's chat template actually writes it and the vocabulary has it as a single token.
+END_OF_TURN_TOKENS = (
+    "<|im_end|>",  # ChatML: SmolLM2, Qwen
+    "<|eot_id|>",  # Llama 3
+    "<|eom_id|>",  # Llama 3 tool calls
+    "<end_of_turn>",  # Gemma
+    "<|end|>",  # Phi-3
+    "<|endoftext|>",
+    "</s>",
+)
+
+
+class HFTokenizerLike(Protocol):
+    """The part of a Hugging Face tokenizer that this adapter calls."""
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def chat_template(self) -> object: ...
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, str]],
+        *,
+        tokenize: bool,
+        add_generation_prompt: bool,
+    ) -> object: ...
+
+    def __call__(
+        self, text: str, *, return_offsets_mapping: bool, add_special_tokens: bool
+    ) -> Mapping[str, object]: ...
+
+    def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> object: ...
+
+    def convert_tokens_to_ids(self, tokens: str) -> object: ...
+
+    def convert_ids_to_tokens(self, ids: int) -> object: ...
+
+
+class HFPromptTokenizer:
+    """Adapts a Hugging Face (fast) tokenizer to ``PromptTokenizer``.
+
+    ``decode`` keeps special tokens, so ``decode(encode(t).ids) == t`` for template output;
+    callers that want answer text drop ids in ``eos_token_ids`` first.
+    """
+
+    def __init__(self, tokenizer: HFTokenizerLike, *, extra_eos_token_ids: Iterable[int] = ()):
+        """Wrap ``tokenizer``.
+
+        Args:
+            tokenizer: a Hugging Face tokenizer with a fast (Rust) backend; offsets need it.
+            extra_eos_token_ids: more ids that end generation, e.g. the model's
+                ``generation_config.eos_token_id``.
+        """
+        self._tok = tokenizer
+        self._eos_ids = frozenset(_eos_ids(tokenizer) | {int(i) for i in extra_eos_token_ids})
+
+    @property
+    def hf_tokenizer(self) -> HFTokenizerLike:
+        """The wrapped tokenizer object."""
+        return self._tok
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The tokenizer's eos id plus the chat template's end-of-turn ids (if they differ)."""
+        return self._eos_ids
+
+    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+        """Apply the model's chat template to ``messages`` and return the text.
+
+        Args:
+            messages: the conversation, in order.
+            add_generation_prompt: append the header that opens the assistant's turn.
+
+        Returns:
+            The rendered prompt text (not tokenised).
+
+        Raises:
+            ValueError: the tokenizer has no chat template.
+        """
+        if not self._tok.chat_template:
+            raise ValueError("the model's tokenizer has no chat template")
+        rendered = self._tok.apply_chat_template(
+            [{"role": m.role, "content": m.content} for m in messages],
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+        )
+        if not isinstance(rendered, str):
+            raise TypeError(f"apply_chat_template returned {type(rendered).__name__}, not str")
+        return rendered
+
+    def encode(self, text: str) -> Encoding:
+        """Tokenise ``text`` as the model sees it: no special tokens added, with char offsets.
+
+        Args:
+            text: the full prompt text (special tokens written in the text are recognised).
+
+        Returns:
+            Token ids and the ``[start, end)`` character span of each token.
+
+        Raises:
+            ValueError: the tokenizer cannot report offsets (a slow, pure-Python tokenizer).
+        """
+        try:
+            out = self._tok(text, return_offsets_mapping=True, add_special_tokens=False)
+        except NotImplementedError as exc:
+            raise ValueError("offsets need a fast (Rust-backed) tokenizer") from exc
+        ids = out.get("input_ids")
+        offsets = out.get("offset_mapping")
+        if not isinstance(ids, Sequence) or not isinstance(offsets, Sequence):
+            raise ValueError("tokenizer returned no input_ids/offset_mapping")
+        if len(ids) != len(offsets):
+            raise ValueError(f"{len(ids)} ids but {len(offsets)} offsets")
+        return Encoding(
+            ids=tuple(int(i) for i in ids),
+            offsets=tuple((int(start), int(end)) for start, end in offsets),
+        )
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``, special tokens kept.
+
+        Args:
+            ids: token ids.
+
+        Returns:
+            The decoded text.
+
+        Raises:
+            TypeError: the tokenizer returned something other than one string.
+        """
+        text = self._tok.decode(list(ids), skip_special_tokens=False)
+        if not isinstance(text, str):
+            raise TypeError(f"decode returned {type(text).__name__}, not str")
+        return text
+
+
+def _eos_ids(tok: HFTokenizerLike) -> set[int]:
+    ids: set[int] = set()
+    if tok.eos_token_id is not None:
+        ids.add(int(tok.eos_token_id))
+    template = tok.chat_template
+    # Some tokenizers keep several named templates in a dict; any of them may end turns.
+    texts = template.values() if isinstance(template, dict) else [template]
+    joined = "\n".join(t for t in texts if isinstance(t, str))
+    for token in END_OF_TURN_TOKENS:
+        if token not in joined:
+            continue
+        token_id = tok.convert_tokens_to_ids(token)
+        # Unknown tokens map to the unk id (or None); the round trip tells a real one apart.
+        if isinstance(token_id, int) and tok.convert_ids_to_tokens(token_id) == token:
+            ids.add(token_id)
+    return ids

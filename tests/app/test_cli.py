@@ -1,0 +1,102 @@
+"""The one-shot command on the real embedded SmolLM2 model, as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+DATA = ROOT.parent / "shared" / "data" / "nq_open_dev.jsonl"
+
+
+def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "RAG_REORDER_BACKEND": "transformers",
+        "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "app", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+@pytest.mark.slow
+def test_reorder_calibrate_and_cyclic_on_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
+    del smollm2_dir  # converted once by the fixture, so the command only loads it
+    passages = tmp_path / "p.json"
+    passages.write_text(
+        json.dumps(
+            [
+                {"title": "Narnia", "text": "C. S. Lewis wrote the Chronicles of Narnia."},
+                {"id": "lotr", "text": "The Lord of the Rings is a novel by J. R. R. Tolkien."},
+                "Mount Everest is the highest mountain on Earth.",
+                "The Hobbit was published in 1937.",
+            ]
+        )
+    )
+    q = "who wrote the lord of the rings"
+    out = _run(["reorder", "--query", q, "--passages", str(passages)], tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert sorted(res["order"]) == [0, 1, 2, 3]
+    assert res["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert res["diagnostics"]["design"] == "pruned_random" and res["diagnostics"]["converged"]
+    assert res["usage"]["prompts_scored"] == 8 and res["usage"]["scored_tokens"] > 0
+    assert res["order"][0] == 1  # the passage that answers the question leads
+    assert abs(sum(res["position_bias"]["coefficients"]) - 1.0) < 1e-9
+
+    # Cyclic needs a calibrated profile: refused with exit 2 and a JSON error.
+    cyc = ["reorder", "--query", q, "--passages", str(passages), "--design", "pruned_cyclic"]
+    refused = _run([*cyc, "--prompt-passages", "2"], tmp_path)
+    assert refused.returncode == 2
+    assert json.loads(refused.stderr.strip().splitlines()[-1])["error"]["type"] == (
+        "unidentifiable_design"
+    )
+    # Calibrate a 2-slot profile from real NQ queries, then the same request is served.
+    cal = _run(
+        [
+            "calibrate",
+            "--data",
+            str(DATA),
+            "--limit",
+            "3",
+            "--max-passages",
+            "4",
+            "--design",
+            "pruned_random",
+            "--prompt-passages",
+            "2",
+        ],
+        tmp_path,
+    )
+    assert cal.returncode == 0, cal.stderr[-2000:]
+    prof = json.loads(cal.stdout)
+    assert prof["slots"] == 2 and prof["runs"] == 3 and prof["identification"] == "full"
+    listed = json.loads(_run(["profiles"], tmp_path).stdout)
+    assert [p["slots"] for p in listed] == [2]
+    served = _run([*cyc, "--prompt-passages", "2"], tmp_path)
+    assert served.returncode == 0, served.stderr[-2000:]
+    body = json.loads(served.stdout)
+    assert body["position_bias"]["orientation"] == "reference"
+    assert body["position_bias"]["profile"] is not None
+
+
+def test_bad_passages_file_is_a_clear_error(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('[{"title": "no text"}]')
+    out = _run(["reorder", "--query", "q", "--passages", str(bad)], tmp_path)
+    assert out.returncode == 2
+    err = json.loads(out.stderr.strip().splitlines()[-1])["error"]
+    assert "passages[0]" in err["message"] and err["param"] == "passages"

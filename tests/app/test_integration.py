@@ -1,0 +1,87 @@
+"""The real server process with the real SmolLM2 model: start, serve both APIs, drain, exit 0."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.app.processes import server_process
+from tests.support.models import cache_dir_for_tests
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+QUERY = "What is the capital of France?"
+DOCUMENTS = [
+    "Berlin is the capital of Germany.",
+    "Paris is the capital and largest city of France.",
+    "The Loire is the longest river in France.",
+    "Madrid is the capital of Spain.",
+]
+# Small design: 8 prompts of 2 passages, a few seconds on a 2-core CPU.
+DESIGN = {"kind": "pruned_random", "num_prompts": 8, "seed": 1}
+
+
+def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
+    # smollm2_dir: the one-off GGUF conversion happens here, not inside the /ready budget.
+    env = {
+        "RAG_REORDER_BACKEND": "transformers",
+        "RAG_REORDER_DEVICE": "cpu",
+        "RAG_REORDER_CACHE_DIR": str(cache_dir_for_tests()),
+        "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
+        "RAG_REORDER_API_KEY": "integration-key",
+        "HF_HUB_OFFLINE": "1",
+    }
+    args = ["-m", "app", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    with server_process(args, tmp_path / "server.log", env) as server:
+        server.wait_ready(120)
+        auth = {"Authorization": "Bearer integration-key"}
+        with httpx.Client(base_url=server.base_url, timeout=120, headers=auth) as client:
+            models = client.get("/v1/models").json()
+            assert models["data"][0]["id"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+            assert models["data"][0]["max_model_len"] >= 2048
+
+            r = client.post(
+                "/v1/reorder", json={"query": QUERY, "passages": DOCUMENTS, "design": DESIGN}
+            )
+            assert r.status_code == 200, r.text
+            body = r.json()
+            assert sorted(body["order"]) == [0, 1, 2, 3]
+            assert body["diagnostics"]["prompts"] == 8
+            assert body["diagnostics"]["prompts_failed"] == 0
+            assert body["usage"]["prompt_tokens"] > 8 * 20
+            coef = body["position_bias"]["coefficients"]
+            assert len(coef) == 2 and sum(coef) == pytest.approx(1.0)
+            # The answer-bearing passage should win even for a 135M model.
+            assert body["ranking"][0] == 1, body["passages"]
+
+            r = client.post(
+                "/v1/rerank",
+                json={
+                    "model": "any",
+                    "query": QUERY,
+                    "documents": DOCUMENTS,
+                    "top_n": 2,
+                    "reorder": {"design": DESIGN},
+                },
+            )
+            assert r.status_code == 200, r.text
+            rerank = r.json()
+            assert [x["index"] for x in rerank["results"]] == body["ranking"][:2]
+            scores = [x["relevance_score"] for x in rerank["results"]]
+            assert scores == sorted(scores, reverse=True)
+            assert rerank["usage"]["total_tokens"] == body["usage"]["prompt_tokens"]
+
+            metrics = client.get("/metrics").text
+            assert 'rag_reorder_build_info{backend="TransformersBackend"' in metrics
+            assert (
+                client.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
+            )
+
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.wait_exit(60) == 0, server.log()
+    log = server.log()
+    assert "backend closed" in log
+    assert "capital" not in log  # no query or passage text in the logs

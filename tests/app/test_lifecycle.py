@@ -1,0 +1,91 @@
+"""Start-up, warm-up, canary and watchdog, shutdown: what /health and /ready report."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+
+import app.main
+from service.settings import Settings
+from tests.app.conftest import TRUTH, TrackingBackend, serving, wait_until
+
+
+async def test_warm_up_scores_once_before_ready_and_shutdown_closes_the_backend(
+    tmp_path: Path,
+) -> None:
+    backend = TrackingBackend(TRUTH)
+    async with serving(tmp_path, backend=backend) as h:
+        assert backend.started == 1 and backend.request_ids[0].startswith("warmup-")
+        assert h.ctx.lifecycle.phase == "ready" and h.ctx.lifecycle.last_success is not None
+        assert not backend.closed
+    assert backend.closed
+
+
+async def test_without_warm_up_ready_follows_the_load(tmp_path: Path) -> None:
+    backend = TrackingBackend(TRUTH)
+    async with serving(tmp_path, backend=backend, warmup=False):
+        assert backend.started == 0
+
+
+async def test_failed_warm_up_is_fatal(tmp_path: Path) -> None:
+    backend = TrackingBackend(TRUTH, fail_rule=lambda p: True)
+    async with serving(tmp_path, backend=backend, ready=False) as h:
+        await wait_until(lambda: h.ctx.lifecycle.fatal is not None)
+        assert "warm-up failed" in str(h.ctx.lifecycle.fatal)
+        assert (await h.client.get("/health")).status_code == 503
+        assert (await h.client.get("/ready")).status_code == 503
+
+
+async def test_failed_model_load_is_fatal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(settings: Settings) -> None:
+        raise OSError("no model at /opt/models/missing")
+
+    monkeypatch.setattr(app.main, "create_backend", broken)
+    fatal: list[str] = []
+    application = app.main.create_app(Settings(cache_dir=tmp_path))
+    application.state.ctx.lifecycle.on_fatal = fatal.append
+    async with application.router.lifespan_context(application):
+        await wait_until(lambda: bool(fatal))
+    assert fatal == ["loading the model failed (OSError)"]  # no path leaks into probes
+
+
+async def test_canary_failing_repeatedly_fails_liveness(tmp_path: Path) -> None:
+    async with serving(tmp_path, canary_interval_s=0.02, canary_failures_fatal=3) as h:
+        assert (await h.client.get("/health")).status_code == 200
+        h.backend.fail_rule = lambda p: p.request_id.startswith("canary-")
+        await wait_until(lambda: h.ctx.lifecycle.fatal is not None)
+        assert h.ctx.lifecycle.canary_failures == 3
+        assert h.metric("rag_reorder_canary_failures_total") == 3
+        r = await h.client.get("/health")
+        assert r.status_code == 503 and r.json()["error"]["code"] == "unhealthy"
+
+
+async def test_one_canary_failure_is_forgiven(tmp_path: Path) -> None:
+    async with serving(tmp_path, canary_interval_s=0.02, canary_failures_fatal=3) as h:
+        failed = {"n": 0}
+
+        def once(p: object) -> bool:
+            rid = getattr(p, "request_id", "")
+            if rid.startswith("canary-") and failed["n"] == 0:
+                failed["n"] = 1
+                return True
+            return False
+
+        h.backend.fail_rule = once
+        await wait_until(lambda: h.metric("rag_reorder_canary_failures_total") == 1)
+        await wait_until(lambda: h.ctx.lifecycle.canary_failures == 0)
+        assert h.ctx.lifecycle.alive
+
+
+async def test_successful_requests_stand_in_for_the_canary(tmp_path: Path) -> None:
+    async with serving(tmp_path, canary_interval_s=0.2) as h:
+        calls = h.backend.started
+        for _ in range(30):  # 0.6 s of traffic: three canary ticks
+            r = await h.client.post("/v1/reorder", json={"query": "q?", "passages": list(TRUTH)})
+            assert r.status_code == 200
+            await anyio.sleep(0.02)
+        # Each request proved the engine alive: no canary was needed.
+        assert h.backend.started == calls + 30
+        assert not any(i.startswith("canary-") for i in h.backend.request_ids)

@@ -1,0 +1,59 @@
+"""HFPromptTokenizer over the real SmolLM2 tokenizer: template text, offsets, end-of-turn ids."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from service.backends.base import ChatMessage, PromptTokenizer
+from service.backends.hf_tokenizer import HFPromptTokenizer
+
+IM_START, IM_END, ENDOFTEXT = 1, 2, 0
+MESSAGES = [ChatMessage("system", "Be brief."), ChatMessage("user", "Café in 日本? ok")]
+
+
+@pytest.fixture(scope="module")
+def hf_tok(smollm2_dir: Path) -> Any:
+    return AutoTokenizer.from_pretrained(str(smollm2_dir))
+
+
+def test_render_chat_is_the_model_template(hf_tok: Any) -> None:
+    tok = HFPromptTokenizer(hf_tok)
+    assert isinstance(tok, PromptTokenizer)
+    text = tok.render_chat(MESSAGES, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n"
+        "<|im_start|>user\nCafé in 日本? ok<|im_end|>\n<|im_start|>assistant\n"
+    )
+    assert not tok.render_chat(MESSAGES, add_generation_prompt=False).endswith("assistant\n")
+
+
+def test_encode_adds_no_special_tokens_and_offsets_cover_the_text(hf_tok: Any) -> None:
+    tok = HFPromptTokenizer(hf_tok)
+    text = tok.render_chat(MESSAGES, add_generation_prompt=True)
+    enc = tok.encode(text)
+    assert enc.ids[0] == IM_START and enc.ids.count(IM_END) == 2  # written by the template only
+    assert tok.encode("Hello").ids == tuple(hf_tok("Hello", add_special_tokens=False)["input_ids"])
+    assert len(enc.offsets) == len(enc.ids)
+    assert enc.offsets[0][0] == 0 and enc.offsets[-1][1] == len(text)
+    assert all(start <= end for start, end in enc.offsets)
+    assert tok.decode(enc.ids) == text  # special tokens kept
+
+
+def test_eos_ids_include_the_templates_end_of_turn(hf_tok: Any) -> None:
+    assert HFPromptTokenizer(hf_tok).eos_token_ids == {IM_END}
+    # A tokenizer whose eos is not the end-of-turn token still stops at <|im_end|>.
+    other = AutoTokenizer.from_pretrained(hf_tok.name_or_path)
+    other.eos_token = "<|endoftext|>"
+    tok = HFPromptTokenizer(other, extra_eos_token_ids=[7])
+    assert tok.eos_token_ids == {ENDOFTEXT, IM_END, 7}
+
+
+def test_missing_chat_template_is_a_clear_error(hf_tok: Any) -> None:
+    bare = AutoTokenizer.from_pretrained(hf_tok.name_or_path)
+    bare.chat_template = None
+    with pytest.raises(ValueError, match="no chat template"):
+        HFPromptTokenizer(bare).render_chat(MESSAGES, add_generation_prompt=True)

@@ -1,0 +1,379 @@
+"""Transformers backend: batched span log-probs equal a brute-force forward; greedy decoding.
+
+The reference is deliberately naive: one sequence, no padding, no ``logits_to_keep``, the full
+log-softmax over every position. Everything the backend does to be fast (sorting, padding,
+batching under a budget, running the LM head on scored rows only) must not move a number by
+more than 1e-4 nats.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import TypeVar
+
+import anyio
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedModel
+
+from service.backends.base import (
+    ChatMessage,
+    Generation,
+    GenerationRequest,
+    LogprobBackend,
+    PromptFailure,
+    SpanLogprobs,
+    SpanRequest,
+)
+from service.backends.transformers_backend import (
+    HeadMode,
+    TransformersBackend,
+    plan_batches,
+    token_logprobs,
+)
+from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
+from service.settings import EMBEDDED_MODEL, Settings
+from tests.support.models import cache_dir_for_tests
+
+TOL = 1e-4
+T = TypeVar("T")
+
+
+def run(fn: Callable[[], Awaitable[T]]) -> T:
+    return anyio.run(fn)
+
+
+def load_reference(folder: Path) -> PreTrainedModel:
+    model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.train(False)
+    return model
+
+
+def brute_force(model: PreTrainedModel, req: SpanRequest) -> list[float]:
+    """log P(token t | tokens < t) for t in the span, from one unbatched full forward."""
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([req.token_ids])).logits[0]
+        logp = torch.log_softmax(logits.double(), dim=-1)
+    return [float(logp[t - 1, req.token_ids[t]]) for t in range(req.span_start, req.span_end)]
+
+
+def manual_greedy(
+    model: PreTrainedModel, prompt: Sequence[int], steps: int
+) -> list[tuple[int, float]]:
+    """Argmax decoding that recomputes the whole sequence every step (no KV cache)."""
+    ids = list(prompt)
+    out: list[tuple[int, float]] = []
+    with torch.inference_mode():
+        for _ in range(steps):
+            logits = model(input_ids=torch.tensor([ids])).logits[0, -1]
+            logp = torch.log_softmax(logits.double(), dim=-1)
+            token = int(torch.argmax(logits))
+            out.append((token, float(logp[token])))
+            ids.append(token)
+    return out
+
+
+def chat_ids(backend: TransformersBackend, question: str, answer: str = "") -> tuple[int, ...]:
+    tok = backend.tokenizer
+    text = tok.render_chat(
+        [ChatMessage("system", "Answer from the passages."), ChatMessage("user", question)],
+        add_generation_prompt=True,
+    )
+    return tok.encode(text + answer).ids
+
+
+def mixed_requests(backend: TransformersBackend) -> list[SpanRequest]:
+    """Prompts of clearly different lengths, spans at the start, middle and end."""
+    passages = " ".join(f"Passage {i}: the river number {i} flows north." for i in range(12))
+    long_ids = chat_ids(backend, passages + " Which river flows north?", "River 3.")
+    mid_ids = chat_ids(backend, "Where is Paris? " * 6, "In France, on the Seine.")
+    short_ids = chat_ids(backend, "Hi", "Hello!")
+    tiny_ids = short_ids[:9]
+    return [
+        SpanRequest("long-tail", long_ids, len(long_ids) - 6, len(long_ids)),
+        SpanRequest("mid-middle", mid_ids, 10, len(mid_ids) - 5),
+        SpanRequest("short-all", short_ids, 1, len(short_ids)),
+        SpanRequest("tiny-one", tiny_ids, 4, 5),
+        SpanRequest("long-head", long_ids, 1, 30),
+    ]
+
+
+def assert_close_to_reference(
+    results: Sequence[object], requests: Sequence[SpanRequest], reference: PreTrainedModel
+) -> float:
+    worst = 0.0
+    for result, req in zip(results, requests, strict=True):
+        assert isinstance(result, SpanLogprobs), result
+        assert result.request_id == req.request_id
+        expected = brute_force(reference, req)
+        assert len(result.logprobs) == len(expected) == req.span_end - req.span_start
+        assert all(v <= 0.0 for v in result.logprobs)
+        worst = max(worst, *(abs(a - b) for a, b in zip(result.logprobs, expected, strict=True)))
+    assert worst <= TOL, worst
+    return worst
+
+
+# --- tiny model ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_backend(tiny_model_dir: Path) -> TransformersBackend:
+    return TransformersBackend.load(tiny_model_dir, model_id="tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def tiny_reference(tiny_model_dir: Path) -> PreTrainedModel:
+    return load_reference(tiny_model_dir)
+
+
+def test_satisfies_protocol_and_reports_model(tiny_backend: TransformersBackend) -> None:
+    assert isinstance(tiny_backend, LogprobBackend)
+    assert tiny_backend.model_id == "tiny"
+    assert tiny_backend.max_model_len == 4096
+    assert tiny_backend.device == "cpu"
+    # transformers >= 5.2x selects exactly the scored rows (2-D boolean logits_to_keep); older
+    # versions (the vLLM virtualenv's) keep the union of scored positions. Never all rows.
+    assert tiny_backend.head_mode in ("mask", "positions")
+
+
+@pytest.mark.parametrize("head_mode", ["mask", "positions", "full"])
+def test_batched_span_logprobs_match_brute_force(
+    tiny_model_dir: Path, tiny_reference: PreTrainedModel, head_mode: HeadMode
+) -> None:
+    try:
+        backend = TransformersBackend.load(tiny_model_dir, device="cpu", head_mode=head_mode)
+    except ValueError as exc:
+        pytest.skip(f"this transformers version: {exc}")
+    requests = mixed_requests(backend)
+    lengths = sorted({len(r.token_ids) for r in requests})
+    assert len(lengths) >= 4 and lengths[-1] > 2 * lengths[1]
+    # One forward batch: the comparison covers padding, not just separate forwards.
+    assert len(plan_batches(requests, token_budget=16384, row_budget=10**6, head_mode="mask")) == 1
+    results = run(lambda: backend.score(requests))
+    assert_close_to_reference(results, requests, tiny_reference)
+
+
+def test_small_token_budget_splits_batches_with_same_numbers(
+    tiny_model_dir: Path, tiny_backend: TransformersBackend, tiny_reference: PreTrainedModel
+) -> None:
+    requests = mixed_requests(tiny_backend)
+    budget = max(len(r.token_ids) for r in requests)  # room for one long prompt at a time
+    assert len(plan_batches(requests, token_budget=budget, row_budget=10**6)) >= 3
+    small = TransformersBackend.load(tiny_model_dir, device="cpu", batch_token_budget=budget)
+    split = run(lambda: small.score(requests))
+    together = run(lambda: tiny_backend.score(requests))
+    assert_close_to_reference(split, requests, tiny_reference)
+    for a, b in zip(split, together, strict=True):
+        assert isinstance(a, SpanLogprobs) and isinstance(b, SpanLogprobs)
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) <= 1e-5
+
+
+def test_results_keep_request_order_and_duplicates(tiny_backend: TransformersBackend) -> None:
+    requests = mixed_requests(tiny_backend)
+    doubled = [*requests, *reversed(requests)]
+    results = run(lambda: tiny_backend.score(doubled))
+    assert [r.request_id for r in results] == [r.request_id for r in doubled]
+    for first, second in zip(
+        results[: len(requests)], reversed(results[len(requests) :]), strict=True
+    ):
+        assert isinstance(first, SpanLogprobs) and isinstance(second, SpanLogprobs)
+        assert first.logprobs == pytest.approx(second.logprobs, abs=1e-5)
+
+
+def test_concurrent_calls_are_serialised_and_correct(tiny_backend: TransformersBackend) -> None:
+    requests = mixed_requests(tiny_backend)
+    expected = run(lambda: tiny_backend.score(requests))
+    outputs: list[list[object]] = []
+
+    async def both() -> None:
+        async def one() -> None:
+            outputs.append(list(await tiny_backend.score(requests)))
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                tg.start_soon(one)
+
+    run(both)
+    assert len(outputs) == 3
+    for out in outputs:
+        for got, want in zip(out, expected, strict=True):
+            assert isinstance(got, SpanLogprobs) and isinstance(want, SpanLogprobs)
+            assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+def test_greedy_generation_matches_manual_argmax_loop(
+    tiny_backend: TransformersBackend, tiny_reference: PreTrainedModel
+) -> None:
+    prompt = chat_ids(tiny_backend, "Name a river.")
+    steps = 12
+    manual = manual_greedy(tiny_reference, prompt, steps)
+    eos = tiny_backend.tokenizer.eos_token_ids
+    # A random model might emit eos early; the manual loop must then be cut the same way.
+    cut = next((k + 1 for k, (tok, _) in enumerate(manual) if tok in eos), steps)
+    [gen] = run(lambda: tiny_backend.generate([GenerationRequest("g", prompt, steps)]))
+    assert isinstance(gen, Generation)
+    assert list(gen.token_ids) == [tok for tok, _ in manual[:cut]]
+    assert gen.logprobs == pytest.approx([lp for _, lp in manual[:cut]], abs=TOL)
+    assert gen.finish_reason == ("stop" if cut < steps else "length")
+
+    # A request's own stop id ends generation after that token, which is kept.
+    stop_at = manual[2][0]
+    first_hit = next(k for k, (tok, _) in enumerate(manual) if tok == stop_at)
+    [stopped] = run(
+        lambda: tiny_backend.generate(
+            [GenerationRequest("s", prompt, steps, stop_token_ids=frozenset({stop_at}))]
+        )
+    )
+    assert isinstance(stopped, Generation)
+    assert stopped.finish_reason == "stop"
+    assert list(stopped.token_ids) == [tok for tok, _ in manual[: first_hit + 1]]
+
+
+def test_generation_stops_at_context_end(tiny_model_dir: Path) -> None:
+    backend = TransformersBackend.load(tiny_model_dir, device="cpu", max_model_len=32)
+    prompt = chat_ids(backend, "Name a river.")
+    room = 32 - len(prompt)
+    assert 0 < room < 40
+    [gen] = run(lambda: backend.generate([GenerationRequest("g", prompt, 40)]))
+    assert isinstance(gen, Generation)
+    assert len(gen.token_ids) <= room
+    if gen.finish_reason == "length":
+        assert len(gen.token_ids) == room
+
+
+@pytest.mark.parametrize(
+    ("span", "message"),
+    [
+        ((0, 3), "1 <= span_start"),  # the first token has no context, hence no log-prob
+        ((2, 2), "span_start < span_end"),
+        ((3, 2), "span_start < span_end"),
+        ((1, 999), "span_end <= "),
+        ((-1, 3), "1 <= span_start"),
+    ],
+)
+def test_bad_span_is_rejected_before_any_forward(
+    tiny_backend: TransformersBackend, span: tuple[int, int], message: str
+) -> None:
+    ids = chat_ids(tiny_backend, "Hi")
+    good = SpanRequest("good", ids, 1, len(ids))
+    bad = SpanRequest("bad", ids, *span)
+    with pytest.raises(InvalidRequest, match="request 'bad'") as info:
+        run(lambda: tiny_backend.score([good, bad]))
+    assert message in info.value.message
+    assert info.value.param == "span_start"
+
+
+def test_bad_token_ids_and_lengths_are_rejected(
+    tiny_model_dir: Path, tiny_backend: TransformersBackend
+) -> None:
+    ids = chat_ids(tiny_backend, "Hi")
+    with pytest.raises(InvalidRequest, match="token ids must be in"):
+        run(lambda: tiny_backend.score([SpanRequest("x", (*ids, 10**7), 1, 3)]))
+    with pytest.raises(InvalidRequest, match="token ids must be in"):
+        run(lambda: tiny_backend.score([SpanRequest("x", (-1, *ids), 1, 3)]))
+    with pytest.raises(InvalidRequest, match="empty prompt"):
+        run(lambda: tiny_backend.generate([GenerationRequest("x", (), 3)]))
+    with pytest.raises(InvalidRequest, match="max_new_tokens"):
+        run(lambda: tiny_backend.generate([GenerationRequest("x", ids, 0)]))
+    short = TransformersBackend.load(tiny_model_dir, device="cpu", max_model_len=16)
+    long_ids = tuple(range(100, 117))  # 17 tokens
+    with pytest.raises(LimitExceeded) as info:
+        run(lambda: short.score([SpanRequest("x", long_ids, 1, 5)]))
+    assert (info.value.param, info.value.limit, info.value.value) == ("token_ids", 16, 17)
+    with pytest.raises(LimitExceeded):
+        run(lambda: short.generate([GenerationRequest("x", long_ids[:16], 4)]))
+
+
+def test_failed_forward_and_nonfinite_rows_become_prompt_failures(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = TransformersBackend.load(tiny_model_dir, device="cpu")
+    requests = mixed_requests(backend)
+    original = TransformersBackend._forward_span_logprobs
+
+    def flaky(
+        self: TransformersBackend, model: PreTrainedModel, batch: list[SpanRequest]
+    ) -> list[float]:
+        ids = {r.request_id for r in batch}
+        if "mid-middle" in ids:
+            raise RuntimeError("simulated out of memory")
+        values = original(self, model, batch)
+        if ids == {"short-all"}:
+            values[0] = math.nan
+        if ids == {"tiny-one"}:
+            values[0] = 0.5
+        return values
+
+    monkeypatch.setattr(TransformersBackend, "_forward_span_logprobs", flaky)
+    results = run(lambda: backend.score(requests))
+    by_id = {r.request_id: r for r in results}
+    assert isinstance(by_id["mid-middle"], PromptFailure)
+    assert "RuntimeError" in by_id["mid-middle"].reason
+    assert isinstance(by_id["short-all"], PromptFailure)
+    assert "non-finite" in by_id["short-all"].reason
+    assert isinstance(by_id["tiny-one"], PromptFailure)
+    assert "positive" in by_id["tiny-one"].reason
+    # The batch was retried one by one, so the healthy prompts are still scored.
+    assert isinstance(by_id["long-tail"], SpanLogprobs)
+    assert isinstance(by_id["long-head"], SpanLogprobs)
+
+
+def test_closed_backend_refuses_work(tiny_model_dir: Path) -> None:
+    backend = TransformersBackend.load(tiny_model_dir, device="cpu")
+    ids = chat_ids(backend, "Hi")
+    run(backend.aclose)
+    run(backend.aclose)  # idempotent
+    with pytest.raises(BackendUnavailable):
+        run(lambda: backend.score([SpanRequest("x", ids, 1, 3)]))
+
+
+def test_plan_batches_covers_each_request_once_within_budgets() -> None:
+    lengths = [5, 300, 40, 41, 120, 7, 300, 2000, 64]
+    requests = [SpanRequest(str(i), tuple(range(n)), 1, n) for i, n in enumerate(lengths)]
+    modes: list[HeadMode] = ["mask", "positions", "full"]
+    for mode in modes:
+        batches = plan_batches(requests, token_budget=600, row_budget=700, head_mode=mode)
+        assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+        for batch in batches:
+            sizes = [lengths[i] for i in batch]
+            if len(batch) > 1:  # an oversized request runs alone; otherwise budgets hold
+                assert len(batch) * max(sizes) <= 600
+                if mode == "mask":
+                    assert sum(n - 1 for n in sizes) <= 700
+    # Longest first, so padding stays small.
+    assert plan_batches(requests, token_budget=600, row_budget=700)[0] == [7]
+
+
+def test_token_logprobs_equals_log_softmax() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(7, 50) * 20
+    targets = torch.randint(0, 50, (7,))
+    expected = torch.log_softmax(logits.double(), -1)[torch.arange(7), targets]
+    assert torch.allclose(token_logprobs(logits, targets).double(), expected, atol=1e-5)
+    assert bool((token_logprobs(logits.bfloat16(), targets) <= 0).all())
+
+
+# --- real SmolLM2 -----------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_smollm2_from_settings_batched_logprobs_match_brute_force(smollm2_dir: Path) -> None:
+    settings = Settings(model=EMBEDDED_MODEL, cache_dir=cache_dir_for_tests(), device="cpu")
+    backend = TransformersBackend.from_settings(settings)
+    assert backend.model_id == EMBEDDED_MODEL
+    assert backend.max_model_len == 8192
+    assert backend.tokenizer.encode("<|im_end|>").ids == (2,)
+    assert 2 in backend.tokenizer.eos_token_ids
+    requests = mixed_requests(backend)
+    results = run(lambda: backend.score(requests))
+    worst = assert_close_to_reference(results, requests, load_reference(smollm2_dir))
+    assert worst < TOL
+    # The model is real, not random: the answer to a trivial question is likely.
+    ids = chat_ids(backend, "What is the capital of France?", "The capital of France is Paris.")
+    prompt_len = len(chat_ids(backend, "What is the capital of France?"))
+    [answer] = run(lambda: backend.score([SpanRequest("a", ids, prompt_len, len(ids))]))
+    assert isinstance(answer, SpanLogprobs)
+    assert answer.total / len(answer.logprobs) > -1.0
+    run(backend.aclose)

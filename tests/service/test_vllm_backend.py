@@ -1,0 +1,429 @@
+"""The vLLM backend against brute-force transformers on a tiny random Llama (CPU, float32).
+
+Runs only where vLLM is importable, i.e. in the ``.venv-vllm`` virtualenv made by
+``scripts/vllm-venv.sh``::
+
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -m vllm \
+        tests/service/test_vllm_backend.py
+
+One engine serves the whole module (starting one costs ~20 s): every test drives it through
+one module-scoped ``asyncio.Runner``, because vLLM's output handler is a task of the event loop
+that first used the engine and dies with that loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import os
+import random
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+# Set before vllm is imported: the EngineCore then runs the model itself instead of spawning one
+# more worker process (~16 s faster start on CPU).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+pytest.importorskip(
+    "vllm", reason="vllm is not installed here; run in .venv-vllm (scripts/vllm-venv.sh)"
+)
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from vllm.logprobs import FlatLogprobs, Logprob
+from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
+
+from service.backends.base import (
+    ChatMessage,
+    Generation,
+    GenerationRequest,
+    LogprobBackend,
+    PromptFailure,
+    SpanLogprobs,
+    SpanRequest,
+)
+from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.backends.vllm_backend import (
+    POSITIVE_TOLERANCE,
+    VLLMBackend,
+    generation_from_output,
+    span_from_prompt_logprobs,
+    span_from_token_id_scores,
+)
+from service.errors import BackendUnavailable
+
+pytestmark = pytest.mark.vllm
+
+TOLERANCE = 1e-3  # nats; measured ~1e-5 on this model (float32 both sides)
+CONTEXT = 512
+STEP_TOKENS = 128  # below the longest test prompt, so chunked prefill is exercised
+
+
+@pytest.fixture(scope="module")
+def runner() -> Iterator[asyncio.Runner]:
+    with asyncio.Runner() as run:
+        yield run
+
+
+@pytest.fixture(scope="module")
+def backend(runner: asyncio.Runner, tiny_model_dir: Path) -> Iterator[VLLMBackend]:
+    # Built in a worker thread, as an app's lifespan would, to keep that path tested.
+    built = runner.run(
+        asyncio.to_thread(
+            VLLMBackend.load,
+            tiny_model_dir,
+            model_id="tiny-llama",
+            dtype="float32",
+            max_model_len=CONTEXT,
+            max_num_batched_tokens=STEP_TOKENS,
+            max_num_seqs=16,
+            # A fixed KV cache: the utilisation share would claim 85% of this machine's RAM.
+            kv_cache_memory_bytes=128 << 20,
+        )
+    )
+    yield built
+    # Closing while a call is in flight: the caller gets BackendUnavailable, not a hang.
+    pending = long_requests(built, count=8)
+
+    async def close_during_call() -> BaseException | None:
+        task = asyncio.create_task(built.score(pending))
+        await wait_until(lambda: built.num_unfinished_requests > 0)
+        await built.aclose()
+        try:
+            await task
+        except BaseException as exc:
+            return exc
+        return None
+
+    raised = runner.run(close_during_call())
+    assert isinstance(raised, BackendUnavailable), raised
+    assert not built.is_healthy()
+    with pytest.raises(BackendUnavailable):
+        runner.run(built.score(pending[:1]))
+
+
+@pytest.fixture(scope="module")
+def hf_model(tiny_model_dir: Path) -> Any:
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_model_dir), dtype=torch.float32)
+    return model.eval()
+
+
+def run(runner: asyncio.Runner, coro: Any) -> Any:
+    return runner.run(coro)
+
+
+async def wait_until(condition: Callable[[], bool], timeout: float = 30.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.001)
+
+
+def random_ids(rng: random.Random, n: int, vocab: int) -> tuple[int, ...]:
+    return tuple(rng.randrange(vocab) for _ in range(n))
+
+
+def long_requests(backend: VLLMBackend, count: int) -> list[SpanRequest]:
+    rng = random.Random(7)
+    vocab = backend._vocab_size
+    return [SpanRequest(f"long{i}", random_ids(rng, 400, vocab), 1, 400) for i in range(count)]
+
+
+def max_diff(got: Sequence[float], expected: Sequence[float]) -> float:
+    return max(abs(a - b) for a, b in zip(got, expected, strict=True))
+
+
+def reference_span(model: Any, req: SpanRequest) -> list[float]:
+    """log_softmax over the whole sequence (not cut at span_end), gathered at the span."""
+    with torch.no_grad():
+        logits = model(torch.tensor([req.token_ids])).logits[0].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    return [float(logp[pos - 1, req.token_ids[pos]]) for pos in range(req.span_start, req.span_end)]
+
+
+def reference_greedy(
+    model: Any, prompt: Sequence[int], max_new: int, stop_ids: frozenset[int]
+) -> tuple[list[int], list[float], str]:
+    """Greedy decoding by full recomputation: no KV cache to share bugs with."""
+    ids = list(prompt)
+    out: list[int] = []
+    lps: list[float] = []
+    with torch.no_grad():
+        for _ in range(max_new):
+            logits = model(torch.tensor([ids])).logits[0, -1].float()
+            logp = torch.log_softmax(logits, dim=-1)
+            token = int(torch.argmax(logp))
+            out.append(token)
+            lps.append(float(logp[token]))
+            ids.append(token)
+            if token in stop_ids:
+                return out, lps, "stop"
+    return out, lps, "length"
+
+
+def test_is_a_logprob_backend(backend: VLLMBackend) -> None:
+    assert isinstance(backend, LogprobBackend)
+    assert isinstance(backend.tokenizer, HFPromptTokenizer)
+    assert backend.max_model_len == CONTEXT - 1
+    # Model Runner V2 (the token-id fast path) needs Triton, which the CPU build lacks.
+    assert backend.score_mode == "prompt_logprobs"
+    assert backend.is_healthy() and not backend.errored
+
+
+def test_tokenizer_matches_transformers(backend: VLLMBackend, tiny_model_dir: Path) -> None:
+    hf = HFPromptTokenizer(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+    messages = [ChatMessage("user", "Where is the Eiffel tower? Answer briefly.")]
+    text = backend.tokenizer.render_chat(messages, add_generation_prompt=True)
+    assert text == hf.render_chat(messages, add_generation_prompt=True)
+    assert backend.tokenizer.encode(text) == hf.encode(text)
+    assert backend.tokenizer.eos_token_ids == hf.eos_token_ids
+
+
+def test_score_matches_brute_force_transformers(
+    backend: VLLMBackend, hf_model: Any, runner: asyncio.Runner
+) -> None:
+    rng = random.Random(0)
+    vocab = backend._vocab_size
+    chat = backend.tokenizer.encode(
+        backend.tokenizer.render_chat(
+            [
+                ChatMessage("user", "Which city has the Eiffel tower?"),
+                ChatMessage("assistant", "Paris."),
+            ],
+            add_generation_prompt=False,
+        )
+    ).ids
+    lengths = [5, 17, 64, 130, 260, 400, 2]
+    requests = [
+        # Real chat text, the whole answer turn scored.
+        SpanRequest("chat", chat, len(chat) - 6, len(chat)),
+    ]
+    for i, n in enumerate(lengths):
+        ids = random_ids(rng, n, vocab)
+        requests.append(SpanRequest(f"end{i}", ids, max(1, n // 2), n))  # span at the end
+        if n >= 4:
+            # span in the middle: the prompt is cut at span_end before it reaches the engine
+            requests.append(SpanRequest(f"mid{i}", ids, n // 4, n // 4 + max(1, n // 3)))
+    requests.append(SpanRequest("first", requests[1].token_ids, 1, 2))  # first scorable token
+    results = run(runner, backend.score(requests))
+
+    assert [r.request_id for r in results] == [r.request_id for r in requests]
+    worst = 0.0
+    for req, result in zip(requests, results, strict=True):
+        assert isinstance(result, SpanLogprobs), result
+        expected = reference_span(hf_model, req)
+        assert len(result.logprobs) == req.span_end - req.span_start
+        worst = max(worst, max_diff(result.logprobs, expected))
+    print(f"max |vLLM - transformers| = {worst:.3e} nats over {len(requests)} prompts")
+    assert worst <= TOLERANCE
+    # The weights are not near-uniform: scores differ, so the comparison has teeth.
+    spread = [v for r in results if isinstance(r, SpanLogprobs) for v in r.logprobs]
+    assert max(spread) - min(spread) > 5.0
+
+
+def test_generate_matches_greedy_transformers(
+    backend: VLLMBackend, hf_model: Any, runner: asyncio.Runner
+) -> None:
+    rng = random.Random(1)
+    vocab = backend._vocab_size
+    eos = backend.tokenizer.eos_token_ids
+    prompts = [random_ids(rng, n, vocab) for n in (3, 40, 150)]
+    refs = [reference_greedy(hf_model, p, 8, eos) for p in prompts]
+    # Stop on the third token of the first reference: vLLM must stop there and include it.
+    stop_at = refs[0][0][2]
+    stopped_ref = reference_greedy(hf_model, prompts[0], 8, eos | {stop_at})
+    requests = [GenerationRequest(f"g{i}", p, 8) for i, p in enumerate(prompts)]
+    requests.append(GenerationRequest("stop", prompts[0], 8, frozenset({stop_at})))
+    results = run(runner, backend.generate(requests))
+
+    worst = 0.0
+    for result, (ids, lps, reason) in zip(results, [*refs, stopped_ref], strict=True):
+        assert isinstance(result, Generation), result
+        assert list(result.token_ids) == ids
+        assert result.finish_reason == reason
+        worst = max(worst, max_diff(result.logprobs, lps))
+    assert results[-1].finish_reason == "stop" and results[-1].token_ids[-1] == stop_at
+    print(f"max |vLLM - transformers| generation log-prob = {worst:.3e} nats")
+    assert worst <= TOLERANCE
+
+
+def test_bad_prompts_fail_alone(
+    backend: VLLMBackend, hf_model: Any, runner: asyncio.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    vocab = backend._vocab_size
+    good = SpanRequest("good", tuple(range(100, 130)), 10, 30)
+    requests = [
+        SpanRequest("span0", good.token_ids, 0, 5),  # the first token has no log-prob
+        good,
+        SpanRequest("past-end", good.token_ids, 5, 31),
+        SpanRequest("vocab", (1, 2, vocab), 1, 3),
+        SpanRequest("negative", (1, -1, 2), 1, 3),
+        SpanRequest("too-long", tuple([5] * CONTEXT), 1, CONTEXT),
+        SpanRequest("engine-fails", good.token_ids, 10, 30),
+        SpanRequest("good2", good.token_ids, 1, 10),
+    ]
+    real_generate = backend._engine.generate
+
+    def generate(prompt: Any, params: Any, request_id: str) -> AsyncGenerator[Any, None]:
+        if request_id.startswith("engine-fails-"):
+            raise EngineGenerateError()
+        return real_generate(prompt, params, request_id)
+
+    monkeypatch.setattr(backend._engine, "generate", generate)
+    results = run(runner, backend.score(requests))
+
+    kinds = {r.request_id: type(r).__name__ for r in results}
+    assert kinds == {
+        "span0": "PromptFailure",
+        "good": "SpanLogprobs",
+        "past-end": "PromptFailure",
+        "vocab": "PromptFailure",
+        "negative": "PromptFailure",
+        "too-long": "PromptFailure",
+        "engine-fails": "PromptFailure",
+        "good2": "SpanLogprobs",
+    }
+    for result, req in zip(results, requests, strict=True):
+        if isinstance(result, SpanLogprobs):
+            expected = reference_span(hf_model, req)
+            assert max_diff(result.logprobs, expected) <= TOLERANCE
+
+    gens = run(
+        runner,
+        backend.generate(
+            [
+                GenerationRequest("zero", good.token_ids, 0),
+                GenerationRequest("full", tuple([5] * CONTEXT), 4),
+                GenerationRequest("ok", good.token_ids, 2),
+            ]
+        ),
+    )
+    assert [type(g).__name__ for g in gens] == ["PromptFailure", "PromptFailure", "Generation"]
+
+
+def test_engine_death_raises(
+    backend: VLLMBackend, runner: asyncio.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_generate = backend._engine.generate
+
+    async def dying(prompt: Any, params: Any, request_id: str) -> AsyncGenerator[Any, None]:
+        if request_id.startswith("dies-"):
+            raise EngineDeadError()
+        async for out in real_generate(prompt, params, request_id):
+            yield out
+
+    monkeypatch.setattr(backend._engine, "generate", dying)
+    ok = SpanRequest("fine", tuple(range(100, 130)), 1, 30)
+    with pytest.raises(BackendUnavailable):
+        run(runner, backend.score([ok, SpanRequest("dies", ok.token_ids, 1, 30), ok]))
+    monkeypatch.undo()
+    # The sibling requests were aborted, and the engine (not really dead) still serves.
+    assert backend.num_unfinished_requests == 0
+    assert isinstance(run(runner, backend.score([ok]))[0], SpanLogprobs)
+
+
+def test_cancellation_aborts_engine_requests(
+    backend: VLLMBackend, runner: asyncio.Runner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    external: list[str] = []
+    real_abort = backend._engine.abort
+
+    async def abort(request_ids: Any, internal: bool = False) -> None:
+        if not internal:  # internal ids come from vLLM's own generate() cleanup
+            external.extend([request_ids] if isinstance(request_ids, str) else request_ids)
+        await real_abort(request_ids, internal)
+
+    monkeypatch.setattr(backend._engine, "abort", abort)
+    requests = long_requests(backend, count=24)
+
+    async def cancel_mid_flight() -> None:
+        task = asyncio.create_task(backend.score(requests))
+        await wait_until(lambda: backend.num_unfinished_requests > 0)
+        assert not task.done()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert backend.num_unfinished_requests == 0
+
+    run(runner, cancel_mid_flight())
+    # Every engine request of the call was aborted by its external id (request id + suffix).
+    assert sorted(a.rsplit("-", 1)[0] for a in external) == sorted(r.request_id for r in requests)
+    monkeypatch.undo()
+    assert isinstance(run(runner, backend.score(requests[:1]))[0], SpanLogprobs)
+
+
+def test_output_checks_on_synthetic_outputs() -> None:
+    req = SpanRequest("r", (10, 11, 12, 13), 1, 4)
+
+    def flat(rows: Sequence[dict[int, float] | None]) -> FlatLogprobs:
+        out = FlatLogprobs()
+        for row in rows:
+            out.append(None if row is None else {t: Logprob(v) for t, v in row.items()})
+        return out
+
+    good = flat([None, {11: -1.0}, {12: 2e-6}, {13: -3.0}])
+    assert span_from_prompt_logprobs(req, good) == SpanLogprobs("r", (-1.0, 0.0, -3.0))
+    as_dicts = [None, {11: Logprob(-1.0)}, {12: Logprob(-2.0)}, {13: Logprob(-3.0)}]
+    assert span_from_prompt_logprobs(req, as_dicts) == SpanLogprobs("r", (-1.0, -2.0, -3.0))
+    bad = {
+        "missing": None,
+        "short": flat([None, {11: -1.0}]),
+        "other token": flat([None, {11: -1.0}, {99: -2.0}, {13: -3.0}]),
+        "nan": flat([None, {11: -1.0}, {12: math.nan}, {13: -3.0}]),
+        "inf": flat([None, {11: -math.inf}, {12: -1.0}, {13: -3.0}]),
+        "positive": flat([None, {11: -1.0}, {12: 10 * POSITIVE_TOLERANCE}, {13: -3.0}]),
+    }
+    for name, rows in bad.items():
+        assert isinstance(span_from_prompt_logprobs(req, rows), PromptFailure), name
+
+    import numpy as np
+
+    assert span_from_token_id_scores(req, np.array([[-1.0], [-2.0], [-3.0]])) == SpanLogprobs(
+        "r", (-1.0, -2.0, -3.0)
+    )
+    for scores in (None, np.zeros((2, 1)), np.zeros((3, 2)), np.array([[-1.0], [np.nan], [0.0]])):
+        assert isinstance(span_from_token_id_scores(req, scores), PromptFailure)
+
+    def output(reason: str, ids: list[int], rows: FlatLogprobs | None) -> Any:
+        completion = SimpleNamespace(finish_reason=reason, token_ids=ids, logprobs=rows)
+        return SimpleNamespace(outputs=[completion])
+
+    ok = generation_from_output("g", output("stop", [5, 6], flat([{5: -0.5}, {6: -0.1}])))
+    assert ok == Generation("g", (5, 6), (-0.5, -0.1), "stop")
+    for out in (
+        output("abort", [5], flat([{5: -0.5}])),
+        output("length", [5, 6], flat([{5: -0.5}])),
+        output("length", [5, 6], flat([{5: -0.5}, {7: -0.1}])),
+        output("length", [5], None),
+    ):
+        assert isinstance(generation_from_output("g", out), PromptFailure)
+
+
+def test_token_id_fast_path_requests(backend: VLLMBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GPU-only fast path, as far as CPU can check it: vLLM accepts the request we build and
+    we read its documented output layout back (row i scores prompt token start + i + 1)."""
+    monkeypatch.setattr(backend, "_score_mode", "token_ids")
+    req = SpanRequest("fast", tuple(range(100, 140)), 10, 25)
+    job = backend._score_job(req)
+    params = job.params
+    assert job.token_ids == req.token_ids[:25]  # cut at span_end
+    assert params.prompt_logprobs is None and params.max_tokens == 1
+    rows = params.prompt_logprob_token_ids
+    # vLLM's own checks: ids in vocabulary, and exactly prompt_len - 1 - start rows.
+    params._validate_logprobs(backend._engine.model_config)
+    assert rows.shape == (len(job.token_ids) - 1 - params.prompt_logprob_start, 1)
+    assert [int(r[0]) for r in rows] == list(req.token_ids[10:25])
+
+    import numpy as np
+
+    values = -np.arange(1, 16, dtype=np.float32)[:, None] / 10
+    out = SimpleNamespace(prompt_token_ids=list(job.token_ids), prompt_token_id_logprobs=values)
+    parsed = job.parse(out)
+    assert isinstance(parsed, SpanLogprobs)
+    assert np.allclose(parsed.logprobs, values[:, 0])
+    other = SimpleNamespace(prompt_token_ids=[1, 2, 3], prompt_token_id_logprobs=values)
+    assert isinstance(job.parse(other), PromptFailure)

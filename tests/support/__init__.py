@@ -1,0 +1,1 @@
+"""Helpers shared by tests: tiny real-architecture models, cache locations."""

@@ -1,0 +1,75 @@
+"""Model folders for tests: the converted embedded SmolLM2, and a tiny random Llama beside it.
+
+The tiny model keeps a real architecture (Llama: RoPE, GQA, RMSNorm, SwiGLU) and the real
+SmolLM2 tokenizer and chat template, so fast tests exercise the same code paths as production
+at a fraction of the cost. Weights are random but fixed by the seed.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from service.model_assets import resolve_model
+from service.settings import EMBEDDED_MODEL, Settings
+
+TINY_SEED = 1234
+
+
+def cache_dir_for_tests() -> Path:
+    """Stable cache for converted models, shared by test runs (first conversion ~25 s).
+
+    ``RAG_REORDER_TEST_CACHE_DIR`` overrides ``~/.cache/rag-reorder``.
+    """
+    override = os.environ.get("RAG_REORDER_TEST_CACHE_DIR")
+    return Path(override) if override else Path.home() / ".cache" / "rag-reorder"
+
+
+def embedded_model_dir(cache_dir: Path | None = None) -> Path:
+    """The converted SmolLM2-135M-Instruct folder, converting it on first use."""
+    return resolve_model(
+        Settings(model=EMBEDDED_MODEL, cache_dir=cache_dir or cache_dir_for_tests())
+    )
+
+
+def build_tiny_llama(dst: Path, tokenizer_dir: Path, *, seed: int = TINY_SEED) -> Path:
+    """Save a tiny random Llama (hidden 64, 2 layers, 2 heads of 32) with a real tokenizer.
+
+    Args:
+        dst: folder to write (created).
+        tokenizer_dir: a model folder whose tokenizer (and vocabulary size) to reuse.
+        seed: weight initialisation seed.
+
+    Returns:
+        ``dst``.
+    """
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,  # grouped-query attention, like SmolLM2
+        head_dim=32,  # vLLM's CPU attention needs >= 32
+        max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+        # Wider than the usual 0.02: peaked next-token distributions keep greedy argmax far from
+        # ties, so cached and uncached decoding cannot flip on rounding noise.
+        initializer_range=0.2,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    # The generation config (bos/eos/pad ids) is derived from the model config.
+    model = LlamaForCausalLM(config)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(dst))
+    tokenizer.save_pretrained(str(dst))
+    return dst

@@ -45,12 +45,17 @@ class Problem:
         rows = np.arange(d.prompts, dtype=np.int64)[:, None] * (d.n_passages + 1)
         return np.ascontiguousarray((rows + d.extended).ravel())
 
+    @cached_property
+    def _slot_of_flat(self) -> NDArray[np.int64]:
+        d = self.design
+        return np.tile(np.arange(d.slots, dtype=np.int64), d.prompts)
+
     def u_matrix(self, a: FloatArray) -> FloatArray:
         """``X(a)``: entry (i, p) is the coefficient of the slot showing p in prompt i."""
         d = self.design
         m, n = d.prompts, d.n_passages
         ju = np.zeros(m * (n + 1))
-        ju[self._flat] = np.broadcast_to(a, (m, a.shape[0])).ravel()
+        ju[self._flat] = a[self._slot_of_flat]
         return ju.reshape(m, n + 1)[:, :n]
 
 

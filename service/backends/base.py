@@ -6,6 +6,7 @@ byte-identical token ids and can be cross-checked against the others on the same
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
@@ -98,6 +99,24 @@ class PromptFailure:
 
 ScoreResult = SpanLogprobs | PromptFailure
 GenerateResult = Generation | PromptFailure
+
+# logit - logsumexp(logits) <= 0 holds exactly in exact arithmetic; kernels may round a
+# near-certain token a hair above 0. Anything larger is a broken row, not rounding.
+POSITIVE_TOLERANCE = 1e-5
+
+
+def checked_span(request_id: str, values: Sequence[float]) -> ScoreResult:
+    """The one validation every backend applies to a row of log-probs.
+
+    Returns:
+        ``SpanLogprobs`` (values clipped to <= 0) if every value is finite and at most
+        ``POSITIVE_TOLERANCE``; otherwise a ``PromptFailure`` saying why.
+    """
+    if not all(math.isfinite(v) for v in values):
+        return PromptFailure(request_id, "non-finite log-prob")
+    if any(v > POSITIVE_TOLERANCE for v in values):
+        return PromptFailure(request_id, "positive log-prob")
+    return SpanLogprobs(request_id, tuple(min(float(v), 0.0) for v in values))
 
 
 @runtime_checkable

@@ -36,8 +36,8 @@ from service.backends.base import (
     GenerationRequest,
     PromptFailure,
     ScoreResult,
-    SpanLogprobs,
     SpanRequest,
+    checked_span,
 )
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
@@ -57,9 +57,6 @@ DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 # Head output plus its float32 copy for the log-softmax, per batch: the planner keeps
 # rows x vocab x 8 bytes under this, because that tensor, not the KV state, is what blows up.
 _LOGITS_BYTES_BUDGET = 1 << 30
-# logit - logsumexp(logits) <= 0 holds exactly in float arithmetic (logsumexp >= max); the
-# tolerance only guards exotic kernels. Anything above it is reported as a failure.
-_POSITIVE_TOLERANCE = 1e-5
 _DEFAULT_CONTEXT = 2048
 
 
@@ -349,7 +346,7 @@ class TransformersBackend:
         start = 0
         for req in batch:
             end = start + req.span_end - req.span_start
-            results.append(_checked(req.request_id, flat[start:end]))
+            results.append(checked_span(req.request_id, flat[start:end]))
             start = end
         return results
 
@@ -547,14 +544,6 @@ def _validate_span(req: SpanRequest) -> None:
             f"1 <= span_start < span_end <= {n} (the first token has no log-prob)",
             param="span_start",
         )
-
-
-def _checked(request_id: str, values: list[float]) -> ScoreResult:
-    if not all(math.isfinite(v) for v in values):
-        return PromptFailure(request_id, "non-finite log-prob")
-    if any(v > _POSITIVE_TOLERANCE for v in values):
-        return PromptFailure(request_id, "positive log-prob")
-    return SpanLogprobs(request_id, tuple(min(v, 0.0) for v in values))
 
 
 def _probe_head(

@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +65,7 @@ from service.backends.base import (
     ScoreResult,
     SpanLogprobs,
     SpanRequest,
+    checked_span,
 )
 from service.backends.hf_tokenizer import HFPromptTokenizer, HFTokenizerLike
 from service.errors import BackendUnavailable
@@ -78,10 +78,6 @@ ScoreMode = Literal["auto", "token_ids", "prompt_logprobs"]
 """How span log-probs are asked of vLLM (see the module docstring); ``auto`` picks the best."""
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
-# A log-softmax is <= 0 in exact arithmetic; fused kernels can round a near-certain token a hair
-# above 0. Values up to this are clipped to 0, larger ones are reported as a failure (the same
-# tolerance as the transformers backend, so both backends accept the same outputs).
-POSITIVE_TOLERANCE = 1e-5
 # Kept short: a failure reason travels into response diagnostics and logs.
 _MAX_REASON_CHARS = 200
 
@@ -643,16 +639,6 @@ def generation_from_output(request_id: str, out: RequestOutput) -> GenerateResul
     if isinstance(checked, PromptFailure):
         return checked
     return Generation(request_id, token_ids, checked.logprobs, str(reason))
-
-
-def checked_span(request_id: str, values: Sequence[float]) -> ScoreResult:
-    """``SpanLogprobs`` if every value is finite and <= ``POSITIVE_TOLERANCE`` (then clipped to
-    0), else ``PromptFailure``."""
-    if not all(math.isfinite(v) for v in values):
-        return PromptFailure(request_id, "non-finite log-prob")
-    if any(v > POSITIVE_TOLERANCE for v in values):
-        return PromptFailure(request_id, "positive log-prob")
-    return SpanLogprobs(request_id, tuple(min(float(v), 0.0) for v in values))
 
 
 def _row_value(rows: Sequence[Any], pos: int, token: int) -> float | None:

@@ -39,6 +39,7 @@ from vllm.logprobs import FlatLogprobs, Logprob
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from service.backends.base import (
+    POSITIVE_TOLERANCE,
     ChatMessage,
     Generation,
     GenerationRequest,
@@ -49,7 +50,6 @@ from service.backends.base import (
 )
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.backends.vllm_backend import (
-    POSITIVE_TOLERANCE,
     VLLMBackend,
     generation_from_output,
     span_from_prompt_logprobs,

@@ -86,6 +86,24 @@ class Design:
         """``perms`` with empty slots pointing at an extra index ``n`` that holds zero."""
         return np.where(self.perms >= 0, self.perms, self.n_passages)
 
+    @cached_property
+    def _flat(self) -> IntArray:
+        # Flat positions (i, pi_i(j)) in an M x (N + 1) matrix, slot-major within each row.
+        rows = np.arange(self.prompts, dtype=np.int64)[:, None] * (self.n_passages + 1)
+        return np.ascontiguousarray((rows + self.extended).ravel())
+
+    @cached_property
+    def _slot_of_flat(self) -> IntArray:
+        return np.tile(np.arange(self.slots, dtype=np.int64), self.prompts)
+
+    def u_matrix(self, a: FloatArray) -> FloatArray:
+        """``X(a)`` (M x N): entry (i, p) is the coefficient of the slot showing p in prompt i,
+        0 where prompt i does not show p. Also ``d prediction / d u``."""
+        m, n = self.prompts, self.n_passages
+        ju = np.zeros(m * (n + 1))
+        ju[self._flat] = a[self._slot_of_flat]
+        return ju.reshape(m, n + 1)[:, :n]
+
 
 def as_design(permutations: ArrayLike, n_passages: int | None = None) -> Design:
     """Validate a permutation array.
@@ -157,7 +175,7 @@ class Identifiability:
 
 
 @lru_cache(maxsize=256)
-def _sum_zero_basis(slots: int) -> FloatArray:
+def sum_zero_basis(slots: int) -> FloatArray:
     """Orthonormal basis (``slots x slots-1``) of vectors summing to zero (cached, read-only)."""
     q, _ = np.linalg.qr(np.eye(slots) - 1.0 / slots)
     basis = np.ascontiguousarray(q[:, : slots - 1])
@@ -200,9 +218,9 @@ def _rank_test(design: Design) -> Identifiability:
     a = rng.uniform(0.5, 1.5, slots)
     a /= a.sum()
     u_ext = np.append(rng.standard_normal(n), 0.0)
-    cols = [_u_jacobian(comp, a)]
+    cols = [comp.u_matrix(a)]
     if slots > 1:
-        cols.append(u_ext[comp.extended] @ _sum_zero_basis(slots))
+        cols.append(u_ext[comp.extended] @ sum_zero_basis(slots))
     if comp.ragged:
         cols.append(np.ones((m, 1)))
     jac = np.hstack(cols)
@@ -226,11 +244,3 @@ def _rank_test(design: Design) -> Identifiability:
             "it cannot separate position bias from utility (cyclic designs never can)"
         )
     return Identifiability(level, rank, params, m, distinct, n, slots, reason)
-
-
-def _u_jacobian(design: Design, a: FloatArray) -> FloatArray:
-    """d prediction / d u: entry (i, p) is the coefficient of the slot showing p in prompt i."""
-    m, n = design.prompts, design.n_passages
-    ju = np.zeros((m, n + 1))
-    ju[np.arange(m)[:, None], design.extended] = a[None, :]
-    return ju[:, :n]

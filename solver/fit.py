@@ -381,7 +381,7 @@ def _fixed_bias(prob: lm.Problem, ref: FloatArray, uncertainty: bool) -> _Core:
     sensitivity = None
     if uncertainty:
         if dof > 0:
-            x = _x_matrix(prob, ref)
+            x = lm.x_matrix(prob, ref)
             inv = np.linalg.pinv(x.T @ x, rcond=1e-12, hermitian=True)
             cov_u = np.asarray((cost / dof) * inv[:n, :n], dtype=np.float64)
         else:
@@ -393,11 +393,6 @@ def _fixed_bias(prob: lm.Problem, ref: FloatArray, uncertainty: bool) -> _Core:
     return _Core(
         u, ref.copy(), cost, True, 0, dof, cov_u, None, sensitivity, warnings, "fixed_bias"
     )
-
-
-def _x_matrix(prob: lm.Problem, a: FloatArray) -> FloatArray:
-    x = prob.u_matrix(a)
-    return x if prob.groups is None else np.hstack([x, prob.groups])
 
 
 def _deconvolve(prob: lm.Problem, a: FloatArray) -> tuple[FloatArray, FloatArray, int]:
@@ -423,7 +418,7 @@ def _deconvolve(prob: lm.Problem, a: FloatArray) -> tuple[FloatArray, FloatArray
         full = power > 1e-10 * float(power.max())
         rank = int(full[0]) + 2 * int(full[1:].sum()) - (int(full[-1]) if n % 2 == 0 else 0)
         return u, np.zeros(0), rank
-    x = _x_matrix(prob, a)
+    x = lm.x_matrix(prob, a)
     xtx = x.T @ x
     rho = _RIDGE * float(np.trace(xtx)) / xtx.shape[0]
     reg = np.full(xtx.shape[0], rho)

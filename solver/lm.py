@@ -10,13 +10,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
 
 import numpy as np
 import scipy.linalg as sla
 from numpy.typing import NDArray
 
-from solver.design import Design
+from solver.design import Design, sum_zero_basis
 
 FloatArray = NDArray[np.float64]
 
@@ -37,26 +36,6 @@ class Problem:
     @property
     def n_intercepts(self) -> int:
         return 0 if self.groups is None else int(self.groups.shape[1])
-
-    @cached_property
-    def _flat(self) -> NDArray[np.int64]:
-        # Flat positions (i, pi_i(j)) in an M x (N + 1) matrix, slot-major within each row.
-        d = self.design
-        rows = np.arange(d.prompts, dtype=np.int64)[:, None] * (d.n_passages + 1)
-        return np.ascontiguousarray((rows + d.extended).ravel())
-
-    @cached_property
-    def _slot_of_flat(self) -> NDArray[np.int64]:
-        d = self.design
-        return np.tile(np.arange(d.slots, dtype=np.int64), d.prompts)
-
-    def u_matrix(self, a: FloatArray) -> FloatArray:
-        """``X(a)``: entry (i, p) is the coefficient of the slot showing p in prompt i."""
-        d = self.design
-        m, n = d.prompts, d.n_passages
-        ju = np.zeros(m * (n + 1))
-        ju[self._flat] = a[self._slot_of_flat]
-        return ju.reshape(m, n + 1)[:, :n]
 
 
 @dataclass(frozen=True, eq=False)
@@ -83,17 +62,9 @@ def affine(a0: FloatArray, constraints: FloatArray) -> Affine:
     return Affine(a0, np.ascontiguousarray(basis))
 
 
-@lru_cache(maxsize=256)
-def _simplex_basis(slots: int) -> FloatArray:
-    q, _ = np.linalg.qr(np.eye(slots) - 1.0 / slots)
-    basis = np.ascontiguousarray(q[:, : slots - 1])
-    basis.setflags(write=False)
-    return basis
-
-
 def simplex(slots: int) -> Affine:
     """``sum a = 1`` through the uniform profile (the basis is cached per slot count)."""
-    return Affine(np.full(slots, 1.0 / slots), _simplex_basis(slots))
+    return Affine(np.full(slots, 1.0 / slots), sum_zero_basis(slots))
 
 
 def predict(
@@ -111,10 +82,16 @@ def predict(
 
 
 def jacobian(prob: Problem, a: FloatArray, shown: FloatArray, aff: Affine) -> FloatArray:
-    cols = [prob.u_matrix(a), shown @ aff.basis]
+    cols = [prob.design.u_matrix(a), shown @ aff.basis]
     if prob.groups is not None:
         cols.append(prob.groups)
     return np.hstack(cols)
+
+
+def x_matrix(prob: Problem, a: FloatArray) -> FloatArray:
+    """The linear system of the utilities (and intercepts) for a fixed bias ``a``."""
+    x = prob.design.u_matrix(a)
+    return x if prob.groups is None else np.hstack([x, prob.groups])
 
 
 def solve_u(prob: Problem, a: FloatArray) -> tuple[FloatArray, FloatArray]:
@@ -124,9 +101,7 @@ def solve_u(prob: Problem, a: FloatArray) -> tuple[FloatArray, FloatArray]:
     an SVD at these sizes, and close to the min-norm solution where the system is singular.
     """
     n = prob.design.n_passages
-    x = prob.u_matrix(a)
-    if prob.groups is not None:
-        x = np.hstack([x, prob.groups])
+    x = x_matrix(prob, a)
     xtx = x.T @ x
     di = np.arange(xtx.shape[0])
     xtx[di, di] += 1e-10 * max(float(np.trace(xtx)) / xtx.shape[0], 1e-300)

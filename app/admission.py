@@ -130,7 +130,14 @@ class AdmittedBackend:
             return await self._inner.score(requests)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
-        return await self._inner.generate(requests)
+        """Admit the prompts' tokens plus their answer budgets (503), then generate.
+
+        Raises:
+            Overloaded: the in-flight token budget is full.
+        """
+        tokens = sum(len(r.token_ids) + r.max_new_tokens for r in requests)
+        with self._admission.tokens(tokens):
+            return await self._inner.generate(requests)
 
     async def aclose(self) -> None:
         """Nothing to do: the lifespan owns and closes the shared backend."""

@@ -26,6 +26,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from service.errors import ClientError, ReorderError
 from service.prompts import Passage
 from service.settings import Settings
+from service.strategies import strategy_names
 
 log = logging.getLogger("rag_reorder")
 
@@ -98,6 +99,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--placement", choices=_PLACEMENTS, default="descending_utility")
     r.add_argument("--joint", action="store_true", help="add the passages' own log-likelihood")
     r.add_argument("--template")
+    r.add_argument("--strategy", choices=strategy_names(), default="moi")
+    r.add_argument("--samples", type=int, help="K for query_likelihood / self_consistency")
+    r.add_argument("--max-answer-tokens", type=int, help="lore / self_consistency")
 
     c = sub.add_parser("calibrate", help="fit and store a bias profile from a QA set (JSONL)")
     c.add_argument("--data", required=True, type=Path)
@@ -159,27 +163,35 @@ async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
 
     from app.schemas import reorder_response
     from service.backends.factory import create_backend
-    from service.pipeline import DesignSpec, Reorderer, ReorderRequest
+    from service.pipeline import DesignSpec, Reorderer, ReorderRequest, StrategyOptions
 
     passages = read_passages(args.passages)
+    moi = args.strategy == "moi"
+    req = ReorderRequest(
+        query=args.query,
+        passages=passages,
+        strategy=args.strategy,
+        design=DesignSpec(
+            kind=args.design,
+            num_prompts=args.num_prompts,
+            prompt_passages=args.prompt_passages,
+            seed=args.seed if moi else None,
+            variable_pruning=args.variable_pruning,
+        ),
+        options=StrategyOptions(
+            samples=args.samples,
+            max_answer_tokens=args.max_answer_tokens,
+            seed=None if moi else args.seed,
+        ),
+        placement=args.placement,
+        joint=args.joint,
+        template=args.template,
+    )
     backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
     try:
-        result = await Reorderer(backend, settings).reorder(
-            ReorderRequest(
-                query=args.query,
-                passages=passages,
-                design=DesignSpec(
-                    kind=args.design,
-                    num_prompts=args.num_prompts,
-                    prompt_passages=args.prompt_passages,
-                    seed=args.seed,
-                    variable_pruning=args.variable_pruning,
-                ),
-                placement=args.placement,
-                joint=args.joint,
-                template=args.template,
-            )
-        )
+        reorderer = Reorderer(backend, settings)
+        reorderer.planned_prompts(req)  # refuse bad options before the model loads further
+        result = await reorderer.reorder(req)
     finally:
         await backend.aclose()
     print(reorder_response(result, passages).model_dump_json(indent=2))

@@ -75,9 +75,10 @@ async def execute(
     ctx.lifecycle.succeeded()
     ctx.metrics.observe(result)
     log.info(
-        "request %s: %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s",
+        "request %s: %s, %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s",
         rid,
-        len(result.fit.utilities),
+        result.strategy,
+        result.n_passages,
         result.prompts,
         result.usage.prompts_failed,
         result.usage.prompt_tokens,

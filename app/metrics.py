@@ -9,6 +9,7 @@ the fixed error vocabulary.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -116,6 +117,31 @@ class ServiceMetrics:
             buckets=_SOLVER_BUCKETS,
             registry=r,
         )
+        self.strategy_requests = Counter(
+            f"{p}_strategy_requests",
+            "Reorder and rerank requests answered successfully, by strategy.",
+            ["strategy"],
+            registry=r,
+        )
+        self.order_changed = Counter(
+            f"{p}_order_changed",
+            "Successful requests whose order differs from the retriever's (input) order, by "
+            "strategy; divide by strategy_requests for the share.",
+            ["strategy"],
+            registry=r,
+        )
+        self.fit_r2 = Histogram(
+            f"{p}_fit_r2",
+            "R^2 of the MoI fit (share of the log-likelihood variance across permutations "
+            "that utilities and position bias explain).",
+            buckets=(0.1, 0.25, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.99, 1.0),
+            registry=r,
+        )
+        self.generated_tokens = Counter(
+            f"{p}_generated_tokens",
+            "Tokens generated (answers of lore, self_consistency).",
+            registry=r,
+        )
         self.canary_failures = Counter(
             f"{p}_canary_failures", "Warm-up and canary requests that failed.", registry=r
         )
@@ -129,8 +155,16 @@ class ServiceMetrics:
         self.prompt_tokens.inc(result.usage.prompt_tokens)
         self.scored_tokens.inc(result.usage.scored_tokens)
         self.prompts_failed.inc(result.usage.prompts_failed)
+        self.generated_tokens.inc(result.usage.generated_tokens)
         self.scoring_duration.observe(result.timing.scoring_s)
-        self.solver_duration.observe(result.timing.solver_s)
+        self.strategy_requests.labels(result.strategy).inc()
+        if list(result.order) != sorted(result.order):
+            self.order_changed.labels(result.strategy).inc()
+        if result.fit is not None:
+            self.solver_duration.observe(result.timing.solver_s)
+            r2 = result.fit.r2
+            if r2 is not None and math.isfinite(r2):
+                self.fit_r2.observe(r2)
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition for an ``Accept`` header: body and content type."""

@@ -19,6 +19,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 from service.pipeline import DesignSpec, ReorderResult
 from service.profile_store import StoredProfile
 from service.prompts import Passage
+from service.strategies.base import StrategyName, StrategyOptions
 
 # Absolute caps of the wire types. The configurable limits in Settings are bounded by the same
 # numbers (their `le=`), so a limit can be lowered in configuration but never raised past the
@@ -30,8 +31,9 @@ MAX_TITLE_CHARS = 4096
 MAX_ID_CHARS = 512
 MAX_NUM_PROMPTS = 100_000
 MAX_SEED = 2**32 - 1
+MAX_ANSWER_TOKENS = 1024
 
-Strategy = Literal["moi"]
+Strategy = StrategyName
 DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
 PlacementName = Literal["descending_utility", "bias_matched"]
 ErrorType = Literal[
@@ -106,10 +108,15 @@ class DesignIn(_Strict):
 
 
 class ReorderOptions(_Strict):
-    """How to reorder: the native request's options, and `reorder` on the rerank routes."""
+    """How to reorder: the native request's options, and `reorder` on the rerank routes.
+
+    `design`, `placement` and `joint` apply to `moi` only; each other option names the
+    strategies that read it, and setting it for another strategy is a 422.
+    """
 
     strategy: Strategy = "moi"
-    """Only `moi` (mixture of interventions) for now."""
+    """`moi` (mixture of interventions, the default) or another published method: see the
+    README's strategy table."""
     design: DesignIn = Field(default_factory=DesignIn)
     placement: PlacementName = "descending_utility"
     """`descending_utility` (best first) or `bias_matched` (best into the strongest slot)."""
@@ -117,6 +124,33 @@ class ReorderOptions(_Strict):
     """Also score the passages' own tokens (METHOD.md section 2)."""
     template: str | None = Field(default=None, min_length=1, max_length=64)
     """Named scoring prompt template (default: the configured `chat_template`)."""
+    samples: int | None = Field(default=None, ge=1, le=MAX_NUM_PROMPTS)
+    """K: shuffles scored (`query_likelihood`, default N) or permutations answered
+    (`self_consistency`, default 30)."""
+    rankings: list[list[int]] | None = Field(default=None, min_length=1, max_length=16)
+    """`lore`: input rankings to fuse (passage indices, best first; a ranking may list a
+    subset). Default: the retriever's order (scores, else input order)."""
+    probability_weight: float | None = Field(default=None, ge=0, le=1000, allow_inf_nan=False)
+    """`lore`: weight of the answer's mean token probability (default 0.8)."""
+    rank_weight: float | None = Field(default=None, ge=0, le=1000, allow_inf_nan=False)
+    """`lore`: weight of 1 / fused context rank (default 0.2)."""
+    rrf_k: int | None = Field(default=None, ge=0, le=1_000_000)
+    """`lore`: k of reciprocal rank fusion, RRF(d) = sum 1 / (k + rank) (default 60)."""
+    max_answer_tokens: int | None = Field(default=None, ge=1, le=MAX_ANSWER_TOKENS)
+    """Most tokens generated per answer (`lore`, `self_consistency`; default 32)."""
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    """Seed of the strategy's shuffles (default: the configured seed, mixed with the query)."""
+
+    def strategy_options(self) -> StrategyOptions:
+        return StrategyOptions(
+            samples=self.samples,
+            rankings=tuple(tuple(r) for r in self.rankings) if self.rankings else None,
+            probability_weight=self.probability_weight,
+            rank_weight=self.rank_weight,
+            rrf_k=self.rrf_k,
+            max_answer_tokens=self.max_answer_tokens,
+            seed=self.seed,
+        )
 
 
 class ReorderBody(ReorderOptions):
@@ -162,12 +196,20 @@ class PassageOut(_Model):
     index: int
     id: str | None
     utility: float | None
-    """Debiased utility (nats of query log-likelihood per unit of slot weight, centred on the
-    mean shown passage); null when no prompt showed the passage."""
+    """`moi`: debiased utility (nats of query log-likelihood per unit of slot weight, centred
+    on the mean shown passage); null for other strategies and for never-shown passages."""
+    score: float | None
+    """The strategy's own per-passage score (higher is better; see `diagnostics.score`);
+    null when the strategy has none or could not compute it."""
     stderr: float | None
     confidence_above_next: float | None
-    """Probability that this passage truly beats the next one in `ranking`."""
+    """`moi`: probability that this passage truly beats the next one in `ranking`."""
     shown: bool
+    """Whether any prompt showed this passage to the model."""
+    distracting_effect: float | None
+    """DE = 1 - P("NO-RESPONSE" | query, passage) (paper 004), where the strategy computes it."""
+    answer: str | None
+    """`lore`: the answer generated from this passage alone."""
 
 
 class ProfileOut(_Model):
@@ -194,25 +236,67 @@ class PositionBiasOut(_Model):
     """The calibrated profile used (cyclic designs and orientation), if any."""
 
 
+class PositionalProfileOut(_Model):
+    """A measured positional profile (paper 004) used by `max_relevance` / `min_distraction`."""
+
+    kind: Literal["accuracy", "distracting_effect"]
+    model: str
+    template: str
+    slots: int
+    values: list[float]
+    """One value per prompt slot, first slot first."""
+    questions: int
+    """Questions the calibration averaged over."""
+
+
+class AnswerOut(_Model):
+    """The answer a strategy produced (`lore`: best-scoring passage's; `self_consistency`:
+    the majority vote)."""
+
+    text: str
+    passage: int | None
+    """`lore`: index of the passage the answer was generated from."""
+    votes: int | None
+    """`self_consistency`: permutations whose answer normalises to this one."""
+    samples: int | None
+    """`self_consistency`: answers counted."""
+    probability: float | None
+    """Mean token probability of the answer."""
+
+
 class DiagnosticsOut(_Model):
-    design: DesignKind
+    strategy: Strategy
+    design: DesignKind | None
+    """`moi` only."""
     template: str
     method: str
+    """The fit's method (`moi`) or the strategy's name."""
+    score: str | None
+    """What `passages[].score` is (e.g. `debiased_utility`, `convex_score`, `lor`)."""
     prompts: int
+    """Model calls planned (scored prompts plus generations, before de-duplication)."""
     prompts_failed: int
-    slots: int
+    slots: int | None
     r2: float | None
-    converged: bool
-    iterations: int
-    residual_dof: int
+    converged: bool | None
+    iterations: int | None
+    residual_dof: int | None
     prior_sensitivity: float | None
     warnings: list[str]
+    details: dict[str, Any]
+    """Strategy-specific figures (e.g. the chosen shuffle's per-token log-likelihood)."""
 
 
 class UsageOut(_Model):
     prompt_tokens: int
+    """Tokens prefilled (scored and generating prompts)."""
     scored_tokens: int
+    """Tokens whose log-probs were read."""
     prompts_scored: int
+    """Distinct prompts scored."""
+    generations: int
+    """Distinct prompts answered by greedy generation."""
+    generated_tokens: int
 
 
 class TimingOut(_Model):
@@ -225,13 +309,20 @@ class TimingOut(_Model):
 class ReorderMeta(_Model):
     """Everything the fit knows, without the envelope fields."""
 
+    strategy: Strategy
     order: list[int]
     """The placement: passage indices in prompt order (top_n best when top_n is set)."""
     ranking: list[int]
-    """All passages by debiased utility, best first."""
+    """All passages by the strategy's judgement (`moi`: debiased utility), best first; for
+    strategies with no judgement of their own (`shuffle`) the placement itself."""
     passages: list[PassageOut]
     """All passages, in `ranking` order."""
-    position_bias: PositionBiasOut
+    position_bias: PositionBiasOut | None
+    """`moi`: the fitted position bias; null for other strategies."""
+    positional_profile: PositionalProfileOut | None
+    """`max_relevance`, `min_distraction`: the measured profile the placement used."""
+    answer: AnswerOut | None
+    """`lore`, `self_consistency`: the strategy's answer."""
     diagnostics: DiagnosticsOut
     usage: UsageOut
     timing: TimingOut
@@ -377,58 +468,114 @@ def selected_order(result: ReorderResult, top_n: int | None) -> list[int]:
     return [i for i in result.order if i in best]
 
 
-def reorder_meta(
-    result: ReorderResult, passages: Sequence[Passage], top_n: int | None = None
-) -> ReorderMeta:
+def _passages_out(result: ReorderResult, passages: Sequence[Passage]) -> list[PassageOut]:
     fit = result.fit
-    conf = fit.confidence
-    stderr = fit.utility_stderr
-    rank_of = {idx: k for k, idx in enumerate(result.ranking)}
+    conf = fit.confidence if fit is not None else None
+    stderr = fit.utility_stderr if fit is not None else None
+    scores = result.scores
+    de = result.distracting_effect
+    answers = result.passage_answers
     out = []
-    for idx in result.ranking:
-        k = rank_of[idx]
+    for k, idx in enumerate(result.ranking):
         out.append(
             PassageOut(
                 index=idx,
                 id=passages[idx].id if idx < len(passages) else None,
-                utility=_finite(fit.utilities[idx]),
+                utility=_finite(fit.utilities[idx]) if fit is not None else None,
+                score=_finite(scores[idx]) if scores is not None else None,
                 stderr=_finite(stderr[idx]) if stderr is not None else None,
                 confidence_above_next=(
                     _finite(conf[k]) if conf is not None and k < len(conf) else None
                 ),
-                shown=bool(fit.shown[idx]),
+                shown=bool(fit.shown[idx]) if fit is not None else result.usage.prompts > 0,
+                distracting_effect=_finite(de[idx]) if de is not None else None,
+                answer=answers[idx] if answers is not None else None,
             )
         )
-    return ReorderMeta(
-        order=selected_order(result, top_n),
-        ranking=list(result.ranking),
-        passages=out,
-        position_bias=PositionBiasOut(
+    return out
+
+
+def _json_safe(value: Any) -> Any:
+    """Strategy details as JSON: NaN and infinities become null, arrays become lists."""
+    if isinstance(value, dict):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    if hasattr(value, "tolist"):
+        return _json_safe(value.tolist())
+    if isinstance(value, float):
+        return _finite(value)
+    return value
+
+
+def reorder_meta(
+    result: ReorderResult, passages: Sequence[Passage], top_n: int | None = None
+) -> ReorderMeta:
+    fit = result.fit
+    bias = None
+    if fit is not None:
+        bias = PositionBiasOut(
             coefficients=[float(c) for c in fit.position_bias],
             identified=fit.bias_identified,
             identification=fit.identification,
             orientation=fit.orientation,
             orientation_strength=_finite(fit.orientation_strength),
             profile=_profile(result.profile),
+        )
+    pp = result.positional_profile
+    answer = result.answer
+    return ReorderMeta(
+        strategy=result.strategy,
+        order=selected_order(result, top_n),
+        ranking=list(result.ranking),
+        passages=_passages_out(result, passages),
+        position_bias=bias,
+        positional_profile=(
+            PositionalProfileOut(
+                kind=pp.kind,
+                model=pp.model,
+                template=pp.template,
+                slots=pp.slots,
+                values=[float(v) for v in pp.values],
+                questions=pp.questions,
+            )
+            if pp is not None
+            else None
+        ),
+        answer=(
+            AnswerOut(
+                text=answer.text,
+                passage=answer.passage,
+                votes=answer.votes,
+                samples=answer.samples,
+                probability=_finite(answer.probability),
+            )
+            if answer is not None
+            else None
         ),
         diagnostics=DiagnosticsOut(
+            strategy=result.strategy,
             design=result.design,
             template=result.template,
-            method=fit.method,
+            method=fit.method if fit is not None else result.strategy,
+            score=result.score_name,
             prompts=result.prompts,
             prompts_failed=result.usage.prompts_failed,
             slots=result.slots,
-            r2=_finite(fit.r2),
-            converged=fit.converged,
-            iterations=fit.iterations,
-            residual_dof=fit.residual_dof,
-            prior_sensitivity=_finite(fit.prior_sensitivity),
+            r2=_finite(fit.r2) if fit is not None else None,
+            converged=fit.converged if fit is not None else None,
+            iterations=fit.iterations if fit is not None else None,
+            residual_dof=fit.residual_dof if fit is not None else None,
+            prior_sensitivity=_finite(fit.prior_sensitivity) if fit is not None else None,
             warnings=list(result.warnings),
+            details=_json_safe(result.details),
         ),
         usage=UsageOut(
             prompt_tokens=result.usage.prompt_tokens,
             scored_tokens=result.usage.scored_tokens,
             prompts_scored=result.usage.prompts_scored,
+            generations=result.usage.generations,
+            generated_tokens=result.usage.generated_tokens,
         ),
         timing=TimingOut(
             tokenize_s=result.timing.tokenize_s,
@@ -460,24 +607,31 @@ def reorder_response(
 
 
 def relevance_scores(result: ReorderResult) -> dict[int, float]:
-    """Debiased utilities mapped monotonically into [0, 1] for the rerank routes.
+    """The strategy's judgement mapped monotonically into [0, 1] for the rerank routes.
 
-    ``sigmoid(u / sd)`` with ``sd`` the standard deviation of the shown passages' utilities
-    (utilities are centred, so the mean passage scores 0.5 and the scale is the request's own
-    spread); equal utilities score 0.5. A passage no prompt showed scores 0.0, below every
-    shown one. Scores are comparable within one response, not across requests.
+    With per-passage scores (``moi``'s debiased utilities and every scoring strategy):
+    ``sigmoid((x - mean) / sd)`` over the finite scores (the mean passage scores 0.5 and the
+    scale is the request's own spread); equal scores give 0.5; a passage without a score
+    (never shown, or its prompt failed) scores 0.0, below every scored one. Without scores
+    (pure placements): ``1 - k / N`` for the passage at rank ``k`` of ``ranking``. Either way
+    ``results`` sorted by the score follow ``ranking``, and scores are comparable within one
+    response, not across requests.
     """
-    u = result.fit.utilities
-    finite = [float(x) for x in u if math.isfinite(float(x))]
+    x = result.scores
+    n = len(result.ranking)
+    if x is None:
+        return {idx: 1.0 - k / n for k, idx in enumerate(result.ranking)}
+    finite = [float(v) for v in x if math.isfinite(float(v))]
     mean = sum(finite) / len(finite) if finite else 0.0
-    sd = math.sqrt(sum((x - mean) ** 2 for x in finite) / len(finite)) if finite else 0.0
+    sd = math.sqrt(sum((v - mean) ** 2 for v in finite) / len(finite)) if finite else 0.0
     out: dict[int, float] = {}
     for idx in result.ranking:
-        x = float(u[idx])
-        if not math.isfinite(x):
+        v = float(x[idx])
+        if not math.isfinite(v):
             out[idx] = 0.0
         elif sd <= 0.0:
             out[idx] = 0.5
         else:
-            out[idx] = 1.0 / (1.0 + math.exp(-max(min(x / sd, 700.0), -700.0)))
+            z = max(min((v - mean) / sd, 700.0), -700.0)
+            out[idx] = 1.0 / (1.0 + math.exp(-z))
     return out

@@ -20,6 +20,7 @@ from service.dataset import Example
 from service.errors import InvalidRequest
 from service.pipeline import Reorderer
 from service.profile_store import StoredProfile
+from service.strategies.moi import score_design
 
 log = logging.getLogger(__name__)
 
@@ -85,10 +86,10 @@ async def calibrate_profile(
             prompt_passages=prompt_passages,
             seed=seed + k,
         )
-        scores, usage, _ = await reorderer.score_design(
-            f"calibrate-{k}", ex.question, ex.passages[:max_passages], perms, template=template
-        )
+        work = reorderer.work(f"calibrate-{k}", template)
+        scores = await score_design(work, ex.question, ex.passages[:max_passages], perms)
         runs.append((perms, scores))
+        usage = work.usage()
         prompts += usage.prompts
         failed += usage.prompts_failed
         if progress is not None:

@@ -14,10 +14,10 @@ from app.schemas import (
     ModelCard,
     ModelList,
     PlacementName,
-    Strategy,
 )
 from app.state import AppContext, Ctx
 from service.prompts import template_names
+from service.strategies import strategy_names
 
 router = APIRouter(tags=["info"])
 
@@ -61,7 +61,7 @@ async def info(ctx: Ctx) -> InfoOut:
             request_timeout_s=s.request_timeout_s,
             max_model_len=max_len,
         ),
-        strategies=list(get_args(Strategy)),
+        strategies=list(strategy_names()),
         design_kinds=list(get_args(DesignKind)),
         placements=list(get_args(PlacementName)),
         templates=list(template_names()),

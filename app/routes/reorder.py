@@ -23,14 +23,16 @@ router = APIRouter(tags=["reorder"])
 async def reorder(
     body: ReorderBody, request: Request, ctx: Ctx, request_id: RequestId
 ) -> ReorderResponse:
-    """Score permutations of the passages, fit utilities and position bias, and return the
-    debiased order with the fit's diagnostics."""
+    """Order the passages with `strategy` (default `moi`: score permutations, fit utilities
+    and position bias, return the debiased order with the fit's diagnostics)."""
     passages = to_passages(body.passages)
     spec = body.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec)
     req = ReorderRequest(
         query=body.query,
         passages=passages,
+        strategy=body.strategy,
+        options=body.strategy_options(),
         design=spec,
         placement=body.placement,
         joint=body.joint,

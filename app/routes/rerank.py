@@ -55,9 +55,10 @@ router = APIRouter(tags=["rerank"])
 async def rerank(
     body: RerankBody, request: Request, ctx: Ctx, request_id: RequestId
 ) -> RerankResponse:
-    """Documents by debiased utility. `relevance_score` is `sigmoid(u / sd(u))` of the
-    utility `u` (never-shown documents score 0); unknown fields are ignored; our options go in
-    `reorder`."""
+    """Documents by the strategy's judgement (default `moi`: debiased utility).
+    `relevance_score` is `sigmoid((x - mean) / sd)` of the per-document score `x` (documents
+    without one score 0; strategies without scores give `1 - rank / N`); unknown fields are
+    ignored; our options go in `reorder`."""
     passages = to_passages(body.documents)
     opts = body.reorder
     spec = opts.design.spec()
@@ -65,6 +66,8 @@ async def rerank(
     req = ReorderRequest(
         query=body.query,
         passages=passages,
+        strategy=opts.strategy,
+        options=opts.strategy_options(),
         design=spec,
         placement=opts.placement,
         joint=opts.joint,

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from service.strategies import strategy_names
 from tests.app.conftest import (
     BEST_FIRST,
     PASSAGES,
@@ -164,7 +165,7 @@ async def test_models_and_info(served: Harness) -> None:
     assert models["data"][0]["id"] == "fake/known-truth"
     assert models["data"][0]["max_model_len"] == 32768
     info = (await served.client.get("/info")).json()
-    assert info["ready"] and info["strategies"] == ["moi"] and not info["auth"]
+    assert info["ready"] and info["strategies"] == list(strategy_names()) and not info["auth"]
     assert info["limits"]["max_passages"] == 100 and "qa_default" in info["templates"]
 
 

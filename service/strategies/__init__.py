@@ -1,0 +1,44 @@
+"""Every reordering method behind one port (``Strategy``), by its wire name.
+
+To add one: implement ``service.strategies.base.Strategy`` in a module here, add an instance
+to ``_ALL`` below and its name to ``StrategyName``; the HTTP schema, the CLI, the metrics and
+the tests that run every strategy pick it up from the registry.
+"""
+
+from __future__ import annotations
+
+from service.errors import InvalidRequest
+from service.strategies.base import Strategy, StrategyName, register_option_users
+from service.strategies.moi import MoI
+from service.strategies.placements import Inverse, Litm, Retriever, Shuffle
+
+_ALL: tuple[Strategy, ...] = (
+    MoI(),
+    Retriever(),
+    Inverse(),
+    Shuffle(),
+    Litm(),
+)
+
+STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
+for _s in _ALL:
+    register_option_users(_s)
+
+
+def get_strategy(name: str) -> Strategy:
+    """The strategy called ``name``.
+
+    Raises:
+        InvalidRequest: no such strategy (the message lists the known ones).
+    """
+    try:
+        return STRATEGIES[name]
+    except KeyError:
+        known = ", ".join(STRATEGIES)
+        raise InvalidRequest(
+            f"unknown strategy {name!r}; known: {known}", param="strategy"
+        ) from None
+
+
+def strategy_names() -> tuple[StrategyName, ...]:
+    return tuple(s.name for s in _ALL)

@@ -1,0 +1,593 @@
+"""The strategy port: every reordering method takes one request and returns one ``Outcome``.
+
+A strategy never talks to the backend directly: it goes through ``Work``, the request's
+metered access to the model. ``Work`` builds prompts off the event loop, sends each distinct
+prompt once, turns failed or non-finite prompts into ``None`` (the strategy degrades, the
+request does not fail), and keeps the cost ledger every response reports (prompts scored,
+tokens prefilled, tokens scored, answers and tokens generated, time in the model).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
+
+import anyio.to_thread
+import numpy as np
+
+from service.backends.base import (
+    Generation,
+    GenerationRequest,
+    LogprobBackend,
+    PromptFailure,
+    SpanRequest,
+)
+from service.errors import InvalidRequest, ScoringFailed
+from service.prompts import BuiltPrompt, Passage, build_generation_prompt, build_prompts
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    import solver
+    from service.profile_store import ProfileStore, StoredProfile
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+StrategyName = Literal[
+    "moi",
+    "query_likelihood",
+    "convex_score",
+    "lore",
+    "min_distraction",
+    "max_relevance",
+    "retriever",
+    "inverse",
+    "shuffle",
+    "litm",
+    "bayes_saliency",
+    "query_generation",
+    "longllmlingua",
+    "self_consistency",
+]
+DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
+Placement = Literal["descending_utility", "bias_matched"]
+
+
+@dataclass(frozen=True)
+class DesignSpec:
+    """How MoI chooses the permutations (``None`` fields take the design's defaults)."""
+
+    kind: DesignKind | None = None
+    num_prompts: int | None = None
+    prompt_passages: int | None = None
+    seed: int | None = None
+    variable_pruning: bool = False
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Options of the non-MoI strategies. ``None`` means "not set": the strategy's default.
+
+    Each strategy names the options it reads (``Strategy.options``); setting another one is
+    an ``InvalidRequest``, never silently ignored.
+    """
+
+    samples: int | None = None
+    """K: shuffles (query_likelihood), permutations (self_consistency)."""
+    rankings: tuple[tuple[int, ...], ...] | None = None
+    """Extra input rankings for LoRE's rank fusion: passage indices, best first."""
+    probability_weight: float | None = None
+    """LoRE: weight of the answer's mean token probability (default 0.8)."""
+    rank_weight: float | None = None
+    """LoRE: weight of 1 / fused context rank (default 0.2)."""
+    rrf_k: int | None = None
+    """LoRE: the k of reciprocal rank fusion (default 60)."""
+    max_answer_tokens: int | None = None
+    """Most tokens generated per answer (default 32)."""
+    seed: int | None = None
+    """Seed of the strategy's random shuffles (default: the configured seed)."""
+
+    def set_names(self) -> frozenset[str]:
+        """Names of the options given a value."""
+        return frozenset(f.name for f in fields(self) if getattr(self, f.name) is not None)
+
+
+@dataclass(frozen=True)
+class ReorderRequest:
+    query: str
+    passages: Sequence[Passage]
+    strategy: StrategyName = "moi"
+    design: DesignSpec = field(default_factory=DesignSpec)
+    placement: Placement = "descending_utility"
+    options: StrategyOptions = field(default_factory=StrategyOptions)
+    joint: bool = False
+    template: str | None = None
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompts: int  # planned model calls (design rows, generations)
+    prompts_scored: int  # distinct prompts whose log-probs were read
+    prompts_failed: int  # scored or generating prompts that failed and were dropped
+    prompt_tokens: int  # tokens prefilled (scored and generating prompts)
+    scored_tokens: int  # tokens whose log-probs were read
+    generations: int = 0  # answers generated
+    generated_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class Timing:
+    tokenize_s: float
+    scoring_s: float  # in the model: scoring and generating
+    solver_s: float
+    total_s: float
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A generated answer: text without the end-of-turn token, and its token log-probs."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str
+
+    @property
+    def mean_probability(self) -> float:
+        """Mean over the answer's tokens of the chosen token's probability (LoRE)."""
+        if not self.logprobs:
+            return 0.0
+        return float(np.mean(np.exp(np.asarray(self.logprobs))))
+
+
+@dataclass(frozen=True)
+class VotedAnswer:
+    """The answer a strategy returns (LoRE's best answer, self-consistency's vote)."""
+
+    text: str
+    passage: int | None = None  # the passage it was generated from (LoRE)
+    votes: int | None = None  # prompts that gave it (self-consistency)
+    samples: int | None = None  # answers counted
+    probability: float | None = None  # mean token probability
+
+
+@dataclass(frozen=True)
+class PositionalProfile:
+    """A model's measured positional profile (paper 004): a value per prompt slot."""
+
+    kind: Literal["accuracy", "distracting_effect"]
+    model: str
+    template: str
+    slots: int
+    values: tuple[float, ...]
+    questions: int
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a strategy decided, before the pipeline adds ids, usage and timing.
+
+    ``scores`` is the strategy's own per-passage score (higher is better; NaN where it was
+    not computed), named by ``score_name``; ``None`` for pure placements with no score.
+    ``ranking`` is the strategy's judgement, best first; for placements with no judgement of
+    their own (shuffle) it is the placement itself.
+    """
+
+    order: list[int]
+    ranking: list[int]
+    score_name: str | None = None
+    scores: np.ndarray | None = None
+    fit: solver.Fit | None = None
+    design: DesignKind | None = None
+    slots: int | None = None
+    profile: StoredProfile | None = None
+    positional_profile: PositionalProfile | None = None
+    answer: VotedAnswer | None = None
+    passage_answers: tuple[str | None, ...] | None = None
+    distracting_effect: np.ndarray | None = None
+    details: dict[str, Any] = field(default_factory=dict)
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptScore:
+    """The log-probs read from one scoring prompt: the query's tokens and the passages' sum."""
+
+    query: np.ndarray  # per query token, nats
+    passages: float  # sum over passage tokens (joint requests), else 0.0
+
+    @property
+    def total(self) -> float:
+        return float(self.query.sum()) + self.passages
+
+
+class Work:
+    """One request's metered access to the model (see the module docstring)."""
+
+    def __init__(
+        self,
+        backend: LogprobBackend,
+        settings: Settings,
+        request_id: str,
+        template: str,
+        profiles: ProfileStore,
+    ) -> None:
+        self.backend = backend
+        self.settings = settings
+        self.request_id = request_id
+        self.template = template
+        self.profiles = profiles
+        self.tokenize_s = 0.0
+        self.model_s = 0.0
+        self.solver_s = 0.0
+        self.planned = 0  # model calls asked for, before de-duplication
+        self._scored = 0
+        self._failed = 0
+        self._prompt_tokens = 0
+        self._scored_tokens = 0
+        self._generations = 0
+        self._generated_tokens = 0
+        self._next_id = 0
+
+    @property
+    def model_id(self) -> str:
+        return self.backend.model_id
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompts=self.planned,
+            prompts_scored=self._scored,
+            prompts_failed=self._failed,
+            prompt_tokens=self._prompt_tokens,
+            scored_tokens=self._scored_tokens,
+            generations=self._generations,
+            generated_tokens=self._generated_tokens,
+        )
+
+    def new_id(self) -> str:
+        self._next_id += 1
+        return f"{self.request_id}-{self._next_id - 1}"
+
+    async def off_loop(self, fn: Callable[[], T], *, timer: Literal["tokenize", "solver"]) -> T:
+        """Run CPU work (tokenising, fitting) in a worker thread, timed into ``timer``."""
+        t0 = time.perf_counter()
+        try:
+            return await anyio.to_thread.run_sync(fn)
+        finally:
+            if timer == "tokenize":
+                self.tokenize_s += time.perf_counter() - t0
+            else:
+                self.solver_s += time.perf_counter() - t0
+
+    async def scoring_prompts(
+        self, query: str, passages: Sequence[Passage], orders: Sequence[Sequence[int]]
+    ) -> list[BuiltPrompt]:
+        """Scoring prompts (query at the end of the user turn) for ``orders``, off the loop.
+
+        Raises:
+            InvalidRequest, LimitExceeded, PromptAlignmentError: as ``build_prompts``.
+        """
+        return await self.off_loop(
+            lambda: build_prompts(
+                self.backend.tokenizer,
+                self.template,
+                query,
+                passages,
+                orders,
+                max_tokens=self.backend.max_model_len,
+            ),
+            timer="tokenize",
+        )
+
+    async def generation_prompts(
+        self,
+        query: str,
+        passages: Sequence[Passage],
+        orders: Sequence[Sequence[int]],
+        *,
+        template: str | None = None,
+        room: int = 0,
+    ) -> list[BuiltPrompt]:
+        """Prompts ending in the assistant turn, one per order, off the loop.
+
+        Args:
+            template: the prompt template (default: the request's).
+            room: tokens that must stay free after the prompt (the answer's budget).
+
+        Raises:
+            InvalidRequest, LimitExceeded, PromptAlignmentError: as ``build_generation_prompt``.
+        """
+        name = template or self.template
+        limit = self.backend.max_model_len - room
+
+        def build() -> list[BuiltPrompt]:
+            return [
+                build_generation_prompt(
+                    self.backend.tokenizer, name, query, passages, order, max_tokens=limit
+                )
+                for order in orders
+            ]
+
+        return await self.off_loop(build, timer="tokenize")
+
+    async def score_spans(self, requests: Sequence[SpanRequest]) -> list[tuple[float, ...] | None]:
+        """Per-token log-probs of each request's span; ``None`` where the prompt failed.
+
+        Identical requests are sent once. Every returned row has the span's length and only
+        finite values.
+
+        Raises:
+            ScoringFailed: the backend answered the wrong number of requests.
+            BackendUnavailable: the backend is unusable.
+        """
+        if not requests:
+            return []
+        self.planned += len(requests)
+        unique: dict[tuple[tuple[int, ...], int, int], int] = {}
+        sent: list[SpanRequest] = []
+        index: list[int] = []
+        for r in requests:
+            key = (r.token_ids, r.span_start, r.span_end)
+            k = unique.get(key)
+            if k is None:
+                k = unique[key] = len(sent)
+                sent.append(
+                    SpanRequest(
+                        request_id=self.new_id(),
+                        token_ids=r.token_ids,
+                        span_start=r.span_start,
+                        span_end=r.span_end,
+                    )
+                )
+            index.append(k)
+        t0 = time.perf_counter()
+        try:
+            results = await self.backend.score(sent)
+        finally:
+            self.model_s += time.perf_counter() - t0
+        if len(results) != len(sent):
+            raise ScoringFailed(f"backend answered {len(results)} of {len(sent)} prompts")
+        rows: list[tuple[float, ...] | None] = []
+        for req, res in zip(sent, results, strict=True):
+            row: tuple[float, ...] | None = None
+            if isinstance(res, PromptFailure):
+                log.warning("prompt %s failed: %s", res.request_id, res.reason)
+            elif len(res.logprobs) != req.span_end - req.span_start:
+                log.warning(
+                    "prompt %s: %d log-probs for a %d-token span",
+                    req.request_id,
+                    len(res.logprobs),
+                    req.span_end - req.span_start,
+                )
+            elif not all(math.isfinite(v) for v in res.logprobs):
+                log.warning("prompt %s: non-finite log-prob", req.request_id)
+            else:
+                row = tuple(res.logprobs)
+            if row is None:
+                self._failed += 1
+            rows.append(row)
+        self._scored += len(sent)
+        self._prompt_tokens += sum(len(r.token_ids) for r in sent)
+        self._scored_tokens += sum(r.span_end - r.span_start for r in sent)
+        return [rows[k] for k in index]
+
+    async def score_prompts(
+        self, prompts: Sequence[BuiltPrompt], *, joint: bool = False
+    ) -> list[PromptScore | None]:
+        """The query's (and with ``joint`` the passages') log-probs in each scoring prompt.
+
+        Tokens after the query are never sent (a causal model's query log-probs do not depend
+        on them).
+        """
+        requests = [p.span_request("", joint=joint) for p in prompts]
+        rows = await self.score_spans(requests)
+        out: list[PromptScore | None] = []
+        for prompt, row in zip(prompts, rows, strict=True):
+            if row is None:
+                out.append(None)
+                continue
+            start, _ = prompt.scored_span(joint=joint)
+            q0, q1 = prompt.query_span
+            passages = 0.0
+            if joint:
+                passages = float(
+                    sum(sum(row[s - start : e - start]) for s, e in prompt.passage_spans)
+                )
+            out.append(PromptScore(np.asarray(row[q0 - start : q1 - start]), passages))
+        return out
+
+    async def continuation_logprobs(
+        self, prompts: Sequence[BuiltPrompt], continuation: str
+    ) -> list[tuple[float, ...] | None]:
+        """Teacher-forced log-probs of ``continuation`` as the assistant's reply to each prompt.
+
+        The continuation is tokenised on its own and appended to the generation prompt's ids:
+        the same ids a generator would have to produce, token by token.
+        """
+        ids = await self.off_loop(
+            lambda: self.backend.tokenizer.encode(continuation).ids, timer="tokenize"
+        )
+        if not ids:
+            raise InvalidRequest("continuation is empty", param="continuation")
+        requests = [
+            SpanRequest(
+                request_id="",
+                token_ids=p.token_ids + ids,
+                span_start=len(p.token_ids),
+                span_end=len(p.token_ids) + len(ids),
+            )
+            for p in prompts
+        ]
+        return await self.score_spans(requests)
+
+    async def generate(
+        self, prompts: Sequence[BuiltPrompt], *, max_new_tokens: int
+    ) -> list[Answer | None]:
+        """Greedy answers to generation prompts; ``None`` where the prompt failed.
+
+        Identical prompts are generated once (greedy decoding is deterministic).
+        """
+        if not prompts:
+            return []
+        self.planned += len(prompts)
+        unique: dict[tuple[int, ...], int] = {}
+        sent: list[GenerationRequest] = []
+        index: list[int] = []
+        for p in prompts:
+            k = unique.get(p.token_ids)
+            if k is None:
+                k = unique[p.token_ids] = len(sent)
+                sent.append(
+                    GenerationRequest(
+                        request_id=self.new_id(),
+                        token_ids=p.token_ids,
+                        max_new_tokens=max_new_tokens,
+                    )
+                )
+            index.append(k)
+        t0 = time.perf_counter()
+        try:
+            results = await self.backend.generate(sent)
+        finally:
+            self.model_s += time.perf_counter() - t0
+        if len(results) != len(sent):
+            raise ScoringFailed(f"backend answered {len(results)} of {len(sent)} generations")
+        eos = self.backend.tokenizer.eos_token_ids
+        answers: list[Answer | None] = []
+        for res in results:
+            if isinstance(res, PromptFailure) or not all(math.isfinite(v) for v in res.logprobs):
+                self._failed += 1
+                reason = res.reason if isinstance(res, PromptFailure) else "non-finite log-prob"
+                log.warning("generation %s failed: %s", res.request_id, reason)
+                answers.append(None)
+                continue
+            self._generated_tokens += len(res.token_ids)
+            answers.append(_answer(res, eos, self.backend.tokenizer.decode))
+        self._generations += len(sent)
+        self._prompt_tokens += sum(len(r.token_ids) for r in sent)
+        return [answers[k] for k in index]
+
+
+def _answer(gen: Generation, eos: frozenset[int], decode: Callable[[Sequence[int]], str]) -> Answer:
+    ids = list(gen.token_ids)
+    lps = list(gen.logprobs)
+    # The end-of-turn token ends the answer; it is not part of its text or its probability.
+    if ids and ids[-1] in eos:
+        ids.pop()
+        lps.pop()
+    return Answer(
+        text=decode(ids).strip(),
+        token_ids=tuple(ids),
+        logprobs=tuple(lps),
+        finish_reason=gen.finish_reason,
+    )
+
+
+class Strategy(Protocol):
+    """One reordering method. Implementations are stateless; one instance serves all requests."""
+
+    name: StrategyName
+    options: frozenset[str]
+    """The ``StrategyOptions`` fields it reads."""
+    uses_design: bool
+    """Whether it reads ``design``, ``placement`` and ``joint`` (MoI only)."""
+
+    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
+        """Model calls (scored prompts plus generations) the request will need, before any
+        scoring, for the request limits.
+
+        Raises:
+            InvalidRequest: the request cannot be run by this strategy.
+        """
+        ...
+
+    async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        """Order ``request.passages``.
+
+        Raises:
+            ReorderError: a client error (bad options), or too many prompts failed.
+        """
+        ...
+
+
+def check_options(strategy: Strategy, request: ReorderRequest) -> None:
+    """Reject options the strategy does not read (never ignore a caller's setting).
+
+    Raises:
+        InvalidRequest: naming the first option the strategy does not use.
+    """
+    for name in sorted(request.options.set_names() - strategy.options):
+        users = ", ".join(sorted(_option_users(name))) or "no strategy"
+        raise InvalidRequest(
+            f"{name} does not apply to strategy {strategy.name!r} (used by: {users})",
+            param=name,
+        )
+    if not strategy.uses_design:
+        default = ReorderRequest(query="", passages=())
+        for name in ("design", "placement", "joint"):
+            if getattr(request, name) != getattr(default, name):
+                raise InvalidRequest(
+                    f"{name} applies to strategy 'moi' only, not {strategy.name!r}", param=name
+                )
+
+
+_USERS: dict[str, set[str]] = {}
+
+
+def register_option_users(strategy: Strategy) -> None:
+    for name in strategy.options:
+        _USERS.setdefault(name, set()).add(strategy.name)
+
+
+def _option_users(name: str) -> set[str]:
+    return _USERS.get(name, set())
+
+
+# --- small shared rules ---------------------------------------------------------------------
+
+
+def retriever_ranking(passages: Sequence[Passage]) -> list[int]:
+    """Passages best first by the retriever: by descending ``score`` when every passage has a
+    finite one (ties keep input order), else the input order (lists arrive in retriever order).
+    """
+    scores = [p.score for p in passages]
+    if scores and all(s is not None and math.isfinite(s) for s in scores):
+        return sorted(range(len(passages)), key=lambda i: (-float(scores[i] or 0.0), i))
+    return list(range(len(passages)))
+
+
+def descending(scores: np.ndarray, tiebreak: Sequence[int]) -> list[int]:
+    """Indices by descending score; NaN last; ties (and NaNs among themselves) follow
+    ``tiebreak`` (a ranking, best first)."""
+    rank = {idx: k for k, idx in enumerate(tiebreak)}
+
+    def key(i: int) -> tuple[int, float, int]:
+        v = float(scores[i])
+        return (1, 0.0, rank[i]) if not math.isfinite(v) else (0, -v, rank[i])
+
+    return sorted(range(len(scores)), key=key)
+
+
+def rng_for(request: ReorderRequest, settings: Settings) -> np.random.Generator:
+    """The request's random stream: the seed (``options.seed``, else the configured one)
+    mixed with a CRC-32 of the query.
+
+    Mixing in the query gives every question its own reproducible shuffles: with the seed
+    alone, every request of N passages would get the same permutation, a fixed order that
+    could favour one input position across all traffic.
+    """
+    seed = settings.seed if request.options.seed is None else request.options.seed
+    return np.random.default_rng([seed, zlib.crc32(request.query.encode("utf-8"))])
+
+
+def need_scores(values: Sequence[object], what: str) -> None:
+    """Raise ``ScoringFailed`` when every model call of a strategy failed."""
+    if values and all(v is None for v in values):
+        raise ScoringFailed(f"all {len(values)} {what} failed; nothing to order by")

@@ -1,0 +1,86 @@
+"""Orders that need no model: ``retriever``, ``inverse``, ``shuffle``, ``litm``.
+
+They cost nothing (no prompt is scored or generated) and are the baselines every evaluation
+compares against (paper 004: Sequential, Inverse, Shuffle; the lost-in-the-middle reorder as
+libraries ship it). "Retriever order" is ``retriever_ranking``: descending ``score`` when every
+passage has one, else the input order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from service.settings import Settings
+from service.strategies.base import (
+    Outcome,
+    ReorderRequest,
+    StrategyName,
+    Work,
+    retriever_ranking,
+    rng_for,
+)
+
+
+def litm_order(ranking: Sequence[int]) -> list[int]:
+    """Best passages at both ends, weakest in the middle.
+
+    Rule: the passage of rank ``k`` (0 = best) goes to the front half when ``k`` is even and to
+    the back half when ``k`` is odd; the front fills left to right, the back right to left. So
+    ``[r0, r2, r4, ..., r5, r3, r1]``: the best passage is always first and the second best
+    always last, whatever the list's length. (LangChain's ``LongContextReorder`` alternates
+    from the worst passage instead, so for an even length its best passage lands last and for
+    an odd length first.)
+    """
+    front = list(ranking[0::2])
+    back = list(ranking[1::2])
+    return front + back[::-1]
+
+
+class _Placement:
+    options: frozenset[str] = frozenset()
+    uses_design = False
+
+    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
+        return 0
+
+
+class Retriever(_Placement):
+    """The retriever's order (paper 004's Sequential)."""
+
+    name: StrategyName = "retriever"
+
+    async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        ranking = retriever_ranking(request.passages)
+        return Outcome(order=list(ranking), ranking=ranking)
+
+
+class Inverse(_Placement):
+    """The retriever's order reversed: its best passage is the last, next to the question
+    (every template puts the question after the documents)."""
+
+    name: StrategyName = "inverse"
+
+    async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        ranking = retriever_ranking(request.passages)
+        return Outcome(order=ranking[::-1], ranking=ranking)
+
+
+class Shuffle(_Placement):
+    """A seeded uniform permutation; reproducible per (seed, query) (``rng_for``)."""
+
+    name: StrategyName = "shuffle"
+    options = frozenset({"seed"})
+
+    async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        order = [int(i) for i in rng_for(request, work.settings).permutation(len(request.passages))]
+        return Outcome(order=order, ranking=list(order))
+
+
+class Litm(_Placement):
+    """Lost-in-the-middle: the retriever's best passages at both ends (``litm_order``)."""
+
+    name: StrategyName = "litm"
+
+    async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        ranking = retriever_ranking(request.passages)
+        return Outcome(order=litm_order(ranking), ranking=ranking)

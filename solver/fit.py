@@ -320,7 +320,9 @@ def _report_scale(
     if np.any(neg):
         lam = min(lam, float((1.0 / slots) / (-dev[neg]).max()))
     ubar = float(u.mean())
-    return 1.0 / slots + lam * dev, ubar + (u - ubar) / lam, lam
+    # The cap puts the most negative slot at 1/L - 1/L, which rounds to about -1e-17: clip it so
+    # the reported bias is on the simplex exactly, as the program's constraint says.
+    return np.maximum(1.0 / slots + lam * dev, 0.0), ubar + (u - ubar) / lam, lam
 
 
 def _data_orientation_strength(prob: lm.Problem, best: lm.State) -> float:

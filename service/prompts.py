@@ -172,6 +172,22 @@ register_template(
         untitled_document="Document [{index}]\n{text}",
     )
 )
+# The distracting-effect probe (paper 004 eq. 1, after Amiraz et al. 2025): answer from the
+# documents or abstain with the literal NO-RESPONSE (service.distraction reads P(NO-RESPONSE)).
+# 004 describes that instruction but does not print it; this wording is ours, in the style of
+# 004's generation prompt (its Fig. 7: "Respond directly without providing any premise or
+# explanation").
+register_template(
+    PromptTemplate(
+        name="qa_abstain",
+        instruction=(
+            "Answer the question using only the documents below. If they do not contain the "
+            "answer, reply NO-RESPONSE. Respond directly without any premise or explanation."
+        ),
+        document="Document [{index}] (Title: {title})\n{text}",
+        untitled_document="Document [{index}]\n{text}",
+    )
+)
 
 
 @dataclass(frozen=True, slots=True)

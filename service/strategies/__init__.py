@@ -9,8 +9,13 @@ from __future__ import annotations
 
 from service.errors import InvalidRequest
 from service.strategies.base import Strategy, StrategyName, register_option_users
+from service.strategies.distraction import MaxRelevance, MinDistraction
+from service.strategies.likelihood import ConvexScore, QueryLikelihood
+from service.strategies.lore import Lore
 from service.strategies.moi import MoI
 from service.strategies.placements import Inverse, Litm, Retriever, Shuffle
+from service.strategies.pointwise import BayesSaliency, LongLLMLingua, QueryGeneration
+from service.strategies.self_consistency import SelfConsistency
 
 _ALL: tuple[Strategy, ...] = (
     MoI(),
@@ -18,6 +23,15 @@ _ALL: tuple[Strategy, ...] = (
     Inverse(),
     Shuffle(),
     Litm(),
+    QueryLikelihood(),
+    ConvexScore(),
+    QueryGeneration(),
+    BayesSaliency(),
+    LongLLMLingua(),
+    Lore(),
+    SelfConsistency(),
+    MaxRelevance(),
+    MinDistraction(),
 )
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}

@@ -1,0 +1,186 @@
+"""``max_relevance`` and ``min_distraction``: placements by a measured positional profile
+(paper 004 section 5, strategies (iv) and (v)).
+
+Both read the profile stored for (model, the request's template, N slots) by ``rag-reorder
+calibrate-positions`` (``service.distraction``); without one the request is refused
+(``UnidentifiableRequest``, 422) before any model call. A profile is measured, never assumed.
+With a single passage there is nothing to place: no profile is needed (it is reported when
+stored).
+
+``max_relevance`` (004 (iv)): slots sorted by decreasing positional accuracy (ties: the earlier
+slot first); the retriever's rank-r passage (``retriever_ranking``) goes into the r-th best
+slot. With 004 footnote 7's profile order 5, 1, 4, 3, 2 the retriever's best passage goes last,
+its second first, and so on. No model call; ``ranking`` is the retriever's, no ``scores``.
+
+``min_distraction`` (004 (v)): every passage's single-passage distracting effect
+DE = 1 - P(NO-RESPONSE | query, passage) under ``qa_abstain`` (N scored prompts; reported as
+``distracting_effect``); passages by decreasing DE (ties: retriever order) fill the slots by
+increasing positional DE (ties: the earlier slot first), so the most distracting passage takes
+the slot where a distractor does least harm. Decided here:
+
+- 004 does not measure DE at request time: it assumes the retriever ranks by decreasing DE and
+  places the retriever's order. This strategy measures it instead. The consequence: DE is the
+  model's readiness to answer, so a passage that contains the answer has a high DE too (004
+  sets DE = 0 for relevant passages only because its judge labels them). A relevant passage is
+  therefore placed like a hard distractor, into the least influential slots; this is the
+  strategy as specified, and the reason 004 finds it no better than a shuffle.
+- ``ranking`` is the retriever's, and there are no ``scores``: DE orders distraction, not
+  relevance (by -DE the passage with the answer would come last, by DE the hardest distractor
+  first), so it is no "best first" judgement and a ``top_n`` cut or a rerank by it would drop
+  the wrong passages. The DE order is in ``details.distraction_ranking``.
+- A passage whose DE prompt failed (DE null) is ranked after every measured one, in retriever
+  order among themselves; the request fails (``ScoringFailed``) only when all N failed.
+- DE prompts always use ``qa_abstain`` (the measurement's instruction); the request's template
+  only selects the profile, which was measured for the answering template it names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import numpy as np
+
+from service.distraction import ABSTAIN_TEMPLATE, passage_effects
+from service.errors import UnidentifiableRequest
+from service.positional_store import PositionalRecord, PositionalStore
+from service.settings import Settings
+from service.strategies.base import (
+    Outcome,
+    PositionalProfile,
+    ReorderRequest,
+    StrategyName,
+    Work,
+    descending,
+    need_scores,
+    retriever_ranking,
+)
+
+
+def slot_preference(values: Sequence[float], *, best: Literal["high", "low"]) -> list[int]:
+    """Slots best first: by decreasing value (``best="high"``) or increasing (``"low"``);
+    ties (and only ties) keep the earlier slot first."""
+    sign = -1.0 if best == "high" else 1.0
+    return sorted(range(len(values)), key=lambda j: (sign * float(values[j]), j))
+
+
+def fill_slots(passages_best_first: Sequence[int], slots_best_first: Sequence[int]) -> list[int]:
+    """The order that puts the r-th passage into the r-th slot."""
+    order = [-1] * len(slots_best_first)
+    for passage, slot in zip(passages_best_first, slots_best_first, strict=True):
+        order[slot] = passage
+    return order
+
+
+def as_profile(
+    record: PositionalRecord, kind: Literal["accuracy", "distracting_effect"]
+) -> PositionalProfile:
+    """The stored record's ``accuracy`` or ``distracting_effect`` profile, as reported."""
+    means = record.accuracy if kind == "accuracy" else record.distracting_effect
+    return PositionalProfile(
+        kind=kind,
+        model=record.model,
+        template=record.template,
+        slots=record.slots,
+        values=means.values,
+        questions=means.questions,
+    )
+
+
+def stored_record(work: Work, strategy: str, n: int) -> PositionalRecord | None:
+    """The positional profiles for (model, the request's template, ``n`` slots).
+
+    Returns:
+        The record; ``None`` only when ``n`` is 1 and none is stored.
+
+    Raises:
+        UnidentifiableRequest: ``n`` > 1 and no profile is stored (names the command to run).
+        CorruptPositionalProfile: the stored file is unreadable.
+    """
+    record = PositionalStore.beside(work.profiles).get(work.model_id, work.template, n)
+    if record is None and n > 1:
+        raise UnidentifiableRequest(
+            f"strategy {strategy!r} needs a positional profile measured for model "
+            f"{work.model_id!r}, template {work.template!r} and {n} slots, and none is stored; "
+            f"run `rag-reorder calibrate-positions --data FILE --max-passages {n} "
+            f"--template {work.template}` on a QA set with gold labels",
+            param="strategy",
+        )
+    return record
+
+
+class MaxRelevance:
+    """004 (iv): the retriever's best passages into the slots of highest positional accuracy."""
+
+    name: StrategyName = "max_relevance"
+    options: frozenset[str] = frozenset()
+    uses_design = False
+
+    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
+        return 0
+
+    async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        n = len(request.passages)
+        record = stored_record(work, self.name, n)
+        ranking = retriever_ranking(request.passages)
+        if record is None:
+            return Outcome(order=list(ranking), ranking=ranking, slots=n)
+        slots = slot_preference(record.accuracy.values, best="high")
+        return Outcome(
+            order=fill_slots(ranking, slots),
+            ranking=ranking,
+            slots=n,
+            positional_profile=as_profile(record, "accuracy"),
+            details={
+                "slot_preference": slots,
+                "answer_logprob_profile": list(record.answer_logprob.values),
+            },
+        )
+
+
+class MinDistraction:
+    """004 (v): the most distracting passages into the slots of lowest positional DE."""
+
+    name: StrategyName = "min_distraction"
+    options: frozenset[str] = frozenset()
+    uses_design = False
+
+    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
+        return len(request.passages)
+
+    async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        passages = request.passages
+        n = len(passages)
+        record = stored_record(work, self.name, n)  # refuse before any model call
+        de = await passage_effects(work, request.query, passages)
+        need_scores([None if np.isnan(d) else d for d in de], "distracting-effect prompts")
+        ranking = retriever_ranking(passages)
+        by_de = descending(de, ranking)
+        warnings: list[str] = []
+        failed = int(np.isnan(de).sum())
+        if failed:
+            warnings.append(
+                f"{failed} distracting-effect prompt(s) failed; those passages were ranked as "
+                "the least distracting"
+            )
+        details: dict[str, object] = {"distraction_ranking": by_de, "de_template": ABSTAIN_TEMPLATE}
+        if record is None:
+            return Outcome(
+                order=list(by_de),
+                ranking=ranking,
+                slots=n,
+                distracting_effect=de,
+                details=details,
+                warnings=tuple(warnings),
+            )
+        slots = slot_preference(record.distracting_effect.values, best="low")
+        details["slot_preference"] = slots
+        return Outcome(
+            order=fill_slots(by_de, slots),
+            ranking=ranking,
+            slots=n,
+            positional_profile=as_profile(record, "distracting_effect"),
+            distracting_effect=de,
+            details=details,
+            warnings=tuple(warnings),
+        )

@@ -1,0 +1,112 @@
+"""``self_consistency``: majority vote over answers to random permutations (paper 000's
+black-box inference-scaling baseline, section 4.1: 30 permutations, the most frequent answer).
+
+K = ``samples`` (default 30) seeded uniform permutations of all passages (``rng_for``: the
+seed mixed with the query), one greedy answer to each (the request's template,
+``max_answer_tokens`` budget), then a majority vote (``service.answers.majority_vote``).
+
+Rules, including those the paper leaves loose:
+
+- Answers are compared by their SQuAD-normalised form (``service.answers.normalize``); an
+  empty answer is a form like any other. Ties: the form sampled earliest wins. The answer's
+  text is the first raw answer of the winning form, ``votes`` the permutations that gave that
+  form, ``samples`` the answers counted, ``probability`` the mean over the winning samples of
+  their mean token probability (end-of-turn token excluded, as for ``lore``).
+- order = ranking = the first sampled permutation whose answer has the winning form: an order
+  that, fed to the same generator, gave the voted answer. Self-consistency judges answers,
+  not passages, so there are no per-passage scores (``scores`` is None).
+- Duplicate permutations (likely for small N: N = 3 has 6) are generated once (greedy decoding
+  is deterministic; ``usage.generations`` counts distinct prompts) but each counts as a vote:
+  a vote is a sample of the permutation distribution, not a distinct prompt. ``usage.prompts``
+  is K.
+- A failed generation is dropped from the vote, with a warning; all failed: ``ScoringFailed``.
+
+``details``: ``samples`` (K), ``counted``, ``distinct_answers``, ``votes`` (the top forms:
+their first raw text and votes) and ``permutation`` (the index of the sample used as order).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from service.answers import normalize, tally
+from service.errors import InvalidRequest
+from service.settings import Settings
+from service.strategies.base import (
+    Answer,
+    Outcome,
+    ReorderRequest,
+    StrategyName,
+    VotedAnswer,
+    Work,
+    need_scores,
+    rng_for,
+)
+from service.strategies.lore import answer_budget
+
+DEFAULT_SAMPLES = 30  # paper 000, section 4.1
+TOP_VOTES = 5  # distinct answers listed in details
+
+
+class SelfConsistency:
+    name: StrategyName = "self_consistency"
+    options = frozenset({"samples", "seed", "max_answer_tokens"})
+    uses_design = False
+
+    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
+        answer_budget(request)
+        return _samples(request)
+
+    async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        k = _samples(request)
+        budget = answer_budget(request)
+        n = len(request.passages)
+        rng = rng_for(request, work.settings)
+        perms = [tuple(int(i) for i in rng.permutation(n)) for _ in range(k)]
+        # Build each distinct order once; every sample still goes to ``generate`` (the ledger
+        # counts K planned calls, ``generate`` sends each distinct prompt once).
+        distinct = list(dict.fromkeys(perms))
+        built = await work.generation_prompts(
+            request.query, request.passages, distinct, room=budget
+        )
+        by_order = dict(zip(distinct, built, strict=True))
+        answers = await work.generate([by_order[p] for p in perms], max_new_tokens=budget)
+        need_scores(answers, "permutation answers")
+
+        counted = [(s, a) for s, a in enumerate(answers) if a is not None]
+        votes = tally([a.text for _, a in counted])
+        top = votes[0]
+        winners: list[Answer] = [a for _, a in counted if normalize(a.text) == top.form]
+        chosen = counted[top.first][0]
+        order = list(perms[chosen])
+        warnings: list[str] = []
+        failed = k - len(counted)
+        if failed:
+            warnings.append(f"{failed} of {k} permutation answers failed and were not counted")
+        return Outcome(
+            order=order,
+            ranking=list(order),
+            answer=VotedAnswer(
+                text=top.text,
+                votes=top.votes,
+                samples=len(counted),
+                probability=float(np.mean([a.mean_probability for a in winners])),
+            ),
+            details={
+                "samples": k,
+                "counted": len(counted),
+                "distinct_answers": len(votes),
+                "votes": [{"answer": v.text, "votes": v.votes} for v in votes[:TOP_VOTES]],
+                "permutation": chosen,
+            },
+            warnings=tuple(warnings),
+        )
+
+
+def _samples(request: ReorderRequest) -> int:
+    k = request.options.samples
+    if k is None:
+        return DEFAULT_SAMPLES
+    if k < 1:
+        raise InvalidRequest(f"samples must be >= 1, not {k}", param="samples")
+    return k

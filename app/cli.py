@@ -57,6 +57,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_reorder(settings, args))
         if args.command == "calibrate":
             return asyncio.run(_calibrate(settings, args))
+        if args.command == "calibrate-positions":
+            return asyncio.run(_calibrate_positions(settings, args))
+        if args.command == "eval":
+            return asyncio.run(_eval(settings, args))
         if args.command == "profiles":
             from service.profile_store import ProfileStore
 
@@ -112,6 +116,57 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--num-prompts", type=int)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--template")
+
+    cp = sub.add_parser(
+        "calibrate-positions",
+        help="measure and store the positional accuracy and distracting-effect profiles "
+        "(max_relevance, min_distraction) from a QA set with gold labels (JSONL)",
+    )
+    cp.add_argument("--data", required=True, type=Path)
+    cp.add_argument("--limit", type=int, default=20, help="questions to use")
+    cp.add_argument(
+        "--max-passages",
+        type=int,
+        default=5,
+        help="k: prompt slots (the gold passage or the hard distractor plus k-1 weak ones); "
+        "requests of k passages use the profile",
+    )
+    cp.add_argument("--template", help="the answering template the profiles are for")
+
+    e = sub.add_parser(
+        "eval",
+        help="evaluate every strategy on a QA set (JSONL): the generator's answers, the gold "
+        "answer's log-likelihood, the gold passage's slot and the cost, with paired tests",
+    )
+    e.add_argument("--data", required=True, type=Path, help="JSONL in the shared/data schema")
+    e.add_argument("--limit", type=int, help="questions to use (default: all)")
+    e.add_argument(
+        "--max-passages", type=int, help="K: passages per question, gold kept (default: all)"
+    )
+    e.add_argument(
+        "--strategies",
+        help="comma-separated strategy names, moi:<design> or moi:<design>:<placement> "
+        "(default: every strategy, MoI with each design and placement)",
+    )
+    e.add_argument("--scorer", help="scoring model (default: --model, else the configured one)")
+    e.add_argument("--generator", help="answering model (default: the scorer)")
+    e.add_argument("--template", help="prompt template (default: the configured one)")
+    e.add_argument("--max-answer-tokens", type=int, default=32)
+    e.add_argument(
+        "--metric",
+        choices=("accuracy", "em", "f1", "rouge_l"),
+        help="task metric (default: EM for two-gold sets like HotpotQA, else NQ accuracy)",
+    )
+    e.add_argument(
+        "--positional",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="controlled runs: the gold passage rotated through every slot",
+    )
+    e.add_argument("--positional-limit", type=int, default=10, help="questions rotated")
+    e.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
+    e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    e.add_argument("--out", required=True, type=Path, help="output folder (resumes from it)")
 
     sub.add_parser("profiles", help="list the stored bias profiles")
     return p
@@ -235,6 +290,114 @@ async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
     out.update(queries=report.queries, prompts=report.prompts, warnings=list(report.warnings))
     out["prompts_failed"] = report.prompts_failed
     print(json.dumps(out, indent=2))
+    return 0
+
+
+async def _calibrate_positions(settings: Settings, args: argparse.Namespace) -> int:
+    import anyio.to_thread
+
+    from service.backends.factory import create_backend
+    from service.dataset import load_examples
+    from service.distraction import calibrate_positions
+    from service.pipeline import Reorderer
+
+    try:
+        examples = load_examples(args.data, limit=args.limit)
+    except OSError as exc:
+        raise ClientError(f"cannot read {args.data}: {exc}", param="data") from None
+    backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
+
+    def progress(done: int, total: int) -> None:
+        print(
+            f"\rcalibrating positions: {done}/{total} questions",
+            end="",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    try:
+        report = await calibrate_positions(
+            Reorderer(backend, settings),
+            examples,
+            max_passages=args.max_passages,
+            template=args.template,
+            source=args.data.name,
+            progress=progress,
+        )
+    finally:
+        await backend.aclose()
+    print(file=sys.stderr)
+    out: dict[str, Any] = asdict(report.record)
+    out.update(
+        prompts=report.prompts,
+        prompts_failed=report.prompts_failed,
+        generated_tokens=report.generated_tokens,
+    )
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+async def _eval(settings: Settings, args: argparse.Namespace) -> int:
+    import anyio.to_thread
+
+    from service.backends.base import LogprobBackend
+    from service.backends.factory import create_backend
+    from service.dataset import load_examples
+    from service.evaluation import EvalConfig, run_evaluation, select_variants
+    from service.pipeline import Reorderer
+
+    for name in ("limit", "max_passages", "positional_limit", "resamples", "max_answer_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
+    variants = select_variants(args.strategies.split(",") if args.strategies else None)
+    try:
+        examples = load_examples(args.data, limit=args.limit)
+    except OSError as exc:
+        raise ClientError(f"cannot read {args.data}: {exc}", param="data") from None
+    scorer_settings = settings.model_copy(update={"model": args.scorer or settings.model})
+    generator_settings = settings.model_copy(
+        update={"model": args.generator or scorer_settings.model}
+    )
+    backends: list[LogprobBackend] = []
+    try:
+        backends.append(await anyio.to_thread.run_sync(lambda: create_backend(scorer_settings)))
+        scorer = Reorderer(backends[0], scorer_settings)
+        generator = None
+        if generator_settings.model != scorer_settings.model:
+            backends.append(
+                await anyio.to_thread.run_sync(lambda: create_backend(generator_settings))
+            )
+            generator = Reorderer(backends[1], generator_settings)
+        config = EvalConfig(
+            out_dir=args.out,
+            variants=tuple(variants),
+            max_passages=args.max_passages,
+            template=args.template,
+            max_answer_tokens=args.max_answer_tokens,
+            positional=args.positional,
+            positional_limit=args.positional_limit,
+            metric=args.metric,
+            resamples=args.resamples,
+            progress=not args.no_progress,
+            data_name=args.data.name,
+        )
+        outcome = await run_evaluation(examples, scorer, config, generator=generator)
+    finally:
+        for backend in backends:
+            await backend.aclose()
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "questions": len(examples),
+                "variants": len(variants),
+                "metric": outcome.metric,
+                "files": [str(f) for f in outcome.files],
+            },
+            indent=2,
+        )
+    )
     return 0
 
 

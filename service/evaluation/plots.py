@@ -1,0 +1,135 @@
+"""PNG plots of an evaluation summary (matplotlib, headless Agg backend).
+
+- ``bias_by_slot.png``: MoI's fitted slot weights per design, mean and 95% band.
+- ``positional_by_slot.png``: task metric, gold-answer and question log-likelihood by the
+  gold passage's slot (controlled positional runs), with standard-error bars.
+- ``quality_vs_tokens.png``: each variant's task metric against its mean tokens scored per
+  question (symlog x axis: the model-free orders score none).
+
+A plot with nothing to show still gets written, with a note saying why, so the set of files
+is the same for every run.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # headless: no display, no GUI toolkit
+
+import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from service.evaluation.report import LABELS, Summary
+
+_DPI = 110
+_MARKERS = ("o", "s", "^", "D", "v", "P")
+
+
+def write_plots(out_dir: Path, summary: Summary) -> list[Path]:
+    """Write the three PNGs (module docstring) into ``out_dir``; return their paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, draw in (
+        ("bias_by_slot.png", _bias),
+        ("positional_by_slot.png", _positional),
+        ("quality_vs_tokens.png", _quality),
+    ):
+        fig = draw(summary)
+        path = out_dir / name
+        try:
+            fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+        finally:
+            plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+def _empty(fig: Figure, message: str) -> Figure:
+    fig.text(0.5, 0.5, message, ha="center", va="center")
+    return fig
+
+
+def _bias(summary: Summary) -> Figure:
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    if not summary.bias_profiles:
+        ax.set_axis_off()
+        return _empty(fig, "no MoI fit in this run")
+    for b in summary.bias_profiles:
+        slots = list(range(1, b.slots + 1))
+        (line,) = ax.plot(slots, b.mean, marker="o", label=f"{b.design} (n={b.n})")
+        ax.fill_between(slots, b.low, b.high, color=line.get_color(), alpha=0.2)
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("prompt slot")
+    ax.set_ylabel("fitted weight a_j")
+    ax.set_title("MoI position bias (mean, 95% bootstrap band over questions)")
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def _positional(summary: Summary) -> Figure:
+    rows = summary.positional
+    fig, axes = plt.subplots(1, 3, figsize=(13.0, 3.8))
+    if not rows:
+        for ax in axes:
+            ax.set_axis_off()
+        return _empty(fig, "no positional runs in this run")
+    slots = [s.slot for s in rows]
+    panels = (
+        (LABELS[summary.metric], [s.metric for s in rows], [s.metric_se for s in rows]),
+        (
+            "gold answer LL/token (generator)",
+            [s.gold_logprob_per_token for s in rows],
+            [s.gold_logprob_per_token_se for s in rows],
+        ),
+        (
+            "question LL/token (scorer)",
+            [s.question_logprob_per_token for s in rows],
+            [s.question_logprob_per_token_se for s in rows],
+        ),
+    )
+    for ax, (title, means, ses) in zip(axes, panels, strict=True):
+        y = [float("nan") if m is None else m for m in means]
+        err = [0.0 if e is None else e for e in ses]
+        ax.errorbar(slots, y, yerr=err, marker="o", capsize=3)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.set_xlabel("gold passage slot")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+    fig.suptitle(f"Gold passage rotated through every slot (n={max(s.n for s in rows)})")
+    return fig
+
+
+def _quality(summary: Summary) -> Figure:
+    fig, ax = plt.subplots(figsize=(9.0, 5.0))
+    pts = []
+    for v in summary.variants:
+        x, y = v.cost["scored_tokens"], v.means[summary.metric]
+        if x is None or y is None:
+            continue
+        gen = v.cost["generated_tokens"] or 0.0
+        label = v.variant if gen == 0 else f"{v.variant} (+{gen:.0f} generated)"
+        pts.append((label, x, y))
+    if not pts:
+        ax.set_axis_off()
+        return _empty(fig, "no variant answered")
+    cmap = plt.get_cmap("tab10")
+    colors = [cmap(i) for i in range(10)]
+    for k, (label, x, y) in enumerate(pts):
+        ax.scatter(
+            [x],
+            [y],
+            color=colors[k % len(colors)],
+            marker=_MARKERS[k // len(colors) % len(_MARKERS)],
+            label=label,
+        )
+    ax.set_xscale("symlog", linthresh=100)
+    ax.set_xlabel("tokens scored per question (strategy; generated tokens in the legend)")
+    ax.set_ylabel(LABELS[summary.metric])
+    ax.set_title("Quality against scoring cost")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return fig

@@ -1,0 +1,778 @@
+"""Run every strategy variant on a QA set and measure what the generator makes of its order.
+
+For each question and each strategy variant the runner orders the passages through the
+serving pipeline (``Reorderer.reorder``), builds the generator's prompt for that order and
+measures: the gold answer's teacher-forced log-likelihood per token, the greedy answer's task
+metrics, the gold passages' slots and the strategy's cost. Controlled positional runs rotate
+the gold passage through every slot among fixed distractors. Each finished (question, variant)
+is appended to ``cache.jsonl`` in the output folder, so an interrupted run resumes where it
+stopped; the report is written from the cache at the end.
+
+Rules decided here (the README copies them):
+
+- **Variants**: every registered strategy with its default options; ``moi`` once per design
+  kind x placement, labelled ``moi:<design>:<placement>``. Both placements are applied to one
+  MoI run per design (``solver.place`` on its fit): the design is seeded, so a second run would
+  score the same prompts and fit the same numbers; the cost and wall time of that run are
+  reported for both.
+- **Skipped, not failed**: a variant whose strategy needs a calibrated profile that does not
+  exist (cyclic designs, ``max_relevance``, ``min_distraction``) raises
+  ``UnidentifiableRequest``; its record is ``skipped`` with the reason and is not cached (it
+  cost nothing, and a later run may find a profile). Any other client error is recorded as
+  ``error`` on that record, and the run goes on. ``ScoringFailed`` is recorded but not cached.
+- **Passages**: labels never reach a request (only title and text are sent). With
+  ``max_passages`` K below a question's N passages, the gold passages are kept, the first
+  K - |gold| others in retriever order fill the rest, and each gold passage keeps its relative
+  place: slot ``floor(g K / N)`` for input index g (uniform over N stays uniform over K).
+- **Generator batch**: a question's strategies run first (one at a time, so each one's wall
+  time is its own); then every distinct order among them is answered in one generator batch
+  and identical orders are answered once. Each record's generator cost counts its own
+  prompts and tokens, with an even share of the batch's wall time.
+- **Gold answer**: the first listed answer is the teacher-forced continuation; its
+  log-likelihood per token is the sum over its tokens / their number (generator's tokenizer).
+- **Positional runs**: the (first) gold passage is moved through slots 1..K; the other K - 1
+  passages (a second gold passage included) keep their order. Per slot: the generator's
+  answer metrics, the gold answer's log-likelihood per token, and the question's
+  log-likelihood per token under the *scoring* model (the quantity MoI reads).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any, Literal, cast
+
+from tqdm import tqdm  # type: ignore[import-untyped]
+
+import solver
+from service.answers import DEFAULT_MAX_ANSWER_TOKENS
+from service.dataset import Example
+from service.errors import ClientError, InvalidRequest, ScoringFailed, UnidentifiableRequest
+from service.evaluation.metrics import (
+    AnswerScores,
+    MetricName,
+    default_metric,
+    gold_ranks,
+    score_answer,
+)
+from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
+from service.prompts import Passage
+from service.strategies import strategy_names
+from service.strategies.base import DesignKind, Placement, StrategyName, Usage
+
+log = logging.getLogger(__name__)
+
+MOI_DESIGNS: tuple[DesignKind, ...] = (
+    "pruned_random",
+    "random",
+    "hybrid",
+    "cyclic",
+    "pruned_cyclic",
+)
+PLACEMENTS: tuple[Placement, ...] = ("descending_utility", "bias_matched")
+CACHE_FILE = "cache.jsonl"
+POSITIONAL = "positional"
+
+Status = Literal["ok", "error", "skipped"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One strategy configuration under evaluation."""
+
+    label: str
+    strategy: StrategyName
+    design: DesignKind | None = None
+    placement: Placement | None = None
+
+
+def all_variants() -> list[Variant]:
+    """Every registered strategy; ``moi`` once per design kind and placement."""
+    out: list[Variant] = []
+    for name in strategy_names():
+        if name == "moi":
+            out.extend(
+                Variant(f"moi:{d}:{p}", "moi", d, p) for d in MOI_DESIGNS for p in PLACEMENTS
+            )
+        else:
+            out.append(Variant(name, name))
+    return out
+
+
+def select_variants(spec: Sequence[str] | None) -> list[Variant]:
+    """The variants named in ``spec``: a strategy name (all its variants), ``moi:<design>``
+    (both placements) or a full label; ``None`` or empty for all.
+
+    Raises:
+        InvalidRequest: a name that matches no variant.
+    """
+    every = all_variants()
+    if not spec:
+        return every
+    chosen: list[Variant] = []
+    for raw in spec:
+        name = raw.strip()
+        hits = [
+            v
+            for v in every
+            if name in (v.label, v.strategy) or (":" in name and v.label.startswith(name + ":"))
+        ]
+        if not hits:
+            known = ", ".join(dict.fromkeys(v.strategy for v in every))
+            raise InvalidRequest(
+                f"unknown strategy or variant {name!r}; strategies: {known}; MoI variants are "
+                "moi:<design>[:<placement>]",
+                param="strategies",
+            )
+        chosen.extend(v for v in hits if v not in chosen)
+    return chosen
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Model work of one strategy run (or one generator evaluation)."""
+
+    prompts: int
+    prompts_scored: int
+    prompt_tokens: int
+    scored_tokens: int
+    generations: int
+    generated_tokens: int
+    wall_s: float
+
+    @classmethod
+    def of(cls, usage: Usage, wall_s: float) -> Cost:
+        return cls(
+            prompts=usage.prompts,
+            prompts_scored=usage.prompts_scored,
+            prompt_tokens=usage.prompt_tokens,
+            scored_tokens=usage.scored_tokens,
+            generations=usage.generations,
+            generated_tokens=usage.generated_tokens,
+            wall_s=wall_s,
+        )
+
+
+@dataclass(frozen=True)
+class RunKey:
+    """What a cached record depends on (the brief's key plus the generator's settings)."""
+
+    question_id: str
+    variant: str
+    scorer: str
+    generator: str
+    max_passages: int | None
+    template: str
+    max_answer_tokens: int
+    seed: int
+
+
+@dataclass(frozen=True)
+class Record:
+    """One (question, variant): the order, the generator's answer and its scores, the cost.
+
+    Metric fields are ``None`` where they could not be measured (an error, a failed
+    generation, a question without answers)."""
+
+    key: RunKey
+    strategy: str
+    design: str | None
+    placement: str | None
+    status: Status
+    n_passages: int
+    gold: tuple[int, ...]
+    error: str | None = None
+    error_code: str | None = None
+    order: tuple[int, ...] | None = None
+    gold_rank_best: int | None = None
+    gold_rank_mean: float | None = None
+    answer: str | None = None
+    accuracy: float | None = None
+    em: float | None = None
+    f1: float | None = None
+    rouge_l: float | None = None
+    gold_logprob: float | None = None
+    gold_tokens: int | None = None
+    gold_logprob_per_token: float | None = None
+    strategy_answer: str | None = None
+    strategy_answer_accuracy: float | None = None
+    strategy_answer_em: float | None = None
+    strategy_answer_f1: float | None = None
+    strategy_answer_rouge_l: float | None = None
+    cost: Cost | None = None
+    generator_cost: Cost | None = None
+    generator_error: str | None = None
+    position_bias: tuple[float, ...] | None = None
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def variant(self) -> str:
+        return self.key.variant
+
+    @property
+    def question_id(self) -> str:
+        return self.key.question_id
+
+    def value(self, metric: str) -> float | None:
+        """A numeric field by name (``None`` when missing or not finite)."""
+        v = getattr(self, metric)
+        if v is None:
+            return None
+        f = float(v)
+        return f if math.isfinite(f) else None
+
+
+@dataclass(frozen=True)
+class SlotResult:
+    """The positional run of one question with its gold passage in ``slot`` (1-based)."""
+
+    slot: int
+    answer: str | None
+    accuracy: float | None
+    em: float | None
+    f1: float | None
+    rouge_l: float | None
+    gold_logprob_per_token: float | None
+    question_logprob_per_token: float | None
+
+    def value(self, metric: str) -> float | None:
+        v = getattr(self, metric)
+        return None if v is None or not math.isfinite(float(v)) else float(v)
+
+
+@dataclass(frozen=True)
+class PositionalRecord:
+    key: RunKey
+    status: Status
+    n_passages: int
+    gold_passage: int | None
+    slots: tuple[SlotResult, ...] = ()
+    error: str | None = None
+
+    @property
+    def question_id(self) -> str:
+        return self.key.question_id
+
+
+AnyRecord = Record | PositionalRecord
+
+
+@dataclass(frozen=True)
+class EvalQuestion:
+    """A question as the runner uses it: passages without labels, gold indices beside them."""
+
+    id: str
+    question: str
+    answers: tuple[str, ...]
+    passages: tuple[Passage, ...]
+    gold: tuple[int, ...]
+
+
+def prepare(example: Example, max_passages: int | None) -> EvalQuestion:
+    """Strip labels and cut to ``max_passages`` keeping the gold passages (module rules)."""
+    n = len(example.passages)
+    clean = [Passage(text=p.text, title=p.title) for p in example.passages]
+    if max_passages is None or n <= max_passages:
+        return EvalQuestion(
+            example.id, example.question, example.answers, tuple(clean), tuple(example.gold)
+        )
+    k = max_passages
+    gold = sorted(set(example.gold))[:k]
+    others = [i for i in range(n) if i not in gold][: k - len(gold)]
+    slots: list[int] = []
+    for g in gold:
+        slots.append(max(g * k // n, slots[-1] + 1 if slots else 0))
+    for j in range(len(slots) - 1, -1, -1):
+        ceiling = k - 1 if j == len(slots) - 1 else slots[j + 1] - 1
+        slots[j] = min(slots[j], ceiling)
+    picked: list[int | None] = [None] * k
+    for g, s in zip(gold, slots, strict=True):
+        picked[s] = g
+    rest = iter(others)
+    chosen = [p if p is not None else next(rest) for p in picked]
+    return EvalQuestion(
+        example.id,
+        example.question,
+        example.answers,
+        tuple(clean[i] for i in chosen),
+        tuple(slots),
+    )
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """One evaluation run's settings."""
+
+    out_dir: Path
+    variants: tuple[Variant, ...] = field(default_factory=lambda: tuple(all_variants()))
+    max_passages: int | None = None
+    template: str | None = None
+    max_answer_tokens: int = DEFAULT_MAX_ANSWER_TOKENS
+    positional: bool = True
+    positional_limit: int = 10
+    metric: MetricName | None = None  # None: EM for multi-gold sets, else NQ accuracy
+    resamples: int = 10_000
+    seed: int = 0
+    progress: bool = True
+    data_name: str = ""
+
+
+@dataclass(frozen=True)
+class EvalOutcome:
+    """Every record of the run (cached and new) and where the report went."""
+
+    records: tuple[Record, ...]
+    positional: tuple[PositionalRecord, ...]
+    metric: MetricName
+    files: tuple[Path, ...]
+
+
+class RecordCache:
+    """Finished records, one JSON object a line in ``cache.jsonl``, appended as they finish.
+
+    A line that does not parse (the run died while writing it) is ignored and recomputed; the
+    next record starts on a new line.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._records: dict[RunKey, AnyRecord] = {}
+        self._torn = False
+        if path.is_file():
+            data = path.read_bytes()
+            self._torn = bool(data) and not data.endswith(b"\n")
+            with path.open(encoding="utf-8") as fh:
+                for line in fh:
+                    try:
+                        rec = record_from_json(json.loads(line))
+                    except (ValueError, KeyError, TypeError):
+                        log.warning("ignoring an unreadable line in %s", path)
+                        continue
+                    self._records[rec.key] = rec
+
+    def get(self, key: RunKey) -> AnyRecord | None:
+        return self._records.get(key)
+
+    def add(self, record: AnyRecord) -> None:
+        self._records[record.key] = record
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as fh:
+            if self._torn:  # end the torn line first, or this record would join it
+                fh.write("\n")
+                self._torn = False
+            fh.write(json.dumps(record_to_json(record), allow_nan=False) + "\n")
+            fh.flush()
+
+
+def record_to_json(record: AnyRecord) -> dict[str, Any]:
+    """A record as a JSON object (non-finite floats as ``null``)."""
+    data = cast(dict[str, Any], json_safe(asdict(record)))
+    data["kind"] = POSITIONAL if isinstance(record, PositionalRecord) else "strategy"
+    return data
+
+
+def record_from_json(data: dict[str, Any]) -> AnyRecord:
+    """The inverse of ``record_to_json``.
+
+    Raises:
+        KeyError, TypeError, ValueError: not a record.
+    """
+    data = dict(data)
+    kind = data.pop("kind")
+    key = RunKey(**data.pop("key"))
+    if kind == POSITIONAL:
+        slots = tuple(SlotResult(**s) for s in data.pop("slots"))
+        return PositionalRecord(key=key, slots=slots, **data)
+    if kind != "strategy":
+        raise ValueError(f"unknown record kind {kind!r}")
+    for name in ("cost", "generator_cost"):
+        if data.get(name) is not None:
+            data[name] = Cost(**data[name])
+    for name in ("gold", "order", "position_bias", "warnings"):
+        if data.get(name) is not None:
+            data[name] = tuple(data[name])
+    known = {f.name for f in fields(Record)}
+    return Record(key=key, **{k: v for k, v in data.items() if k in known})
+
+
+def json_safe(obj: object) -> object:
+    """``obj`` with every non-finite float replaced by ``None`` (strict JSON)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
+@dataclass(frozen=True)
+class _Generated:
+    """What the generator made of one order."""
+
+    answer: str | None
+    scores: AnswerScores | None
+    gold_logprob: float | None
+    gold_tokens: int | None
+    cost: Cost
+    error: str | None
+
+
+class Evaluator:
+    """Runs an evaluation (module docstring) with a scoring and a generating pipeline.
+
+    Args:
+        scorer: the pipeline the strategies run on.
+        generator: the pipeline that answers from each order (default: the scorer).
+        config: the run's settings.
+        on_record: called after each newly computed record is cached (a test hook: raising
+            there interrupts the run as a crash would).
+    """
+
+    def __init__(
+        self,
+        scorer: Reorderer,
+        config: EvalConfig,
+        *,
+        generator: Reorderer | None = None,
+        on_record: Callable[[AnyRecord], None] | None = None,
+    ) -> None:
+        self.scorer = scorer
+        self.generator = generator or scorer
+        self.config = config
+        self.on_record = on_record
+        self.template = config.template or scorer.settings.chat_template
+        self.cache = RecordCache(config.out_dir / CACHE_FILE)
+
+    def key(self, question_id: str, variant: str) -> RunKey:
+        return RunKey(
+            question_id=question_id,
+            variant=variant,
+            scorer=self.scorer.backend.model_id,
+            generator=self.generator.backend.model_id,
+            max_passages=self.config.max_passages,
+            template=self.template,
+            max_answer_tokens=self.config.max_answer_tokens,
+            seed=self.scorer.settings.seed,
+        )
+
+    async def run(self, examples: Sequence[Example]) -> EvalOutcome:
+        """Evaluate ``examples``, resuming from the cache, and write the report.
+
+        Raises:
+            ServerError: the backend failed beyond one question (e.g. it is unavailable).
+        """
+        from service.evaluation.plots import write_plots
+        from service.evaluation.report import build_summary, write_report
+
+        cfg = self.config
+        questions = [prepare(e, cfg.max_passages) for e in examples]
+        metric: MetricName = cfg.metric or default_metric([len(q.gold) for q in questions])
+        positional = (
+            [q for q in questions if q.gold and len(q.passages) > 1][: cfg.positional_limit]
+            if cfg.positional
+            else []
+        )
+        total = len(questions) * len(cfg.variants) + len(positional)
+        records: list[Record] = []
+        pos_records: list[PositionalRecord] = []
+        with tqdm(
+            total=total, desc="eval", unit="run", file=sys.stderr, disable=not cfg.progress
+        ) as bar:
+            for q in questions:
+                records.extend(await self._question(q, bar))
+            for q in positional:
+                pos_records.append(await self._positional(q))
+                bar.update(1)
+        summary = build_summary(
+            records, pos_records, metric, resamples=cfg.resamples, seed=cfg.seed
+        )
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+        meta = {
+            "data": cfg.data_name,
+            "questions": len(questions),
+            "scorer": self.scorer.backend.model_id,
+            "generator": self.generator.backend.model_id,
+            "template": self.template,
+            "max_passages": cfg.max_passages,
+            "max_answer_tokens": cfg.max_answer_tokens,
+            "metric": metric,
+            "seed": self.scorer.settings.seed,
+            "resamples": cfg.resamples,
+            "variants": [v.label for v in cfg.variants],
+        }
+        files = write_report(cfg.out_dir, meta, records, pos_records, summary)
+        files += write_plots(cfg.out_dir, summary)
+        return EvalOutcome(tuple(records), tuple(pos_records), metric, tuple(files))
+
+    # --- one question -----------------------------------------------------------------
+
+    async def _question(self, q: EvalQuestion, bar: Any) -> list[Record]:
+        """Run every strategy of one question, then answer all its distinct orders in one
+        generator batch (the engine batches them; identical orders are answered once)."""
+        out: dict[str, Record] = {}
+        ran: list[tuple[Variant, ReorderResult, list[int]]] = []
+        for group in _groups(self.config.variants):
+            todo = []
+            for v in group:
+                cached = self.cache.get(self.key(q.id, v.label))
+                if isinstance(cached, Record):
+                    out[v.label] = cached
+                    bar.update(1)
+                else:
+                    todo.append(v)
+            if not todo:
+                continue
+            for v, outcome in await self._run_group(q, todo):
+                if isinstance(outcome, Record):  # skipped or failed: no order to answer
+                    out[v.label] = outcome
+                    self._finished(outcome)
+                    bar.update(1)
+                else:
+                    ran.append((v, *outcome))
+        if ran:
+            orders = list(dict.fromkeys(tuple(order) for _, _, order in ran))
+            generated = dict(zip(orders, await self._generate(q, orders), strict=True))
+            for v, result, order in ran:
+                rec = self._record(q, v, result, order, generated[tuple(order)])
+                out[v.label] = rec
+                self._finished(rec)
+                bar.update(1)
+        return [out[v.label] for v in self.config.variants]
+
+    def _finished(self, rec: Record) -> None:
+        """Cache a new record, except those that cost nothing (skipped: a profile may exist
+        next time) or may succeed on a retry (``ScoringFailed``)."""
+        if rec.status == "skipped" or rec.error_code == ScoringFailed.code:
+            return
+        self.cache.add(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+
+    async def _run_group(
+        self, q: EvalQuestion, group: Sequence[Variant]
+    ) -> list[tuple[Variant, tuple[ReorderResult, list[int]] | Record]]:
+        """Run a strategy once; for MoI apply each placement of ``group`` to the one fit.
+
+        Returns:
+            Per variant, the result and its order, or a finished (skipped/error) record.
+        """
+        first = group[0]
+        req = ReorderRequest(
+            query=q.question,
+            passages=q.passages,
+            strategy=first.strategy,
+            design=DesignSpec(kind=first.design) if first.design else DesignSpec(),
+            placement=first.placement or "descending_utility",
+            template=self.template,
+            request_id=f"eval-{q.id}-{first.label}",
+        )
+        try:
+            result = await self.scorer.reorder(req)
+        except (ClientError, ScoringFailed) as exc:
+            status: Status = "skipped" if isinstance(exc, UnidentifiableRequest) else "error"
+            if status == "error":
+                log.warning("%s on %s: %s", first.label, q.id, exc.message)
+            return [
+                (v, self._bare(q, v, status, error=exc.message, error_code=exc.code)) for v in group
+            ]
+        out: list[tuple[Variant, tuple[ReorderResult, list[int]] | Record]] = []
+        for v in group:
+            order = list(result.order)
+            if v is not first and v.placement is not None and result.fit is not None:
+                order = solver.place(result.fit, v.placement)
+            out.append((v, (result, order)))
+        return out
+
+    def _bare(self, q: EvalQuestion, v: Variant, status: Status, **extra: Any) -> Record:
+        return Record(
+            key=self.key(q.id, v.label),
+            strategy=v.strategy,
+            design=v.design,
+            placement=v.placement,
+            status=status,
+            n_passages=len(q.passages),
+            gold=q.gold,
+            **extra,
+        )
+
+    def _record(
+        self,
+        q: EvalQuestion,
+        v: Variant,
+        result: ReorderResult,
+        order: list[int],
+        gen: _Generated,
+    ) -> Record:
+        best, mean = gold_ranks(order, q.gold)
+        sa = result.answer.text if result.answer is not None else None
+        sa_scores = score_answer(sa, q.answers) if sa is not None and q.answers else None
+        gs = gen.scores
+        return self._bare(
+            q,
+            v,
+            "ok",
+            order=tuple(order),
+            gold_rank_best=best,
+            gold_rank_mean=mean,
+            answer=gen.answer,
+            gold_logprob=gen.gold_logprob,
+            gold_tokens=gen.gold_tokens,
+            gold_logprob_per_token=(
+                gen.gold_logprob / gen.gold_tokens
+                if gen.gold_logprob is not None and gen.gold_tokens
+                else None
+            ),
+            accuracy=gs.accuracy if gs else None,
+            em=gs.em if gs else None,
+            f1=gs.f1 if gs else None,
+            rouge_l=gs.rouge_l if gs else None,
+            strategy_answer=sa,
+            strategy_answer_accuracy=sa_scores.accuracy if sa_scores else None,
+            strategy_answer_em=sa_scores.em if sa_scores else None,
+            strategy_answer_f1=sa_scores.f1 if sa_scores else None,
+            strategy_answer_rouge_l=sa_scores.rouge_l if sa_scores else None,
+            cost=Cost.of(result.usage, result.timing.total_s),
+            generator_cost=gen.cost,
+            generator_error=gen.error,
+            position_bias=(
+                tuple(float(a) for a in result.fit.position_bias)
+                if result.fit is not None
+                else None
+            ),
+            warnings=result.warnings,
+        )
+
+    async def _generate(
+        self, q: EvalQuestion, orders: Sequence[tuple[int, ...]]
+    ) -> list[_Generated]:
+        """Greedy answers and gold log-likelihoods for ``orders``, as one generator batch.
+
+        Each order's generator cost counts its own prompts and tokens (its generation and its
+        teacher-forced gold answer); the batch's wall time is shared evenly.
+        """
+        t0 = time.perf_counter()
+        work = self.generator.work(f"eval-{q.id}-gen", self.template)
+        try:
+            prompts = await work.generation_prompts(
+                q.question, q.passages, orders, room=self.config.max_answer_tokens
+            )
+            answers = await work.generate(prompts, max_new_tokens=self.config.max_answer_tokens)
+            rows: list[tuple[float, ...] | None] = [None] * len(orders)
+            if q.answers:
+                rows = await work.continuation_logprobs(prompts, q.answers[0])
+        except ClientError as exc:
+            wall = (time.perf_counter() - t0) / len(orders)
+            none = Cost(0, 0, 0, 0, 0, 0, wall)
+            return [_Generated(None, None, None, None, none, exc.message) for _ in orders]
+        wall = (time.perf_counter() - t0) / len(orders)
+        out = []
+        for prompt, ans, row in zip(prompts, answers, rows, strict=True):
+            text = ans.text if ans is not None else None
+            scores = score_answer(text, q.answers) if text is not None and q.answers else None
+            n_gold = len(row) if row is not None else 0
+            cost = Cost(
+                prompts=2 if q.answers else 1,
+                prompts_scored=1 if q.answers else 0,
+                prompt_tokens=len(prompt.token_ids) * (2 if q.answers else 1) + n_gold,
+                scored_tokens=n_gold,
+                generations=1,
+                generated_tokens=len(ans.token_ids) if ans is not None else 0,
+                wall_s=wall,
+            )
+            out.append(
+                _Generated(
+                    answer=text,
+                    scores=scores,
+                    gold_logprob=float(sum(row)) if row is not None else None,
+                    gold_tokens=n_gold or None,
+                    cost=cost,
+                    error=None if text is not None else "generation failed",
+                )
+            )
+        return out
+
+    # --- controlled positional runs ---------------------------------------------------
+
+    async def _positional(self, q: EvalQuestion) -> PositionalRecord:
+        key = self.key(q.id, POSITIONAL)
+        cached = self.cache.get(key)
+        if isinstance(cached, PositionalRecord):
+            return cached
+        gold = q.gold[0]
+        rest = [i for i in range(len(q.passages)) if i != gold]
+        orders = [[*rest[:s], gold, *rest[s:]] for s in range(len(q.passages))]
+        try:
+            slots = await self._rotate(q, orders)
+        except (ClientError, ScoringFailed) as exc:
+            log.warning("positional run on %s: %s", q.id, exc.message)
+            return PositionalRecord(key, "error", len(q.passages), gold, error=exc.message)
+        rec = PositionalRecord(key, "ok", len(q.passages), gold, tuple(slots))
+        self.cache.add(rec)
+        if self.on_record is not None:
+            self.on_record(rec)
+        return rec
+
+    async def _rotate(self, q: EvalQuestion, orders: list[list[int]]) -> list[SlotResult]:
+        gwork = self.generator.work(f"eval-{q.id}-pos-gen", self.template)
+        prompts = await gwork.generation_prompts(
+            q.question, q.passages, orders, room=self.config.max_answer_tokens
+        )
+        answers = await gwork.generate(prompts, max_new_tokens=self.config.max_answer_tokens)
+        gold_rows: list[tuple[float, ...] | None] = [None] * len(orders)
+        if q.answers:
+            gold_rows = await gwork.continuation_logprobs(prompts, q.answers[0])
+        swork = self.scorer.work(f"eval-{q.id}-pos-score", self.template)
+        scored = await swork.score_prompts(
+            await swork.scoring_prompts(q.question, q.passages, orders)
+        )
+        out = []
+        for s, (ans, row, sc) in enumerate(zip(answers, gold_rows, scored, strict=True)):
+            text = ans.text if ans is not None else None
+            m = score_answer(text, q.answers) if text is not None and q.answers else None
+            out.append(
+                SlotResult(
+                    slot=s + 1,
+                    answer=text,
+                    accuracy=m.accuracy if m else None,
+                    em=m.em if m else None,
+                    f1=m.f1 if m else None,
+                    rouge_l=m.rouge_l if m else None,
+                    gold_logprob_per_token=float(sum(row)) / len(row) if row else None,
+                    question_logprob_per_token=(
+                        float(sc.query.mean()) if sc is not None and sc.query.size else None
+                    ),
+                )
+            )
+        return out
+
+
+def _groups(variants: Iterable[Variant]) -> list[list[Variant]]:
+    """Variants that share one strategy run: MoI variants of one design; others alone."""
+    groups: dict[tuple[str, str | None], list[Variant]] = {}
+    for v in variants:
+        key = (v.strategy, v.design) if v.strategy == "moi" else (v.label, None)
+        groups.setdefault(key, []).append(v)
+    return list(groups.values())
+
+
+async def run_evaluation(
+    examples: Sequence[Example],
+    scorer: Reorderer,
+    config: EvalConfig,
+    *,
+    generator: Reorderer | None = None,
+    on_record: Callable[[AnyRecord], None] | None = None,
+) -> EvalOutcome:
+    """Evaluate ``examples`` (see ``Evaluator``) and write the report into ``config.out_dir``.
+
+    Returns:
+        Every record and the files written (``results.json``, ``summary.md``, the plots).
+    """
+    return await Evaluator(scorer, config, generator=generator, on_record=on_record).run(examples)

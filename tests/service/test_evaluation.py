@@ -1,0 +1,399 @@
+"""``rag-reorder eval`` on the fake backend: metrics, statistics, records, resume, report files.
+
+Expected numbers come from the fake's documented rules (``FakeBackend.expected_score``) and
+from hand computation, never from re-running the code under test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from service.backends.byte_tokenizer import ByteTokenizer
+from service.backends.fake import FakeBackend
+from service.dataset import Example, load_examples
+from service.evaluation import EvalConfig, run_evaluation, select_variants
+from service.evaluation.metrics import gold_ranks, rouge_l, score_answer
+from service.evaluation.report import build_summary, markdown
+from service.evaluation.runner import (
+    CACHE_FILE,
+    AnyRecord,
+    PositionalRecord,
+    Record,
+    all_variants,
+    prepare,
+)
+from service.evaluation.stats import (
+    bootstrap_mean_band,
+    bootstrap_mean_ci,
+    paired_comparison,
+    wilcoxon_p,
+)
+from service.pipeline import Reorderer
+from service.profile_store import ProfileStore
+from service.prompts import Passage
+from service.settings import Settings
+
+K = 5  # passages per question
+QUESTIONS = 3
+FAST = ("retriever", "shuffle", "inverse", "moi:pruned_random", "moi:cyclic", "max_relevance")
+
+
+# --- metrics --------------------------------------------------------------------------------
+
+
+def test_answer_metrics_by_hand() -> None:
+    s = score_answer("The Eiffel Tower.\nIt is in Paris, built in 1889.", ["Eiffel Tower"])
+    assert s.accuracy == 1.0  # substring of the normalised first line
+    assert s.em == 1.0  # first line "the eiffel tower." normalises to "eiffel tower"
+    assert s.f1 == 1.0
+    s = score_answer("big red apple", ["red apple pie", "pear"])
+    assert s.accuracy == 0.0 and s.em == 0.0
+    assert s.f1 == pytest.approx(2 / 3)  # 2 common tokens: P = R = 2/3
+    # ROUGE-L: LCS("the cat sat", "cat sat on mat") = 2; P = 2/3, R = 2/4 -> F = 4/7.
+    assert rouge_l("the cat sat", ["cat sat on mat"]) == pytest.approx(4 / 7)
+    assert rouge_l("the cat sat", ["dog", "cat sat on mat"]) == pytest.approx(4 / 7)
+    assert rouge_l("anything", []) == 0.0
+
+
+def test_gold_ranks_are_one_based_best_and_mean() -> None:
+    assert gold_ranks([2, 0, 1], [0, 1]) == (2, 2.5)
+    assert gold_ranks([2, 0, 1], [2]) == (1, 1.0)
+    assert gold_ranks([0, 1], []) == (None, None)
+
+
+def test_prepare_keeps_gold_at_its_scaled_slot_and_strips_labels() -> None:
+    passages = tuple(Passage(text=f"p{i}", title=f"t{i}", id=f"id{i}") for i in range(20))
+    q = prepare(Example("q", "question?", ("a",), passages, (13,)), 10)
+    # floor(13 * 10 / 20) = 6; the first nine others fill the rest in retriever order.
+    assert [p.text for p in q.passages] == [f"p{i}" for i in (0, 1, 2, 3, 4, 5, 13, 6, 7, 8)]
+    assert q.gold == (6,)
+    assert all(p.id is None and p.score is None for p in q.passages)
+    # Two golds that scale onto one slot are kept distinct and in order.
+    q2 = prepare(Example("h", "q?", ("a",), passages[:10], (8, 9)), 4)
+    assert q2.gold == (2, 3)
+    assert [p.text for p in q2.passages] == ["p0", "p1", "p8", "p9"]
+    # No cut: everything as given, labels still off the passages.
+    q3 = prepare(Example("q", "q?", ("a",), passages[:3], (1,)), None)
+    assert q3.gold == (1,) and [p.id for p in q3.passages] == [None] * 3
+
+
+def test_variants_cover_every_strategy_and_moi_design_placement() -> None:
+    labels = [v.label for v in all_variants()]
+    assert "moi:pruned_random:bias_matched" in labels and "moi:cyclic:descending_utility" in labels
+    assert {"retriever", "shuffle", "max_relevance", "self_consistency"} <= set(labels)
+    chosen = [v.label for v in select_variants(["moi:hybrid", "shuffle"])]
+    assert chosen == ["moi:hybrid:descending_utility", "moi:hybrid:bias_matched", "shuffle"]
+    with pytest.raises(Exception, match="unknown strategy or variant"):
+        select_variants(["nope"])
+
+
+# --- statistics -----------------------------------------------------------------------------
+
+
+def test_bootstrap_interval_known_cases() -> None:
+    c = bootstrap_mean_ci([0.25] * 7)
+    assert (c.mean, c.low, c.high) == (0.25, 0.25, 0.25)
+    # Resampled mean of [0, 0, 0, 1] is Binomial(4, 1/4) / 4: P(0) = 0.316 > 2.5%, so the
+    # low end is 0; P(X >= 3) = 0.051 > 2.5% > P(X = 4) = 0.004, so the high end is 3/4.
+    c = bootstrap_mean_ci([0.0, 0.0, 0.0, 1.0], resamples=10_000, seed=3)
+    assert c.mean == 0.25 and c.low == 0.0 and c.high == 0.75
+    assert bootstrap_mean_ci([1.0, 2.0, 5.0], seed=1) == bootstrap_mean_ci([1.0, 2.0, 5.0], seed=1)
+    assert math.isnan(bootstrap_mean_ci([]).mean)
+    with pytest.raises(ValueError, match="NaN"):
+        bootstrap_mean_ci([1.0, math.nan])
+    mean, low, high = bootstrap_mean_band(np.array([[1.0, 0.0], [1.0, 2.0]]), seed=0)
+    assert list(mean) == [1.0, 1.0] and list(low) == [1.0, 0.0] and list(high) == [1.0, 2.0]
+
+
+def test_wilcoxon_p_hand_cases() -> None:
+    # Exact null distribution of W+ over 2^5 sign patterns: P(W+ = 15) = 1/32, two-sided 2/32.
+    assert wilcoxon_p([1, 2, 3, 4, 5]) == pytest.approx(0.0625)
+    # One negative difference of rank 1: P(W- <= 1) = 2/32, two-sided 4/32.
+    assert wilcoxon_p([-1, 2, 3, 4, 5]) == pytest.approx(0.125)
+    assert wilcoxon_p([0.0, 0.0, 0.0]) == 1.0  # documented: no non-zero difference
+    assert wilcoxon_p([]) == 1.0
+    comp = paired_comparison("accuracy", "v", "b", [(1.0, 0.0), (1.0, 1.0), (0.0, 1.0)])
+    assert (comp.n, comp.wins, comp.losses) == (3, 1, 1) and comp.mean_diff == 0.0
+
+
+# --- the runner on the fake backend ---------------------------------------------------------
+
+
+def _world(tmp_path: Path) -> tuple[Path, dict[str, float], dict[str, str]]:
+    rng = np.random.default_rng(0)
+    truth: dict[str, float] = {}
+    answers: dict[str, str] = {}
+    lines = []
+    for k in range(QUESTIONS):
+        gold = (k * 2 + 1) % K
+        passages = []
+        for i in range(K):
+            text = f"question {k} passage {i} on topic {i * 7}"
+            truth[text] = 3.0 if i == gold else float(rng.uniform(-1, 1))
+            if i == gold:
+                answers[text] = f"answer {k}"
+            passages.append(
+                {"id": f"{k}-{i}", "title": f"T{i}", "text": text, "is_gold": i == gold}
+            )
+        rec = {"id": f"q{k}", "question": f"what is {k}?", "answers": [f"answer {k}", "alt"]}
+        lines.append(json.dumps({**rec, "gold_position": gold, "passages": passages}))
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(lines) + "\n")
+    return data, truth, answers
+
+
+def _setup(tmp_path: Path, **settings: object) -> tuple[list[Example], FakeBackend, Reorderer]:
+    data, truth, answers = _world(tmp_path)
+    backend = FakeBackend(truth, answers=answers)
+    reorderer = Reorderer(
+        backend, Settings(cache_dir=tmp_path, **settings), ProfileStore(tmp_path / "profiles")
+    )
+    return load_examples(data), backend, reorderer
+
+
+def _config(tmp_path: Path, **kw: object) -> EvalConfig:
+    base: dict[str, object] = {
+        "out_dir": tmp_path / "out",
+        "variants": tuple(select_variants(FAST)),
+        "resamples": 500,
+        "progress": False,
+        "positional_limit": 2,
+    }
+    base.update(kw)
+    return EvalConfig(**base)  # type: ignore[arg-type]
+
+
+def _per_token(backend: FakeBackend, texts: list[str], continuation: str) -> float:
+    n = len(ByteTokenizer().encode(continuation).ids)
+    return backend.expected_score(texts, n) / n
+
+
+async def test_records_measure_order_answer_likelihood_rank_and_cost(tmp_path: Path) -> None:
+    examples, backend, reorderer = _setup(tmp_path)
+    out = await run_evaluation(examples, reorderer, _config(tmp_path))
+    recs = {(r.question_id, r.variant): r for r in out.records}
+    assert len(out.records) == QUESTIONS * len(select_variants(FAST))
+    for ex in examples:
+        texts = [p.text for p in ex.passages]
+        r = recs[(ex.id, "retriever")]
+        assert r.status == "ok" and r.order == tuple(range(K))
+        assert r.gold_rank_best == r.gold_rank_mean == ex.gold[0] + 1
+        # The fake answers with the best passage's answer: the gold one.
+        assert r.answer == ex.answers[0] and r.accuracy == r.em == r.f1 == r.rouge_l == 1.0
+        assert r.gold_tokens == len(ex.answers[0])  # one byte, one token
+        assert r.gold_logprob_per_token == pytest.approx(_per_token(backend, texts, ex.answers[0]))
+        assert r.cost is not None and r.cost.prompts == r.cost.scored_tokens == 0
+        inv = recs[(ex.id, "inverse")]
+        assert inv.order == tuple(reversed(range(K))) and inv.gold_rank_best == K - ex.gold[0]
+        moi = recs[(ex.id, "moi:pruned_random:descending_utility")]
+        assert moi.order is not None and moi.order[0] == ex.gold[0]  # the best passage leads
+        assert moi.cost is not None and moi.cost.prompts_scored == 2 * K
+        assert moi.cost.scored_tokens > 0 and moi.cost.wall_s > 0
+        assert moi.position_bias is not None and len(moi.position_bias) == math.ceil(K / 2)
+        bm = recs[(ex.id, "moi:pruned_random:bias_matched")]
+        assert bm.cost == moi.cost  # one MoI run per design, both placements applied to it
+        for label in ("moi:cyclic:descending_utility", "max_relevance"):
+            assert recs[(ex.id, label)].status == "skipped"
+            assert "profile" in (recs[(ex.id, label)].error or "")
+    # Skipped variants cost nothing and are not cached; the others are, once each.
+    cached = (tmp_path / "out" / CACHE_FILE).read_text().splitlines()
+    ok = [r for r in out.records if r.status == "ok"]
+    assert len(cached) == len(ok) + len(out.positional)
+
+
+async def test_positional_runs_rotate_the_gold_passage(tmp_path: Path) -> None:
+    examples, backend, reorderer = _setup(tmp_path)
+    out = await run_evaluation(
+        examples, reorderer, _config(tmp_path, variants=tuple(select_variants(["retriever"])))
+    )
+    assert len(out.positional) == 2  # positional_limit
+    for rec in out.positional:
+        ex = next(e for e in examples if e.id == rec.question_id)
+        gold = ex.gold[0]
+        rest = [i for i in range(K) if i != gold]
+        assert rec.status == "ok" and [s.slot for s in rec.slots] == list(range(1, K + 1))
+        for s in rec.slots:
+            order = [*rest[: s.slot - 1], gold, *rest[s.slot - 1 :]]
+            texts = [ex.passages[i].text for i in order]
+            assert s.accuracy == 1.0
+            assert s.gold_logprob_per_token == pytest.approx(
+                _per_token(backend, texts, ex.answers[0])
+            )
+            assert s.question_logprob_per_token == pytest.approx(
+                _per_token(backend, texts, ex.question)
+            )
+        # Primacy bias: the gold passage is worth most in the first slot.
+        lls = [s.gold_logprob_per_token for s in rec.slots]
+        assert lls == sorted(lls, key=lambda v: -(v or 0.0))
+
+
+async def test_client_error_is_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
+    # MoI's 2N = 10 prompts are over this limit: LimitExceeded, a client error.
+    examples, _, reorderer = _setup(tmp_path, max_prompts_per_request=5)
+    out = await run_evaluation(
+        examples,
+        reorderer,
+        _config(tmp_path, variants=tuple(select_variants(["moi:pruned_random", "retriever"]))),
+    )
+    for r in out.records:
+        if r.strategy == "moi":
+            assert r.status == "error" and r.error_code == "limit_exceeded" and r.answer is None
+        else:
+            assert r.status == "ok"
+    text = (tmp_path / "out" / "summary.md").read_text()
+    assert "3 error(s): design.num_prompts is 10, over the limit of 5" in text
+
+
+async def test_separate_generator_answers_and_scorer_orders(tmp_path: Path) -> None:
+    examples, scorer_backend, scorer = _setup(tmp_path)
+    gen_backend = FakeBackend(scorer_backend.truth, answers={}, model_id="fake/generator")
+    generator = Reorderer(gen_backend, Settings(cache_dir=tmp_path))
+    out = await run_evaluation(
+        examples,
+        scorer,
+        _config(tmp_path, variants=tuple(select_variants(["moi:pruned_random"]))),
+        generator=generator,
+    )
+    assert scorer_backend.stats.generate_calls == 0
+    # One generator batch per question for its strategies, one per positional question.
+    assert gen_backend.stats.generate_calls == QUESTIONS + 2
+    r = out.records[0]
+    assert r.key.scorer == "fake/known-truth" and r.key.generator == "fake/generator"
+    # This generator has no answer table: it answers with the gold passage's first 3 words.
+    assert r.answer == "question 0 passage" and r.accuracy == 0.0
+    assert r.generator_cost is not None and r.generator_cost.generations == 1
+    assert r.generator_cost.scored_tokens == r.gold_tokens == len("answer 0")
+
+
+async def test_interrupted_run_resumes_from_the_cache(tmp_path: Path) -> None:
+    examples, backend, reorderer = _setup(tmp_path)
+    config = _config(tmp_path, positional_limit=1)
+    seen: list[AnyRecord] = []
+
+    def crash_after_four(rec: AnyRecord) -> None:
+        seen.append(rec)
+        if len(seen) == 4:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        await run_evaluation(examples, reorderer, config, on_record=crash_after_four)
+    assert len((tmp_path / "out" / CACHE_FILE).read_text().splitlines()) == 4
+    assert not (tmp_path / "out" / "results.json").exists()
+    # A torn last line (killed mid-write) is ignored and recomputed.
+    with (tmp_path / "out" / CACHE_FILE).open("a") as fh:
+        fh.write('{"kind": "strategy", "key": {"question_')
+
+    new: list[AnyRecord] = []
+    resumed = await run_evaluation(examples, reorderer, config, on_record=new.append)
+    first_keys = {r.key for r in seen}
+    assert not first_keys & {r.key for r in new}  # nothing finished is recomputed
+    assert len(seen) + len(new) == sum(r.status == "ok" for r in resumed.records) + 1
+
+    # The resumed run's records equal a fresh uninterrupted run's (but for wall time).
+    fresh_dir = tmp_path / "fresh"
+    examples2, _, reorderer2 = _setup(tmp_path)
+    fresh = await run_evaluation(
+        examples2, reorderer2, _config(tmp_path, out_dir=fresh_dir, positional_limit=1)
+    )
+
+    def strip(r: Record) -> tuple[object, ...]:
+        return (r.key, r.status, r.order, r.answer, r.accuracy, r.gold_logprob, r.position_bias)
+
+    assert [strip(r) for r in resumed.records] == [strip(r) for r in fresh.records]
+    assert isinstance(resumed.positional[0], PositionalRecord)
+    assert resumed.positional[0].slots == fresh.positional[0].slots
+    # A third run computes nothing.
+    again: list[AnyRecord] = []
+    calls = backend.stats.score_calls + backend.stats.generate_calls
+    await run_evaluation(examples, reorderer, config, on_record=again.append)
+    assert again == [] and backend.stats.score_calls + backend.stats.generate_calls == calls
+
+
+async def test_report_files_summary_table_and_plots(tmp_path: Path) -> None:
+    examples, _, reorderer = _setup(tmp_path)
+    out = await run_evaluation(examples, reorderer, _config(tmp_path))
+    names = sorted(p.name for p in out.files)
+    assert names == [
+        "bias_by_slot.png",
+        "positional_by_slot.png",
+        "quality_vs_tokens.png",
+        "results.json",
+        "summary.md",
+    ]
+    for p in out.files:
+        if p.suffix == ".png":
+            data = p.read_bytes()
+            assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert len(doc["records"]) == len(out.records)
+    assert len(doc["positional_records"]) == 2
+    assert doc["meta"]["metric"] == "accuracy" and doc["meta"]["questions"] == QUESTIONS
+    comps = doc["summary"]["comparisons"]
+    ret_vs_shuffle = [
+        c for c in comps if c["variant"] == "retriever" and c["baseline"] == "shuffle"
+    ]
+    assert {c["metric"] for c in ret_vs_shuffle} >= {"accuracy", "gold_logprob_per_token"}
+    acc = next(c for c in ret_vs_shuffle if c["metric"] == "accuracy")
+    assert acc["mean_diff"] == 0.0 and acc["p_value"] == 1.0 and acc["n"] == QUESTIONS
+    # Skipped variants are never compared (no pairs).
+    assert not [c for c in comps if c["variant"] == "max_relevance"]
+
+    md = (tmp_path / "out" / "summary.md").read_text()
+    summary = build_summary(out.records, out.positional, out.metric, resamples=500)
+    assert md == markdown(doc["meta"], summary)
+    header = next(line for line in md.splitlines() if line.startswith("| variant | ok |"))
+    assert header.startswith("| variant | ok | accuracy | EM | F1 | ROUGE-L | gold LL/token |")
+    row = next(line for line in md.splitlines() if line.startswith("| retriever | 3/3 |"))
+    assert row.split(" | ")[2:4] == ["1.000", "1.000"]
+    assert "| max_relevance | 0/3 |" in md and "skipped: no profile" in md
+    assert "## Paired against `shuffle`" in md and "## Paired against `retriever`" in md
+    assert "## Gold passage rotated through every slot" in md
+    assert "| pruned_random | 3 | 3 |" in md  # the MoI bias profile: 3 slots, 3 questions
+
+
+def test_cli_eval_on_the_fake_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.cli import main
+
+    data, truth, answers = _world(tmp_path)
+    created: list[FakeBackend] = []
+
+    def fake_backend(settings: Settings) -> FakeBackend:
+        created.append(FakeBackend(truth, answers=answers, model_id=settings.model))
+        return created[-1]
+
+    monkeypatch.setattr("service.backends.factory.create_backend", fake_backend)
+    monkeypatch.setenv("RAG_REORDER_CACHE_DIR", str(tmp_path / "cache"))
+    argv = [
+        "eval",
+        "--data",
+        str(data),
+        "--limit",
+        "2",
+        "--max-passages",
+        "4",
+        "--strategies",
+        "retriever,shuffle,moi:pruned_random",
+        "--scorer",
+        "fake/scorer",
+        "--generator",
+        "fake/generator",
+        "--positional-limit",
+        "1",
+        "--resamples",
+        "200",
+        "--no-progress",
+        "--out",
+        str(tmp_path / "cli"),
+    ]
+    assert main(argv) == 0
+    assert [b.model_id for b in created] == ["fake/scorer", "fake/generator"]
+    assert all(b.closed for b in created)
+    doc = json.loads((tmp_path / "cli" / "results.json").read_text())
+    assert doc["meta"]["max_passages"] == 4 and len(doc["records"]) == 2 * 4
+    assert {r["key"]["generator"] for r in doc["records"]} == {"fake/generator"}
+    assert main([*argv[:-2], "--limit", "0", "--out", str(tmp_path / "x")]) == 2

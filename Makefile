@@ -34,6 +34,8 @@ lint: install
 test: lint
 	scripts/vllm-venv.sh
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm
+	# helm and the PromQL grammar for tests/deploy (chart, Compose, dashboard, Dockerfile checks).
+	scripts/deploy-tools.sh $(VENV)
 	$(BIN)/python -m pytest -q
 
 serve: install

@@ -7,11 +7,14 @@
 #     checks the tarball's integrity, we check the binary's sha256) -> $VENV/bin/helm
 #   - Prometheus' own PromQL grammar (@prometheus-io/lezer-promql 0.315.0, package-lock.json in
 #     tests/deploy/promql) -> $VENV/deploy-tools/promql, run with the machine's node
+#   - validators generated from the KEDA and Prometheus Operator CRDs (@kubernetes-models/keda
+#     2.0.0, @kubernetes-models/prometheus-operator 6.0.0, package-lock.json in tests/deploy/crds)
+#     -> $VENV/deploy-tools/crds, run with the machine's node
 #   - hadolint, check-jsonschema (with the compose-spec schema) and kubernetes-validate (the
 #     Kubernetes JSON schemas per version) are Python dev dependencies in pyproject.toml, already
 #     in $VENV after `make install`; this script only checks that they are there.
 #
-# Idempotent: a stamp keyed on this script and the promql lock makes a second run a no-op.
+# Idempotent: a stamp keyed on this script and the two npm locks makes a second run a no-op.
 # Usage: scripts/deploy-tools.sh [VENV_DIR]   (default .venv)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -36,9 +39,11 @@ done
 }
 
 key=$(cat "$0" tests/deploy/promql/package.json tests/deploy/promql/package-lock.json \
-    tests/deploy/promql/check.cjs | sha256sum | cut -d' ' -f1)
+    tests/deploy/promql/check.cjs tests/deploy/crds/package.json \
+    tests/deploy/crds/package-lock.json tests/deploy/crds/check.mjs | sha256sum | cut -d' ' -f1)
 if [[ -f $STAMP && $(<"$STAMP") == "$key" && -x $VENV/bin/helm \
-    && -d $TOOLS/promql/node_modules/@prometheus-io/lezer-promql ]]; then
+    && -d $TOOLS/promql/node_modules/@prometheus-io/lezer-promql \
+    && -d $TOOLS/crds/node_modules/@kubernetes-models/keda ]]; then
     exit 0
 fi
 
@@ -85,20 +90,27 @@ mv "$work/helm" "$VENV/bin/helm"
     exit 1
 }
 
-# PromQL grammar, exactly as locked.
-rm -rf "$TOOLS/promql"
-mkdir -p "$TOOLS/promql"
-cp tests/deploy/promql/package.json tests/deploy/promql/package-lock.json \
-    tests/deploy/promql/check.cjs "$TOOLS/promql/"
-(cd "$TOOLS/promql" && npm ci --silent --ignore-scripts --no-audit --no-fund >"$work/npm-ci.log" 2>&1) || {
-    cat "$work/npm-ci.log" >&2
-    echo "deploy-tools: npm ci in $TOOLS/promql failed" >&2
-    exit 1
-}
+# The PromQL grammar and the CRD validators, exactly as locked.
+for pkg in promql crds; do
+    rm -rf "${TOOLS:?}/$pkg"
+    mkdir -p "$TOOLS/$pkg"
+    cp tests/deploy/$pkg/package.json tests/deploy/$pkg/package-lock.json \
+        tests/deploy/$pkg/check.* "$TOOLS/$pkg/"
+    (cd "$TOOLS/$pkg" && npm ci --silent --ignore-scripts --no-audit --no-fund >"$work/npm-ci.log" 2>&1) || {
+        cat "$work/npm-ci.log" >&2
+        echo "deploy-tools: npm ci in $TOOLS/$pkg failed" >&2
+        exit 1
+    }
+done
 echo '["sum(rate(up[5m]))"]' | node "$TOOLS/promql/check.cjs" | grep -q '"errors":\[\]' || {
     echo "deploy-tools: the PromQL checker does not run" >&2
     exit 1
 }
+echo '[{"apiVersion":"keda.sh/v1alpha1","kind":"ScaledObject","spec":{}}]' \
+    | node "$TOOLS/crds/check.mjs" | grep -q 'scaleTargetRef' || {
+    echo "deploy-tools: the CRD validators do not run" >&2
+    exit 1
+}
 
 echo "$key" >"$STAMP"
-echo "deploy-tools: helm $HELM_VERSION and the PromQL grammar ready in $((SECONDS - start)) s" >&2
+echo "deploy-tools: helm $HELM_VERSION, the PromQL grammar and the CRD validators ready in $((SECONDS - start)) s" >&2

@@ -2,14 +2,10 @@
 
 from __future__ import annotations
 
-import os
-import re
-from pathlib import Path
-
 import pytest
 
 from app.metrics import ServiceMetrics
-from tests.deploy.tools import ROOT, missing
+from tests.deploy import vllm_metrics
 
 _SUFFIXES = {
     "counter": ("_total",),
@@ -29,20 +25,8 @@ def service_metric_names() -> set[str]:
     return names
 
 
-def vllm_metric_names() -> set[str]:
-    """Series names of vLLM's own metrics, read from the vLLM the project tests against
-    (.venv-vllm, built by scripts/vllm-venv.sh before the main test run)."""
-    venv = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
-    sources = sorted(venv.glob("lib/python3*/site-packages/vllm/v1/metrics/*.py"))
-    if not sources:
-        missing("the vLLM virtualenv (scripts/vllm-venv.sh)")
-    bases = set()
-    for source in sources:
-        bases |= set(re.findall(r"[\"'](vllm:[a-z0-9_]+)[\"']", source.read_text()))
-    every = ("", "_total", "_bucket", "_sum", "_count")
-    return {base + suffix for base in bases for suffix in every}
-
-
 @pytest.fixture(scope="session")
 def exposed_metrics() -> set[str]:
-    return service_metric_names() | vllm_metric_names()
+    # vLLM's from the committed list (tests/deploy/vllm_metrics.py), checked against the
+    # pinned vLLM by test_the_vllm_metric_list_is_the_pinned_vllms.
+    return service_metric_names() | vllm_metrics.load()[1]

@@ -1,7 +1,8 @@
 """The Helm chart, rendered offline with real helm and checked three ways.
 
 1. Every manifest validates against Kubernetes' strict JSON schemas (the chart's floor version
-   and the newest), and the custom resources against the vendored CRD schemas.
+   and the newest), and the custom resources against validators generated from the upstream
+   CRDs and against strict schemas of the fields the chart writes (tests/deploy/schemas).
 2. The pieces fit (tests/deploy/checks.py): selectors, probe paths and ports, shutdown timing,
    the GPU, autoscaling on requests in flight, the scrape with the API key.
 3. Both catch what they are for: broken copies of the manifests and bad values must fail.
@@ -23,6 +24,7 @@ from tests.deploy.tools import (
     CHART,
     EXAMPLES,
     RenderError,
+    crd_errors,
     helm_template,
     promql_parse,
     run,
@@ -353,6 +355,36 @@ def test_the_schemas_catch_an_invalid_manifest(
 ) -> None:
     docs = copy.deepcopy(rendered[name])
     assert schema_errors(breakage(docs)) != []
+
+
+def _monitor_scheme(docs: list[Doc]) -> Doc:
+    monitor = checks.one(docs, "ServiceMonitor")
+    monitor["spec"]["endpoints"][0]["scheme"] = "ftp"
+    return monitor
+
+
+def _monitor_interval_in_words(docs: list[Doc]) -> Doc:
+    monitor = checks.one(docs, "ServiceMonitor")
+    monitor["spec"]["endpoints"][0]["interval"] = "15 seconds"
+    return monitor
+
+
+def _keda_without_target(docs: list[Doc]) -> Doc:
+    scaled = checks.one(docs, "ScaledObject")
+    del scaled["spec"]["scaleTargetRef"]
+    return scaled
+
+
+CRD_BREAKAGES = [_monitor_scheme, _monitor_interval_in_words, _keda_without_target]
+
+
+@pytest.mark.parametrize("breakage", CRD_BREAKAGES, ids=lambda b: b.__name__.lstrip("_"))
+def test_the_upstream_crd_validators_catch_an_invalid_resource(
+    rendered: dict[str, list[Doc]], breakage: Callable[[list[Doc]], Doc]
+) -> None:
+    broken = breakage(copy.deepcopy(rendered["gpu"]))
+    assert crd_errors(checks.one(rendered["gpu"], broken["kind"])) == []
+    assert crd_errors(broken) != []
 
 
 # --- bad values never render ----------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The validation tools tests/deploy runs, found where scripts/deploy-tools.sh installs them.
 
 Nothing here builds or runs an image or talks to a cluster: helm renders, JSON schemas validate,
-hadolint lints, Prometheus' grammar parses. A missing tool skips on a developer's machine (with
-the command that installs it) and fails under CI, so CI can never pass by validating nothing.
+hadolint lints, Prometheus' grammar parses. A missing tool fails the test with the command that
+installs it, never skips it: a deployment check that did not run must not look like one that
+passed (`make test` installs every tool before pytest runs).
 """
 
 from __future__ import annotations
@@ -27,21 +28,22 @@ DOCKER = ROOT / "docker"
 SCHEMAS = Path(__file__).resolve().parent / "schemas"
 BIN = Path(sys.executable).parent
 PROMQL_CHECK = BIN.parent / "deploy-tools" / "promql" / "check.cjs"
-INSTALL_HINT = "run scripts/deploy-tools.sh after `make install`"
+CRD_CHECK = BIN.parent / "deploy-tools" / "crds" / "check.mjs"
+# Where each tool comes from: the dev dependencies (`make install`) or scripts/deploy-tools.sh.
+FROM_PYPROJECT = "run `make install` (pyproject.toml's dev dependencies)"
+FROM_DEPLOY_TOOLS = "run scripts/deploy-tools.sh after `make install`"
+INSTALLED_BY = {
+    "helm": FROM_DEPLOY_TOOLS,
+    "hadolint": FROM_PYPROJECT,
+    "check-jsonschema": FROM_PYPROJECT,
+}
 
 # The chart's kubeVersion floor and the newest schemas kubernetes-validate ships.
 KUBE_VERSIONS = ("1.29.0", "1.37.0")
 
 
-def in_ci() -> bool:
-    return os.environ.get("CI", "").lower() not in ("", "0", "false", "no")
-
-
-def missing(what: str) -> NoReturn:
-    message = f"{what} is not installed: {INSTALL_HINT}"
-    if in_ci():
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
+def missing(what: str, how: str) -> NoReturn:
+    pytest.fail(f"{what} is not installed: {how}", pytrace=False)
 
 
 def tool(name: str) -> str:
@@ -51,7 +53,7 @@ def tool(name: str) -> str:
         return str(local)
     found = shutil.which(name)
     if found is None:
-        missing(name)
+        missing(name, INSTALLED_BY.get(name, FROM_DEPLOY_TOOLS))
     return found
 
 
@@ -83,17 +85,30 @@ def helm_template(
     return [doc for doc in yaml.safe_load_all(proc.stdout) if doc]
 
 
-def promql_parse(exprs: list[str]) -> list[dict[str, list[Any]]]:
-    """Parse with Prometheus' Lezer grammar: per expression, syntax-error offsets and metrics."""
+def _node(script: Path, what: str, payload: object) -> Any:
+    """Run one of the Node checkers deploy-tools.sh installs: JSON in on stdin, JSON out."""
     node = shutil.which("node")
     if node is None:
-        missing("node")
-    if not PROMQL_CHECK.is_file():
-        missing("the PromQL grammar (@prometheus-io/lezer-promql)")
-    proc = run([node, str(PROMQL_CHECK)], stdin=json.dumps(exprs))
+        missing("node", "install Node.js 20 or later (scripts/deploy-tools.sh needs it too)")
+    if not script.is_file():
+        missing(what, FROM_DEPLOY_TOOLS)
+    proc = run([node, str(script)], stdin=json.dumps(payload))
     assert proc.returncode == 0, proc.stderr
-    result: list[dict[str, list[Any]]] = json.loads(proc.stdout)
+    return json.loads(proc.stdout)
+
+
+def promql_parse(exprs: list[str]) -> list[dict[str, list[Any]]]:
+    """Parse with Prometheus' Lezer grammar: per expression, syntax-error offsets and metrics."""
+    result: list[dict[str, list[Any]]] = _node(
+        PROMQL_CHECK, "the PromQL grammar (@prometheus-io/lezer-promql)", exprs
+    )
     return result
+
+
+def crd_errors(doc: dict[str, Any]) -> list[str]:
+    """Errors of a custom resource under the validators generated from its upstream CRD."""
+    (errors,) = _node(CRD_CHECK, "the CRD validators (@kubernetes-models/*)", [doc])
+    return [str(e) for e in errors]
 
 
 @cache
@@ -103,7 +118,11 @@ def _crd_validator(name: str) -> jsonschema.Draft202012Validator:
     return jsonschema.Draft202012Validator(schema)
 
 
-# Custom resources: their schemas are vendored in tests/deploy/schemas (no cluster to ask).
+# Custom resources, checked twice (no cluster to ask): against the upstream CRD's schema
+# (crd_errors: types, enums, required fields; unknown fields pass, as the API server prunes
+# them) and against the strict schemas in tests/deploy/schemas, written for the fields the
+# chart sets, where a misspelt or misplaced field fails as `kubectl apply` (strict field
+# validation) would fail it.
 CRD_SCHEMAS = {
     ("monitoring.coreos.com/v1", "ServiceMonitor"): "servicemonitor-monitoring.coreos.com-v1.json",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobject-keda.sh-v1alpha1.json",
@@ -112,17 +131,18 @@ CRD_SCHEMAS = {
 
 def schema_errors(doc: dict[str, Any]) -> list[str]:
     """Validate one manifest: Kubernetes' strict schemas (every version in KUBE_VERSIONS) for
-    built-in kinds, the vendored CRD schemas for custom ones; unknown kinds are an error."""
+    built-in kinds, the upstream CRD's and the strict vendored schema for custom ones; unknown
+    kinds are an error."""
     try:
         import kubernetes_validate
     except ImportError:
-        missing("kubernetes-validate")
+        missing("kubernetes-validate", FROM_PYPROJECT)
     key = (doc.get("apiVersion"), doc.get("kind"))
     where = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
     if key in CRD_SCHEMAS:
         validator = _crd_validator(CRD_SCHEMAS[key])  # type: ignore[index]
-        return [
-            f"{where}: {'/'.join(map(str, e.absolute_path))}: {e.message}"
+        return [f"{where} (CRD): {e}" for e in crd_errors(doc)] + [
+            f"{where} (strict): {'/'.join(map(str, e.absolute_path))}: {e.message}"
             for e in validator.iter_errors(doc)
         ]
     errors = []

@@ -61,10 +61,12 @@ app.kubernetes.io/component: server
 {{/* Cross-field rules, checked at render time so a bad release never reaches the cluster. */}}
 {{- define "rag-reorder.validate" -}}
 {{- $l := .Values.lifecycle }}
-{{- /* The server needs preStop + drain, then ~2 s to close connections and the engine. */}}
-{{- $needed := add $l.preStopSleepSeconds (ceil $l.drainTimeoutSeconds) 5 }}
+{{- /* After preStop + drain the server closes: up to 2 s for open connections (uvicorn),
+then the engine, which vLLM gives 5 s before it kills the engine process (5.1 s measured from
+SIGTERM to exit with nothing in flight). 10 s covers both. */}}
+{{- $needed := add $l.preStopSleepSeconds (ceil $l.drainTimeoutSeconds) 10 }}
 {{- if lt (int $l.terminationGracePeriodSeconds) (int $needed) }}
-{{- fail (printf "lifecycle.terminationGracePeriodSeconds (%v) must be at least preStopSleepSeconds + drainTimeoutSeconds + 5 s to close (%v)" $l.terminationGracePeriodSeconds $needed) }}
+{{- fail (printf "lifecycle.terminationGracePeriodSeconds (%v) must be at least preStopSleepSeconds + drainTimeoutSeconds + 10 s to close (%v)" $l.terminationGracePeriodSeconds $needed) }}
 {{- end }}
 {{- if and .Values.apiKey.enabled (not .Values.apiKey.existingSecret) (not .Values.apiKey.value) }}
 {{- fail "apiKey.enabled needs apiKey.existingSecret or apiKey.value" }}

@@ -115,6 +115,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "command": "python bench/scoring.py " + " ".join(sys.argv[1:]),
         "backend": resolve_backend(settings),
+        "device": getattr(backend, "device", None),
+        "dtype": settings.dtype,
         "model": backend.model_id,
         "passages": args.passages,
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},

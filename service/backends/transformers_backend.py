@@ -286,12 +286,19 @@ class TransformersBackend:
                     f"got {req.max_new_tokens}",
                     param="max_new_tokens",
                 )
-        results: list[GenerateResult] = []
-        for req in reqs:
+        results: dict[int, GenerateResult] = {}
+        for batch in plan_generation_batches(
+            [(len(r.token_ids), self._steps(r)) for r in reqs],
+            token_budget=self._batch_token_budget,
+        ):
             async with self._lock:
                 model = self._require_open()
-                results.append(await anyio.to_thread.run_sync(self._generate_one, model, req))
-        return results
+                done = await anyio.to_thread.run_sync(
+                    self._generate_batch, model, [reqs[i] for i in batch]
+                )
+            for i, result in zip(batch, done, strict=True):
+                results[i] = result
+        return [results[i] for i in range(len(reqs))]
 
     async def aclose(self) -> None:
         """Release the model (waits for a running forward); later calls raise."""
@@ -399,40 +406,136 @@ class TransformersBackend:
         values: list[float] = token_logprobs(rows, target).cpu().tolist()
         return values
 
-    def _generate_one(self, model: PreTrainedModel, req: GenerationRequest) -> GenerateResult:
-        stop_ids = req.stop_token_ids | self._tokenizer.eos_token_ids
-        steps = min(req.max_new_tokens, self._max_model_len - len(req.token_ids))
-        token_ids: list[int] = []
-        logprobs: list[float] = []
+    def _steps(self, req: GenerationRequest) -> int:
+        """Tokens ``req`` may generate: its budget, cut where the context ends."""
+        return min(req.max_new_tokens, self._max_model_len - len(req.token_ids))
+
+    def _generate_batch(
+        self, model: PreTrainedModel, batch: list[GenerationRequest]
+    ) -> list[GenerateResult]:
         try:
             with torch.inference_mode():
-                ids = torch.tensor([req.token_ids], dtype=torch.long, device=self._device)
-                kwargs: dict[str, object] = {"input_ids": ids, "use_cache": True}
-                if self._accepts_logits_to_keep:
-                    kwargs["logits_to_keep"] = 1
-                out = model(**kwargs)
-                for step in range(steps):
-                    logp = torch.log_softmax(out.logits[0, -1].float(), dim=-1)
-                    token = int(torch.argmax(logp))
-                    value = float(logp[token])
-                    if not math.isfinite(value):
-                        return PromptFailure(req.request_id, "non-finite log-prob in generation")
-                    token_ids.append(token)
-                    logprobs.append(value)
-                    if token in stop_ids:
-                        return Generation(req.request_id, tuple(token_ids), tuple(logprobs), "stop")
-                    if step + 1 < steps:
-                        out = model(
-                            input_ids=torch.tensor([[token]], device=self._device),
-                            past_key_values=out.past_key_values,
-                            use_cache=True,
-                        )
-        except RuntimeError as exc:
+                return self._greedy(model, batch)
+        except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
-            logger.warning("generation %s failed: %s", req.request_id, type(exc).__name__)
-            return PromptFailure(req.request_id, f"forward failed: {type(exc).__name__}")
-        return Generation(req.request_id, tuple(token_ids), tuple(logprobs), "length")
+            if len(batch) > 1:
+                logger.warning(
+                    "generation batch of %d failed (%s); retrying one by one",
+                    len(batch),
+                    type(exc).__name__,
+                )
+                return [self._generate_batch(model, [req])[0] for req in batch]
+            logger.warning("generation %s failed: %s", batch[0].request_id, type(exc).__name__)
+            return [PromptFailure(batch[0].request_id, f"forward failed: {type(exc).__name__}")]
+
+    def _greedy(
+        self, model: PreTrainedModel, batch: list[GenerationRequest]
+    ) -> list[GenerateResult]:
+        """Greedy decoding of ``batch`` in lockstep: one prefill, then one forward per token.
+
+        Prompts are left-padded so every row's next token sits in the last column; the
+        attention mask hides the pads and explicit position ids start each row at 0, so a row
+        decodes as it would alone. One host sync per step reads every row's token at once,
+        instead of one decode loop (and one sync per token) per request.
+        """
+        rows = len(batch)
+        width = max(len(r.token_ids) for r in batch)
+        steps = [self._steps(r) for r in batch]
+        stops = [r.stop_token_ids | self._tokenizer.eos_token_ids for r in batch]
+        input_ids = torch.zeros((rows, width), dtype=torch.long)
+        mask = torch.zeros((rows, width), dtype=torch.long)
+        for b, req in enumerate(batch):
+            n = len(req.token_ids)
+            input_ids[b, width - n :] = torch.tensor(req.token_ids, dtype=torch.long)
+            mask[b, width - n :] = 1
+        input_ids, mask = input_ids.to(self._device), mask.to(self._device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        kwargs: dict[str, object] = {
+            "input_ids": input_ids,
+            "attention_mask": mask,
+            "position_ids": positions,
+            "use_cache": True,
+        }
+        if self._accepts_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = model(**kwargs)
+        tokens: list[list[int]] = [[] for _ in batch]
+        values: list[list[float]] = [[] for _ in batch]
+        finished: list[GenerateResult | None] = [None] * rows
+        last = positions[:, -1:]
+        for step in range(max(steps)):
+            logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
+            best = torch.argmax(logp, dim=-1)
+            picked = logp.gather(1, best[:, None]).squeeze(1)
+            best_host, picked_host = best.tolist(), picked.tolist()
+            for b, req in enumerate(batch):
+                if finished[b] is not None:
+                    continue
+                token, value = int(best_host[b]), float(picked_host[b])
+                if not math.isfinite(value):
+                    finished[b] = PromptFailure(req.request_id, "non-finite log-prob in generation")
+                    continue
+                tokens[b].append(token)
+                values[b].append(value)
+                if token in stops[b]:
+                    finished[b] = Generation(
+                        req.request_id, tuple(tokens[b]), tuple(values[b]), "stop"
+                    )
+                elif len(tokens[b]) >= steps[b]:
+                    finished[b] = Generation(
+                        req.request_id, tuple(tokens[b]), tuple(values[b]), "length"
+                    )
+            if all(f is not None for f in finished) or step + 1 >= max(steps):
+                break
+            # Finished rows keep decoding their own argmax (cheaper than re-packing the
+            # cache); their outputs are ignored.
+            mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=mask.device)], 1)
+            last = last + 1
+            out = model(
+                input_ids=best[:, None],
+                attention_mask=mask,
+                position_ids=last,
+                past_key_values=out.past_key_values,
+                use_cache=True,
+            )
+        return [
+            f
+            if f is not None
+            else Generation(req.request_id, tuple(tokens[b]), tuple(values[b]), "length")
+            for b, (req, f) in enumerate(zip(batch, finished, strict=True))
+        ]
+
+
+def plan_generation_batches(
+    shapes: Sequence[tuple[int, int]], *, token_budget: int
+) -> list[list[int]]:
+    """Group generation requests, given as ``(prompt tokens, tokens to generate)``, into
+    lockstep batches, longest prompts first.
+
+    A batch's cost is its size times its longest prompt plus its longest generation (the KV
+    cache it ends with); it grows while that stays within ``token_budget``. A request over
+    the budget on its own still gets a batch of one.
+
+    Returns:
+        Lists of indices into ``shapes``; every index appears exactly once.
+    """
+    order = sorted(range(len(shapes)), key=lambda i: -shapes[i][0])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    width = steps = 0
+    for i in order:
+        n, k = shapes[i]
+        if current and (len(current) + 1) * (max(width, n) + max(steps, k)) <= token_budget:
+            current.append(i)
+            width, steps = max(width, n), max(steps, k)
+            continue
+        if current:
+            batches.append(current)
+        current, width, steps = [i], n, k
+    if current:
+        batches.append(current)
+    return batches
 
 
 def plan_batches(

@@ -31,6 +31,7 @@ from service.backends.transformers_backend import (
     HeadMode,
     TransformersBackend,
     plan_batches,
+    plan_generation_batches,
     token_logprobs,
 )
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
@@ -229,6 +230,53 @@ def test_greedy_generation_matches_manual_argmax_loop(
     assert isinstance(stopped, Generation)
     assert stopped.finish_reason == "stop"
     assert list(stopped.token_ids) == [tok for tok, _ in manual[: first_hit + 1]]
+
+
+def test_batched_generation_matches_each_prompt_alone(
+    tiny_backend: TransformersBackend, tiny_reference: PreTrainedModel
+) -> None:
+    # Prompts of different lengths (left padding differs per row) and different budgets
+    # (rows finish at different steps) decode in one lockstep batch; each row must equal the
+    # no-cache argmax loop on that prompt alone.
+    questions = ["Name a river.", "Which is the longest river in the whole of Europe?", "Hi"]
+    prompts = [chat_ids(tiny_backend, q) for q in questions]
+    budgets = [12, 5, 9]
+    eos = tiny_backend.tokenizer.eos_token_ids
+    requests = [
+        GenerationRequest(f"g{k}", p, n)
+        for k, (p, n) in enumerate(zip(prompts, budgets, strict=True))
+    ]
+    assert len({len(p) for p in prompts}) == 3
+    assert (
+        len(
+            plan_generation_batches(
+                [(len(p), n) for p, n in zip(prompts, budgets, strict=True)], token_budget=16384
+            )
+        )
+        == 1
+    )
+    got = run(lambda: tiny_backend.generate(requests))
+    for gen, prompt, steps, req in zip(got, prompts, budgets, requests, strict=True):
+        manual = manual_greedy(tiny_reference, prompt, steps)
+        cut = next((k + 1 for k, (tok, _) in enumerate(manual) if tok in eos), steps)
+        assert isinstance(gen, Generation)
+        assert gen.request_id == req.request_id
+        assert list(gen.token_ids) == [tok for tok, _ in manual[:cut]]
+        assert gen.logprobs == pytest.approx([lp for _, lp in manual[:cut]], abs=TOL)
+        assert gen.finish_reason == ("stop" if cut < steps else "length")
+
+
+def test_generation_batches_respect_the_token_budget() -> None:
+    # (prompt tokens, tokens to generate); cost of a batch = size x (longest + most steps).
+    shapes = [(10, 4), (30, 2), (20, 8), (5, 1)]
+    batches = plan_generation_batches(shapes, token_budget=80)
+    assert sorted(i for b in batches for i in b) == [0, 1, 2, 3]
+    assert batches[0][0] == 1  # longest prompt first
+    for b in batches:
+        cost = len(b) * (max(shapes[i][0] for i in b) + max(shapes[i][1] for i in b))
+        assert len(b) == 1 or cost <= 80
+    assert batches == [[1, 2], [0, 3]]  # 2 x (30 + 8) = 76; then 2 x (10 + 4) = 28
+    assert plan_generation_batches([(100, 10)], token_budget=8) == [[0]]
 
 
 def test_generation_stops_at_context_end(tiny_model_dir: Path) -> None:

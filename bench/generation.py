@@ -1,0 +1,130 @@
+"""Greedy generation: one lockstep batch against the same requests one at a time.
+
+LoRE, self-consistency, the positional calibration and the evaluation harness generate many
+short answers per request. The transformers backend decodes them in lockstep batches (one
+prefill, one forward per token for the whole batch); this benchmark measures that against
+generating each request alone, on the same requests, alternating which side goes first, and
+checks that both give the same tokens (greedy decoding must not depend on batching beyond
+float noise: the count of differing answers is printed).
+
+Prompts: the generator's prompt (``qa_default`` template) for the first ``--queries`` NQ-Open
+dev questions with their first ``--passages`` passages, answered with ``--max-new-tokens``.
+
+Usage: python bench/generation.py [--queries 8] [--passages 10] [--max-new-tokens 32]
+       [--repeats 2] [--out bench/results/generation.json]
+Settings come from the environment (``RAG_REORDER_DEVICE``, ``RAG_REORDER_DTYPE``, ...).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import asyncio
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from service.backends.base import Generation, GenerationRequest
+from service.backends.factory import create_backend, resolve_backend
+from service.dataset import load_examples
+from service.prompts import build_generation_prompt
+from service.settings import Settings
+
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    settings = Settings()
+    backend = await asyncio.to_thread(create_backend, settings)
+    examples = load_examples(Path(args.data), limit=args.queries)
+    requests = []
+    for k, ex in enumerate(examples):
+        passages = ex.passages[: args.passages]
+        prompt = build_generation_prompt(
+            backend.tokenizer,
+            settings.chat_template,
+            ex.question,
+            passages,
+            list(range(len(passages))),
+            max_tokens=backend.max_model_len - args.max_new_tokens,
+        )
+        requests.append(GenerationRequest(f"gen-{k}", prompt.token_ids, args.max_new_tokens))
+    # Untimed warm-up of both paths (first-call allocations, kernel selection).
+    await backend.generate(requests[:2])
+    await backend.generate(requests[:1])
+    times: dict[str, list[float]] = {"batched": [], "one_by_one": []}
+    outputs: dict[str, list[Any]] = {}
+    for r in range(args.repeats):
+        for side in ("batched", "one_by_one") if r % 2 == 0 else ("one_by_one", "batched"):
+            t = time.perf_counter()
+            if side == "batched":
+                got = await backend.generate(requests)
+            else:
+                got = [(await backend.generate([req]))[0] for req in requests]
+            times[side].append(time.perf_counter() - t)
+            outputs[side] = got
+    await backend.aclose()
+    tokens = [len(g.token_ids) if isinstance(g, Generation) else 0 for g in outputs["batched"]]
+    differ = sum(
+        1
+        for a, b in zip(outputs["batched"], outputs["one_by_one"], strict=True)
+        if not (isinstance(a, Generation) and isinstance(b, Generation))
+        or a.token_ids != b.token_ids
+    )
+    batched, alone = statistics.median(times["batched"]), statistics.median(times["one_by_one"])
+    summary = {
+        "requests": len(requests),
+        "prompt_tokens": sum(len(r.token_ids) for r in requests),
+        "generated_tokens": sum(tokens),
+        "batched_s": batched,
+        "one_by_one_s": alone,
+        "speedup": alone / batched,
+        "answers_per_s_batched": len(requests) / batched,
+        "answers_per_s_one_by_one": len(requests) / alone,
+        "answers_differing": differ,
+    }
+    print(
+        f"{len(requests)} answers, {summary['prompt_tokens']} prompt tokens, "
+        f"{sum(tokens)} generated: batched {batched:.2f}s, one by one {alone:.2f}s, "
+        f"speedup {summary['speedup']:.2f}x; answers differing: {differ}"
+    )
+    return {
+        "command": "python bench/generation.py " + " ".join(sys.argv[1:]),
+        "backend": resolve_backend(settings),
+        "device": getattr(backend, "device", None),
+        "dtype": settings.dtype,
+        "model": backend.model_id,
+        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
+        "summary": summary,
+        "times_s": times,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--queries", type=int, default=8)
+    ap.add_argument("--passages", type=int, default=10)
+    ap.add_argument("--max-new-tokens", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--data", default=str(DATA))
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generation.json"))
+    args = ap.parse_args()
+    out = asyncio.run(run(args))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -91,6 +91,7 @@ class AdmittedBackend:
         self._inner = inner
         self._admission = admission
         self._settings = settings
+        self._sent_tokens = 0  # prompt tokens this request sent so far, scored or generated
 
     @property
     def model_id(self) -> str:
@@ -118,26 +119,41 @@ class AdmittedBackend:
                 "design.num_prompts", max_prompts, n, what="distinct prompts to score"
             )
         tokens = sum(len(r.token_ids) for r in requests)
-        max_tokens = self._settings.max_prompt_tokens_x_prompts
-        if tokens > max_tokens:
-            raise LimitExceeded(
-                "prompt_tokens_x_prompts",
-                max_tokens,
-                tokens,
-                what=f"summed over {n} prompts; send fewer or shorter passages or fewer prompts",
-            )
+        self._count_prompt_tokens(tokens, n)
         with self._admission.tokens(tokens):
             return await self._inner.score(requests)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
-        """Admit the prompts' tokens plus their answer budgets (503), then generate.
+        """Check the request's prompts x tokens limit (422), admit the prompts' tokens plus
+        their answer budgets (503), then generate.
 
         Raises:
+            LimitExceeded: prompts x tokens over the limit.
             Overloaded: the in-flight token budget is full.
         """
+        self._count_prompt_tokens(sum(len(r.token_ids) for r in requests), len(requests))
         tokens = sum(len(r.token_ids) + r.max_new_tokens for r in requests)
         with self._admission.tokens(tokens):
             return await self._inner.generate(requests)
+
+    def _count_prompt_tokens(self, tokens: int, n: int) -> None:
+        """Add a call's prompt tokens to the request's total; 422 over the limit.
+
+        The limit is per request, not per call: generating prompts (lore, self_consistency)
+        prefill like scored ones, and a strategy with several model calls must not get the
+        limit once per call.
+        """
+        total = self._sent_tokens + tokens
+        max_tokens = self._settings.max_prompt_tokens_x_prompts
+        if total > max_tokens:
+            raise LimitExceeded(
+                "prompt_tokens_x_prompts",
+                max_tokens,
+                total,
+                what=f"summed over the request's prompts ({n} in this call); send fewer or "
+                "shorter passages or fewer prompts",
+            )
+        self._sent_tokens = total
 
     async def aclose(self) -> None:
         """Nothing to do: the lifespan owns and closes the shared backend."""

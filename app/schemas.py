@@ -127,7 +127,9 @@ class ReorderOptions(_Strict):
     samples: int | None = Field(default=None, ge=1, le=MAX_NUM_PROMPTS)
     """K: shuffles scored (`query_likelihood`, default N) or permutations answered
     (`self_consistency`, default 30)."""
-    rankings: list[list[int]] | None = Field(default=None, min_length=1, max_length=16)
+    rankings: list[Annotated[list[int], Field(min_length=1, max_length=MAX_PASSAGES)]] | None = (
+        Field(default=None, min_length=1, max_length=16)
+    )
     """`lore`: input rankings to fuse (passage indices, best first; a ranking may list a
     subset). Default: the retriever's order (scores, else input order)."""
     probability_weight: float | None = Field(default=None, ge=0, le=1000, allow_inf_nan=False)

@@ -140,17 +140,20 @@ class Reorderer:
         if not req.passages:
             raise InvalidRequest("passages must not be empty", param="passages")
         planned = self.planned_prompts(req)
+        strategy = get_strategy(req.strategy)
         limit = self.settings.max_prompts_per_request
         if planned > limit:
+            # Name the knob that sets the count: K where the strategy samples (its default
+            # K = 30 for self_consistency does not depend on the passages), else the design
+            # or the number of passages.
             param = (
                 "samples"
-                if req.options.samples is not None
-                else ("design.num_prompts" if req.strategy == "moi" else "passages")
+                if "samples" in strategy.options
+                else ("design.num_prompts" if strategy.uses_design else "passages")
             )
             raise LimitExceeded(
                 param, limit, planned, what=f"model calls strategy {req.strategy!r} needs"
             )
-        strategy = get_strategy(req.strategy)
         work = self.work(rid, req.template)
         outcome = await strategy.run(work, req)
         _check_outcome(outcome, len(req.passages))

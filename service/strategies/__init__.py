@@ -55,4 +55,5 @@ def get_strategy(name: str) -> Strategy:
 
 
 def strategy_names() -> tuple[StrategyName, ...]:
+    """Every strategy's wire name, ``moi`` (the default) first."""
     return tuple(s.name for s in _ALL)

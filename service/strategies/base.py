@@ -542,6 +542,7 @@ _USERS: dict[str, set[str]] = {}
 
 
 def register_option_users(strategy: Strategy) -> None:
+    """Record which options ``strategy`` reads, so a refusal can name their users."""
     for name in strategy.options:
         _USERS.setdefault(name, set()).add(strategy.name)
 

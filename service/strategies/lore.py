@@ -114,6 +114,8 @@ def context_ranks(rrf: Sequence[Fraction], tiebreak: Sequence[int]) -> list[int]
 
 
 class Lore:
+    """``lore`` (paper 003): the rules and the cost are in the module docstring."""
+
     name: StrategyName = "lore"
     options = frozenset(
         {"rankings", "probability_weight", "rank_weight", "rrf_k", "max_answer_tokens"}

@@ -23,6 +23,10 @@ Rules, including those the paper leaves loose:
 
 ``details``: ``samples`` (K), ``counted``, ``distinct_answers``, ``votes`` (the top forms:
 their first raw text and votes) and ``permutation`` (the index of the sample used as order).
+
+Cost: K planned generations of N passages each (a repeated permutation is generated once), at
+most ``max_answer_tokens`` tokens each; no scored prompt. The prompts' tokens count against
+``max_prompt_tokens_x_prompts`` like scored prompts.
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ TOP_VOTES = 5  # distinct answers listed in details
 
 
 class SelfConsistency:
+    """``self_consistency``: the rules and the cost are in the module docstring."""
+
     name: StrategyName = "self_consistency"
     options = frozenset({"samples", "seed", "max_answer_tokens"})
     uses_design = False

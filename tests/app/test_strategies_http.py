@@ -1,19 +1,31 @@
 """Every strategy through the HTTP routes: same response shape, same limits, same metrics.
 
 Once on the fake backend (fast, every field checked) and once on a tiny real model behind the
-real SmolLM2 tokenizer (``slow``), where positional profiles are first measured by the same
-calibration the ``calibrate-positions`` command runs.
+real SmolLM2 tokenizer (``slow``), through ``/v1/reorder`` and ``/v1/rerank``, after the
+positional profiles were measured by the ``rag-reorder calibrate-positions`` command itself;
+each response is checked against its strategy's rule, recomputed here. The random tiny model's
+positional profiles are flat, so the two positional strategies run once more on SmolLM2, whose
+measured profiles tell slots apart.
 """
 
 from __future__ import annotations
 
+import json
+import math
+import re
+import zlib
 from pathlib import Path
 from typing import Any
 
+import anyio.to_thread
+import numpy as np
 import pytest
 
+from app.cli import main as cli_main
 from service.strategies import strategy_names
-from tests.app.conftest import PASSAGES, QUERY, TRUTH, TrackingBackend, serving
+from tests.app.conftest import PASSAGES, QUERY, TRUTH, Harness, TrackingBackend, serving
+
+README = Path(__file__).resolve().parents[2] / "README.md"
 
 POSITIONAL = {"max_relevance", "min_distraction"}
 ANSWERING = {"lore", "self_consistency"}
@@ -128,13 +140,28 @@ async def test_an_option_for_another_strategy_is_a_422_naming_it(tmp_path: Path)
             },
         )
         assert r.status_code == 422 and r.json()["error"]["param"] == "placement"
+        # An option's value the strategy cannot use, on both routes.
+        bad = {"strategy": "lore", "rankings": [[0, 9]]}
+        r = await h.client.post("/v1/reorder", json={"query": QUERY, "passages": PASSAGES, **bad})
+        assert r.status_code == 422 and r.json()["error"]["param"] == "rankings[0]"
+        rr = await h.client.post(
+            "/v1/rerank", json={"query": QUERY, "documents": PASSAGES, "reorder": bad}
+        )
+        assert rr.status_code == 422 and rr.json()["error"]["param"] == "rankings[0]"
         assert h.backend.started == warmup  # refused before any model call
+        assert h.backend.stats.generate_calls == 0
 
 
 async def test_the_prompt_limit_applies_to_every_strategy(tmp_path: Path) -> None:
     async with serving(tmp_path, max_prompts_per_request=10) as h:
         warmup = h.backend.started
-        for name, extra in (("convex_score", {}), ("self_consistency", {"samples": 11})):
+        # N^2 = 16 > 10; K = 11 > 10; the default K = 30 > 10, whatever N: the param names
+        # the knob that sets the count.
+        for name, extra, param, value in (
+            ("convex_score", {}, "passages", 16),
+            ("self_consistency", {"samples": 11}, "samples", 11),
+            ("self_consistency", {}, "samples", 30),
+        ):
             r = await h.client.post(
                 "/v1/reorder",
                 json={"query": QUERY, "passages": PASSAGES, "strategy": name, **extra},
@@ -142,35 +169,277 @@ async def test_the_prompt_limit_applies_to_every_strategy(tmp_path: Path) -> Non
             assert r.status_code == 422, (name, r.text)
             err = r.json()["error"]
             assert err["code"] == "limit_exceeded" and err["limit"] == 10
+            assert (err["param"], err["value"]) == (param, value)
         assert h.backend.started == warmup  # refused before any model call
+        assert h.backend.stats.generate_calls == 0
+
+
+async def test_the_prompt_token_limit_applies_to_generated_answers(tmp_path: Path) -> None:
+    # 3 generation prompts of one passage each are under 700 byte tokens; 30 prompts of all
+    # 4 passages are far more. The limit covers generating prompts as it covers scored ones.
+    async with serving(tmp_path, max_prompt_tokens_x_prompts=1000) as h:
+        ok = await h.client.post(
+            "/v1/reorder",
+            json={"query": QUERY, "passages": PASSAGES[:3], "strategy": "lore"},
+        )
+        assert ok.status_code == 200, ok.text
+        assert 0 < ok.json()["usage"]["prompt_tokens"] <= 1000
+        calls = h.backend.stats.generate_calls
+        r = await h.client.post(
+            "/v1/reorder",
+            json={"query": QUERY, "passages": PASSAGES, "strategy": "self_consistency"},
+        )
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["param"] == "prompt_tokens_x_prompts" and err["limit"] == 1000
+        assert err["value"] > 1000
+        assert h.backend.stats.generate_calls == calls  # refused before generating
+
+
+def _readme_section(title: str) -> str:
+    text = README.read_text(encoding="utf-8")
+    start = text.index(f"\n## {title}\n")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+async def test_the_readme_strategy_examples_are_accepted(served: Harness) -> None:
+    section = _readme_section("Strategies")
+    examples = re.findall(
+        r"curl -s localhost:8000(\S+) -H 'content-type: application/json' (?:\\\n\s*)?-d '(.*?)'",
+        section,
+        re.S,
+    )
+    assert examples, "no curl example in the README's Strategies section"
+    for path, body in examples:
+        assert json.loads(body).get("strategy", "moi") != "moi"
+        r = await served.client.post(
+            path, content=body, headers={"content-type": "application/json"}
+        )
+        assert r.status_code == 200, (path, r.text)
+    # Every strategy has a row in the table, and every row is a strategy.
+    rows = re.findall(r"^\| `(\w+)`", section, re.M)
+    assert sorted(rows) == sorted(["strategy", *strategy_names()])  # the header, then one each
+
+
+TOPICS = [
+    ("Who wrote The Hobbit?", "Tolkien", "J. R. R. Tolkien wrote The Hobbit in 1937."),
+    ("What is the capital of France?", "Paris", "Paris is the capital city of France."),
+]
+# Questions SmolLM2 answers right in some gold slots only (measured: slots 1 and 3 for the
+# first, 2 and 3 for the second), so its accuracy profile is not flat: [0.5, 0.5, 1.0].
+POSITION_DEPENDENT_TOPICS = [
+    ("How many moons does the planet Quell have?", "seven", "The planet Quell has seven moons."),
+    ("What is the name of Tom's dog?", "Biscuit", "Tom has a dog named Biscuit."),
+]
+
+
+def _qa_file(path: Path, topics: list[tuple[str, str, str]] = TOPICS) -> Path:
+    """Questions with a gold passage among four fillers (calibrate-positions input)."""
+    fillers = [
+        "The Nile is a river in Africa.",
+        "Copper is a chemical element.",
+        "Chess is played on a board of 64 squares.",
+        "The violin has four strings.",
+    ]
+    with path.open("w", encoding="utf-8") as fh:
+        for k, (question, answer, gold) in enumerate(topics):
+            passages = [{"title": "Filler", "text": t, "is_gold": False} for t in fillers]
+            passages.insert(1, {"title": "Gold", "text": gold, "is_gold": True})
+            record = {"id": f"q{k}", "question": question, "answers": [answer]}
+            fh.write(json.dumps({**record, "passages": passages}) + "\n")
+    return path
+
+
+def _slots(values: list[float], *, best: str) -> list[int]:
+    """Slots best first (ties: the earlier slot), written out here rather than imported."""
+    sign = -1.0 if best == "high" else 1.0
+    return sorted(range(len(values)), key=lambda j: (sign * values[j], j))
+
+
+def _check_rules(body: dict[str, Any], name: str, query: str, profiles: dict[str, Any]) -> None:
+    """Each strategy's documented rule, recomputed from the response (3 passages whose
+    retriever order is the input order: scores 3, 2, 1)."""
+    order, ranking = body["order"], body["ranking"]
+    by_index = {p["index"]: p for p in body["passages"]}
+    details = body["diagnostics"]["details"]
+    usage, planned = body["usage"], body["diagnostics"]["prompts"]
+    if name == "retriever":
+        assert order == ranking == [0, 1, 2]
+    elif name == "inverse":
+        assert order == [2, 1, 0] and ranking == [0, 1, 2]
+    elif name == "litm":
+        assert order == [0, 2, 1]  # best first, second best last
+    elif name == "shuffle":
+        # Settings.seed 0 mixed with the query's CRC-32.
+        expected = np.random.default_rng([0, zlib.crc32(query.encode())]).permutation(3)
+        assert order == ranking == expected.tolist()
+    elif name == "moi":
+        assert math.isclose(sum(body["position_bias"]["coefficients"]), 1.0, abs_tol=1e-9)
+        assert planned == usage["prompts_scored"] == 6  # pruned_random: 2N prompts
+    elif name == "query_likelihood":
+        assert order == ranking and planned == usage["prompts_scored"] == 3
+        assert details["loglik_min"] <= details["loglik_mean"] <= details["loglik_chosen"] < 0
+    elif name == "convex_score":
+        top = ranking[0]
+        assert order == [top, *(i for i in (0, 1, 2) if i != top)]  # the tail keeps retriever order
+        assert planned == 9 and details["top"] == top
+        scores = [by_index[i]["score"] for i in ranking]
+        assert scores == sorted(scores, reverse=True)
+    elif name in ("query_generation", "bayes_saliency", "longllmlingua"):
+        assert order == ranking and planned == usage["prompts_scored"] == 3
+        scores = [by_index[i]["score"] for i in ranking]
+        assert all(s is not None for s in scores) and scores == sorted(scores, reverse=True)
+    elif name == "lore":
+        assert details["context_rank"] == [1, 2, 3]  # one input ranking: the retriever's
+        for i, p in by_index.items():
+            lor = 0.8 * details["mean_probability"][i] + 0.2 / (i + 1)
+            assert p["score"] == pytest.approx(lor, abs=1e-12) and p["answer"] is not None
+        assert order == ranking and body["answer"]["passage"] == ranking[0]
+        assert body["answer"]["text"] == by_index[ranking[0]]["answer"]
+        assert usage["generations"] == 3 and 0 < usage["generated_tokens"] <= 3 * 4
+    elif name == "self_consistency":
+        answer = body["answer"]
+        assert answer["samples"] == 3 and 1 <= answer["votes"] <= 3 and planned == 3
+        assert order == ranking and 1 <= usage["generations"] <= 3
+        assert 0 < usage["generated_tokens"] <= 3 * 4
+    elif name == "max_relevance":
+        accuracy = profiles["accuracy"]["values"]
+        assert body["positional_profile"]["values"] == accuracy
+        expected = [-1] * 3
+        for passage, slot in zip(ranking, _slots(accuracy, best="high"), strict=True):
+            expected[slot] = passage
+        assert order == expected and planned == 0
+    elif name == "min_distraction":
+        de_profile = profiles["distracting_effect"]["values"]
+        assert body["positional_profile"]["values"] == de_profile
+        de = [by_index[i]["distracting_effect"] for i in range(3)]
+        most_distracting = sorted(range(3), key=lambda i: (-de[i], i))
+        expected = [-1] * 3
+        for passage, slot in zip(most_distracting, _slots(de_profile, best="low"), strict=True):
+            expected[slot] = passage
+        assert order == expected and ranking == [0, 1, 2]
+        assert planned == usage["prompts_scored"] == 3 and usage["scored_tokens"] > 0
+    else:
+        raise AssertionError(f"no rule checked for strategy {name!r}")
 
 
 @pytest.mark.slow
 async def test_every_strategy_runs_on_a_tiny_real_model(
-    tmp_path: Path, tiny_model_dir: Path
+    tmp_path: Path,
+    tiny_model_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
+    from service.backends.transformers_backend import TransformersBackend
+    from service.settings import Settings
+
+    # The positional profiles come from the command an operator runs, into the cache the
+    # server reads (settings_for gives the server cache_dir = tmp_path).
+    monkeypatch.setenv("RAG_REORDER_CACHE_DIR", str(tmp_path))
+    data = _qa_file(tmp_path / "qa.jsonl")
+    argv = ["--backend", "transformers", "--model", str(tiny_model_dir), "--device", "cpu"]
+    argv += ["calibrate-positions", "--data", str(data), "--max-passages", "3"]
+    code = await anyio.to_thread.run_sync(lambda: cli_main(argv))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    profiles = json.loads(out)
+    assert profiles["slots"] == 3 and profiles["questions"] == 2
+
+    query = "who wrote the lord of the rings"
     passages = [
         {"title": "Tolkien", "text": "J. R. R. Tolkien wrote The Lord of the Rings.", "score": 3.0},
         {"title": "Narnia", "text": "C. S. Lewis wrote The Chronicles of Narnia.", "score": 2.0},
         {"text": "The Hobbit was published in 1937.", "score": 1.0},
     ]
+    settings = Settings(
+        model=str(tiny_model_dir), backend="transformers", device="cpu", cache_dir=tmp_path
+    )
+    real = await anyio.to_thread.run_sync(lambda: TransformersBackend.from_settings(settings))
+    async with serving(tmp_path, backend=real) as h:  # type: ignore[arg-type]
+        for name in strategy_names():
+            options = _options(name)
+            if name in ANSWERING:
+                options["max_answer_tokens"] = 4
+            r = await h.client.post(
+                "/v1/reorder",
+                json={"query": query, "passages": passages, "strategy": name, **options},
+            )
+            assert r.status_code == 200, (name, r.text)
+            native = r.json()
+            assert native["model"] == str(tiny_model_dir)
+            _check_shape(native, name, len(passages))
+            _check_rules(native, name, query, profiles)
+
+            rr = await h.client.post(
+                "/v1/rerank",
+                json={
+                    "query": query,
+                    "documents": [p["text"] for p in passages],
+                    "reorder": {"strategy": name, **options},
+                },
+            )
+            assert rr.status_code == 200, (name, rr.text)
+            rerank = rr.json()
+            meta = rerank["meta"]["reorder"]
+            _check_shape(meta, name, len(passages))
+            _check_rules(meta, name, query, profiles)
+            assert [x["index"] for x in rerank["results"]] == meta["ranking"]
+            scores = [x["relevance_score"] for x in rerank["results"]]
+            assert scores == sorted(scores, reverse=True) and all(0 <= s <= 1 for s in scores)
+            assert rerank["usage"]["total_tokens"] == meta["usage"]["prompt_tokens"]
+            assert h.metric("rag_reorder_strategy_requests_total", {"strategy": name}) == 2
+
+
+@pytest.mark.slow
+async def test_positional_strategies_follow_profiles_measured_on_smollm2(
+    tmp_path: Path,
+    smollm2_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The tiny random model never answers right and never abstains, so its profiles are flat
+    (accuracy 0, DE 1.0 in every slot) and any slot rule gives the retriever order. SmolLM2's
+    measured values differ across slots and passages, so here a wrong slot rule changes the
+    placement."""
     from service.backends.transformers_backend import TransformersBackend
     from service.settings import Settings
 
-    real = TransformersBackend.from_settings(
-        Settings(model=str(tiny_model_dir), backend="transformers", device="cpu")
+    monkeypatch.setenv("RAG_REORDER_BIAS_PROFILE_DIR", str(tmp_path / "profiles"))
+    data = _qa_file(tmp_path / "qa.jsonl", POSITION_DEPENDENT_TOPICS)
+    argv = ["--backend", "transformers", "--model", str(smollm2_dir), "--device", "cpu"]
+    argv += ["calibrate-positions", "--data", str(data), "--max-passages", "3"]
+    argv += ["--limit", "2"]
+    code = await anyio.to_thread.run_sync(lambda: cli_main(argv))
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    profiles = json.loads(out)
+    # Profiles that tell slots apart: a wrong slot direction would change the placement.
+    assert len(set(profiles["accuracy"]["values"])) > 1, profiles["accuracy"]
+    assert len(set(profiles["distracting_effect"]["values"])) == 3, profiles
+
+    query = "who wrote the lord of the rings"
+    passages = [
+        {"title": "Tolkien", "text": "J. R. R. Tolkien wrote The Lord of the Rings.", "score": 3.0},
+        {"title": "Narnia", "text": "C. S. Lewis wrote The Chronicles of Narnia.", "score": 2.0},
+        {"text": "The Hobbit was published in 1937.", "score": 1.0},
+    ]
+    settings = Settings(
+        model=str(smollm2_dir),
+        backend="transformers",
+        device="cpu",
+        cache_dir=tmp_path,
+        bias_profile_dir=tmp_path / "profiles",
     )
-    async with serving(tmp_path, backend=real) as h:  # type: ignore[arg-type]
-        await _calibrate_positions(h, [p["text"] for p in passages])
-        for name in strategy_names():
-            body = {
-                "query": "who wrote the lord of the rings",
-                "passages": passages,
-                "strategy": name,
-                **_options(name),
-            }
-            if name in ANSWERING:
-                body["max_answer_tokens"] = 4
-            r = await h.client.post("/v1/reorder", json=body)
+    real = await anyio.to_thread.run_sync(lambda: TransformersBackend.from_settings(settings))
+    async with serving(tmp_path, backend=real, bias_profile_dir=tmp_path / "profiles") as h:  # type: ignore[arg-type]
+        for name in sorted(POSITIONAL):
+            r = await h.client.post(
+                "/v1/reorder", json={"query": query, "passages": passages, "strategy": name}
+            )
             assert r.status_code == 200, (name, r.text)
-            _check_shape(r.json(), name, len(passages))
+            body = r.json()
+            _check_shape(body, name, len(passages))
+            _check_rules(body, name, query, profiles)
+            if name == "min_distraction":
+                de = [p["distracting_effect"] for p in body["passages"]]
+                assert len(set(de)) == 3, de

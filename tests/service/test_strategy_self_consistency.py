@@ -118,6 +118,35 @@ async def test_majority_vote_over_seeded_permutations(tmp_path: Path) -> None:
     assert backend.stats.generate_calls == 1 and res.warnings == ()
 
 
+async def test_a_vote_and_a_tie_counted_by_hand(tmp_path: Path) -> None:
+    r, backend = _setup(tmp_path)
+    # The seed-0 stream for QUERY, and the passage that answers (the first of 0, 2, 3):
+    #   0 [1,3,0,4,2] 3 London    1 [2,3,4,1,0] 2 paris     2 [2,0,4,3,1] 2 paris
+    #   3 [4,1,0,3,2] 0 Paris.    4 [4,3,0,1,2] 3 London    5 [0,1,3,4,2] 0 Paris.
+    #   6 [1,0,3,4,2] 0 Paris.    7 [4,2,3,0,1] 2 paris     8 [0,3,1,4,2] 0 Paris.
+    #   9 [4,3,1,0,2] 3 London   10 [0,4,3,1,2] 0 Paris.   11 [4,2,3,1,0] 2 paris
+    assert _perms(12)[:2] == [[1, 3, 0, 4, 2], [2, 3, 4, 1, 0]]
+    res = await r.reorder(_sc(samples=12))
+    # "Paris." and "paris" normalise alike: 9 votes against 3 for "London". The text is the
+    # first raw answer of that form (sample 1, "paris"), the order that sample's permutation.
+    assert res.answer is not None
+    assert (res.answer.text, res.answer.votes, res.answer.samples) == ("paris", 9, 12)
+    assert res.order == res.ranking == [2, 3, 4, 1, 0]
+    assert details(res)["votes"] == [
+        {"answer": "paris", "votes": 9},
+        {"answer": "London", "votes": 3},
+    ]
+    # 12 distinct prompts: 5 x "Paris." (6 bytes) + 4 x "paris" (5) + 3 x "London" (6),
+    # each answer plus its end-of-turn token: 35 + 24 + 21.
+    assert res.usage.generations == 12 and res.usage.generated_tokens == 80
+    # The first two samples alone: one vote each; the tie goes to the form sampled first.
+    tie = await r.reorder(_sc(samples=2))
+    assert tie.answer is not None
+    assert (tie.answer.text, tie.answer.votes, tie.answer.samples) == ("London", 1, 2)
+    assert tie.order == [1, 3, 0, 4, 2]
+    assert backend.stats.generate_calls == 2
+
+
 async def test_default_is_thirty_samples_and_the_seed_is_reproducible(tmp_path: Path) -> None:
     r, _ = _setup(tmp_path)
     assert r.planned_prompts(_sc()) == 30

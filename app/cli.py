@@ -289,6 +289,8 @@ async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
     out: dict[str, Any] = asdict(report.profile)
     out.update(queries=report.queries, prompts=report.prompts, warnings=list(report.warnings))
     out["prompts_failed"] = report.prompts_failed
+    if report.orienting is not None:
+        out["orienting_profile"] = asdict(report.orienting)
     print(json.dumps(out, indent=2))
     return 0
 

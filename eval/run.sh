@@ -3,8 +3,9 @@
 #
 # Before each evaluation the profiles that some strategies need are measured and stored in a
 # profile folder of that run (RAG_REORDER_BIAS_PROFILE_DIR), never taken from a previous run:
-#   - MoI bias profiles (cyclic at 10 slots, pruned_cyclic at 5) from `rag-reorder calibrate`
-#     on the OTHER development set, so no question is both calibration and test;
+#   - MoI bias profiles (cyclic at 10 slots, pruned_cyclic at 5: one `rag-reorder calibrate
+#     --design random` stores both, the 5-slot one orienting the 10-slot one) on the OTHER
+#     development set, so no question is both calibration and test;
 #   - positional profiles (max_relevance, min_distraction) from `rag-reorder calibrate-positions`
 #     on the first 50 NQ-Open questions for both sets: at 10 slots a question needs 10
 #     non-gold passages, and HotpotQA questions have 8. For NQ-Open those 50 questions are also
@@ -40,8 +41,6 @@ run_set() {  # test set, set the MoI bias profiles are calibrated on
     export RAG_REORDER_BIAS_PROFILE_DIR=$prof
     step "$prof/calibrate-random.json" $RR calibrate --data "$DATA/$calib.jsonl" \
         --limit "$CALIBRATION_QUESTIONS" --max-passages "$K" --design random
-    step "$prof/calibrate-pruned-random.json" $RR calibrate --data "$DATA/$calib.jsonl" \
-        --limit "$CALIBRATION_QUESTIONS" --max-passages "$K" --design pruned_random
     mkdir -p "$prof/positional"
     cp "$OUT/profiles/positional-nq_open_dev/positional/"*.json "$prof/positional/"
     # shellcheck disable=SC2086  # EVAL_ARGS is a list of flags

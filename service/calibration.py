@@ -3,6 +3,16 @@
 Each query's passages are scored under a random (or pruned-random) design; the runs are fitted
 with one shared bias (``solver.calibrate``) and the profile is stored per (model, template,
 slot count), where cyclic designs of that slot count will find it (METHOD.md 3.3).
+
+Orientation. Full-length (random) runs fix the profile's shape but not its direction: the
+reversed profile with reversed utilities fits them equally well (METHOD.md 3.1). Taking the
+direction from a generic primacy prior is backwards for a model with recency bias (measured:
+SmolLM2-135M's 10-slot profile came out decreasing towards the question while its pruned
+5-slot profile and its positional accuracy both rise towards it). So a random calibration
+also scores each query under a pruned-random design (L = ceil(N/2) passages a prompt, about a
+third more prompt tokens), fits that data-oriented L-slot profile first, stores it too, and
+orients the N-slot profile by it, resampled to N slots by relative position
+(``oriented_by="profile"``).
 """
 
 from __future__ import annotations
@@ -34,6 +44,8 @@ class CalibrationReport:
     prompts: int
     prompts_failed: int
     warnings: tuple[str, ...]
+    orienting: StoredProfile | None = None
+    """For random designs: the pruned-random profile that gave the direction (also stored)."""
 
 
 async def calibrate_profile(
@@ -56,10 +68,12 @@ async def calibrate_profile(
         examples: queries with at least ``max_passages`` passages; the first ``max_passages``
             of each are used, so every run has the same slot count.
         max_passages: N, passages per query.
-        design: ``random`` gives a profile for N slots (cyclic serving at N);
+        design: ``random`` gives a profile for N slots (cyclic serving at N), oriented by a
+            pruned-random profile for L slots measured on the same queries (both are stored);
             ``pruned_random`` one for L slots (pruned cyclic serving at L).
         prompt_passages: L for pruned runs (default ceil(N/2)).
-        num_prompts: prompts per query (default: the design's).
+        num_prompts: prompts per query of ``design`` (default: the design's; the orienting
+            pruned runs always take their default, 2N).
         seed: base seed; query k uses ``seed + k``.
         template: prompt template (default: the configured one).
         source: provenance recorded with the profile.
@@ -77,8 +91,11 @@ async def calibrate_profile(
     if len(usable) < len(examples):
         warnings.append(f"{len(examples) - len(usable)} example(s) with fewer passages skipped")
     runs: list[tuple[np.ndarray, np.ndarray]] = []
+    pruned: list[tuple[np.ndarray, np.ndarray]] = []
     prompts = failed = 0
     for k, ex in enumerate(usable):
+        work = reorderer.work(f"calibrate-{k}", template)
+        passages = ex.passages[:max_passages]
         perms = solver.plan(
             design,
             max_passages,
@@ -86,15 +103,46 @@ async def calibrate_profile(
             prompt_passages=prompt_passages,
             seed=seed + k,
         )
-        work = reorderer.work(f"calibrate-{k}", template)
-        scores = await score_design(work, ex.question, ex.passages[:max_passages], perms)
-        runs.append((perms, scores))
+        runs.append((perms, await score_design(work, ex.question, passages, perms)))
+        if design == "random":
+            p_perms = solver.plan(
+                "pruned_random", max_passages, prompt_passages=prompt_passages, seed=seed + k
+            )
+            pruned.append((p_perms, await score_design(work, ex.question, passages, p_perms)))
         usage = work.usage()
         prompts += usage.prompts
         failed += usage.prompts_failed
         if progress is not None:
             progress(k + 1, len(usable))
-    prof = await anyio.to_thread.run_sync(lambda: solver.calibrate(runs))
+    source = source or f"{len(usable)} queries, {design} design"
+    orienting: StoredProfile | None = None
+    reference: np.ndarray | None = None
+    if pruned:
+        p_prof = await anyio.to_thread.run_sync(lambda: solver.calibrate(pruned))
+        warnings.extend(p_prof.warnings)
+        orienting = reorderer.profiles.put(
+            model=reorderer.backend.model_id,
+            template=template,
+            coefficients=[float(c) for c in p_prof.coefficients],
+            identification=p_prof.identification,
+            runs=p_prof.runs,
+            prompts=p_prof.prompts,
+            r2=p_prof.r2,
+            source=f"{source} (the pruned_random runs that orient it)",
+        )
+        reference = solver.resample(p_prof.coefficients, max_passages)
+    try:
+        prof = await anyio.to_thread.run_sync(
+            lambda: solver.calibrate(runs, reference_bias=reference)
+        )
+    except solver.InvalidReference as exc:
+        # A flat pruned profile cannot orient anything; fall back to the prior, and say so.
+        warnings.append(
+            f"the pruned profile cannot orient the full-length one ({exc}); "
+            "the primacy prior orients it instead"
+        )
+        reference = None
+        prof = await anyio.to_thread.run_sync(lambda: solver.calibrate(runs))
     warnings.extend(prof.warnings)
     stored = reorderer.profiles.put(
         model=reorderer.backend.model_id,
@@ -104,7 +152,8 @@ async def calibrate_profile(
         runs=prof.runs,
         prompts=prof.prompts,
         r2=prof.r2,
-        source=source or f"{len(usable)} queries, {design} design",
+        source=source,
+        oriented_by="profile" if reference is not None else None,
     )
     log.info("stored bias profile for %s / %s / L=%d", stored.model, template, stored.slots)
-    return CalibrationReport(stored, len(usable), prompts, failed, tuple(warnings))
+    return CalibrationReport(stored, len(usable), prompts, failed, tuple(warnings), orienting)

@@ -2,6 +2,13 @@
 
 A profile is what makes cyclic designs usable (METHOD.md 3.1, 3.3): they cannot identify the
 bias, so they take it from here. Files are small JSON documents written atomically.
+
+Each profile records where its direction came from (``oriented_by``): ``data`` for profiles
+fitted on pruned designs (an absent passage breaks the mirror symmetry, so the data fix the
+direction), ``profile`` for full-length (random) calibrations oriented by such a data profile,
+and ``prior`` for full-length calibrations oriented by the generic primacy shape (profiles
+written before this field existed). A ``prior`` profile can be backwards: the generic prior
+says nothing about a model whose bias is recency.
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ class StoredProfile:
     r2: float
     source: str
     created_at: float
+    oriented_by: str = "prior"
+    """``data``, ``profile`` or ``prior`` (module docstring)."""
 
 
 class ProfileStore:
@@ -51,9 +60,7 @@ class ProfileStore:
         p = self.path(model, template, slots)
         if not p.is_file():
             return None
-        data = json.loads(p.read_text())
-        data["coefficients"] = tuple(float(c) for c in data["coefficients"])
-        return StoredProfile(**data)
+        return _load(p)
 
     def put(
         self,
@@ -66,13 +73,27 @@ class ProfileStore:
         prompts: int,
         r2: float,
         source: str,
+        oriented_by: str | None = None,
     ) -> StoredProfile:
-        """Store a profile (atomic replace). Raises ``InvalidRequest`` for a bad profile."""
+        """Store a profile (atomic replace). Raises ``InvalidRequest`` for a bad profile.
+
+        ``oriented_by`` defaults to ``data`` for fully identified (pruned) fits, else ``prior``.
+        """
         coef = tuple(float(c) for c in coefficients)
         if not coef or any(c < 0 for c in coef) or abs(sum(coef) - 1.0) > 1e-6:
             raise InvalidRequest("a bias profile needs non-negative coefficients summing to 1")
         prof = StoredProfile(
-            model, template, len(coef), coef, identification, runs, prompts, r2, source, time.time()
+            model,
+            template,
+            len(coef),
+            coef,
+            identification,
+            runs,
+            prompts,
+            r2,
+            source,
+            time.time(),
+            oriented_by or _default_orientation(identification),
         )
         self.root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
@@ -85,9 +106,31 @@ class ProfileStore:
         """Every stored profile, sorted by model, template and slot count."""
         if not self.root.is_dir():
             return []
-        out = []
-        for p in sorted(self.root.glob("*.json")):
-            data = json.loads(p.read_text())
-            data["coefficients"] = tuple(float(c) for c in data["coefficients"])
-            out.append(StoredProfile(**data))
+        out = [_load(p) for p in sorted(self.root.glob("*.json"))]
         return sorted(out, key=lambda s: (s.model, s.template, s.slots))
+
+    def orienting(self, model: str, template: str) -> StoredProfile | None:
+        """The data-oriented profile (``oriented_by == "data"``) of this model and template
+        with the most slots, or ``None``.
+
+        It orients full-length designs of any slot count (resampled by relative position)
+        when no profile of their own slot count exists: the direction of a model's bias is
+        the same at every prompt length, and a data profile is never backwards.
+        """
+        found = [
+            p
+            for p in self.list()
+            if p.model == model and p.template == template and p.oriented_by == "data"
+        ]
+        return max(found, key=lambda p: p.slots) if found else None
+
+
+def _default_orientation(identification: str) -> str:
+    return "data" if identification == "full" else "prior"
+
+
+def _load(path: Path) -> StoredProfile:
+    data = json.loads(path.read_text())
+    data["coefficients"] = tuple(float(c) for c in data["coefficients"])
+    data.setdefault("oriented_by", _default_orientation(str(data.get("identification"))))
+    return StoredProfile(**data)

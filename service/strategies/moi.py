@@ -30,6 +30,8 @@ from service.strategies.base import (
 # (METHOD.md 3.1): the best identifiability per scored token.
 DEFAULT_DESIGN: DesignKind = "pruned_random"
 CYCLIC_KINDS: frozenset[str] = frozenset({"cyclic", "pruned_cyclic"})
+# Designs that show every passage in every prompt: the data fix the bias up to direction.
+FULL_LENGTH_KINDS: frozenset[str] = frozenset({"random", "hybrid"})
 
 
 def plan_design(
@@ -122,8 +124,16 @@ class MoI:
             ident = solver.identifiability(solver.as_design(perms, n))
             if ident.level == "none":
                 raise UnidentifiableRequest(f"{ident.reason}", param="design.num_prompts")
-        scores = await score_design(work, request.query, passages, perms, joint=request.joint)
         reference = np.asarray(profile.coefficients) if profile is not None else None
+        if profile is None and kind in FULL_LENGTH_KINDS and n > 1:
+            # Full-length designs take their direction from a reference; a data-oriented
+            # profile of another slot count knows the model's direction, the generic primacy
+            # prior does not (it reverses every order of a recency-biased model).
+            orienting = work.profiles.orienting(work.model_id, work.template)
+            if orienting is not None:
+                profile = orienting
+                reference = solver.resample(orienting.coefficients, slots)
+        scores = await score_design(work, request.query, passages, perms, joint=request.joint)
         retr = retriever_scores(passages)
         failed = work.usage().prompts_failed
         try:
@@ -144,6 +154,12 @@ class MoI:
             raise UnidentifiableRequest(f"stored profile unusable: {exc}") from None
         order = solver.place(fit, request.placement)
         warnings = list(fit.warnings)
+        if fit.orientation == "default_reference":
+            warnings.append(
+                "the order's direction comes from the generic primacy prior, not from the data: "
+                "it is reversed for a model whose bias favours the end of the prompt; "
+                "`rag-reorder calibrate` (or the default pruned_random design) fixes it"
+            )
         if failed:
             warnings.append(f"{failed} prompt(s) failed to score and were dropped")
         return Outcome(

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -67,6 +68,89 @@ async def test_calibrated_profile_matches_the_backend_bias(
     u_true = [new_truth[p.text] for p in q[0].passages]
     assert res.profile == prof
     assert kendalltau(res.fit.utilities, u_true)[0] > 0.85
+
+
+def _recency(L: int) -> list[float]:
+    a = np.sqrt(np.arange(1, L + 1))
+    return list(a / a.sum())
+
+
+def _cos(a: np.ndarray, b: np.ndarray) -> float:
+    a, b = a - a.mean(), b - b.mean()
+    return float(a @ b / np.linalg.norm(a) / np.linalg.norm(b))
+
+
+async def test_random_calibration_takes_its_direction_from_the_data(tmp_path: Path) -> None:
+    # A recency-biased model: the generic primacy prior would orient the full-length profile
+    # backwards (cos -1 with the truth); the pruned runs measured beside it fix the direction.
+    examples, truth = _examples(12, 8)
+    backend = FakeBackend(truth, bias=_recency, noise=0.01)
+    r = Reorderer(backend, Settings(cache_dir=tmp_path), ProfileStore(tmp_path / "p"))
+    report = await calibrate_profile(r, examples, max_passages=8, design="random")
+    prof, orienting = report.profile, report.orienting
+    assert orienting is not None and orienting.slots == 4 and orienting.oriented_by == "data"
+    assert prof.slots == 8 and prof.oriented_by == "profile"
+    assert _cos(np.asarray(prof.coefficients), np.asarray(_recency(8))) > 0.98
+    np.testing.assert_allclose(orienting.coefficients, _recency(4), atol=0.02)
+    # Both are stored; 3N random prompts plus 2N pruned ones per query.
+    template = r.settings.chat_template
+    assert r.profiles.get(backend.model_id, template, 4) == orienting
+    assert r.profiles.get(backend.model_id, template, 8) == prof
+    assert report.prompts == 12 * (24 + 16)
+
+
+async def test_full_length_designs_are_oriented_by_a_data_profile_of_any_length(
+    tmp_path: Path,
+) -> None:
+    examples, _ = _examples(10, 8)
+    # The held-out question has 10 passages; the fake indexes its truth when built.
+    held, truth = _examples(11, 10)
+    backend = FakeBackend(truth, bias=_recency, noise=0.001)
+    r = Reorderer(backend, Settings(cache_dir=tmp_path), ProfileStore(tmp_path / "p"))
+    u_true = [truth[p.text] for p in held[10].passages]
+    request = ReorderRequest(held[10].question, held[10].passages, design=DesignSpec(kind="random"))
+    # Without any profile the generic primacy prior orients the fit: exactly backwards here.
+    res = await r.reorder(request)
+    assert res.fit is not None and res.fit.orientation == "default_reference"
+    assert kendalltau(res.fit.utilities, u_true)[0] < -0.9
+    assert any("generic primacy prior" in w for w in res.warnings)
+    await calibrate_profile(r, examples, max_passages=8, design="pruned_random")
+    for kind in ("random", "hybrid"):
+        # No 10-slot profile exists: the 4-slot data profile, resampled, orients the fit.
+        res = await r.reorder(replace(request, design=DesignSpec(kind=kind)))  # type: ignore[arg-type]
+        assert res.fit is not None and res.fit.orientation == "reference"
+        assert res.profile is not None and res.profile.slots == 4
+        assert kendalltau(res.fit.utilities, u_true)[0] > 0.95, kind
+        assert not any("generic primacy prior" in w for w in res.warnings)
+
+
+def test_profiles_stored_before_the_orientation_field_still_load(tmp_path: Path) -> None:
+    store = ProfileStore(tmp_path)
+    for slots, ident in ((4, "full"), (8, "up_to_scale")):
+        coef = [1.0 / slots] * (slots - 1) + [0.0]
+        coef = [c / sum(coef) for c in coef]
+        store.root.mkdir(exist_ok=True)
+        store.path("m", "t", slots).write_text(
+            json.dumps(
+                {
+                    "model": "m",
+                    "template": "t",
+                    "slots": slots,
+                    "coefficients": coef,
+                    "identification": ident,
+                    "runs": 1,
+                    "prompts": 8,
+                    "r2": 0.9,
+                    "source": "old",
+                    "created_at": 0.0,
+                }
+            )
+        )
+    assert store.get("m", "t", 4).oriented_by == "data"  # type: ignore[union-attr]
+    assert store.get("m", "t", 8).oriented_by == "prior"  # type: ignore[union-attr]
+    orienting = store.orienting("m", "t")
+    assert orienting is not None and orienting.slots == 4
+    assert store.orienting("m", "other") is None
 
 
 async def test_calibration_needs_enough_passages(tmp_path: Path) -> None:

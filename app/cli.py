@@ -12,10 +12,10 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
@@ -27,6 +27,9 @@ from service.errors import ClientError, ReorderError
 from service.prompts import Passage
 from service.settings import Settings
 from service.strategies import strategy_names
+
+if TYPE_CHECKING:
+    from service.dataset import Example
 
 log = logging.getLogger("rag_reorder")
 
@@ -258,17 +261,10 @@ async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
 
     from service.backends.factory import create_backend
     from service.calibration import calibrate_profile
-    from service.dataset import load_examples
     from service.pipeline import Reorderer
 
-    try:
-        examples = load_examples(args.data, limit=args.limit)
-    except OSError as exc:
-        raise ClientError(f"cannot read {args.data}: {exc}", param="data") from None
+    examples = _load_examples(args)
     backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
-
-    def progress(done: int, total: int) -> None:
-        print(f"\rcalibrating: {done}/{total} queries", end="", file=sys.stderr, flush=True)
 
     try:
         report = await calibrate_profile(
@@ -281,7 +277,7 @@ async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
             seed=args.seed,
             template=args.template,
             source=f"{args.data.name}: {args.limit} queries, {args.design} design",
-            progress=progress,
+            progress=_progress("calibrating", "queries"),
         )
     finally:
         await backend.aclose()
@@ -299,23 +295,11 @@ async def _calibrate_positions(settings: Settings, args: argparse.Namespace) -> 
     import anyio.to_thread
 
     from service.backends.factory import create_backend
-    from service.dataset import load_examples
     from service.distraction import calibrate_positions
     from service.pipeline import Reorderer
 
-    try:
-        examples = load_examples(args.data, limit=args.limit)
-    except OSError as exc:
-        raise ClientError(f"cannot read {args.data}: {exc}", param="data") from None
+    examples = _load_examples(args)
     backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
-
-    def progress(done: int, total: int) -> None:
-        print(
-            f"\rcalibrating positions: {done}/{total} questions",
-            end="",
-            file=sys.stderr,
-            flush=True,
-        )
 
     try:
         report = await calibrate_positions(
@@ -324,7 +308,7 @@ async def _calibrate_positions(settings: Settings, args: argparse.Namespace) -> 
             max_passages=args.max_passages,
             template=args.template,
             source=args.data.name,
-            progress=progress,
+            progress=_progress("calibrating positions", "questions"),
         )
     finally:
         await backend.aclose()
@@ -344,7 +328,6 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
 
     from service.backends.base import LogprobBackend
     from service.backends.factory import create_backend
-    from service.dataset import load_examples
     from service.evaluation import EvalConfig, run_evaluation, select_variants
     from service.pipeline import Reorderer
 
@@ -353,10 +336,7 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
         if value is not None and value < 1:
             raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
     variants = select_variants(args.strategies.split(",") if args.strategies else None)
-    try:
-        examples = load_examples(args.data, limit=args.limit)
-    except OSError as exc:
-        raise ClientError(f"cannot read {args.data}: {exc}", param="data") from None
+    examples = _load_examples(args)
     scorer_settings = settings.model_copy(update={"model": args.scorer or settings.model})
     generator_settings = settings.model_copy(
         update={"model": args.generator or scorer_settings.model}
@@ -401,6 +381,25 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+def _load_examples(args: argparse.Namespace) -> list[Example]:
+    """``--data`` (JSONL in the shared/data schema), at most ``--limit`` questions."""
+    from service.dataset import load_examples
+
+    try:
+        return list(load_examples(args.data, limit=args.limit))
+    except OSError as exc:
+        raise ClientError(f"cannot read {args.data}: {exc}", param="data") from None
+
+
+def _progress(label: str, unit: str) -> Callable[[int, int], None]:
+    """A ``(done, total)`` callback that redraws one progress line on stderr."""
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r{label}: {done}/{total} {unit}", end="", file=sys.stderr, flush=True)
+
+    return progress
 
 
 def _fail(message: str, *, code: str = "invalid_request", param: str | None = None) -> None:

@@ -120,15 +120,8 @@ async def calibrate_profile(
     if pruned:
         p_prof = await anyio.to_thread.run_sync(lambda: solver.calibrate(pruned))
         warnings.extend(p_prof.warnings)
-        orienting = reorderer.profiles.put(
-            model=reorderer.backend.model_id,
-            template=template,
-            coefficients=[float(c) for c in p_prof.coefficients],
-            identification=p_prof.identification,
-            runs=p_prof.runs,
-            prompts=p_prof.prompts,
-            r2=p_prof.r2,
-            source=f"{source} (the pruned_random runs that orient it)",
+        orienting = _store(
+            reorderer, template, p_prof, f"{source} (the pruned_random runs that orient it)"
         )
         reference = solver.resample(p_prof.coefficients, max_passages)
     try:
@@ -144,7 +137,19 @@ async def calibrate_profile(
         reference = None
         prof = await anyio.to_thread.run_sync(lambda: solver.calibrate(runs))
     warnings.extend(prof.warnings)
-    stored = reorderer.profiles.put(
+    stored = _store(reorderer, template, prof, source, "profile" if reference is not None else None)
+    log.info("stored bias profile for %s / %s / L=%d", stored.model, template, stored.slots)
+    return CalibrationReport(stored, len(usable), prompts, failed, tuple(warnings), orienting)
+
+
+def _store(
+    reorderer: Reorderer,
+    template: str,
+    prof: solver.Profile,
+    source: str,
+    oriented_by: str | None = None,
+) -> StoredProfile:
+    return reorderer.profiles.put(
         model=reorderer.backend.model_id,
         template=template,
         coefficients=[float(c) for c in prof.coefficients],
@@ -153,7 +158,5 @@ async def calibrate_profile(
         prompts=prof.prompts,
         r2=prof.r2,
         source=source,
-        oriented_by="profile" if reference is not None else None,
+        oriented_by=oriented_by,
     )
-    log.info("stored bias profile for %s / %s / L=%d", stored.model, template, stored.slots)
-    return CalibrationReport(stored, len(usable), prompts, failed, tuple(warnings), orienting)

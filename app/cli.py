@@ -65,10 +65,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "eval":
             return asyncio.run(_eval(settings, args))
         if args.command == "profiles":
+            from service.positional_store import PositionalStore
             from service.profile_store import ProfileStore
 
-            profiles = ProfileStore(settings.profiles_path).list()
-            print(json.dumps([asdict(p) for p in profiles], indent=2))
+            store = ProfileStore(settings.profiles_path)
+            listing = {
+                "bias": [asdict(p) for p in store.list()],
+                "positional": [asdict(p) for p in PositionalStore.beside(store).list()],
+            }
+            print(json.dumps(listing, indent=2))
             return 0
     except ClientError as exc:
         _fail(exc.message, code=exc.code, param=exc.param)
@@ -171,7 +176,11 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     e.add_argument("--out", required=True, type=Path, help="output folder (resumes from it)")
 
-    sub.add_parser("profiles", help="list the stored bias profiles")
+    sub.add_parser(
+        "profiles",
+        help="list the stored profiles: MoI bias profiles (calibrate) and positional ones "
+        "(calibrate-positions)",
+    )
     return p
 
 

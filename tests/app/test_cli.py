@@ -85,7 +85,8 @@ def test_reorder_calibrate_and_cyclic_on_smollm2(tmp_path: Path, smollm2_dir: Pa
     prof = json.loads(cal.stdout)
     assert prof["slots"] == 2 and prof["runs"] == 3 and prof["identification"] == "full"
     listed = json.loads(_run(["profiles"], tmp_path).stdout)
-    assert [p["slots"] for p in listed] == [2]
+    assert [(p["slots"], p["oriented_by"]) for p in listed["bias"]] == [(2, "data")]
+    assert listed["positional"] == []
     served = _run([*cyc, "--prompt-passages", "2"], tmp_path)
     assert served.returncode == 0, served.stderr[-2000:]
     body = json.loads(served.stdout)

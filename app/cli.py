@@ -12,7 +12,8 @@ import json
 import logging
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,6 +31,7 @@ from service.strategies import strategy_names
 
 if TYPE_CHECKING:
     from service.dataset import Example
+    from service.pipeline import Reorderer
 
 log = logging.getLogger("rag_reorder")
 
@@ -226,11 +228,8 @@ def read_passages(path: Path) -> list[Passage]:
 
 
 async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
-    import anyio.to_thread
-
     from app.schemas import reorder_response
-    from service.backends.factory import create_backend
-    from service.pipeline import DesignSpec, Reorderer, ReorderRequest, StrategyOptions
+    from service.pipeline import DesignSpec, ReorderRequest, StrategyOptions
 
     passages = read_passages(args.passages)
     moi = args.strategy == "moi"
@@ -254,30 +253,20 @@ async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
         joint=args.joint,
         template=args.template,
     )
-    backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
-    try:
-        reorderer = Reorderer(backend, settings)
+    async with _pipeline(settings) as reorderer:
         reorderer.planned_prompts(req)  # refuse bad options before the model loads further
         result = await reorderer.reorder(req)
-    finally:
-        await backend.aclose()
     print(reorder_response(result, passages).model_dump_json(indent=2))
     return 0
 
 
 async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
-    import anyio.to_thread
-
-    from service.backends.factory import create_backend
     from service.calibration import calibrate_profile
-    from service.pipeline import Reorderer
 
     examples = _load_examples(args)
-    backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
-
-    try:
+    async with _pipeline(settings) as reorderer:
         report = await calibrate_profile(
-            Reorderer(backend, settings),
+            reorderer,
             examples,
             max_passages=args.max_passages,
             design=args.design,
@@ -288,8 +277,6 @@ async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
             source=f"{args.data.name}: {args.limit} queries, {args.design} design",
             progress=_progress("calibrating", "queries"),
         )
-    finally:
-        await backend.aclose()
     print(file=sys.stderr)
     out: dict[str, Any] = asdict(report.profile)
     out.update(queries=report.queries, prompts=report.prompts, warnings=list(report.warnings))
@@ -301,26 +288,18 @@ async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _calibrate_positions(settings: Settings, args: argparse.Namespace) -> int:
-    import anyio.to_thread
-
-    from service.backends.factory import create_backend
     from service.distraction import calibrate_positions
-    from service.pipeline import Reorderer
 
     examples = _load_examples(args)
-    backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
-
-    try:
+    async with _pipeline(settings) as reorderer:
         report = await calibrate_positions(
-            Reorderer(backend, settings),
+            reorderer,
             examples,
             max_passages=args.max_passages,
             template=args.template,
             source=args.data.name,
             progress=_progress("calibrating positions", "questions"),
         )
-    finally:
-        await backend.aclose()
     print(file=sys.stderr)
     out: dict[str, Any] = asdict(report.record)
     out.update(
@@ -333,12 +312,7 @@ async def _calibrate_positions(settings: Settings, args: argparse.Namespace) -> 
 
 
 async def _eval(settings: Settings, args: argparse.Namespace) -> int:
-    import anyio.to_thread
-
-    from service.backends.base import LogprobBackend
-    from service.backends.factory import create_backend
     from service.evaluation import EvalConfig, run_evaluation, select_variants
-    from service.pipeline import Reorderer
 
     for name in ("limit", "max_passages", "positional_limit", "resamples", "max_answer_tokens"):
         value = getattr(args, name)
@@ -350,16 +324,11 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
     generator_settings = settings.model_copy(
         update={"model": args.generator or scorer_settings.model}
     )
-    backends: list[LogprobBackend] = []
-    try:
-        backends.append(await anyio.to_thread.run_sync(lambda: create_backend(scorer_settings)))
-        scorer = Reorderer(backends[0], scorer_settings)
+    async with AsyncExitStack() as stack:
+        scorer = await stack.enter_async_context(_pipeline(scorer_settings))
         generator = None
         if generator_settings.model != scorer_settings.model:
-            backends.append(
-                await anyio.to_thread.run_sync(lambda: create_backend(generator_settings))
-            )
-            generator = Reorderer(backends[1], generator_settings)
+            generator = await stack.enter_async_context(_pipeline(generator_settings))
         config = EvalConfig(
             out_dir=args.out,
             variants=tuple(variants),
@@ -374,9 +343,6 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
             data_name=args.data.name,
         )
         outcome = await run_evaluation(examples, scorer, config, generator=generator)
-    finally:
-        for backend in backends:
-            await backend.aclose()
     print(
         json.dumps(
             {
@@ -390,6 +356,21 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
         )
     )
     return 0
+
+
+@asynccontextmanager
+async def _pipeline(settings: Settings) -> AsyncIterator[Reorderer]:
+    """The configured backend, loaded off the event loop, in a pipeline; closed on exit."""
+    import anyio.to_thread
+
+    from service.backends.factory import create_backend
+    from service.pipeline import Reorderer
+
+    backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
+    try:
+        yield Reorderer(backend, settings)
+    finally:
+        await backend.aclose()
 
 
 def _load_examples(args: argparse.Namespace) -> list[Example]:

@@ -21,9 +21,9 @@ import gc
 import inspect
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -52,6 +52,8 @@ HeadMode = Literal["auto", "mask", "positions", "full"]
 batch (1-D ``logits_to_keep``, older transformers); ``full``: every row (models without
 ``logits_to_keep``, and the baseline for benchmarks); ``auto``: the best one the model supports."""
 DeviceName = Literal["auto", "cpu", "cuda"]
+Req = TypeVar("Req", SpanRequest, GenerationRequest)
+Res = TypeVar("Res", ScoreResult, GenerateResult)
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 # Head output plus its float32 copy for the log-softmax, per batch: the planner keeps
@@ -334,28 +336,17 @@ class TransformersBackend:
             )
 
     def _score_batch(self, model: PreTrainedModel, batch: list[SpanRequest]) -> list[ScoreResult]:
-        try:
-            with torch.inference_mode():
-                flat = self._forward_span_logprobs(model, batch)
-        except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
-            if self._device.type == "cuda":
-                torch.cuda.empty_cache()
-            if len(batch) > 1:
-                logger.warning(
-                    "batch of %d prompts failed (%s); retrying one by one",
-                    len(batch),
-                    type(exc).__name__,
-                )
-                return [self._score_batch(model, [req])[0] for req in batch]
-            logger.warning("prompt %s failed: %s", batch[0].request_id, type(exc).__name__)
-            return [PromptFailure(batch[0].request_id, f"forward failed: {type(exc).__name__}")]
-        results: list[ScoreResult] = []
-        start = 0
-        for req in batch:
-            end = start + req.span_end - req.span_start
-            results.append(checked_span(req.request_id, flat[start:end]))
-            start = end
-        return results
+        def forward(part: list[SpanRequest]) -> list[ScoreResult]:
+            flat = self._forward_span_logprobs(model, part)
+            results: list[ScoreResult] = []
+            start = 0
+            for req in part:
+                end = start + req.span_end - req.span_start
+                results.append(checked_span(req.request_id, flat[start:end]))
+                start = end
+            return results
+
+        return self._isolating_failures(forward, batch, "prompt")
 
     def _forward_span_logprobs(
         self, model: PreTrainedModel, batch: list[SpanRequest]
@@ -413,21 +404,34 @@ class TransformersBackend:
     def _generate_batch(
         self, model: PreTrainedModel, batch: list[GenerationRequest]
     ) -> list[GenerateResult]:
+        return self._isolating_failures(lambda part: self._greedy(model, part), batch, "generation")
+
+    def _isolating_failures(
+        self,
+        run: Callable[[list[Req]], list[Res]],
+        batch: list[Req],
+        what: str,
+    ) -> list[Res | PromptFailure]:
+        """``run(batch)`` under inference mode; a failed forward (out of memory, a kernel
+        error) is retried request by request, so only the request that fails alone gets a
+        ``PromptFailure`` and the others are still served."""
         try:
             with torch.inference_mode():
-                return self._greedy(model, batch)
+                return list(run(batch))
         except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
             if len(batch) > 1:
                 logger.warning(
-                    "generation batch of %d failed (%s); retrying one by one",
+                    "%s batch of %d failed (%s); retrying one by one",
+                    what,
                     len(batch),
                     type(exc).__name__,
                 )
-                return [self._generate_batch(model, [req])[0] for req in batch]
-            logger.warning("generation %s failed: %s", batch[0].request_id, type(exc).__name__)
-            return [PromptFailure(batch[0].request_id, f"forward failed: {type(exc).__name__}")]
+                return [self._isolating_failures(run, [req], what)[0] for req in batch]
+            rid = batch[0].request_id
+            logger.warning("%s %s failed: %s", what, rid, type(exc).__name__)
+            return [PromptFailure(rid, f"forward failed: {type(exc).__name__}")]
 
     def _greedy(
         self, model: PreTrainedModel, batch: list[GenerationRequest]

@@ -26,7 +26,6 @@ from service.distraction import (
     set_effects,
 )
 from service.errors import InvalidRequest
-from service.pipeline import Reorderer
 from service.positional_store import (
     CorruptPositionalProfile,
     PositionalRecord,
@@ -35,14 +34,10 @@ from service.positional_store import (
 )
 from service.profile_store import ProfileStore
 from service.prompts import Passage, build_generation_prompt
-from service.settings import Settings
+from tests.support.pipeline import reorderer_in
 
 LAM = -0.01  # per-token log-prob of non-passage span tokens: keeps P(NO-RESPONSE) readable
 N_NO_RESPONSE = len(NO_RESPONSE.encode())  # byte tokens of the continuation: 11
-
-
-def _reorderer(tmp_path: Path, fake: FakeBackend) -> Reorderer:
-    return Reorderer(fake, Settings(cache_dir=tmp_path), ProfileStore(tmp_path / "profiles"))
 
 
 def _p_no_response(fake: FakeBackend, texts: list[str]) -> float:
@@ -61,7 +56,7 @@ def test_distracting_effect_of_log_probs() -> None:
 async def test_single_passage_de_is_one_minus_p_no_response(tmp_path: Path) -> None:
     truth = {"alpha passage": 1.0, "bravo passage": -1.0, "charlie passage": 0.0}
     fake = FakeBackend(truth, query_logprob_per_token=LAM)
-    work = _reorderer(tmp_path, fake).work("t")
+    work = reorderer_in(tmp_path, fake).work("t")
     passages = [Passage(t) for t in truth]
     de = await passage_effects(work, "who is it?", passages)
     # By hand: s = LAM * 11 - max(0, top u = 1) + u_p (one slot, weight 1).
@@ -84,7 +79,7 @@ async def test_de_prompts_use_the_abstain_template_and_end_in_the_assistant_turn
         return False
 
     fake = FakeBackend({"alpha passage": 0.0}, fail_rule=rule)
-    work = _reorderer(tmp_path, fake).work("t", "qa_plain")
+    work = reorderer_in(tmp_path, fake).work("t", "qa_plain")
     await passage_effects(work, "who?", [Passage("alpha passage")])
     built = build_generation_prompt(
         fake.tokenizer, ABSTAIN_TEMPLATE, "who?", [Passage("alpha passage")], [0]
@@ -97,7 +92,7 @@ async def test_de_prompts_use_the_abstain_template_and_end_in_the_assistant_turn
 async def test_set_de_follows_the_slot_weights(tmp_path: Path) -> None:
     truth = {"alpha passage": 1.0, "bravo passage": -1.0, "charlie passage": 0.0}
     fake = FakeBackend(truth, query_logprob_per_token=LAM)
-    work = _reorderer(tmp_path, fake).work("t")
+    work = reorderer_in(tmp_path, fake).work("t")
     passages = [Passage(t) for t in truth]
     de = await set_effects(work, "who?", passages, [(1, 0, 2), (0, 2, 1)])
     # Primacy weights for 3 slots: 3/6, 2/6, 1/6.
@@ -111,7 +106,7 @@ async def test_a_failed_de_prompt_is_nan(tmp_path: Path) -> None:
         {"alpha passage": 0.0, "bravo passage": 1.0},
         fail_rule=lambda p: p.passages == ("bravo passage",),
     )
-    work = _reorderer(tmp_path, fake).work("t")
+    work = reorderer_in(tmp_path, fake).work("t")
     de = await passage_effects(work, "q?", [Passage("alpha passage"), Passage("bravo passage")])
     assert math.isfinite(de[0]) and math.isnan(de[1])
     assert work.usage().prompts_failed == 1
@@ -172,7 +167,7 @@ def _fake(**kw: object) -> FakeBackend:
 
 async def test_calibration_measures_both_profiles_by_hand(tmp_path: Path) -> None:
     fake = _fake()
-    r = _reorderer(tmp_path, fake)
+    r = reorderer_in(tmp_path, fake)
     progress: list[tuple[int, int]] = []
     report = await calibrate_positions(
         r,
@@ -247,7 +242,7 @@ async def test_calibration_leaves_failed_questions_out_of_that_profile_only(
             "q2 hardest" in p.passages and len(p.passages) == 4 and "reply NO-RESPONSE" in p.text
         )
     )
-    report = await calibrate_positions(_reorderer(tmp_path, fake), _examples(), max_passages=4)
+    report = await calibrate_positions(reorderer_in(tmp_path, fake), _examples(), max_passages=4)
     rec = report.record
     assert rec.questions == 2 and rec.accuracy.questions == 2
     assert rec.distracting_effect.questions == 1
@@ -257,7 +252,7 @@ async def test_calibration_leaves_failed_questions_out_of_that_profile_only(
 
 
 async def test_calibration_without_a_usable_question_is_refused(tmp_path: Path) -> None:
-    r = _reorderer(tmp_path, _fake())
+    r = reorderer_in(tmp_path, _fake())
     with pytest.raises(InvalidRequest, match="at least 6 non-gold passages"):
         await calibrate_positions(r, _examples(), max_passages=6)
     assert not (tmp_path / "profiles" / "positional").exists()

@@ -24,6 +24,7 @@ from service.pipeline import Reorderer, ReorderRequest, ReorderResult, StrategyO
 from service.profile_store import ProfileStore
 from service.prompts import DEFAULT_TEMPLATE, Passage, build_prompts
 from service.settings import Settings
+from tests.support.pipeline import reorderer_in
 
 QUERY = "which passage helps?"
 N_Q = len(QUERY.encode())  # ByteTokenizer: one token per byte
@@ -37,11 +38,6 @@ def _u_bias(n: int) -> tuple[float, ...]:
     if n == 4:
         return U_BIAS
     return tuple(1.0 if j in (0, n - 1) else 0.5 for j in range(n))
-
-
-def _reorderer(tmp_path: Path, backend: FakeBackend, **settings: object) -> Reorderer:
-    s = Settings(cache_dir=tmp_path, **settings)  # type: ignore[arg-type]
-    return Reorderer(backend, s, ProfileStore(tmp_path / "profiles"))
 
 
 def _passages(texts: Sequence[str] = TEXTS, scores: Sequence[float] | None = None) -> list[Passage]:
@@ -81,7 +77,7 @@ async def _run(
 async def test_query_likelihood_picks_the_most_likely_of_k_seeded_shuffles(tmp_path: Path) -> None:
     fake = FakeBackend(TRUTH, bias=_u_bias)
     passages = _passages()
-    res = await _run(_reorderer(tmp_path, fake), "query_likelihood", passages)
+    res = await _run(reorderer_in(tmp_path, fake), "query_likelihood", passages)
     # Default K = N = 4 distinct shuffles, drawn as uniform permutations in order.
     rng = _rng()
     drawn: list[tuple[int, ...]] = []
@@ -105,10 +101,12 @@ async def test_query_likelihood_picks_the_most_likely_of_k_seeded_shuffles(tmp_p
     assert u.prompt_tokens == _prompt_tokens(fake, passages, drawn)
     # Reproducible; another seed draws other shuffles.
     again = await _run(
-        _reorderer(tmp_path, FakeBackend(TRUTH, bias=_u_bias)), "query_likelihood", passages
+        reorderer_in(tmp_path, FakeBackend(TRUTH, bias=_u_bias)), "query_likelihood", passages
     )
     assert again.order == res.order and again.details == res.details
-    other = await _run(_reorderer(tmp_path, fake), "query_likelihood", passages, seed=7, samples=8)
+    other = await _run(
+        reorderer_in(tmp_path, fake), "query_likelihood", passages, seed=7, samples=8
+    )
     assert other.details["samples"] == 8
 
 
@@ -117,7 +115,7 @@ async def test_query_likelihood_searches_every_order_when_k_reaches_n_factorial(
 ) -> None:
     texts = TEXTS[:3]
     fake = FakeBackend({t: TRUTH[t] for t in texts})  # primacy bias (3, 2, 1) / 6
-    res = await _run(_reorderer(tmp_path, fake), "query_likelihood", _passages(texts), samples=50)
+    res = await _run(reorderer_in(tmp_path, fake), "query_likelihood", _passages(texts), samples=50)
     # 3! = 6 distinct orders: all are scored, and the best pairs utility with bias by rank
     # (rearrangement inequality): descending utility, bravo (3) > alpha (1) > charlie (0).
     assert res.order == [1, 0, 2]
@@ -132,7 +130,7 @@ async def test_query_likelihood_takes_a_random_subset_when_k_is_over_half_of_n_f
 ) -> None:
     texts = TEXTS[:3]
     fake = FakeBackend({t: TRUTH[t] for t in texts}, bias=_u_bias)
-    res = await _run(_reorderer(tmp_path, fake), "query_likelihood", _passages(texts), samples=4)
+    res = await _run(reorderer_in(tmp_path, fake), "query_likelihood", _passages(texts), samples=4)
     # 3! = 6 <= 2 K: K of the 6 lexicographic orders, at rng.permutation(6)[:4].
     every = list(itertools.permutations(range(3)))
     chosen = [every[int(j)] for j in _rng().permutation(6)[:4]]
@@ -145,7 +143,7 @@ async def test_query_likelihood_takes_a_random_subset_when_k_is_over_half_of_n_f
 async def test_query_likelihood_with_one_passage_scores_its_only_order(tmp_path: Path) -> None:
     fake = FakeBackend(TRUTH)
     res = await _run(
-        _reorderer(tmp_path, fake), "query_likelihood", _passages(TEXTS[:1]), samples=5
+        reorderer_in(tmp_path, fake), "query_likelihood", _passages(TEXTS[:1]), samples=5
     )
     assert res.order == res.ranking == [0]
     assert res.usage.prompts == res.usage.prompts_scored == 1
@@ -160,7 +158,7 @@ async def test_query_likelihood_drops_failed_shuffles_and_fails_when_none_is_lef
     truth = {t: TRUTH[t] for t in texts}
     # The best order (bravo, alpha, charlie) fails: the second best is chosen.
     fake = FakeBackend(truth, fail_rule=lambda p: p.passages == (texts[1], texts[0], texts[2]))
-    res = await _run(_reorderer(tmp_path, fake), "query_likelihood", _passages(texts), samples=6)
+    res = await _run(reorderer_in(tmp_path, fake), "query_likelihood", _passages(texts), samples=6)
     ranked = sorted(itertools.permutations(range(3)), key=lambda o: -_loglik(fake, texts, o))
     assert ranked[0] == (1, 0, 2)
     assert res.order == list(ranked[1])
@@ -170,12 +168,12 @@ async def test_query_likelihood_drops_failed_shuffles_and_fails_when_none_is_lef
     )
     dead = FakeBackend(truth, fail_rule=lambda p: True)
     with pytest.raises(ScoringFailed, match="all 6 shuffles failed"):
-        await _run(_reorderer(tmp_path, dead), "query_likelihood", _passages(texts), samples=6)
+        await _run(reorderer_in(tmp_path, dead), "query_likelihood", _passages(texts), samples=6)
 
 
 async def test_query_likelihood_options_and_limit(tmp_path: Path) -> None:
     fake = FakeBackend({f"passage {i}": float(i) for i in range(8)})
-    r = _reorderer(tmp_path, fake, max_prompts_per_request=20)
+    r = reorderer_in(tmp_path, fake, max_prompts_per_request=20)
     passages = _passages([f"passage {i}" for i in range(8)])
     with pytest.raises(InvalidRequest) as exc:
         await _run(r, "query_likelihood", passages, samples=0)
@@ -218,7 +216,7 @@ async def test_convex_score_matches_eq_3_and_moves_the_top_passage_first(tmp_pat
     fake = FakeBackend(TRUTH, bias=_u_bias)
     # Retriever order by score: 2, 0, 3, 1.
     passages = _passages(scores=[0.8, 0.1, 0.9, 0.5])
-    res = await _run(_reorderer(tmp_path, fake), "convex_score", passages)
+    res = await _run(reorderer_in(tmp_path, fake), "convex_score", passages)
     orders = _position_orders(4, _rng())
     for d in range(4):
         for i in range(4):
@@ -251,7 +249,7 @@ async def test_convex_score_signal_is_the_bias_curvature(tmp_path: Path) -> None
     texts = ["hay three", "hay two", "hay one", "needle"]
     truth = {"needle": 2.0, "hay one": 0.0, "hay two": 0.0, "hay three": 0.0}
     fake = FakeBackend(truth, bias=_u_bias)
-    res = await _run(_reorderer(tmp_path, fake), "convex_score", _passages(texts))
+    res = await _run(reorderer_in(tmp_path, fake), "convex_score", _passages(texts))
     assert res.order[0] == res.ranking[0] == 3
     assert res.scores is not None
     assert res.scores[3] == pytest.approx(2.4 / N_Q, abs=1e-9)
@@ -261,7 +259,7 @@ async def test_convex_score_signal_is_the_bias_curvature(tmp_path: Path) -> None
 
 async def test_convex_score_small_n(tmp_path: Path) -> None:
     fake = FakeBackend(TRUTH)
-    r = _reorderer(tmp_path, fake)
+    r = reorderer_in(tmp_path, fake)
     # N = 1: one prompt; positions 1 and k coincide, so eq. 3 gives 4 l~.
     one = await _run(r, "convex_score", _passages(TEXTS[:1]))
     assert one.order == one.ranking == [0] and one.usage.prompts == one.usage.prompts_scored == 1
@@ -282,7 +280,7 @@ async def test_convex_score_failed_prompts_leave_nan_scores_ranked_last(tmp_path
         return p.passages == dead_order
 
     fake = FakeBackend(TRUTH, bias=_u_bias, fail_rule=fail)
-    res = await _run(_reorderer(tmp_path, fake), "convex_score", _passages())
+    res = await _run(reorderer_in(tmp_path, fake), "convex_score", _passages())
     # Every passage one of whose prompts is that order loses its score.
     lost = {d for d in range(4) if orders[0] in orders[4 * d : 4 * d + 4]}
     assert 0 in lost and len(lost) < 4
@@ -294,17 +292,17 @@ async def test_convex_score_failed_prompts_leave_nan_scores_ranked_last(tmp_path
     # Each of two passages losing a prompt leaves nothing to order by.
     two = FakeBackend(TRUTH, fail_rule=lambda p: p.passages == (TEXTS[0], TEXTS[1]))
     with pytest.raises(ScoringFailed, match="no passage"):
-        await _run(_reorderer(tmp_path, two), "convex_score", _passages(TEXTS[:2]))
+        await _run(reorderer_in(tmp_path, two), "convex_score", _passages(TEXTS[:2]))
     dead = FakeBackend(TRUTH, fail_rule=lambda p: True)
     with pytest.raises(ScoringFailed, match="all"):
-        await _run(_reorderer(tmp_path, dead), "convex_score", _passages())
+        await _run(reorderer_in(tmp_path, dead), "convex_score", _passages())
 
 
 async def test_convex_score_refuses_n_squared_over_the_limit_before_scoring(
     tmp_path: Path,
 ) -> None:
     fake = FakeBackend(TRUTH)
-    r = _reorderer(tmp_path, fake, max_prompts_per_request=15)
+    r = reorderer_in(tmp_path, fake, max_prompts_per_request=15)
     with pytest.raises(LimitExceeded) as exc:
         await _run(r, "convex_score", _passages())
     assert exc.value.param == "passages" and exc.value.value == 16 and exc.value.limit == 15

@@ -24,6 +24,7 @@ from service.pipeline import Reorderer, ReorderRequest, ReorderResult, StrategyO
 from service.profile_store import ProfileStore
 from service.prompts import DEFAULT_TEMPLATE, Passage, build_prompts
 from service.settings import Settings
+from tests.support.pipeline import reorderer_in
 
 QUERY = "which passage helps?"
 N_Q = len(QUERY.encode())  # ByteTokenizer: one token per byte
@@ -32,11 +33,6 @@ TEXTS = ["alpha", "bravo bravo bravo bravo", "charlie", "delta delta"]
 UTILS = [1.0, 3.0, 0.0, 2.5]
 TRUTH = dict(zip(TEXTS, UTILS, strict=True))
 POINTWISE = ("query_generation", "bayes_saliency", "longllmlingua")
-
-
-def _reorderer(tmp_path: Path, backend: FakeBackend, **settings: object) -> Reorderer:
-    s = Settings(cache_dir=tmp_path, **settings)  # type: ignore[arg-type]
-    return Reorderer(backend, s, ProfileStore(tmp_path / "profiles"))
 
 
 def _passages(texts: Sequence[str] = TEXTS, scores: Sequence[float] | None = None) -> list[Passage]:
@@ -61,7 +57,7 @@ async def test_query_generation_is_the_log_likelihood_of_the_query_given_each_pa
 ) -> None:
     fake = FakeBackend(TRUTH)
     passages = _passages()
-    res = await _run(_reorderer(tmp_path, fake), "query_generation", passages)
+    res = await _run(reorderer_in(tmp_path, fake), "query_generation", passages)
     expected = [fake.expected_score([t], N_Q) for t in TEXTS]  # = -2 n_q - 3 + u
     np.testing.assert_allclose(res.scores, expected, rtol=0, atol=1e-9)
     assert res.score_name == "log_p_query"
@@ -79,7 +75,7 @@ async def test_query_generation_is_the_log_likelihood_of_the_query_given_each_pa
 async def test_bayes_saliency_adds_the_passages_own_log_likelihood(tmp_path: Path) -> None:
     fake = FakeBackend(TRUTH)
     passages = _passages()
-    res = await _run(_reorderer(tmp_path, fake), "bayes_saliency", passages)
+    res = await _run(reorderer_in(tmp_path, fake), "bayes_saliency", passages)
     built = build_prompts(
         fake.tokenizer, DEFAULT_TEMPLATE, QUERY, passages, [[i] for i in range(4)]
     )
@@ -109,13 +105,13 @@ async def test_longllmlingua_sums_p_log_p_and_its_direction_depends_on_p(tmp_pat
     # Query tokens at log-prob about -2 (P < 1/e): P log P falls as P rises, so the passage
     # that makes the query most likely ranks LAST: the reverse of QG.
     low = FakeBackend(TRUTH, query_logprob_per_token=-2.0)
-    res = await _run(_reorderer(tmp_path, low), "longllmlingua", _passages())
+    res = await _run(reorderer_in(tmp_path, low), "longllmlingua", _passages())
     np.testing.assert_allclose(res.scores, expected(low), rtol=0, atol=1e-9)
     assert res.score_name == "longllmlingua"
     assert res.order == res.ranking == _by_desc(expected(low)) == [2, 0, 3, 1]
     # Query tokens at log-prob about -0.3 (P > 1/e): the same order as QG.
     high = FakeBackend(TRUTH, query_logprob_per_token=-0.3)
-    res = await _run(_reorderer(tmp_path, high), "longllmlingua", _passages())
+    res = await _run(reorderer_in(tmp_path, high), "longllmlingua", _passages())
     np.testing.assert_allclose(res.scores, expected(high), rtol=0, atol=1e-9)
     assert res.order == [1, 3, 0, 2]
     assert res.usage.prompts_scored == 4 and res.usage.scored_tokens == 4 * N_Q
@@ -124,7 +120,7 @@ async def test_longllmlingua_sums_p_log_p_and_its_direction_depends_on_p(tmp_pat
 @pytest.mark.parametrize("strategy", POINTWISE)
 async def test_one_passage_and_ties(tmp_path: Path, strategy: str) -> None:
     fake = FakeBackend(TRUTH)
-    r = _reorderer(tmp_path, fake)
+    r = reorderer_in(tmp_path, fake)
     one = await _run(r, strategy, _passages(TEXTS[:1]))
     assert one.order == one.ranking == [0] and one.usage.prompts == one.usage.prompts_scored == 1
     assert one.scores is not None and np.isfinite(one.scores).all()
@@ -139,7 +135,7 @@ async def test_one_passage_and_ties(tmp_path: Path, strategy: str) -> None:
 @pytest.mark.parametrize("strategy", POINTWISE)
 async def test_a_failed_prompt_ranks_its_passage_last(tmp_path: Path, strategy: str) -> None:
     fake = FakeBackend(TRUTH, fail_rule=lambda p: p.passages == (TEXTS[1],))
-    res = await _run(_reorderer(tmp_path, fake), strategy, _passages())
+    res = await _run(reorderer_in(tmp_path, fake), strategy, _passages())
     assert res.scores is not None and math.isnan(res.scores[1])
     assert np.isfinite(np.delete(res.scores, 1)).all()
     assert res.ranking[-1] == 1 and res.order == res.ranking
@@ -147,7 +143,7 @@ async def test_a_failed_prompt_ranks_its_passage_last(tmp_path: Path, strategy: 
     assert any("1 of 4 passage prompts failed" in w for w in res.warnings)
     dead = FakeBackend(TRUTH, fail_rule=lambda p: True)
     with pytest.raises(ScoringFailed, match="all 4 passage prompts failed"):
-        await _run(_reorderer(tmp_path, dead), strategy, _passages())
+        await _run(reorderer_in(tmp_path, dead), strategy, _passages())
 
 
 @pytest.mark.parametrize("strategy", POINTWISE)
@@ -155,7 +151,7 @@ async def test_no_option_applies_and_n_prompts_count_against_the_limit(
     tmp_path: Path, strategy: str
 ) -> None:
     fake = FakeBackend(TRUTH)
-    r = _reorderer(tmp_path, fake, max_prompts_per_request=3)
+    r = reorderer_in(tmp_path, fake, max_prompts_per_request=3)
     with pytest.raises(InvalidRequest) as exc:
         await _run(r, strategy, _passages(TEXTS[:3]), samples=4)
     assert exc.value.param == "samples" and "query_likelihood" in exc.value.message

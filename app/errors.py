@@ -38,6 +38,7 @@ from service.errors import (
     ClientError,
     InvalidRequest,
     LimitExceeded,
+    NotFound,
     ReorderError,
     ScoringFailed,
     ServerError,
@@ -60,6 +61,7 @@ ERROR_TABLE: Final[Mapping[type[ReorderError], ErrorKind]] = {
     PayloadTooLarge: ErrorKind(413, "request_too_large"),
     Unauthorized: ErrorKind(401, "authentication_error"),
     RouteNotFound: ErrorKind(404, "not_found_error"),
+    NotFound: ErrorKind(404, "not_found_error"),
     MethodNotAllowed: ErrorKind(405, "invalid_request_error"),
     MalformedRequest: ErrorKind(400, "invalid_request_error"),
     ValidationFailed: ErrorKind(422, "invalid_request_error"),
@@ -82,6 +84,7 @@ ERROR_TABLE: Final[Mapping[type[ReorderError], ErrorKind]] = {
 _DESCRIPTIONS: Final[Mapping[int, str]] = {
     400: "The body is not JSON or not UTF-8.",
     401: "Missing or wrong API key (when one is configured).",
+    404: "No such resource (a bias profile id that is not stored).",
     413: "Request body over `max_body_bytes`.",
     422: "Schema violation (bounded echo of the value), a limit (param, limit, value), or a "
     "design that cannot identify the fit.",

@@ -1,6 +1,7 @@
 """Running one request's work: admission, one deadline, cancellation on client disconnect.
 
-Both the native and the rerank routes go through ``execute``:
+The native and the rerank routes go through ``execute``, a calibration through
+``run_admitted`` (the same path with its own deadline and one admitted backend per query):
 
     ready? (503) -> request slot (503) -> [deadline (504) | client disconnect] -> work
 
@@ -35,7 +36,8 @@ async def execute(
     request: Request,
     work: Callable[[Reorderer], Awaitable[ReorderResult]],
 ) -> ReorderResult:
-    """Run ``work`` for one HTTP request under the service's admission and deadline.
+    """Run one reorder or rerank request's ``work`` under the service's admission and its
+    deadline (``request_timeout_s``), then count it in the metrics.
 
     Raises:
         NotReady: loading, warming up, draining or unhealthy (503).
@@ -44,22 +46,63 @@ async def execute(
         ClientDisconnected: the client went away; the work was cancelled.
         ReorderError: whatever the work raised.
     """
+    result = await run_admitted(
+        ctx,
+        request,
+        lambda reorderer: work(reorderer()),
+        timeout_s=ctx.settings.request_timeout_s,
+        timeout_name="request_timeout_s",
+    )
+    ctx.metrics.observe(result)
+    log.info(
+        "request %s: %s, %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s",
+        request_id_of(request.scope),
+        result.strategy,
+        result.n_passages,
+        result.prompts,
+        result.usage.prompts_failed,
+        result.usage.prompt_tokens,
+        result.timing.total_s,
+    )
+    return result
+
+
+async def run_admitted(
+    ctx: AppContext,
+    request: Request,
+    work: Callable[[Callable[[], Reorderer]], Awaitable[T]],
+    *,
+    timeout_s: float,
+    timeout_name: str,
+) -> T:
+    """Run ``work`` in one request slot, under a deadline, cancelled if the client leaves.
+
+    ``work`` gets a factory of ``Reorderer``s, each on a fresh ``AdmittedBackend``: one per
+    request, whose per-request limits (prompts, prompts x tokens) then apply to it alone. A
+    calibration takes one per query, so each query is held to the limits of one request.
+
+    Raises:
+        as ``execute``, with ``timeout_name`` in the 504's message.
+    """
     ctx.lifecycle.check_serving()
     backend = ctx.engine.require()
     settings = ctx.settings
     rid = request_id_of(request.scope)
-    reorderer = Reorderer(
-        AdmittedBackend(backend, ctx.admission, settings), settings, ctx.engine.profiles
-    )
+
+    def reorderer() -> Reorderer:
+        return Reorderer(
+            AdmittedBackend(backend, ctx.admission, settings), settings, ctx.engine.profiles
+        )
+
     t0 = time.perf_counter()
     with ctx.admission.request():
         try:
-            with anyio.fail_after(settings.request_timeout_s):
+            with anyio.fail_after(timeout_s):
                 result = await cancel_on_disconnect(request, lambda: work(reorderer))
         except TimeoutError:
             raise DeadlineExceeded(
-                f"the request did not finish within request_timeout_s = "
-                f"{settings.request_timeout_s:g} s; its scoring was cancelled"
+                f"the request did not finish within {timeout_name} = {timeout_s:g} s; "
+                "its scoring was cancelled"
             ) from None
         except ClientDisconnected:
             log.info(
@@ -73,17 +116,6 @@ async def execute(
             ctx.lifecycle.suspect()
             raise
     ctx.lifecycle.succeeded()
-    ctx.metrics.observe(result)
-    log.info(
-        "request %s: %s, %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s",
-        rid,
-        result.strategy,
-        result.n_passages,
-        result.prompts,
-        result.usage.prompts_failed,
-        result.usage.prompt_tokens,
-        result.timing.total_s,
-    )
     return result
 
 

@@ -28,7 +28,7 @@ from app.admission import Admission
 from app.errors import install_error_handlers
 from app.metrics import ServiceMetrics
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
-from app.routes import info, probes, reorder, rerank
+from app.routes import info, probes, profiles, reorder, rerank
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.factory import create_backend
@@ -89,7 +89,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
     )
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (reorder, rerank, info, probes):
+    for module in (reorder, rerank, profiles, info, probes):
         app.include_router(module.router)
     # add_middleware wraps: the last added runs first. Order on the way in:
     # request context -> CORS (if configured) -> body limit (413) -> API key (401) -> routes.

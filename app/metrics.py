@@ -142,6 +142,13 @@ class ServiceMetrics:
             "Tokens generated (answers of lore, self_consistency).",
             registry=r,
         )
+        self.calibrations = Counter(
+            f"{p}_bias_profile_calibrations",
+            "Bias profiles calibrated and stored through POST /v1/bias-profiles/calibrate, by "
+            "design.",
+            ["design"],
+            registry=r,
+        )
         self.canary_failures = Counter(
             f"{p}_canary_failures", "Warm-up and canary requests that failed.", registry=r
         )

@@ -32,6 +32,8 @@ ROUTES: Final = frozenset(
         "/v1/rerank",
         "/v2/rerank",
         "/v1/models",
+        "/v1/bias-profiles",
+        "/v1/bias-profiles/calibrate",
         "/info",
         "/health",
         "/ready",
@@ -44,9 +46,17 @@ ROUTES: Final = frozenset(
 _REQUEST_ID: Final = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
 
 
+PROFILE_ROUTE: Final = "/v1/bias-profiles/{profile_id}"
+
+
 def _route_label(path: str) -> str:
     # Unknown paths share one label so scanners cannot blow up the metric's cardinality.
-    return path if path in ROUTES else "other"
+    if path in ROUTES:
+        return path
+    prefix = "/v1/bias-profiles/"
+    if path.startswith(prefix) and "/" not in path[len(prefix) :]:
+        return PROFILE_ROUTE
+    return "other"
 
 
 class RequestContextMiddleware:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
@@ -32,6 +32,7 @@ MAX_ID_CHARS = 512
 MAX_NUM_PROMPTS = 100_000
 MAX_SEED = 2**32 - 1
 MAX_ANSWER_TOKENS = 1024
+MAX_CALIBRATION_QUERIES = 4096
 
 Strategy = StrategyName
 DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
@@ -164,6 +165,36 @@ class ReorderBody(ReorderOptions):
     """Keep the top_n best passages in `order` (all passages are still scored)."""
 
 
+class CalibrationQueryIn(_Strict):
+    """One query of a calibration set with its passages (in any order: the design permutes
+    them)."""
+
+    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    passages: list[PassageItem] = Field(min_length=2, max_length=MAX_PASSAGES)
+
+
+class CalibrateBody(_Strict):
+    """`POST /v1/bias-profiles/calibrate`: fit one bias profile shared by these queries."""
+
+    queries: list[CalibrationQueryIn] = Field(min_length=1, max_length=MAX_CALIBRATION_QUERIES)
+    """Every query must have the same number of passages N: the profile is for that slot
+    count (`random`) or for `prompt_passages` slots (`pruned_random`)."""
+    design: Literal["random", "pruned_random"] = "random"
+    """`random`: an N-slot profile for cyclic designs at N, oriented by a pruned-random
+    profile measured on the same queries (both are stored); `pruned_random`: an L-slot
+    profile for `pruned_cyclic` at L."""
+    prompt_passages: int | None = Field(default=None, ge=1, le=MAX_PASSAGES)
+    """L, passages per pruned prompt (default ceil(N/2))."""
+    num_prompts: int | None = Field(default=None, ge=1, le=MAX_NUM_PROMPTS)
+    """Prompts per query of `design` (default: the design's)."""
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    """Base seed; query k uses seed + k (default: the configured seed)."""
+    template: str | None = Field(default=None, min_length=1, max_length=64)
+    """Scoring prompt template the profile is for (default: the configured `chat_template`)."""
+    source: str | None = Field(default=None, min_length=1, max_length=256)
+    """Provenance stored with the profile (default: the query count and design)."""
+
+
 class RerankDocument(_Lenient):
     text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
 
@@ -215,6 +246,9 @@ class PassageOut(_Model):
 
 
 class ProfileOut(_Model):
+    id: str
+    """`<model>__<template>__L<slots>`, characters outside `[A-Za-z0-9._-]` as `_`: the key
+    of `GET /v1/bias-profiles/{id}`."""
     model: str
     template: str
     slots: int
@@ -225,6 +259,17 @@ class ProfileOut(_Model):
     r2: float | None
     source: str
     created_at: float
+    """Unix time it was stored."""
+    oriented_by: Literal["data", "profile", "prior"]
+    """Where its direction came from: `data` (a pruned fit), `profile` (a full-length fit
+    oriented by a data profile) or `prior` (the generic primacy shape; can be backwards)."""
+
+
+class ProfileList(_Model):
+    """`GET /v1/bias-profiles`."""
+
+    object: Literal["list"] = "list"
+    data: list[ProfileOut]
 
 
 class PositionBiasOut(_Model):
@@ -335,6 +380,23 @@ class ReorderResponse(ReorderMeta):
     model: str
 
 
+class CalibrationOut(_Model):
+    """`POST /v1/bias-profiles/calibrate`: the stored profile and what it cost."""
+
+    id: str
+    profile: ProfileOut
+    """The profile now stored (it replaced any earlier one with the same id)."""
+    orienting_profile: ProfileOut | None
+    """`random` only: the pruned-random profile that gave the direction (also stored)."""
+    queries: int
+    prompts: int
+    """Prompts planned over all queries."""
+    prompts_failed: int
+    prompt_tokens: int
+    warnings: list[str]
+    total_s: float
+
+
 class RerankResult(_Model):
     index: int
     relevance_score: float
@@ -443,7 +505,12 @@ def _finite(x: float | None) -> float | None:
 def _profile(p: StoredProfile | None) -> ProfileOut | None:
     if p is None:
         return None
+    return profile_out(p)
+
+
+def profile_out(p: StoredProfile) -> ProfileOut:
     return ProfileOut(
+        id=p.id,
         model=p.model,
         template=p.template,
         slots=p.slots,
@@ -454,6 +521,7 @@ def _profile(p: StoredProfile | None) -> ProfileOut | None:
         r2=_finite(p.r2),
         source=p.source,
         created_at=p.created_at,
+        oriented_by=cast(Literal["data", "profile", "prior"], p.oriented_by),
     )
 
 

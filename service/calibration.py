@@ -27,9 +27,10 @@ import numpy as np
 
 import solver
 from service.dataset import Example
-from service.errors import InvalidRequest
+from service.errors import InvalidRequest, UnidentifiableRequest
 from service.pipeline import Reorderer
 from service.profile_store import StoredProfile
+from service.strategies.base import Work
 from service.strategies.moi import score_design
 
 log = logging.getLogger(__name__)
@@ -46,6 +47,28 @@ class CalibrationReport:
     warnings: tuple[str, ...]
     orienting: StoredProfile | None = None
     """For random designs: the pruned-random profile that gave the direction (also stored)."""
+    prompt_tokens: int = 0
+
+
+def prompts_per_query(
+    design: CalibrationDesign,
+    passages: int,
+    *,
+    num_prompts: int | None = None,
+    prompt_passages: int | None = None,
+) -> int:
+    """Prompts in one query's ``design`` (one score call), before any scoring.
+
+    Raises:
+        InvalidRequest: the solver cannot build that design for this many passages.
+    """
+    try:
+        perms = solver.plan(
+            design, passages, num_prompts=num_prompts, prompt_passages=prompt_passages, seed=0
+        )
+    except solver.SolverError as exc:
+        raise InvalidRequest(str(exc), param="design") from None
+    return len(perms)
 
 
 async def calibrate_profile(
@@ -59,7 +82,9 @@ async def calibrate_profile(
     seed: int = 0,
     template: str | None = None,
     source: str = "",
+    request_id: str = "calibrate",
     progress: Callable[[int, int], None] | None = None,
+    work_for: Callable[[str, str], Work] | None = None,
 ) -> CalibrationReport:
     """Score every example under ``design`` and store the shared bias profile.
 
@@ -77,11 +102,15 @@ async def calibrate_profile(
         seed: base seed; query k uses ``seed + k``.
         template: prompt template (default: the configured one).
         source: provenance recorded with the profile.
+        request_id: prefix of the per-query request ids (``<request_id>-<k>``).
         progress: called with (done, total) after each query.
+        work_for: metered model access for query k, from (request id, template); default
+            ``reorderer.work``. The HTTP route passes one that checks each query against the
+            per-request limits and admits its tokens like a request of its own.
 
     Raises:
         InvalidRequest: no usable examples.
-        UnidentifiableDesign: a run cannot identify the bias (too few prompts).
+        UnidentifiableRequest: the runs cannot identify the bias (too few prompts).
     """
     template = template or reorderer.settings.chat_template
     usable = [e for e in examples if len(e.passages) >= max_passages]
@@ -92,9 +121,9 @@ async def calibrate_profile(
         warnings.append(f"{len(examples) - len(usable)} example(s) with fewer passages skipped")
     runs: list[tuple[np.ndarray, np.ndarray]] = []
     pruned: list[tuple[np.ndarray, np.ndarray]] = []
-    prompts = failed = 0
+    prompts = failed = tokens = 0
     for k, ex in enumerate(usable):
-        work = reorderer.work(f"calibrate-{k}", template)
+        work = (work_for or reorderer.work)(f"{request_id}-{k}", template)
         passages = ex.passages[:max_passages]
         perms = solver.plan(
             design,
@@ -112,22 +141,21 @@ async def calibrate_profile(
         usage = work.usage()
         prompts += usage.prompts
         failed += usage.prompts_failed
+        tokens += usage.prompt_tokens
         if progress is not None:
             progress(k + 1, len(usable))
     source = source or f"{len(usable)} queries, {design} design"
     orienting: StoredProfile | None = None
     reference: np.ndarray | None = None
     if pruned:
-        p_prof = await anyio.to_thread.run_sync(lambda: solver.calibrate(pruned))
+        p_prof = await _fit(pruned)
         warnings.extend(p_prof.warnings)
         orienting = _store(
             reorderer, template, p_prof, f"{source} (the pruned_random runs that orient it)"
         )
         reference = solver.resample(p_prof.coefficients, max_passages)
     try:
-        prof = await anyio.to_thread.run_sync(
-            lambda: solver.calibrate(runs, reference_bias=reference)
-        )
+        prof = await _fit(runs, reference)
     except solver.InvalidReference as exc:
         # A flat pruned profile cannot orient anything; fall back to the prior, and say so.
         warnings.append(
@@ -135,11 +163,32 @@ async def calibrate_profile(
             "the primacy prior orients it instead"
         )
         reference = None
-        prof = await anyio.to_thread.run_sync(lambda: solver.calibrate(runs))
+        prof = await _fit(runs)
     warnings.extend(prof.warnings)
     stored = _store(reorderer, template, prof, source, "profile" if reference is not None else None)
     log.info("stored bias profile for %s / %s / L=%d", stored.model, template, stored.slots)
-    return CalibrationReport(stored, len(usable), prompts, failed, tuple(warnings), orienting)
+    return CalibrationReport(
+        stored, len(usable), prompts, failed, tuple(warnings), orienting, tokens
+    )
+
+
+async def _fit(
+    runs: list[tuple[np.ndarray, np.ndarray]], reference: np.ndarray | None = None
+) -> solver.Profile:
+    """``solver.calibrate`` off the event loop.
+
+    Raises:
+        UnidentifiableRequest: the runs cannot identify a bias (too few prompts).
+        solver.InvalidReference: ``reference`` cannot orient the fit.
+    """
+    try:
+        return await anyio.to_thread.run_sync(
+            lambda: solver.calibrate(runs, reference_bias=reference)
+        )
+    except solver.UnidentifiableDesign as exc:
+        raise UnidentifiableRequest(
+            f"these runs cannot identify a bias profile: {exc}", param="num_prompts"
+        ) from None
 
 
 def _store(

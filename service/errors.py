@@ -36,6 +36,12 @@ class LimitExceeded(ClientError):
         self.value = value
 
 
+class NotFound(ClientError):
+    """A named resource (a bias profile) does not exist."""
+
+    code = "not_found"
+
+
 class UnidentifiableRequest(ClientError):
     """The chosen design cannot identify what the fit needs (e.g. cyclic without a profile)."""
 

@@ -44,6 +44,17 @@ class StoredProfile:
     oriented_by: str = "prior"
     """``data``, ``profile`` or ``prior`` (module docstring)."""
 
+    @property
+    def id(self) -> str:
+        """Stable name of the profile's key (its file name without ``.json``)."""
+        return profile_id(self.model, self.template, self.slots)
+
+
+def profile_id(model: str, template: str, slots: int) -> str:
+    """``<model>__<template>__L<slots>`` with every character outside ``[A-Za-z0-9._-]`` as
+    ``_``: safe in a URL path segment and as a file name."""
+    return f"{_SAFE.sub('_', model)}__{_SAFE.sub('_', template)}__L{slots}"
+
 
 class ProfileStore:
     """Profiles as ``<root>/<model>__<template>__L<slots>.json``."""
@@ -52,8 +63,7 @@ class ProfileStore:
         self.root = root
 
     def path(self, model: str, template: str, slots: int) -> Path:
-        name = f"{_SAFE.sub('_', model)}__{_SAFE.sub('_', template)}__L{slots}.json"
-        return self.root / name
+        return self.root / f"{profile_id(model, template, slots)}.json"
 
     def get(self, model: str, template: str, slots: int) -> StoredProfile | None:
         """The profile for this key, or ``None`` when none was calibrated."""
@@ -108,6 +118,11 @@ class ProfileStore:
             return []
         out = [_load(p) for p in sorted(self.root.glob("*.json"))]
         return sorted(out, key=lambda s: (s.model, s.template, s.slots))
+
+    def by_id(self, profile_id: str) -> StoredProfile | None:
+        """The stored profile with this ``id``, or ``None``. Looked up among the listed
+        profiles, never by building a path from the caller's string."""
+        return next((p for p in self.list() if p.id == profile_id), None)
 
     def orienting(self, model: str, template: str) -> StoredProfile | None:
         """The data-oriented profile (``oriented_by == "data"``) of this model and template

@@ -106,6 +106,12 @@ class Settings(BaseSettings):
     request_timeout_s: float = Field(default=120.0, gt=0)
     """Deadline of one request, from admission to response; its scoring is cancelled and the
     client gets 504 when it passes."""
+    calibration_timeout_s: float = Field(default=900.0, gt=0)
+    """Deadline of one `POST /v1/bias-profiles/calibrate` (it scores every query's design);
+    504 when it passes, and nothing is stored."""
+    max_calibration_queries: int = Field(default=256, ge=1, le=4096)
+    """Most queries in one `POST /v1/bias-profiles/calibrate` (422 above it). Each query is
+    also held to the per-request limits, and its prompts are admitted like a request's."""
     warmup: bool = True
     """Run one tiny real scoring request after the model loads; `/ready` stays 503 until it
     succeeds (and the process exits non-zero if it fails)."""

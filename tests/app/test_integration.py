@@ -74,8 +74,39 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
             assert scores == sorted(scores, reverse=True)
             assert rerank["usage"]["total_tokens"] == body["usage"]["prompt_tokens"]
 
+            # A bias profile calibrated over HTTP on the real model, then used by a cyclic
+            # design (refused before it exists).
+            cyclic = {"kind": "pruned_cyclic", "prompt_passages": 2}
+            refused = client.post(
+                "/v1/reorder", json={"query": QUERY, "passages": DOCUMENTS, "design": cyclic}
+            )
+            assert refused.status_code == 422 and "profile" in refused.json()["error"]["message"]
+            queries = [
+                {"query": QUERY, "passages": DOCUMENTS},
+                {"query": "Which river is the longest in France?", "passages": DOCUMENTS[::-1]},
+            ]
+            r = client.post(
+                "/v1/bias-profiles/calibrate",
+                json={"queries": queries, "design": "pruned_random", "prompt_passages": 2},
+            )
+            assert r.status_code == 200, r.text
+            calibrated = r.json()
+            assert calibrated["id"] == "HuggingFaceTB_SmolLM2-135M-Instruct__qa_default__L2"
+            assert calibrated["profile"]["oriented_by"] == "data"
+            assert calibrated["prompts"] == 16 and calibrated["prompts_failed"] == 0
+            listed = client.get("/v1/bias-profiles").json()["data"]
+            assert [p["id"] for p in listed] == [calibrated["id"]]
+            r = client.post(
+                "/v1/reorder", json={"query": QUERY, "passages": DOCUMENTS, "design": cyclic}
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["position_bias"]["profile"] == calibrated["profile"]
+
             metrics = client.get("/metrics").text
             assert 'rag_reorder_build_info{backend="TransformersBackend"' in metrics
+            assert (
+                'rag_reorder_bias_profile_calibrations_total{design="pruned_random"} 1.0' in metrics
+            )
             assert (
                 client.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
             )

@@ -21,7 +21,13 @@ def _http_block() -> str:
 
 async def test_every_curl_body_in_the_readme_is_accepted(served: Harness) -> None:
     examples = _CURL.findall(_http_block())
-    assert {path for path, _ in examples} == {"/v1/reorder", "/v1/rerank", "/rerank", "/v2/rerank"}
+    assert {path for path, _ in examples} == {
+        "/v1/reorder",
+        "/v1/rerank",
+        "/rerank",
+        "/v2/rerank",
+        "/v1/bias-profiles/calibrate",
+    }
     for path, body in examples:
         r = await served.client.post(
             path, content=body, headers={"content-type": "application/json"}

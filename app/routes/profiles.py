@@ -1,0 +1,186 @@
+"""Bias profiles over HTTP (API.md, "Around them"): list, read, and calibrate from a query set.
+
+A profile is what cyclic designs need and what orients full-length random ones (METHOD.md 3.3;
+README, "Calibrated profiles"). ``POST /v1/bias-profiles/calibrate`` runs the same calibration
+as ``rag-reorder calibrate`` on the serving engine: it takes a request slot, each query is held
+to the per-request limits and its prompts are admitted into the shared token budget like a
+request's, so a calibration shares the engine with live traffic instead of starving it. The
+profile is written to the profile folder (atomically) and the next request finds it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+
+from fastapi import APIRouter, Request
+
+from app.errors import GET_ERRORS, POST_ERRORS, error_responses
+from app.execution import run_admitted
+from app.limits import check_inputs
+from app.schemas import (
+    CalibrateBody,
+    CalibrationOut,
+    ProfileList,
+    ProfileOut,
+    profile_out,
+    to_passages,
+)
+from app.state import Ctx, RequestId
+from service.calibration import CalibrationReport, calibrate_profile, prompts_per_query
+from service.dataset import Example
+from service.errors import InvalidRequest, LimitExceeded, NotFound
+from service.pipeline import DesignSpec, Reorderer
+from service.settings import Settings
+from service.strategies.base import Work
+
+log = logging.getLogger(__name__)
+
+router = APIRouter(tags=["bias profiles"])
+
+
+@router.get(
+    "/v1/bias-profiles",
+    response_model=ProfileList,
+    responses=GET_ERRORS | error_responses(422),
+    summary="List the stored bias profiles",
+)
+async def list_profiles(
+    ctx: Ctx, model: str | None = None, template: str | None = None
+) -> ProfileList:
+    """Every stored profile (all models sharing the folder), sorted by model, template and
+    slot count; `model` and `template` filter exactly."""
+    found = ctx.engine.profiles.list()
+    return ProfileList(
+        data=[
+            profile_out(p)
+            for p in found
+            if (model is None or p.model == model) and (template is None or p.template == template)
+        ]
+    )
+
+
+@router.get(
+    "/v1/bias-profiles/{profile_id}",
+    response_model=ProfileOut,
+    responses=GET_ERRORS | error_responses(404, 422),
+    summary="Read one bias profile",
+)
+async def read_profile(profile_id: str, ctx: Ctx) -> ProfileOut:
+    """The profile with this `id` (as listed), or 404."""
+    found = ctx.engine.profiles.by_id(profile_id)
+    if found is None:
+        raise NotFound(
+            f"no bias profile with id {profile_id[:200]!r}; GET /v1/bias-profiles lists them",
+            param="profile_id",
+        )
+    return profile_out(found)
+
+
+@router.post(
+    "/v1/bias-profiles/calibrate",
+    response_model=CalibrationOut,
+    responses=POST_ERRORS,
+    summary="Calibrate and store a bias profile from a set of queries",
+)
+async def calibrate(
+    body: CalibrateBody, request: Request, ctx: Ctx, request_id: RequestId
+) -> CalibrationOut:
+    """Score every query under `design`, fit one bias shared by all of them (each query keeps
+    its own utilities) and store it for (model, template, slots), replacing an earlier one.
+    Deadline: `calibration_timeout_s`; nothing is stored when it fails."""
+    examples = _examples(body, ctx.settings)
+    n = len(examples[0].passages)
+    t0 = time.perf_counter()
+
+    async def work(new_reorderer: Callable[[], Reorderer]) -> CalibrationReport:
+        def work_for(rid: str, template: str) -> Work:
+            return new_reorderer().work(rid, template)
+
+        return await calibrate_profile(
+            new_reorderer(),
+            examples,
+            max_passages=n,
+            design=body.design,
+            prompt_passages=body.prompt_passages,
+            num_prompts=body.num_prompts,
+            seed=ctx.settings.seed if body.seed is None else body.seed,
+            template=body.template,
+            source=body.source or f"HTTP: {len(examples)} queries, {body.design} design",
+            request_id=request_id,
+            work_for=work_for,
+        )
+
+    report = await run_admitted(
+        ctx,
+        request,
+        work,
+        timeout_s=ctx.settings.calibration_timeout_s,
+        timeout_name="calibration_timeout_s",
+    )
+    ctx.metrics.calibrations.labels(body.design).inc()
+    total_s = time.perf_counter() - t0
+    log.info(
+        "request %s: calibrated %s (%d queries, %d prompts, %d failed) in %.3f s",
+        request_id,
+        report.profile.id,
+        report.queries,
+        report.prompts,
+        report.prompts_failed,
+        total_s,
+    )
+    return CalibrationOut(
+        id=report.profile.id,
+        profile=profile_out(report.profile),
+        orienting_profile=profile_out(report.orienting) if report.orienting else None,
+        queries=report.queries,
+        prompts=report.prompts,
+        prompts_failed=report.prompts_failed,
+        prompt_tokens=report.prompt_tokens,
+        warnings=list(report.warnings),
+        total_s=total_s,
+    )
+
+
+def _examples(body: CalibrateBody, settings: Settings) -> list[Example]:
+    """The queries as calibration examples, every input limit checked first (never truncated).
+
+    Raises:
+        LimitExceeded: more than ``max_calibration_queries`` queries, or a query over a
+            per-request limit.
+        InvalidRequest: queries with different passage counts, or a design the solver cannot
+            build for them.
+    """
+    max_queries = settings.max_calibration_queries
+    if len(body.queries) > max_queries:
+        raise LimitExceeded(
+            "queries", max_queries, len(body.queries), what="queries in one calibration"
+        )
+    n = len(body.queries[0].passages)
+    out: list[Example] = []
+    for k, q in enumerate(body.queries):
+        if len(q.passages) != n:
+            raise InvalidRequest(
+                f"queries[{k}] has {len(q.passages)} passages and queries[0] has {n}: one "
+                "profile is for one slot count, so every query needs the same number",
+                param=f"queries[{k}].passages",
+            )
+        passages = to_passages(q.passages)
+        check_inputs(
+            settings, q.query, passages, DesignSpec(), passages_param=f"queries[{k}].passages"
+        )
+        out.append(Example(f"q{k}", q.query, (), tuple(passages), ()))
+    planned = prompts_per_query(
+        body.design, n, num_prompts=body.num_prompts, prompt_passages=body.prompt_passages
+    )
+    if body.design == "random":  # its orienting pruned-random runs are a score call too
+        planned = max(
+            planned, prompts_per_query("pruned_random", n, prompt_passages=body.prompt_passages)
+        )
+    limit = settings.max_prompts_per_request
+    if planned > limit:
+        raise LimitExceeded(
+            "num_prompts", limit, planned, what=f"prompts per query of the {body.design} design"
+        )
+    return out

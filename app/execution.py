@@ -91,7 +91,10 @@ async def run_admitted(
 
     def reorderer() -> Reorderer:
         return Reorderer(
-            AdmittedBackend(backend, ctx.admission, settings), settings, ctx.engine.profiles
+            AdmittedBackend(backend, ctx.admission, settings),
+            settings,
+            ctx.engine.profiles,
+            ctx.engine.traffic,
         )
 
     t0 = time.perf_counter()

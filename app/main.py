@@ -37,6 +37,7 @@ from service.pipeline import Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
 from service.prompts import Passage
 from service.settings import Settings
+from service.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +77,10 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         settings=settings,
         version=_version(),
         lifecycle=Lifecycle(metrics),
-        engine=Engine(ProfileStore(settings.profiles_path)),
+        engine=Engine(
+            ProfileStore(settings.profiles_path),
+            TrafficSampler(settings.traffic_sample_rate, settings.traffic_sample_max_runs),
+        ),
         admission=Admission(settings, metrics),
         metrics=metrics,
     )
@@ -87,6 +91,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         lifespan=_lifespan(ctx, backend),
         redoc_url=None,
     )
+    metrics.track_traffic(ctx.engine.traffic)
     app.state.ctx = ctx
     install_error_handlers(app)
     for module in (reorder, rerank, profiles, info, probes):

@@ -14,10 +14,11 @@ from collections.abc import Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import Metric
+from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service.pipeline import ReorderResult
+from service.traffic import TrafficSampler
 
 PREFIX = "rag_reorder"
 
@@ -36,6 +37,27 @@ class _DefaultRegistry(Collector):
     def describe(self) -> list[Metric]:
         # Nothing to check for name clashes: the default registry never holds our prefix.
         return []
+
+
+class _TrafficSample(Collector):
+    """Runs held in the calibration-from-traffic sample, per design group (read at scrape)."""
+
+    def __init__(self, sampler: TrafficSampler) -> None:
+        self._sampler = sampler
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            f"{PREFIX}_traffic_sample_runs",
+            "MoI runs of live requests held for POST /v1/bias-profiles/calibrate "
+            '{"from_traffic": true}, by design group (random: random and hybrid).',
+            labels=["design"],
+        )
+        held = {"random": 0, "pruned_random": 0}
+        for c in self._sampler.counts():
+            held[c.key.design] += c.runs
+        for design, runs in held.items():
+            family.add_metric([design], runs)
+        yield family
 
 
 class ServiceMetrics:
@@ -145,8 +167,8 @@ class ServiceMetrics:
         self.calibrations = Counter(
             f"{p}_bias_profile_calibrations",
             "Bias profiles calibrated and stored through POST /v1/bias-profiles/calibrate, by "
-            "design.",
-            ["design"],
+            "design and source (queries or traffic).",
+            ["design", "source"],
             registry=r,
         )
         self.canary_failures = Counter(
@@ -172,6 +194,10 @@ class ServiceMetrics:
             r2 = result.fit.r2
             if r2 is not None and math.isfinite(r2):
                 self.fit_r2.observe(r2)
+
+    def track_traffic(self, sampler: TrafficSampler) -> None:
+        """Expose the size of the live-traffic calibration sample."""
+        self.registry.register(_TrafficSample(sampler))
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition for an ``Accept`` header: body and content type."""

@@ -176,9 +176,19 @@ class CalibrationQueryIn(_Strict):
 class CalibrateBody(_Strict):
     """`POST /v1/bias-profiles/calibrate`: fit one bias profile shared by these queries."""
 
-    queries: list[CalibrationQueryIn] = Field(min_length=1, max_length=MAX_CALIBRATION_QUERIES)
+    queries: list[CalibrationQueryIn] | None = Field(
+        default=None, min_length=1, max_length=MAX_CALIBRATION_QUERIES
+    )
     """Every query must have the same number of passages N: the profile is for that slot
-    count (`random`) or for `prompt_passages` slots (`pruned_random`)."""
+    count (`random`) or for `prompt_passages` slots (`pruned_random`). Either `queries` or
+    `from_traffic`."""
+    from_traffic: bool = False
+    """Calibrate from the live MoI runs this replica sampled (`traffic_sample_rate`) instead
+    of scoring queries: no model calls. Needs `slots`; `design` picks the sampled runs
+    (`random`: random and hybrid designs of `slots` passages, oriented by the stored data
+    profile; `pruned_random`: pruned-random prompts of `slots` passages)."""
+    slots: int | None = Field(default=None, ge=2, le=MAX_PASSAGES)
+    """`from_traffic` only: the slot count of the profile."""
     design: Literal["random", "pruned_random"] = "random"
     """`random`: an N-slot profile for cyclic designs at N, oriented by a pruned-random
     profile measured on the same queries (both are stored); `pruned_random`: an L-slot
@@ -265,11 +275,23 @@ class ProfileOut(_Model):
     oriented by a data profile) or `prior` (the generic primacy shape; can be backwards)."""
 
 
+class TrafficSampleOut(_Model):
+    model: str
+    template: str
+    design: Literal["random", "pruned_random"]
+    """`random`: random and hybrid designs (N slots); `pruned_random`: L slots."""
+    slots: int
+    runs: int
+
+
 class ProfileList(_Model):
     """`GET /v1/bias-profiles`."""
 
     object: Literal["list"] = "list"
     data: list[ProfileOut]
+    traffic_samples: list[TrafficSampleOut]
+    """Live MoI runs this replica holds for `from_traffic` calibration (empty unless
+    `traffic_sample_rate` > 0)."""
 
 
 class PositionBiasOut(_Model):
@@ -389,8 +411,9 @@ class CalibrationOut(_Model):
     orienting_profile: ProfileOut | None
     """`random` only: the pruned-random profile that gave the direction (also stored)."""
     queries: int
+    """Queries scored (or sampled live runs pooled, `from_traffic`)."""
     prompts: int
-    """Prompts planned over all queries."""
+    """Prompts planned over all queries (or held in the sampled runs)."""
     prompts_failed: int
     prompt_tokens: int
     warnings: list[str]

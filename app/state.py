@@ -18,6 +18,7 @@ from app.metrics import ServiceMetrics
 from service.backends.base import LogprobBackend
 from service.profile_store import ProfileStore
 from service.settings import Settings
+from service.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +109,13 @@ class Lifecycle:
 
 
 class Engine:
-    """The scoring backend once the lifespan has loaded it, and the bias-profile store."""
+    """The scoring backend once the lifespan has loaded it, the bias-profile store and the
+    sample of live MoI runs kept for calibration from traffic."""
 
-    def __init__(self, profiles: ProfileStore) -> None:
+    def __init__(self, profiles: ProfileStore, traffic: TrafficSampler) -> None:
         self.backend: LogprobBackend | None = None
         self.profiles = profiles
+        self.traffic = traffic
 
     def require(self) -> LogprobBackend:
         if self.backend is None:

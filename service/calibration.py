@@ -32,6 +32,7 @@ from service.pipeline import Reorderer
 from service.profile_store import StoredProfile
 from service.strategies.base import Work
 from service.strategies.moi import score_design
+from service.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
 
@@ -154,22 +155,101 @@ async def calibrate_profile(
             reorderer, template, p_prof, f"{source} (the pruned_random runs that orient it)"
         )
         reference = solver.resample(p_prof.coefficients, max_passages)
+    prof, oriented = await _fit_oriented(runs, reference, warnings)
+    stored = _store(reorderer, template, prof, source, "profile" if oriented else None)
+    log.info("stored bias profile for %s / %s / L=%d", stored.model, template, stored.slots)
+    return CalibrationReport(
+        stored, len(usable), prompts, failed, tuple(warnings), orienting, tokens
+    )
+
+
+async def calibrate_from_traffic(
+    reorderer: Reorderer,
+    traffic: TrafficSampler,
+    *,
+    design: CalibrationDesign,
+    slots: int,
+    template: str | None = None,
+    source: str = "",
+) -> CalibrationReport:
+    """Fit and store a profile from the live runs ``traffic`` sampled (no new scoring).
+
+    ``pruned_random`` pools the sampled pruned-random runs with ``slots`` passages a prompt
+    (a data-oriented profile); ``random`` the sampled random and hybrid runs of ``slots``
+    passages, oriented by the stored data profile of this model and template with the most
+    slots (``oriented_by="profile"``), else by the primacy prior with a warning.
+
+    Raises:
+        InvalidRequest: no sampled runs for this model, template, design and slot count.
+        UnidentifiableRequest: the runs cannot identify the bias.
+    """
+    template = template or reorderer.settings.chat_template
+    model = reorderer.backend.model_id
+    runs = traffic.runs(model, template, design, slots)
+    if not runs:
+        held = [
+            f"{c.key.design} at {c.key.slots} slots: {c.runs}"
+            for c in traffic.counts()
+            if c.key.model == model and c.key.template == template
+        ]
+        raise InvalidRequest(
+            f"no sampled live {design} runs of model {model!r}, template {template!r} and "
+            f"{slots} slots (held: {'; '.join(held) or 'none'}; traffic_sample_rate is "
+            f"{traffic.rate:g})",
+            param="slots",
+        )
+    warnings: list[str] = []
+    orienting: StoredProfile | None = None
+    reference: np.ndarray | None = None
+    if design == "random":
+        orienting = reorderer.profiles.orienting(model, template)
+        if orienting is not None:
+            reference = solver.resample(orienting.coefficients, slots)
+        else:
+            warnings.append(
+                "no data-oriented profile of this model and template exists, so the primacy "
+                "prior orients this one (it is backwards for a recency-biased model); "
+                "calibrate a pruned_random profile first"
+            )
+    prof, oriented = await _fit_oriented(runs, reference, warnings)
+    stored = _store(
+        reorderer,
+        template,
+        prof,
+        source or f"live traffic: {len(runs)} sampled {design} runs",
+        "profile" if oriented else None,
+    )
+    log.info("stored bias profile for %s / %s / L=%d from traffic", model, template, slots)
+    return CalibrationReport(
+        profile=stored,
+        queries=len(runs),
+        prompts=sum(len(perms) for perms, _ in runs),
+        prompts_failed=0,
+        warnings=tuple(warnings),
+        orienting=orienting if oriented else None,
+    )
+
+
+async def _fit_oriented(
+    runs: list[tuple[np.ndarray, np.ndarray]],
+    reference: np.ndarray | None,
+    warnings: list[str],
+) -> tuple[solver.Profile, bool]:
+    """Fit oriented by ``reference`` when it can orient, else by the prior (with a warning
+    appended); the fit's own warnings are appended too. Returns the profile and whether the
+    reference oriented it."""
     try:
         prof = await _fit(runs, reference)
     except solver.InvalidReference as exc:
-        # A flat pruned profile cannot orient anything; fall back to the prior, and say so.
+        # A flat data profile cannot orient anything; fall back to the prior, and say so.
         warnings.append(
-            f"the pruned profile cannot orient the full-length one ({exc}); "
+            f"the data-oriented profile cannot orient the full-length one ({exc}); "
             "the primacy prior orients it instead"
         )
         reference = None
         prof = await _fit(runs)
     warnings.extend(prof.warnings)
-    stored = _store(reorderer, template, prof, source, "profile" if reference is not None else None)
-    log.info("stored bias profile for %s / %s / L=%d", stored.model, template, stored.slots)
-    return CalibrationReport(
-        stored, len(usable), prompts, failed, tuple(warnings), orienting, tokens
-    )
+    return prof, reference is not None
 
 
 async def _fit(

@@ -39,6 +39,7 @@ from service.strategies.base import (
     Work,
     check_options,
 )
+from service.traffic import TrafficSampler
 
 __all__ = [
     "CYCLIC_KINDS",
@@ -91,11 +92,17 @@ class Reorderer:
     """Runs reorder requests against one backend."""
 
     def __init__(
-        self, backend: LogprobBackend, settings: Settings, profiles: ProfileStore | None = None
+        self,
+        backend: LogprobBackend,
+        settings: Settings,
+        profiles: ProfileStore | None = None,
+        traffic: TrafficSampler | None = None,
     ) -> None:
         self.backend = backend
         self.settings = settings
         self.profiles = profiles or ProfileStore(settings.profiles_path)
+        self.traffic = traffic
+        """Where MoI runs of live requests are sampled for calibration (the server's only)."""
 
     def plan(self, spec: DesignSpec, passages: Sequence[Passage]) -> tuple[DesignKind, np.ndarray]:
         """MoI's design for a request, before any scoring.
@@ -123,6 +130,7 @@ class Reorderer:
             request_id,
             template or self.settings.chat_template,
             self.profiles,
+            self.traffic,
         )
 
     async def reorder(self, req: ReorderRequest) -> ReorderResult:

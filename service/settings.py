@@ -112,6 +112,12 @@ class Settings(BaseSettings):
     max_calibration_queries: int = Field(default=256, ge=1, le=4096)
     """Most queries in one `POST /v1/bias-profiles/calibrate` (422 above it). Each query is
     also held to the per-request limits, and its prompts are admitted like a request's."""
+    traffic_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
+    """Share of live MoI requests (`random`, `hybrid`, `pruned_random` designs, every prompt
+    scored) whose scored permutations are kept in memory, numbers only, for `POST
+    /v1/bias-profiles/calibrate` with `from_traffic`; 0 keeps none."""
+    traffic_sample_max_runs: int = Field(default=1000, ge=1, le=100_000)
+    """Most sampled runs kept per (template, design, slot count); the oldest go first."""
     warmup: bool = True
     """Run one tiny real scoring request after the model loads; `/ready` stays 503 until it
     succeeds (and the process exits non-zero if it fails)."""

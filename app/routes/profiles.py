@@ -4,8 +4,10 @@ A profile is what cyclic designs need and what orients full-length random ones (
 README, "Calibrated profiles"). ``POST /v1/bias-profiles/calibrate`` runs the same calibration
 as ``rag-reorder calibrate`` on the serving engine: it takes a request slot, each query is held
 to the per-request limits and its prompts are admitted into the shared token budget like a
-request's, so a calibration shares the engine with live traffic instead of starving it. The
-profile is written to the profile folder (atomically) and the next request finds it.
+request's, so a calibration shares the engine with live traffic instead of starving it. With
+``from_traffic`` it pools the runs live MoI requests already scored (``service.traffic``), at
+no model cost. The profile is written to the profile folder (atomically) and the next request
+finds it.
 """
 
 from __future__ import annotations
@@ -24,11 +26,17 @@ from app.schemas import (
     CalibrationOut,
     ProfileList,
     ProfileOut,
+    TrafficSampleOut,
     profile_out,
     to_passages,
 )
 from app.state import Ctx, RequestId
-from service.calibration import CalibrationReport, calibrate_profile, prompts_per_query
+from service.calibration import (
+    CalibrationReport,
+    calibrate_from_traffic,
+    calibrate_profile,
+    prompts_per_query,
+)
 from service.dataset import Example
 from service.errors import InvalidRequest, LimitExceeded, NotFound
 from service.pipeline import DesignSpec, Reorderer
@@ -51,13 +59,23 @@ async def list_profiles(
 ) -> ProfileList:
     """Every stored profile (all models sharing the folder), sorted by model, template and
     slot count; `model` and `template` filter exactly."""
-    found = ctx.engine.profiles.list()
+
+    def wanted(m: str, t: str) -> bool:
+        return (model is None or m == model) and (template is None or t == template)
+
     return ProfileList(
-        data=[
-            profile_out(p)
-            for p in found
-            if (model is None or p.model == model) and (template is None or p.template == template)
-        ]
+        data=[profile_out(p) for p in ctx.engine.profiles.list() if wanted(p.model, p.template)],
+        traffic_samples=[
+            TrafficSampleOut(
+                model=c.key.model,
+                template=c.key.template,
+                design=c.key.design,
+                slots=c.key.slots,
+                runs=c.runs,
+            )
+            for c in ctx.engine.traffic.counts()
+            if wanted(c.key.model, c.key.template)
+        ],
     )
 
 
@@ -89,10 +107,88 @@ async def calibrate(
 ) -> CalibrationOut:
     """Score every query under `design`, fit one bias shared by all of them (each query keeps
     its own utilities) and store it for (model, template, slots), replacing an earlier one.
+    With `from_traffic`, pool the live runs this replica sampled instead (no model calls).
     Deadline: `calibration_timeout_s`; nothing is stored when it fails."""
+    t0 = time.perf_counter()
+    if body.from_traffic:
+        report = await _from_traffic(body, request, ctx)
+    else:
+        report = await _from_queries(body, request, ctx, request_id)
+    ctx.metrics.calibrations.labels(
+        body.design, "traffic" if body.from_traffic else "queries"
+    ).inc()
+    total_s = time.perf_counter() - t0
+    log.info(
+        "request %s: calibrated %s (%d %s, %d prompts, %d failed) in %.3f s",
+        request_id,
+        report.profile.id,
+        report.queries,
+        "sampled runs" if body.from_traffic else "queries",
+        report.prompts,
+        report.prompts_failed,
+        total_s,
+    )
+    return CalibrationOut(
+        id=report.profile.id,
+        profile=profile_out(report.profile),
+        orienting_profile=profile_out(report.orienting) if report.orienting else None,
+        queries=report.queries,
+        prompts=report.prompts,
+        prompts_failed=report.prompts_failed,
+        prompt_tokens=report.prompt_tokens,
+        warnings=list(report.warnings),
+        total_s=total_s,
+    )
+
+
+async def _from_traffic(body: CalibrateBody, request: Request, ctx: Ctx) -> CalibrationReport:
+    for name in ("queries", "num_prompts", "prompt_passages", "seed"):
+        if getattr(body, name) is not None:
+            raise InvalidRequest(
+                f"{name} does not apply to from_traffic (the sampled runs are already scored)",
+                param=name,
+            )
+    slots = body.slots
+    if slots is None:
+        raise InvalidRequest("from_traffic needs slots, the profile's slot count", param="slots")
+    if not ctx.engine.traffic.enabled:
+        raise InvalidRequest(
+            "traffic_sample_rate is 0, so no live runs are sampled; set "
+            "RAG_REORDER_TRAFFIC_SAMPLE_RATE (e.g. 0.05) and let traffic accumulate",
+            param="from_traffic",
+        )
+    traffic = ctx.engine.traffic
+
+    async def work(new_reorderer: Callable[[], Reorderer]) -> CalibrationReport:
+        return await calibrate_from_traffic(
+            new_reorderer(),
+            traffic,
+            design=body.design,
+            slots=slots,
+            template=body.template,
+            source=body.source or "",
+        )
+
+    return await run_admitted(
+        ctx,
+        request,
+        work,
+        timeout_s=ctx.settings.calibration_timeout_s,
+        timeout_name="calibration_timeout_s",
+    )
+
+
+async def _from_queries(
+    body: CalibrateBody, request: Request, ctx: Ctx, request_id: str
+) -> CalibrationReport:
+    if body.slots is not None:
+        raise InvalidRequest(
+            "slots applies to from_traffic; with queries the slot count is their passage "
+            "count (random) or prompt_passages (pruned_random)",
+            param="slots",
+        )
     examples = _examples(body, ctx.settings)
     n = len(examples[0].passages)
-    t0 = time.perf_counter()
 
     async def work(new_reorderer: Callable[[], Reorderer]) -> CalibrationReport:
         def work_for(rid: str, template: str) -> Work:
@@ -112,34 +208,12 @@ async def calibrate(
             work_for=work_for,
         )
 
-    report = await run_admitted(
+    return await run_admitted(
         ctx,
         request,
         work,
         timeout_s=ctx.settings.calibration_timeout_s,
         timeout_name="calibration_timeout_s",
-    )
-    ctx.metrics.calibrations.labels(body.design).inc()
-    total_s = time.perf_counter() - t0
-    log.info(
-        "request %s: calibrated %s (%d queries, %d prompts, %d failed) in %.3f s",
-        request_id,
-        report.profile.id,
-        report.queries,
-        report.prompts,
-        report.prompts_failed,
-        total_s,
-    )
-    return CalibrationOut(
-        id=report.profile.id,
-        profile=profile_out(report.profile),
-        orienting_profile=profile_out(report.orienting) if report.orienting else None,
-        queries=report.queries,
-        prompts=report.prompts,
-        prompts_failed=report.prompts_failed,
-        prompt_tokens=report.prompt_tokens,
-        warnings=list(report.warnings),
-        total_s=total_s,
     )
 
 
@@ -152,6 +226,11 @@ def _examples(body: CalibrateBody, settings: Settings) -> list[Example]:
         InvalidRequest: queries with different passage counts, or a design the solver cannot
             build for them.
     """
+    if body.queries is None:
+        raise InvalidRequest(
+            "send queries (each with its passages), or from_traffic with slots",
+            param="queries",
+        )
     max_queries = settings.max_calibration_queries
     if len(body.queries) > max_queries:
         raise LimitExceeded(

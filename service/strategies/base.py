@@ -34,6 +34,7 @@ from service.settings import Settings
 if TYPE_CHECKING:
     import solver
     from service.profile_store import ProfileStore, StoredProfile
+    from service.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
 
@@ -218,12 +219,14 @@ class Work:
         request_id: str,
         template: str,
         profiles: ProfileStore,
+        traffic: TrafficSampler | None = None,
     ) -> None:
         self.backend = backend
         self.settings = settings
         self.request_id = request_id
         self.template = template
         self.profiles = profiles
+        self.traffic = traffic
         self.tokenize_s = 0.0
         self.model_s = 0.0
         self.solver_s = 0.0

@@ -136,6 +136,11 @@ class MoI:
         scores = await score_design(work, request.query, passages, perms, joint=request.joint)
         retr = retriever_scores(passages)
         failed = work.usage().prompts_failed
+        if work.traffic is not None and not request.joint:
+            # Joint scores add the passages' own tokens: not the quantity a profile fits.
+            work.traffic.offer(
+                model=work.model_id, template=work.template, kind=kind, perms=perms, scores=scores
+            )
         try:
             fit = await work.off_loop(
                 lambda: solver.fit(

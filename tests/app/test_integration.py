@@ -104,9 +104,8 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
 
             metrics = client.get("/metrics").text
             assert 'rag_reorder_build_info{backend="TransformersBackend"' in metrics
-            assert (
-                'rag_reorder_bias_profile_calibrations_total{design="pruned_random"} 1.0' in metrics
-            )
+            calibrations = "rag_reorder_bias_profile_calibrations_total"
+            assert f'{calibrations}{{design="pruned_random",source="queries"}} 1.0' in metrics
             assert (
                 client.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
             )

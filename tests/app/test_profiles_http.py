@@ -50,7 +50,8 @@ async def test_calibrate_stores_an_oriented_profile_that_cyclic_requests_then_us
         before = await h.client.post("/v1/reorder", json=cyc)
         assert before.status_code == 422
         assert before.json()["error"]["code"] == "unidentifiable_design"
-        assert (await h.client.get("/v1/bias-profiles")).json() == {"object": "list", "data": []}
+        empty = {"object": "list", "data": [], "traffic_samples": []}
+        assert (await h.client.get("/v1/bias-profiles")).json() == empty
 
         r = await h.client.post("/v1/bias-profiles/calibrate", json=calibration_body())
         assert r.status_code == 200, r.text
@@ -67,7 +68,13 @@ async def test_calibrate_stores_an_oriented_profile_that_cyclic_requests_then_us
         assert out["queries"] == 6 and out["prompts_failed"] == 0
         # random at N = 4 is 4! = 24 orders, capped by the design's default; plus 2N pruned.
         assert out["prompts"] > 6 * 8 and out["prompt_tokens"] > 0
-        assert h.metric("rag_reorder_bias_profile_calibrations_total", {"design": "random"}) == 1
+        assert (
+            h.metric(
+                "rag_reorder_bias_profile_calibrations_total",
+                {"design": "random", "source": "queries"},
+            )
+            == 1
+        )
 
         listed = (await h.client.get("/v1/bias-profiles")).json()["data"]
         assert [p["id"] for p in listed] == [orienting["id"], prof["id"]]  # by slot count
@@ -190,3 +197,96 @@ async def test_profiles_need_the_api_key_when_one_is_set(tmp_path: Path) -> None
         ]:
             r = await h.client.request(method, path, json=calibration_body(2))
             assert r.status_code == 401, (method, path)
+
+
+async def test_calibrate_from_sampled_live_traffic(tmp_path: Path) -> None:
+    backend = TrackingBackend(TRUTH, bias=recency_bias, noise=0.05)
+    async with serving(tmp_path, backend=backend, traffic_sample_rate=1.0) as h:
+        traffic = {"from_traffic": True, "design": "pruned_random", "slots": 2}
+        none_yet = await h.client.post("/v1/bias-profiles/calibrate", json=traffic)
+        assert none_yet.status_code == 422 and none_yet.json()["error"]["param"] == "slots"
+        assert "held: none" in none_yet.json()["error"]["message"]
+
+        # Live requests: 3 pruned-random (L = 2 of 4), 3 random (N = 4), 1 cyclic, 1 joint.
+        for k in range(3):
+            for kind in ("pruned_random", "random"):
+                body = {
+                    "query": f"{QUERY} {k}",
+                    "passages": PASSAGES[k:] + PASSAGES[:k],
+                    "design": {"kind": kind, "seed": k},
+                }
+                r = await h.client.post("/v1/reorder", json=body)
+                assert r.status_code == 200, r.text
+        joint = {"query": QUERY, "passages": PASSAGES, "joint": True}
+        assert (await h.client.post("/v1/reorder", json=joint)).status_code == 200
+        listed = (await h.client.get("/v1/bias-profiles")).json()
+        held = {(t["design"], t["slots"]): t["runs"] for t in listed["traffic_samples"]}
+        assert held == {("pruned_random", 2): 3, ("random", 4): 3}  # joint not kept
+        metrics = (await h.client.get("/metrics")).text
+        assert 'rag_reorder_traffic_sample_runs{design="pruned_random"} 3.0' in metrics
+
+        scored_before = backend.started
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=traffic)
+        assert r.status_code == 200, r.text
+        pruned = r.json()
+        assert backend.started == scored_before  # no model calls
+        assert pruned["queries"] == 3 and pruned["prompt_tokens"] == 0
+        assert pruned["profile"]["oriented_by"] == "data"
+        assert pruned["profile"]["coefficients"][1] > pruned["profile"]["coefficients"][0]
+        assert pruned["profile"]["source"] == "live traffic: 3 sampled pruned_random runs"
+
+        # The full-length runs are oriented by that stored data profile.
+        full = {"from_traffic": True, "design": "random", "slots": 4}
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=full)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["profile"]["oriented_by"] == "profile" and out["warnings"] == []
+        assert out["orienting_profile"]["id"] == pruned["id"]
+        assert cosine(out["profile"]["coefficients"], recency_bias(4)) > 0.95
+        labels = {"design": "random", "source": "traffic"}
+        assert h.metric("rag_reorder_bias_profile_calibrations_total", labels) == 1
+
+
+async def test_full_length_traffic_without_a_data_profile_warns_of_the_prior(
+    tmp_path: Path,
+) -> None:
+    async with serving(tmp_path, traffic_sample_rate=1.0) as h:
+        body = {"query": QUERY, "passages": PASSAGES, "design": {"kind": "random"}}
+        assert (await h.client.post("/v1/reorder", json=body)).status_code == 200
+        full = {"from_traffic": True, "design": "random", "slots": 4}
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=full)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["profile"]["oriented_by"] == "prior" and out["orienting_profile"] is None
+        assert any("primacy prior" in w for w in out["warnings"])
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"from_traffic": True}, "slots"),
+        ({"from_traffic": True, "slots": 4, "seed": 3}, "seed"),
+        ({"from_traffic": True, "slots": 4, "num_prompts": 3}, "num_prompts"),
+        (
+            {"from_traffic": True, "slots": 4, "queries": [{"query": "q", "passages": ["a", "b"]}]},
+            "queries",
+        ),
+        ({"slots": 4, "queries": [{"query": "q", "passages": ["a", "b"]}]}, "slots"),
+        ({}, "queries"),
+    ],
+)
+async def test_traffic_options_are_checked(
+    tmp_path: Path, body: dict[str, Any], param: str
+) -> None:
+    async with serving(tmp_path, traffic_sample_rate=0.5) as h:
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=body)
+        assert r.status_code == 422, r.text
+        assert r.json()["error"]["param"] == param
+
+
+async def test_from_traffic_with_sampling_off_says_which_setting(served: Harness) -> None:
+    body = {"from_traffic": True, "slots": 4}
+    r = await served.client.post("/v1/bias-profiles/calibrate", json=body)
+    assert r.status_code == 422
+    err = r.json()["error"]
+    assert err["param"] == "from_traffic" and "RAG_REORDER_TRAFFIC_SAMPLE_RATE" in err["message"]

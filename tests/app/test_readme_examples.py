@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from tests.app.conftest import Harness
+from tests.app.conftest import Harness, serving
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 _CURL = re.compile(
@@ -19,7 +19,14 @@ def _http_block() -> str:
     return text[text.index("<!-- http:begin -->") : text.index("<!-- http:end -->")]
 
 
-async def test_every_curl_body_in_the_readme_is_accepted(served: Harness) -> None:
+async def test_every_curl_body_in_the_readme_is_accepted(tmp_path: Path) -> None:
+    # In the README's order, with live-traffic sampling on: the from_traffic example pools
+    # the runs the reorder and rerank examples before it scored.
+    async with serving(tmp_path, traffic_sample_rate=1.0) as served:
+        await _post_examples(served)
+
+
+async def _post_examples(served: Harness) -> None:
     examples = _CURL.findall(_http_block())
     assert {path for path, _ in examples} == {
         "/v1/reorder",

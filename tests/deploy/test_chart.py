@@ -57,6 +57,12 @@ RENDERS: dict[str, dict[str, Any]] = {
         "gpu": True,
     },
     "cpu-all-features": {"files": (), "sets": ALL_FEATURES, "gpu": False},
+    # Bias profiles on a shared claim (POST /v1/bias-profiles/calibrate writes there).
+    "cpu-profile-volume": {
+        "files": (),
+        "sets": ("biasProfiles.volume.enabled=true", "biasProfiles.volume.existingClaim=profiles"),
+        "gpu": False,
+    },
 }
 # The settings the chart sets from its own values; values.schema.json refuses them in settings.
 MANAGED_SETTINGS = {"HOST", "PORT", "MODEL", "BACKEND", "API_KEY", "DRAIN_TIMEOUT_S"}
@@ -132,6 +138,21 @@ def test_a_model_folder_on_the_volume_is_mounted_read_only(
     assert env["RAG_REORDER_MODEL"]["value"] == "/models/Llama-3.1-8B-Instruct"
     (claim,) = [v for v in pod["volumes"] if v["name"] == "model"]
     assert claim["persistentVolumeClaim"] == {"claimName": "rag-reorder-models", "readOnly": True}
+
+
+def test_bias_profiles_on_a_claim_are_mounted_writable_and_named_to_the_service(
+    rendered: dict[str, list[Doc]],
+) -> None:
+    pod = checks.one(rendered["cpu-profile-volume"], "Deployment")["spec"]["template"]["spec"]
+    server = checks.server_container({"spec": {"template": {"spec": pod}}})
+    path = "/var/lib/rag-reorder/profiles"
+    assert checks.env_of(server)["RAG_REORDER_BIAS_PROFILE_DIR"]["value"] == path
+    (mount,) = [m for m in server["volumeMounts"] if m["name"] == "bias-profiles"]
+    assert mount == {"name": "bias-profiles", "mountPath": path}  # writable
+    (claim,) = [v for v in pod["volumes"] if v["name"] == "bias-profiles"]
+    assert claim["persistentVolumeClaim"] == {"claimName": "profiles"}
+    default = checks.one(rendered["default"], "Deployment")
+    assert "RAG_REORDER_BIAS_PROFILE_DIR" not in checks.env_of(checks.server_container(default))
 
 
 def test_the_dashboard_configmap_carries_the_dashboard_file(
@@ -406,6 +427,15 @@ BAD_VALUES = {
         "model.download needs model.volume",
     ),
     "volume without a claim": ("model.volume.enabled=true", "existingClaim"),
+    "profile volume without a claim": (
+        "biasProfiles.volume.enabled=true",
+        "biasProfiles.volume.enabled needs",
+    ),
+    "profile folder set twice": (
+        "biasProfiles.volume.enabled=true,biasProfiles.volume.existingClaim=p,"
+        "settings.BIAS_PROFILE_DIR=/x",
+        "keep one",
+    ),
     "rollout deadline inside the startup budget": (
         "progressDeadlineSeconds=300",
         "progressDeadlineSeconds must exceed",

@@ -80,6 +80,12 @@ SIGTERM to exit with nothing in flight). 10 s covers both. */}}
 {{- if and .Values.model.volume.enabled (not .Values.model.volume.existingClaim) }}
 {{- fail "model.volume.enabled needs model.volume.existingClaim" }}
 {{- end }}
+{{- if and .Values.biasProfiles.volume.enabled (not .Values.biasProfiles.volume.existingClaim) }}
+{{- fail "biasProfiles.volume.enabled needs biasProfiles.volume.existingClaim" }}
+{{- end }}
+{{- if and .Values.biasProfiles.volume.enabled (hasKey .Values.settings "BIAS_PROFILE_DIR") }}
+{{- fail "settings.BIAS_PROFILE_DIR and biasProfiles.volume both set the profile folder; keep one" }}
+{{- end }}
 {{- if and .Values.podDisruptionBudget.enabled (eq (toString .Values.podDisruptionBudget.maxUnavailable) "<nil>") (eq (toString .Values.podDisruptionBudget.minAvailable) "<nil>") }}
 {{- fail "podDisruptionBudget needs maxUnavailable or minAvailable" }}
 {{- end }}

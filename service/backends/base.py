@@ -41,6 +41,10 @@ class PromptTokenizer(Protocol):
         """Tokenise ``text`` exactly as the model sees it (no special tokens added)."""
         ...
 
+    def encode_batch(self, texts: Sequence[str]) -> list[Encoding]:
+        """``[encode(t) for t in texts]``, in one call (a fast tokenizer uses every core)."""
+        ...
+
     def decode(self, ids: Sequence[int]) -> str: ...
 
 

@@ -85,6 +85,10 @@ class ByteTokenizer:
         self._encode_plain(text, position, len(text), ids, offsets)
         return Encoding(ids=tuple(ids), offsets=tuple(offsets))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[Encoding]:
+        """``encode`` of each text."""
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Sequence[int]) -> str:
         """Inverse of ``encode``; a cut multi-byte character decodes to U+FFFD.
 

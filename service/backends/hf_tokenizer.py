@@ -43,7 +43,7 @@ class HFTokenizerLike(Protocol):
     ) -> object: ...
 
     def __call__(
-        self, text: str, *, return_offsets_mapping: bool, add_special_tokens: bool
+        self, text: str | list[str], *, return_offsets_mapping: bool, add_special_tokens: bool
     ) -> Mapping[str, object]: ...
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> object: ...
@@ -117,20 +117,37 @@ class HFPromptTokenizer:
         Raises:
             ValueError: the tokenizer cannot report offsets (a slow, pure-Python tokenizer).
         """
+        (encoding,) = self.encode_batch([text])
+        return encoding
+
+    def encode_batch(self, texts: Sequence[str]) -> list[Encoding]:
+        """``encode`` of each text, in one tokenizer call: a fast tokenizer encodes a batch in
+        parallel in Rust (``bench/prompts.py``: building 240 scoring prompts is 1.87x faster
+        than with one call per prompt, on this project's 2-core CPU, identical prompts).
+
+        Raises:
+            ValueError: as ``encode``.
+        """
+        if not texts:
+            return []
         try:
-            out = self._tok(text, return_offsets_mapping=True, add_special_tokens=False)
+            out = self._tok(list(texts), return_offsets_mapping=True, add_special_tokens=False)
         except NotImplementedError as exc:
             raise ValueError("offsets need a fast (Rust-backed) tokenizer") from exc
-        ids = out.get("input_ids")
-        offsets = out.get("offset_mapping")
-        if not isinstance(ids, Sequence) or not isinstance(offsets, Sequence):
+        all_ids = out.get("input_ids")
+        all_offsets = out.get("offset_mapping")
+        if not isinstance(all_ids, Sequence) or not isinstance(all_offsets, Sequence):
             raise ValueError("tokenizer returned no input_ids/offset_mapping")
-        if len(ids) != len(offsets):
-            raise ValueError(f"{len(ids)} ids but {len(offsets)} offsets")
-        return Encoding(
-            ids=tuple(int(i) for i in ids),
-            offsets=tuple((int(start), int(end)) for start, end in offsets),
-        )
+        if len(all_ids) != len(texts) or len(all_offsets) != len(texts):
+            raise ValueError(f"{len(texts)} texts but {len(all_ids)} encodings")
+        encodings: list[Encoding] = []
+        for ids, offsets in zip(all_ids, all_offsets, strict=True):
+            if len(ids) != len(offsets):
+                raise ValueError(f"{len(ids)} ids but {len(offsets)} offsets")
+            # The Rust tokenizer hands back Python ints already; a per-element int() was
+            # a fifth of prompt building.
+            encodings.append(Encoding(ids=tuple(ids), offsets=tuple(map(tuple, offsets))))
+        return encodings
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of ``ids``, special tokens kept.

@@ -43,6 +43,24 @@ def test_encode_adds_no_special_tokens_and_offsets_cover_the_text(hf_tok: Any) -
     assert tok.decode(enc.ids) == text  # special tokens kept
 
 
+def test_encode_batch_is_encode_of_each_text(hf_tok: Any) -> None:
+    tok = HFPromptTokenizer(hf_tok)
+    texts = [
+        tok.render_chat(MESSAGES, add_generation_prompt=True),
+        "Hello",
+        "a much longer text " * 50 + "with   odd   spacing\n\n and Ünïcödé 日本語",
+        "<|im_start|>user\nshort<|im_end|>",
+    ]
+    expected = []
+    for text in texts:
+        out = hf_tok(text, return_offsets_mapping=True, add_special_tokens=False)
+        expected.append((tuple(out["input_ids"]), tuple(tuple(o) for o in out["offset_mapping"])))
+    got = tok.encode_batch(texts)
+    assert [(e.ids, e.offsets) for e in got] == expected  # padding-free, in order
+    assert [tok.encode(t) for t in texts] == got
+    assert tok.encode_batch([]) == []
+
+
 def test_eos_ids_include_the_templates_end_of_turn(hf_tok: Any) -> None:
     assert HFPromptTokenizer(hf_tok).eos_token_ids == {IM_END}
     # A tokenizer whose eos is not the end-of-turn token still stops at <|im_end|>.

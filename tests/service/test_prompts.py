@@ -314,6 +314,9 @@ class WordTokenizer:
             offsets.append((start, match.end()))
         return Encoding(ids=tuple(ids), offsets=tuple(offsets))
 
+    def encode_batch(self, texts: Sequence[str]) -> list[Encoding]:
+        return [self.encode(t) for t in texts]
+
     def decode(self, ids: Sequence[int]) -> str:
         pieces = {i: p for p, i in self._vocab.items()}
         return "".join(pieces[i] for i in ids)

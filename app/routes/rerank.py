@@ -6,7 +6,9 @@ the results are the debiased ranking, and ``meta.reorder`` carries what the nati
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Final
 
 import anyio.to_thread
 from fastapi import APIRouter, Request
@@ -15,6 +17,7 @@ from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs
 from app.schemas import (
+    ReorderOptions,
     RerankBody,
     RerankDocument,
     RerankMetaOut,
@@ -27,7 +30,7 @@ from app.schemas import (
 )
 from app.state import Ctx, RequestId
 from service.backends.base import PromptTokenizer
-from service.errors import LimitExceeded
+from service.errors import LimitExceeded, ReorderError
 from service.pipeline import Reorderer, ReorderRequest, ReorderResult
 from service.prompts import Passage
 
@@ -59,6 +62,11 @@ async def rerank(
     `relevance_score` is `sigmoid((x - mean) / sd)` of the per-document score `x` (documents
     without one score 0; strategies without scores give `1 - rank / N`); unknown fields are
     ignored; our options go in `reorder`."""
+    with _rerank_params():
+        return await _rerank(body, request, ctx, request_id)
+
+
+async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str) -> RerankResponse:
     passages = to_passages(body.documents)
     opts = body.reorder
     spec = opts.design.spec()
@@ -99,6 +107,36 @@ async def rerank(
         ],
         meta=RerankMetaOut(reorder=reorder_meta(result, passages, top_n)),
     )
+
+
+# Our options live under `reorder` on these routes, and the passages are `documents`.
+_OPTIONS: Final = frozenset(ReorderOptions.model_fields)
+
+
+@contextmanager
+def _rerank_params() -> Iterator[None]:
+    """Name an error's ``param`` as this request spells it: the service names a strategy
+    option (``design.kind``, ``samples``) or ``passages`` as the native body does, but here
+    they are ``reorder.design.kind``, ``reorder.samples`` and ``documents``."""
+    try:
+        yield
+    except ReorderError as exc:
+        old = exc.param
+        new = _wire_param(old) if old is not None else None
+        if old is not None and new is not None and new != old:
+            exc.param = new
+            if exc.message.startswith(old):  # limit errors open with the parameter's name
+                exc.message = new + exc.message[len(old) :]
+        raise
+
+
+def _wire_param(param: str) -> str:
+    head = param.split(".", 1)[0].split("[", 1)[0]
+    if head == "passages":
+        return "documents" + param[len("passages") :]
+    if head in _OPTIONS:
+        return f"reorder.{param}"
+    return param
 
 
 async def _check_doc_tokens(

@@ -457,3 +457,31 @@ async def test_503_and_failed_liveness_when_the_engine_dies(tmp_path: Path) -> N
 async def test_404_and_405_use_the_envelope(served: Harness) -> None:
     envelope(await served.client.get("/v1/nothing"), 404, "not_found")
     envelope(await served.client.get("/v1/reorder"), 405, "method_not_allowed")
+
+
+@pytest.mark.parametrize(
+    ("reorder", "param", "code"),
+    [
+        ({"design": {"kind": "cyclic"}}, "reorder.design.kind", "unidentifiable_design"),
+        ({"design": {"num_prompts": 999}}, "reorder.design.num_prompts", "limit_exceeded"),
+        ({"strategy": "self_consistency", "samples": 600}, "reorder.samples", "limit_exceeded"),
+        ({"template": "nope"}, "reorder.template", "invalid_request"),
+        ({"strategy": "lore", "rankings": [[0, 9]]}, "reorder.rankings[0]", "invalid_request"),
+    ],
+)
+async def test_rerank_errors_name_the_option_as_the_request_spells_it(
+    served: Harness, reorder: dict[str, object], param: str, code: str
+) -> None:
+    r = await served.client.post("/v1/rerank", json=rerank_body(reorder=reorder))
+    err = envelope(r, 422, code)
+    assert err["param"] == param, err
+    if code == "limit_exceeded":
+        assert err["message"].startswith(param)
+    # The native route names the same options without the prefix.
+    native = await served.client.post("/v1/reorder", json=reorder_body(**reorder))
+    assert envelope(native, 422, code)["param"] == param.removeprefix("reorder.")
+
+
+async def test_rerank_blank_document_is_named_as_a_document(served: Harness) -> None:
+    r = await served.client.post("/v1/rerank", json={"query": QUERY, "documents": ["a", "  "]})
+    assert envelope(r, 422, "invalid_request")["param"] == "documents[1].text"

@@ -147,7 +147,7 @@ async def test_an_option_for_another_strategy_is_a_422_naming_it(tmp_path: Path)
         rr = await h.client.post(
             "/v1/rerank", json={"query": QUERY, "documents": PASSAGES, "reorder": bad}
         )
-        assert rr.status_code == 422 and rr.json()["error"]["param"] == "rankings[0]"
+        assert rr.status_code == 422 and rr.json()["error"]["param"] == "reorder.rankings[0]"
         assert h.backend.started == warmup  # refused before any model call
         assert h.backend.stats.generate_calls == 0
 

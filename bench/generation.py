@@ -24,8 +24,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import asyncio
-import json
-import platform
 import statistics
 import sys
 import time
@@ -34,6 +32,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import provenance, write
 from service.backends.base import Generation, GenerationRequest
 from service.backends.factory import create_backend, resolve_backend
 from service.dataset import load_examples
@@ -99,12 +98,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         f"speedup {summary['speedup']:.2f}x; answers differing: {differ}"
     )
     return {
-        "command": "python bench/generation.py " + " ".join(sys.argv[1:]),
+        **provenance(),
         "backend": resolve_backend(settings),
         "device": getattr(backend, "device", None),
         "dtype": settings.dtype,
         "model": backend.model_id,
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "summary": summary,
         "times_s": times,
     }
@@ -120,9 +118,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "generation.json"))
     args = ap.parse_args()
     out = asyncio.run(run(args))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write(out, args.out)
     return 0
 
 

@@ -21,8 +21,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
-import json
-import platform
 import statistics
 import sys
 import time
@@ -32,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import solver
+from bench.report import provenance, write
 from service.backends.base import Encoding, PromptTokenizer
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.dataset import load_examples
@@ -103,9 +102,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         f"one {slow:.3f}s, speedup {slow / fast:.2f}x; identical prompts: {equal}"
     )
     return {
-        "command": "python bench/prompts.py " + " ".join(sys.argv[1:]),
+        **provenance(),
         "tokenizer": str(settings.model),
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "summary": summary,
         "times_s": times,
     }
@@ -121,9 +119,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "prompts.json"))
     args = ap.parse_args()
     out = run(args)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write(out, args.out)
     return 0 if out["summary"]["identical"] else 1
 
 

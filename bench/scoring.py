@@ -21,8 +21,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import asyncio
-import json
-import platform
 import statistics
 import sys
 import time
@@ -31,6 +29,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.report import provenance, write
 from service.backends.factory import create_backend, resolve_backend
 from service.dataset import load_examples
 from service.pipeline import Reorderer, ReorderRequest
@@ -113,13 +112,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         + ", ".join(f"{k} {v:.2f}s" for k, v in summary["split_s"].items())
     )
     return {
-        "command": "python bench/scoring.py " + " ".join(sys.argv[1:]),
+        **provenance(),
         "backend": resolve_backend(settings),
         "device": getattr(backend, "device", None),
         "dtype": settings.dtype,
         "model": backend.model_id,
         "passages": args.passages,
-        "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
         "summary": summary,
         "rows": rows,
     }
@@ -133,9 +131,7 @@ def main() -> int:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "scoring.json"))
     args = ap.parse_args()
     out = asyncio.run(run(args))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
-    print(f"wrote {args.out}")
+    write(out, args.out)
     return 0
 
 

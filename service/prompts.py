@@ -350,7 +350,7 @@ def build_prompts(
             )
         )
     # One call for all prompts: a fast tokenizer encodes a batch on all cores
-    # (bench/prompts.py: 1.87x faster prompt building on 2 cores, identical prompts).
+    # (bench/prompts.py: 1.6-1.9x faster prompt building on 2 cores, identical prompts).
     encodings = tokenizer.encode_batch([r.text for r in rendered])
     built: list[BuiltPrompt] = []
     for i, (r, encoding) in enumerate(zip(rendered, encodings, strict=True)):

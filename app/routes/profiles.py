@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from fastapi import APIRouter, Request
 
@@ -110,10 +110,14 @@ async def calibrate(
     With `from_traffic`, pool the live runs this replica sampled instead (no model calls).
     Deadline: `calibration_timeout_s`; nothing is stored when it fails."""
     t0 = time.perf_counter()
-    if body.from_traffic:
-        report = await _from_traffic(body, request, ctx)
-    else:
-        report = await _from_queries(body, request, ctx, request_id)
+    work = _from_traffic(body, ctx) if body.from_traffic else _from_queries(body, ctx, request_id)
+    report = await run_admitted(
+        ctx,
+        request,
+        work,
+        timeout_s=ctx.settings.calibration_timeout_s,
+        timeout_name="calibration_timeout_s",
+    )
     ctx.metrics.calibrations.labels(
         body.design, "traffic" if body.from_traffic else "queries"
     ).inc()
@@ -141,7 +145,12 @@ async def calibrate(
     )
 
 
-async def _from_traffic(body: CalibrateBody, request: Request, ctx: Ctx) -> CalibrationReport:
+Calibration = Callable[[Callable[[], Reorderer]], Awaitable[CalibrationReport]]
+"""A calibration's work, given a factory of per-request ``Reorderer``s (``run_admitted``)."""
+
+
+def _from_traffic(body: CalibrateBody, ctx: Ctx) -> Calibration:
+    """The work of a calibration from sampled live runs, its options checked first."""
     for name in ("queries", "num_prompts", "prompt_passages", "seed"):
         if getattr(body, name) is not None:
             raise InvalidRequest(
@@ -169,18 +178,11 @@ async def _from_traffic(body: CalibrateBody, request: Request, ctx: Ctx) -> Cali
             source=body.source or "",
         )
 
-    return await run_admitted(
-        ctx,
-        request,
-        work,
-        timeout_s=ctx.settings.calibration_timeout_s,
-        timeout_name="calibration_timeout_s",
-    )
+    return work
 
 
-async def _from_queries(
-    body: CalibrateBody, request: Request, ctx: Ctx, request_id: str
-) -> CalibrationReport:
+def _from_queries(body: CalibrateBody, ctx: Ctx, request_id: str) -> Calibration:
+    """The work of a calibration from posted queries, every input limit checked first."""
     if body.slots is not None:
         raise InvalidRequest(
             "slots applies to from_traffic; with queries the slot count is their passage "
@@ -208,13 +210,7 @@ async def _from_queries(
             work_for=work_for,
         )
 
-    return await run_admitted(
-        ctx,
-        request,
-        work,
-        timeout_s=ctx.settings.calibration_timeout_s,
-        timeout_name="calibration_timeout_s",
-    )
+    return work
 
 
 def _examples(body: CalibrateBody, settings: Settings) -> list[Example]:

@@ -122,7 +122,7 @@ class HFPromptTokenizer:
 
     def encode_batch(self, texts: Sequence[str]) -> list[Encoding]:
         """``encode`` of each text, in one tokenizer call: a fast tokenizer encodes a batch in
-        parallel in Rust (``bench/prompts.py``: building 240 scoring prompts is 1.87x faster
+        parallel in Rust (``bench/prompts.py``: building 240 scoring prompts is 1.6-1.9x faster
         than with one call per prompt, on this project's 2-core CPU, identical prompts).
 
         Raises:

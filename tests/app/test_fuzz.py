@@ -1,5 +1,8 @@
 """Bad inputs, fuzzed: mutated bodies on every POST route never produce a 5xx.
 
+Routes: the native reorder, one rerank path (all three share one handler) and the bias-profile
+calibration.
+
 A seeded, bounded fuzzer (not a property test framework): start from a valid body, apply a few
 random mutations (drop, retype, oversize, nest, duplicate, surrogates, huge numbers), post, and
 count. Prints ``tried`` and ``5xx`` so the figure is visible in the test log.
@@ -13,8 +16,20 @@ from typing import Any
 
 from tests.app.conftest import PASSAGES, QUERY, Harness
 
-ROUNDS = 300
-OPTIONAL = ["design", "top_n", "placement", "extra", "reorder", "max_tokens_per_doc"]
+ROUNDS = 450  # about 150 per route
+OPTIONAL = [
+    "design",
+    "top_n",
+    "placement",
+    "extra",
+    "reorder",
+    "max_tokens_per_doc",
+    "queries",
+    "from_traffic",
+    "slots",
+    "num_prompts",
+    "prompt_passages",
+]
 WEIRD: list[Any] = [
     None,
     True,
@@ -64,6 +79,10 @@ async def test_fuzzed_bodies_never_5xx(served: Harness) -> None:
     bases = {
         "/v1/reorder": {"query": QUERY, "passages": PASSAGES},
         "/v1/rerank": {"query": QUERY, "documents": PASSAGES},
+        "/v1/bias-profiles/calibrate": {
+            "queries": [{"query": QUERY, "passages": PASSAGES}] * 2,
+            "design": "pruned_random",
+        },
     }
     tried = server_errors = 0
     statuses: dict[int, int] = {}
@@ -89,7 +108,7 @@ async def test_raw_garbage_bodies_never_5xx(served: Harness) -> None:
     rng = random.Random(7)
     for _ in range(100):
         raw = bytes(rng.randrange(256) for _ in range(rng.randint(0, 300)))
-        for path in ("/v1/reorder", "/rerank"):
+        for path in ("/v1/reorder", "/rerank", "/v1/bias-profiles/calibrate"):
             r = await served.client.post(
                 path, content=raw, headers={"content-type": "application/json"}
             )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from app.metrics import ServiceMetrics
+from service.traffic import TrafficSampler
 from tests.deploy import vllm_metrics
 
 _SUFFIXES = {
@@ -18,6 +19,7 @@ _SUFFIXES = {
 def service_metric_names() -> set[str]:
     """Series names /metrics can carry for the service's own registry (rag_reorder_*)."""
     metrics = ServiceMetrics(include_default_registry=False)
+    metrics.track_traffic(TrafficSampler(0.0, 1))  # as create_app does
     names = set()
     for family in metrics.registry.collect():
         suffixes = _SUFFIXES.get(family.type, ("",))

@@ -1,0 +1,5 @@
+# Sourced on the device: the carried packages, the offline model cache, CUDA in float32 (the
+# committed results' settings).
+export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 PYTHONUNBUFFERED=1
+export RAG_REORDER_CACHE_DIR=/tmp/rr OPENBLAS_NUM_THREADS=1
+export RAG_REORDER_DEVICE=cuda RAG_REORDER_DTYPE=float32 RAG_REORDER_BATCH_TOKEN_BUDGET=65536

@@ -488,6 +488,11 @@ class LimitsOut(_Model):
     max_concurrent_requests: int
     request_timeout_s: float
     max_model_len: int | None
+    max_calibration_queries: int
+    """Most queries in one `POST /v1/bias-profiles/calibrate`."""
+    calibration_timeout_s: float
+    traffic_sample_rate: float
+    """Share of live MoI requests kept for calibration from traffic (0: none)."""
 
 
 class InfoOut(_Model):

@@ -167,6 +167,8 @@ async def test_models_and_info(served: Harness) -> None:
     info = (await served.client.get("/info")).json()
     assert info["ready"] and info["strategies"] == list(strategy_names()) and not info["auth"]
     assert info["limits"]["max_passages"] == 100 and "qa_default" in info["templates"]
+    assert info["limits"]["max_calibration_queries"] == 256
+    assert info["limits"]["traffic_sample_rate"] == 0.0
 
 
 async def test_metrics_cover_requests_work_and_the_default_registry(served: Harness) -> None:

@@ -23,6 +23,7 @@ import anyio
 import anyio.to_thread
 from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
+from pydantic import SecretStr
 
 from app.admission import Admission
 from app.errors import install_error_handlers
@@ -70,7 +71,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         The FastAPI app; its context is ``app.state.ctx`` (``app.state.AppContext``).
 
     Raises:
-        ValueError: ``api_key`` is set but blank.
+        ValueError: ``api_key`` or ``admin_api_key`` is set but blank.
     """
     metrics = ServiceMetrics()
     ctx = AppContext(
@@ -98,12 +99,18 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         app.include_router(module.router)
     # add_middleware wraps: the last added runs first. Order on the way in:
     # request context -> CORS (if configured) -> body limit (413) -> API key (401) -> routes.
-    if settings.api_key is not None:
-        key = settings.api_key.get_secret_value()
-        if not key.strip():
-            # Fail closed and loudly: an empty secret is a deployment mistake, not "no auth".
-            raise ValueError("RAG_REORDER_API_KEY is set but empty; unset it to disable auth")
-        app.add_middleware(ApiKeyMiddleware, api_key=key)
+    keys = {
+        name: _key(name, secret)
+        for name, secret in (
+            ("API_KEY", settings.api_key),
+            ("ADMIN_API_KEY", settings.admin_api_key),
+        )
+        if secret is not None
+    }
+    if keys:
+        app.add_middleware(
+            ApiKeyMiddleware, api_key=keys.get("API_KEY"), admin_key=keys.get("ADMIN_API_KEY")
+        )
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if settings.cors_origins:
         app.add_middleware(
@@ -115,6 +122,14 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         )
     app.add_middleware(RequestContextMiddleware)
     return app
+
+
+def _key(name: str, secret: SecretStr) -> str:
+    key = secret.get_secret_value()
+    if not key.strip():
+        # Fail closed and loudly: an empty secret is a deployment mistake, not "no auth".
+        raise ValueError(f"RAG_REORDER_{name} is set but empty; unset it to disable it")
+    return key
 
 
 def _lifespan(

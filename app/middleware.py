@@ -164,30 +164,47 @@ class BodyLimitMiddleware:
         await error_response(scope, exc)(scope, receive, send)
 
 
+ADMIN_PATHS: Final = frozenset({"/v1/bias-profiles/calibrate"})
+
+
 class ApiKeyMiddleware:
     """``Authorization: Bearer <key>`` on every route but the probes, compared in constant time.
 
-    Both sides are hashed first: ``hmac.compare_digest`` is constant time only for inputs of
-    equal length, and the digests always are, so neither the key nor its length leaks.
+    Keys: ``api_key`` opens every route but ``ADMIN_PATHS`` when an ``admin_key`` is set; the
+    admin key opens every route. Without an admin key, ``api_key`` opens them all; without an
+    ``api_key``, only ``ADMIN_PATHS`` need a key. Both sides are hashed first:
+    ``hmac.compare_digest`` is constant time only for inputs of equal length, and the digests
+    always are, so neither a key nor its length leaks.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None = None) -> None:
         self.app = app
-        self._digest = hashlib.sha256(api_key.encode()).digest()
+        self._user = hashlib.sha256(api_key.encode()).digest() if api_key is not None else None
+        self._admin = hashlib.sha256(admin_key.encode()).digest() if admin_key is not None else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("path") in PROBE_PATHS:
+        path = scope.get("path")
+        if scope["type"] != "http" or path in PROBE_PATHS:
             await self.app(scope, receive, send)
+            return
+        admin_only = self._admin is not None and path in ADMIN_PATHS
+        accepted = [k for k in (self._admin, None if admin_only else self._user) if k]
+        if not admin_only and self._user is None:
+            await self.app(scope, receive, send)  # no key for the other routes
             return
         header = Headers(scope=scope).get("authorization", "")
         scheme, _, token = header.partition(" ")
         if scheme.lower() != "bearer" or not token.strip():
-            exc = MissingApiKey("missing API key: send Authorization: Bearer <key>")
+            which = "the admin API key" if admin_only else "Authorization: Bearer <key>"
+            exc = MissingApiKey(f"missing API key: send {which}")
             await error_response(scope, exc)(scope, receive, send)
             return
         # Starlette decodes header bytes as latin-1: encoding back gives the bytes sent.
         given = hashlib.sha256(token.strip().encode("latin-1")).digest()
-        if not hmac.compare_digest(given, self._digest):
-            await error_response(scope, Unauthorized("invalid API key"))(scope, receive, send)
+        # Compare with every accepted key (no early exit): the time does not say which matched.
+        matched = [hmac.compare_digest(given, k) for k in accepted]
+        if not any(matched):
+            message = "this route needs the admin API key" if admin_only else "invalid API key"
+            await error_response(scope, Unauthorized(message))(scope, receive, send)
             return
         await self.app(scope, receive, send)

@@ -503,6 +503,8 @@ class InfoOut(_Model):
     ready: bool
     auth: bool
     """Whether an API key is required."""
+    admin_auth: bool
+    """Whether `POST /v1/bias-profiles/calibrate` needs the admin API key."""
     limits: LimitsOut
     strategies: list[str]
     design_kinds: list[str]

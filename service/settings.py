@@ -75,6 +75,10 @@ class Settings(BaseSettings):
     api_key: SecretStr | None = None
     """If set, every route except `/health` and `/ready` needs `Authorization: Bearer <key>`
     (compared in constant time)."""
+    admin_api_key: SecretStr | None = None
+    """If set, `POST /v1/bias-profiles/calibrate` (it writes the profiles later requests use,
+    and scores many prompts) needs this key instead of `api_key`; it is accepted on every
+    other route too. Unset: that route takes `api_key` like the rest."""
     cors_origins: tuple[str, ...] = ()
     """Browser origins allowed by CORS, as a JSON list (`["https://app.example"]`); none by
     default, and then no CORS headers are sent at all."""

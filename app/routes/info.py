@@ -49,6 +49,7 @@ async def info(ctx: Ctx) -> InfoOut:
         backend=type(backend).__name__ if backend is not None else None,
         ready=ctx.lifecycle.ready,
         auth=s.api_key is not None,
+        admin_auth=s.admin_api_key is not None,
         limits=LimitsOut(
             max_body_bytes=s.max_body_bytes,
             max_passages=s.max_passages,

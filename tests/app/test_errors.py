@@ -15,6 +15,7 @@ import anyio
 import httpx
 import pytest
 
+from app.main import create_app
 from tests.app.conftest import (
     BEST_FIRST,
     PASSAGES,
@@ -25,6 +26,7 @@ from tests.app.conftest import (
     reorder_body,
     rerank_body,
     serving,
+    settings_for,
     wait_until,
 )
 
@@ -129,6 +131,46 @@ async def test_401_on_every_non_probe_route_and_probes_stay_open(tmp_path: Path)
         assert r.status_code == 200
         r = await h.client.get("/metrics", headers={"Authorization": "bearer s3cret-key"})
         assert r.status_code == 200
+
+
+CALIBRATE = {"queries": [{"query": QUERY, "passages": PASSAGES}] * 2, "design": "pruned_random"}
+
+
+async def test_admin_key_alone_guards_calibration_and_opens_every_route(tmp_path: Path) -> None:
+    user, admin = {"Authorization": "Bearer user-key"}, {"Authorization": "Bearer admin-key"}
+    async with serving(tmp_path, api_key="user-key", admin_api_key="admin-key") as h:
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=CALIBRATE, headers=user)
+        err = envelope(r, 401, "invalid_api_key")
+        assert err["message"] == "this route needs the admin API key"
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=CALIBRATE)
+        assert "admin API key" in envelope(r, 401, "missing_api_key")["message"]
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=CALIBRATE, headers=admin)
+        assert r.status_code == 200, r.text
+        for headers in (user, admin):  # either key opens the other routes
+            assert (await h.client.get("/v1/bias-profiles", headers=headers)).status_code == 200
+            r = await h.client.post("/v1/reorder", json=reorder_body(), headers=headers)
+            assert r.status_code == 200
+        r = await h.client.get("/info", headers={"Authorization": "Bearer nope"})
+        envelope(r, 401, "invalid_api_key")
+        info = (await h.client.get("/info", headers=user)).json()
+        assert info["auth"] and info["admin_auth"]
+
+
+async def test_admin_key_without_a_user_key_guards_only_calibration(tmp_path: Path) -> None:
+    async with serving(tmp_path, admin_api_key="admin-key") as h:
+        assert (await h.client.post("/v1/reorder", json=reorder_body())).status_code == 200
+        assert (await h.client.get("/v1/bias-profiles")).status_code == 200
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=CALIBRATE)
+        envelope(r, 401, "missing_api_key")
+        ok = {"Authorization": "Bearer admin-key"}
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=CALIBRATE, headers=ok)
+        assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("name", ["api_key", "admin_api_key"])
+def test_a_blank_key_refuses_to_start(tmp_path: Path, name: str) -> None:
+    with pytest.raises(ValueError, match=f"RAG_REORDER_{name.upper()} is set but empty"):
+        create_app(settings_for(tmp_path, **{name: "  "}))
 
 
 async def test_body_limit_comes_before_auth(tmp_path: Path) -> None:

@@ -38,6 +38,8 @@ HPA = EXAMPLES / "values-hpa.yaml"
 ALL_FEATURES = (
     "apiKey.enabled=true",
     "apiKey.value=test-key",
+    "adminApiKey.enabled=true",
+    "adminApiKey.value=admin-test-key",
     "serviceMonitor.enabled=true",
     "autoscaling.enabled=true",
     "grafanaDashboard.enabled=true",
@@ -65,7 +67,15 @@ RENDERS: dict[str, dict[str, Any]] = {
     },
 }
 # The settings the chart sets from its own values; values.schema.json refuses them in settings.
-MANAGED_SETTINGS = {"HOST", "PORT", "MODEL", "BACKEND", "API_KEY", "DRAIN_TIMEOUT_S"}
+MANAGED_SETTINGS = {
+    "HOST",
+    "PORT",
+    "MODEL",
+    "BACKEND",
+    "API_KEY",
+    "ADMIN_API_KEY",
+    "DRAIN_TIMEOUT_S",
+}
 
 
 @pytest.fixture(scope="module")
@@ -138,6 +148,17 @@ def test_a_model_folder_on_the_volume_is_mounted_read_only(
     assert env["RAG_REORDER_MODEL"]["value"] == "/models/Llama-3.1-8B-Instruct"
     (claim,) = [v for v in pod["volumes"] if v["name"] == "model"]
     assert claim["persistentVolumeClaim"] == {"claimName": "rag-reorder-models", "readOnly": True}
+
+
+def test_the_admin_key_comes_from_its_own_secret(rendered: dict[str, list[Doc]]) -> None:
+    docs = rendered["cpu-all-features"]
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
+    assert set(secrets) == {"rag-reorder-api-key", "rag-reorder-admin-api-key"}
+    env = checks.env_of(checks.server_container(checks.one(docs, "Deployment")))
+    ref = env["RAG_REORDER_ADMIN_API_KEY"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "rag-reorder-admin-api-key", "key": "admin-api-key"}
+    default = checks.one(rendered["default"], "Deployment")
+    assert "RAG_REORDER_ADMIN_API_KEY" not in checks.env_of(checks.server_container(default))
 
 
 def test_bias_profiles_on_a_claim_are_mounted_writable_and_named_to_the_service(
@@ -422,6 +443,7 @@ BAD_VALUES = {
         "terminationGracePeriodSeconds (30) must be at least",
     ),
     "api key from nowhere": ("apiKey.enabled=true", "apiKey.enabled needs"),
+    "admin key from nowhere": ("adminApiKey.enabled=true", "adminApiKey.enabled needs"),
     "download without a cache volume": (
         "model.download.enabled=true,model.name=org/model",
         "model.download needs model.volume",

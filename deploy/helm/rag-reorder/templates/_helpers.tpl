@@ -54,6 +54,10 @@ app.kubernetes.io/component: server
 {{- .Values.apiKey.existingSecret | default (printf "%s-api-key" (include "rag-reorder.fullname" .)) }}
 {{- end }}
 
+{{- define "rag-reorder.adminApiKeySecretName" -}}
+{{- .Values.adminApiKey.existingSecret | default (printf "%s-admin-api-key" (include "rag-reorder.fullname" .)) }}
+{{- end }}
+
 {{- define "rag-reorder.startupBudgetSeconds" -}}
 {{- mul .Values.probes.startup.periodSeconds .Values.probes.startup.failureThreshold }}
 {{- end }}
@@ -70,6 +74,9 @@ SIGTERM to exit with nothing in flight). 10 s covers both. */}}
 {{- end }}
 {{- if and .Values.apiKey.enabled (not .Values.apiKey.existingSecret) (not .Values.apiKey.value) }}
 {{- fail "apiKey.enabled needs apiKey.existingSecret or apiKey.value" }}
+{{- end }}
+{{- if and .Values.adminApiKey.enabled (not .Values.adminApiKey.existingSecret) (not .Values.adminApiKey.value) }}
+{{- fail "adminApiKey.enabled needs adminApiKey.existingSecret or adminApiKey.value" }}
 {{- end }}
 {{- if and .Values.model.download.enabled (not (and .Values.model.volume.enabled .Values.model.volume.hfCache)) }}
 {{- fail "model.download needs model.volume.enabled and model.volume.hfCache (it fills that Hugging Face cache)" }}

@@ -59,6 +59,11 @@ DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 # Head output plus its float32 copy for the log-softmax, per batch: the planner keeps
 # rows x vocab x 8 bytes under this, because that tensor, not the KV state, is what blows up.
 _LOGITS_BYTES_BUDGET = 1 << 30
+# Padded prompt tokens per forward batch when the settings leave it open. A GPU needs large
+# batches to stay busy; a CPU does not, and there a large padded batch is slower
+# (bench/results/batch_budget.json: SmolLM2 on 2 cores, 4096 against 16384).
+_CUDA_BATCH_TOKENS = 16384
+_CPU_BATCH_TOKENS = 4096
 _DEFAULT_CONTEXT = 2048
 
 
@@ -146,7 +151,7 @@ class TransformersBackend:
         model_id: str | None = None,
         device: DeviceName = "auto",
         dtype: DtypeName = "auto",
-        batch_token_budget: int = 16384,
+        batch_token_budget: int | None = None,
         max_model_len: int | None = None,
         head_mode: HeadMode = "auto",
     ) -> TransformersBackend:
@@ -157,7 +162,8 @@ class TransformersBackend:
             model_id: reported name; default the folder name.
             device: ``auto`` uses CUDA when available.
             dtype: ``auto`` is float32 on CPU and bfloat16 on CUDA.
-            batch_token_budget: padded tokens per forward batch.
+            batch_token_budget: padded tokens per forward batch; default by device
+                (``default_batch_token_budget``).
             max_model_len: context length; default (and upper bound) the model's own.
             head_mode: see ``HeadMode``.
 
@@ -183,19 +189,21 @@ class TransformersBackend:
         model.requires_grad_(False)
         tokenizer = HFPromptTokenizer(hf_tokenizer, extra_eos_token_ids=_generation_eos_ids(model))
         context = _context_length(model, max_model_len)
+        budget = batch_token_budget or default_batch_token_budget(torch_device)
         logger.info(
-            "loaded %s on %s (%s), context %d",
+            "loaded %s on %s (%s), context %d, %d padded tokens per forward batch",
             model_id or folder.name,
             torch_device,
             torch_dtype,
             context,
+            budget,
         )
         return cls(
             model,
             tokenizer,
             model_id=model_id or folder.name,
             max_model_len=context,
-            batch_token_budget=batch_token_budget,
+            batch_token_budget=budget,
             head_mode=head_mode,
         )
 
@@ -208,6 +216,11 @@ class TransformersBackend:
     @property
     def max_model_len(self) -> int:
         return self._max_model_len
+
+    @property
+    def batch_token_budget(self) -> int:
+        """Padded prompt tokens per forward batch."""
+        return self._batch_token_budget
 
     @property
     def tokenizer(self) -> HFPromptTokenizer:
@@ -540,6 +553,11 @@ def plan_generation_batches(
     if current:
         batches.append(current)
     return batches
+
+
+def default_batch_token_budget(device: torch.device) -> int:
+    """The forward-batch budget for ``device`` when the settings leave it open."""
+    return _CUDA_BATCH_TOKENS if device.type == "cuda" else _CPU_BATCH_TOKENS
 
 
 def plan_batches(

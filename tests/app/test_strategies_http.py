@@ -21,9 +21,9 @@ import anyio.to_thread
 import numpy as np
 import pytest
 
-from app.cli import main as cli_main
 from service.strategies import strategy_names
 from tests.app.conftest import PASSAGES, QUERY, TRUTH, Harness, TrackingBackend, serving
+from tests.support.positional import Topic, calibrate_positions, write_qa_file
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -221,33 +221,12 @@ async def test_the_readme_strategy_examples_are_accepted(served: Harness) -> Non
     assert sorted(rows) == sorted(["strategy", *strategy_names()])  # the header, then one each
 
 
-TOPICS = [
-    ("Who wrote The Hobbit?", "Tolkien", "J. R. R. Tolkien wrote The Hobbit in 1937."),
-    ("What is the capital of France?", "Paris", "Paris is the capital city of France."),
-]
 # Questions SmolLM2 answers right in some gold slots only (measured: slots 1 and 3 for the
 # first, 2 and 3 for the second), so its accuracy profile is not flat: [0.5, 0.5, 1.0].
-POSITION_DEPENDENT_TOPICS = [
+POSITION_DEPENDENT_TOPICS: list[Topic] = [
     ("How many moons does the planet Quell have?", "seven", "The planet Quell has seven moons."),
     ("What is the name of Tom's dog?", "Biscuit", "Tom has a dog named Biscuit."),
 ]
-
-
-def _qa_file(path: Path, topics: list[tuple[str, str, str]] = TOPICS) -> Path:
-    """Questions with a gold passage among four fillers (calibrate-positions input)."""
-    fillers = [
-        "The Nile is a river in Africa.",
-        "Copper is a chemical element.",
-        "Chess is played on a board of 64 squares.",
-        "The violin has four strings.",
-    ]
-    with path.open("w", encoding="utf-8") as fh:
-        for k, (question, answer, gold) in enumerate(topics):
-            passages = [{"title": "Filler", "text": t, "is_gold": False} for t in fillers]
-            passages.insert(1, {"title": "Gold", "text": gold, "is_gold": True})
-            record = {"id": f"q{k}", "question": question, "answers": [answer]}
-            fh.write(json.dumps({**record, "passages": passages}) + "\n")
-    return path
 
 
 def _slots(values: list[float], *, best: str) -> list[int]:
@@ -336,13 +315,8 @@ async def test_every_strategy_runs_on_a_tiny_real_model(
     # The positional profiles come from the command an operator runs, into the cache the
     # server reads (settings_for gives the server cache_dir = tmp_path).
     monkeypatch.setenv("RAG_REORDER_CACHE_DIR", str(tmp_path))
-    data = _qa_file(tmp_path / "qa.jsonl")
-    argv = ["--backend", "transformers", "--model", str(tiny_model_dir), "--device", "cpu"]
-    argv += ["calibrate-positions", "--data", str(data), "--max-passages", "3"]
-    code = await anyio.to_thread.run_sync(lambda: cli_main(argv))
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    profiles = json.loads(out)
+    data = write_qa_file(tmp_path / "qa.jsonl")
+    profiles, _ = await calibrate_positions(tiny_model_dir, data, capsys)
     assert profiles["slots"] == 3 and profiles["questions"] == 2
 
     query = "who wrote the lord of the rings"
@@ -405,14 +379,8 @@ async def test_positional_strategies_follow_profiles_measured_on_smollm2(
     from service.settings import Settings
 
     monkeypatch.setenv("RAG_REORDER_BIAS_PROFILE_DIR", str(tmp_path / "profiles"))
-    data = _qa_file(tmp_path / "qa.jsonl", POSITION_DEPENDENT_TOPICS)
-    argv = ["--backend", "transformers", "--model", str(smollm2_dir), "--device", "cpu"]
-    argv += ["calibrate-positions", "--data", str(data), "--max-passages", "3"]
-    argv += ["--limit", "2"]
-    code = await anyio.to_thread.run_sync(lambda: cli_main(argv))
-    out, err = capsys.readouterr()
-    assert code == 0, err
-    profiles = json.loads(out)
+    data = write_qa_file(tmp_path / "qa.jsonl", POSITION_DEPENDENT_TOPICS)
+    profiles, _ = await calibrate_positions(smollm2_dir, data, capsys, "--limit", "2")
     # Profiles that tell slots apart: a wrong slot direction would change the placement.
     assert len(set(profiles["accuracy"]["values"])) > 1, profiles["accuracy"]
     assert len(set(profiles["distracting_effect"]["values"])) == 3, profiles

@@ -6,14 +6,12 @@ P(NO-RESPONSE) = exp(fake.expected_score([text], 11)) (11 byte tokens of NO-RESP
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from app.cli import main as cli_main
 from service.backends.fake import FakeBackend
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed, UnidentifiableRequest
 from service.pipeline import Reorderer, ReorderRequest, StrategyOptions
@@ -23,6 +21,7 @@ from service.prompts import Passage
 from service.settings import Settings
 from service.strategies.distraction import fill_slots, slot_preference
 from tests.service.test_distraction import make_record
+from tests.support.positional import calibrate_positions, write_qa_file
 
 LAM = -0.01
 TEXTS = ["alpha passage", "bravo passage", "charlie passage", "delta passage", "echo passage"]
@@ -213,26 +212,6 @@ async def test_limits_and_options(tmp_path: Path) -> None:
 # --- a tiny real model ------------------------------------------------------------------------
 
 
-def _qa_file(path: Path) -> Path:
-    topics = [
-        ("Who wrote The Hobbit?", "Tolkien", "J. R. R. Tolkien wrote The Hobbit in 1937."),
-        ("What is the capital of France?", "Paris", "Paris is the capital city of France."),
-    ]
-    fillers = [
-        "The Nile is a river in Africa.",
-        "Copper is a chemical element.",
-        "Chess is played on a board of 64 squares.",
-        "The violin has four strings.",
-    ]
-    with path.open("w", encoding="utf-8") as fh:
-        for k, (question, answer, gold) in enumerate(topics):
-            passages = [{"title": "Filler", "text": t, "is_gold": False} for t in fillers]
-            passages.insert(1, {"title": "Gold", "text": gold, "is_gold": True})
-            record = {"id": f"q{k}", "question": question, "answers": [answer]}
-            fh.write(json.dumps({**record, "passages": passages}) + "\n")
-    return path
-
-
 async def test_calibrate_positions_cli_then_min_distraction_on_a_tiny_model(
     tmp_path: Path,
     tiny_model_dir: Path,
@@ -244,14 +223,9 @@ async def test_calibrate_positions_cli_then_min_distraction_on_a_tiny_model(
     from service.backends.transformers_backend import TransformersBackend
 
     monkeypatch.setenv("RAG_REORDER_CACHE_DIR", str(tmp_path))
-    data = _qa_file(tmp_path / "qa.jsonl")
-    argv = ["--backend", "transformers", "--model", str(tiny_model_dir), "--device", "cpu"]
-    argv += ["calibrate-positions", "--data", str(data), "--max-passages", "3"]
-    code = await anyio.to_thread.run_sync(lambda: cli_main(argv))
-    out, err = capsys.readouterr()
-    assert code == 0, err
+    data = write_qa_file(tmp_path / "qa.jsonl")
+    printed, err = await calibrate_positions(tiny_model_dir, data, capsys)
     assert "calibrating positions: 2/2 questions" in err
-    printed = json.loads(out)
     assert printed["slots"] == 3 and printed["questions"] == 2 and printed["source"] == "qa.jsonl"
     assert printed["prompts"] == 2 * (4 + 3 + 3 + 3)
     for name, lo, hi in (("accuracy", 0, 1), ("distracting_effect", 0, 1)):

@@ -37,6 +37,9 @@ from service.traffic import TrafficSampler
 log = logging.getLogger(__name__)
 
 CalibrationDesign = Literal["random", "pruned_random"]
+# Below this many sampled runs a traffic calibration says it is thin (a rule of thumb, not a
+# measured threshold: eval/run.sh calibrates from 50 queries).
+FEW_TRAFFIC_RUNS = 20
 
 
 @dataclass(frozen=True)
@@ -199,6 +202,11 @@ async def calibrate_from_traffic(
             param="slots",
         )
     warnings: list[str] = []
+    if len(runs) < FEW_TRAFFIC_RUNS:
+        warnings.append(
+            f"only {len(runs)} sampled run(s): a profile from few queries is noisy, and it "
+            "replaced any earlier one; let traffic accumulate (rag_reorder_traffic_sample_runs)"
+        )
     orienting: StoredProfile | None = None
     reference: np.ndarray | None = None
     if design == "random":

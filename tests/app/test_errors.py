@@ -408,13 +408,19 @@ def asgi_scope(path: str, headers: list[tuple[bytes, bytes]]) -> dict[str, Any]:
     }
 
 
-@pytest.mark.parametrize("path", ["/v1/reorder", "/v1/rerank"])
+DISCONNECT_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/reorder": {"query": QUERY, "passages": PASSAGES},
+    "/v1/rerank": {"query": QUERY, "documents": PASSAGES},
+    "/v1/bias-profiles/calibrate": CALIBRATE,
+}
+
+
+@pytest.mark.parametrize("path", DISCONNECT_BODIES)
 async def test_client_disconnect_cancels_the_work(tmp_path: Path, path: str) -> None:
     async with serving(tmp_path) as h:
         h.backend.hang = True
         started = h.backend.started
-        key = "passages" if path == "/v1/reorder" else "documents"
-        body = json.dumps({"query": QUERY, key: PASSAGES}).encode()
+        body = json.dumps(DISCONNECT_BODIES[path]).encode()
         messages = [{"type": "http.request", "body": body, "more_body": False}]
         gone = anyio.Event()
         sent: list[dict[str, Any]] = []
@@ -440,6 +446,7 @@ async def test_client_disconnect_cancels_the_work(tmp_path: Path, path: str) -> 
         assert sent[0]["status"] == 499  # answered into the void, but counted
         labels = {"type": "client_closed_request", "code": "client_disconnected"}
         assert h.metric("rag_reorder_request_failures_total", labels) == 1
+        assert h.ctx.engine.profiles.list() == []  # a cancelled calibration stores nothing
 
 
 # --- backend failures ---------------------------------------------------------------------------

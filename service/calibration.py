@@ -30,6 +30,7 @@ from service.dataset import Example
 from service.errors import InvalidRequest, UnidentifiableRequest
 from service.pipeline import Reorderer
 from service.profile_store import StoredProfile
+from service.prompts import get_template
 from service.strategies.base import Work
 from service.strategies.moi import score_design
 from service.traffic import TrafficSampler
@@ -183,10 +184,11 @@ async def calibrate_from_traffic(
     slots (``oriented_by="profile"``), else by the primacy prior with a warning.
 
     Raises:
-        InvalidRequest: no sampled runs for this model, template, design and slot count.
+        InvalidRequest: an unknown template, or no sampled runs for this model, template,
+            design and slot count.
         UnidentifiableRequest: the runs cannot identify the bias.
     """
-    template = template or reorderer.settings.chat_template
+    template = get_template(template or reorderer.settings.chat_template).name
     model = reorderer.backend.model_id
     runs = traffic.runs(model, template, design, slots)
     if not runs:

@@ -277,6 +277,8 @@ async def test_full_length_traffic_without_a_data_profile_warns_of_the_prior(
         ),
         ({"slots": 4, "queries": [{"query": "q", "passages": ["a", "b"]}]}, "slots"),
         ({}, "queries"),
+        ({"from_traffic": True, "slots": 4, "template": "nope"}, "template"),
+        ({"queries": [{"query": "q", "passages": ["a", "b"]}], "template": "nope"}, "template"),
     ],
 )
 async def test_traffic_options_are_checked(

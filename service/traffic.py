@@ -8,7 +8,8 @@ can identify the bias on its own (``random``, ``hybrid``: the shape at N slots;
 probability, as numbers only (permutation indices and per-prompt scores, never query or
 passage text), in a ring of the latest ``traffic_sample_max_runs`` per (model, template,
 design group, slot count). Cyclic designs are not kept (they identify no bias), nor are
-variable-pruned ones (ragged prompts) or requests where a prompt failed.
+variable-pruned ones (ragged prompts), runs that cannot identify a bias on their own (too few
+prompts, served with a stored profile) or requests where a prompt failed.
 
 The sample lives in the process: each replica keeps its own and a restart empties it.
 Everything here runs on the event loop thread: no locks.
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+
+import solver
 
 DesignGroup = Literal["random", "pruned_random"]
 """``random`` pools the full-length designs (``random`` and ``hybrid``, N slots);
@@ -80,6 +83,11 @@ class TrafficSampler:
             return None
         if (perms < 0).any() or not np.isfinite(scores).all():
             return None  # ragged (variable pruning) or a failed prompt
+        # A request can run a design that identifies no bias on its own when a stored profile
+        # supplies it; one such run would make every later calibration from this key fail.
+        design, _ = solver.as_design(perms).compact()
+        if solver.identifiability(design).level == "none":
+            return None
         if self.rate < 1.0 and self._rng.random() >= self.rate:
             return None
         key = SampleKey(model, template, group, int(perms.shape[1]))

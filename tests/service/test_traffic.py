@@ -44,6 +44,8 @@ def test_keeps_copies_grouped_by_design_and_slots() -> None:
         ("pruned_random", np.array([[0, 1], [2, -1], [1, 0], [2, 0]]), SCORES),  # ragged
         ("random", PERMS, np.array([-3.0, np.nan, -2.0, -2.8])),  # a failed prompt
         ("random", PERMS[:1], SCORES[:1]),  # one prompt
+        # two prompts of 2 of 4 passages: identifies no bias on its own
+        ("pruned_random", np.array([[0, 1], [2, 3]]), SCORES[:2]),
     ],
 )
 def test_refuses_runs_that_cannot_serve_a_calibration(

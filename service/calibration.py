@@ -269,6 +269,7 @@ async def _fit(
 
     Raises:
         UnidentifiableRequest: the runs cannot identify a bias (too few prompts).
+        InvalidRequest: no run is usable (all of a run's scores equal).
         solver.InvalidReference: ``reference`` cannot orient the fit.
     """
     try:
@@ -279,6 +280,11 @@ async def _fit(
         raise UnidentifiableRequest(
             f"these runs cannot identify a bias profile: {exc}", param="num_prompts"
         ) from None
+    except solver.InvalidReference:
+        raise
+    except solver.SolverError as exc:
+        # E.g. every run's scores were equal (nothing to fit): the input's fault, not a 500.
+        raise InvalidRequest(f"these runs cannot give a bias profile: {exc}") from None
 
 
 def _store(

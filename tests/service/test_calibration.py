@@ -175,3 +175,23 @@ def test_dataset_loader_names_the_bad_line(tmp_path: Path) -> None:
     bad.write_text('{"id": 1, "question": "q", "passages": []}\n{"nope": 1}\n')
     with pytest.raises(InvalidRequest, match=r"bad\.jsonl:2"):
         load_examples(bad)
+
+
+async def test_traffic_runs_with_nothing_to_fit_are_a_client_error(tmp_path: Path) -> None:
+    from service.calibration import calibrate_from_traffic
+    from service.traffic import TrafficSampler
+
+    r = Reorderer(FakeBackend({}), Settings(cache_dir=tmp_path), ProfileStore(tmp_path / "p"))
+    sampler = TrafficSampler(1.0, 10)
+    perms = np.array([[0, 1], [1, 2], [2, 0], [1, 0], [0, 2], [2, 1]])
+    for _ in range(3):  # identifiable design, but every score equal: nothing to fit
+        sampler.offer(
+            model=r.backend.model_id,
+            template="qa_default",
+            kind="pruned_random",
+            perms=perms,
+            scores=np.full(6, -3.0),
+        )
+    with pytest.raises(InvalidRequest, match="cannot give a bias profile"):
+        await calibrate_from_traffic(r, sampler, design="pruned_random", slots=2)
+    assert r.profiles.list() == []

@@ -1,7 +1,7 @@
 """Bad inputs, fuzzed: mutated bodies on every POST route never produce a 5xx.
 
 Routes: the native reorder, one rerank path (all three share one handler) and the bias-profile
-calibration.
+calibration, from queries and from sampled traffic.
 
 A seeded, bounded fuzzer (not a property test framework): start from a valid body, apply a few
 random mutations (drop, retype, oversize, nest, duplicate, surrogates, huge numbers), post, and
@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 from typing import Any
 
-from tests.app.conftest import PASSAGES, QUERY, Harness
+from tests.app.conftest import PASSAGES, QUERY, Harness, serving
 
-ROUNDS = 450  # about 150 per route
+ROUNDS = 600  # about 150 per base body
 OPTIONAL = [
     "design",
     "top_n",
@@ -74,7 +75,13 @@ def _mutate(body: dict[str, Any], rng: random.Random) -> dict[str, Any]:
     return out
 
 
-async def test_fuzzed_bodies_never_5xx(served: Harness) -> None:
+async def test_fuzzed_bodies_never_5xx(tmp_path: Path) -> None:
+    # Live-traffic sampling on, so the reorder bodies feed from_traffic calibrations.
+    async with serving(tmp_path, traffic_sample_rate=1.0) as served:
+        await _fuzz(served)
+
+
+async def _fuzz(served: Harness) -> None:
     rng = random.Random(20240611)
     bases = {
         "/v1/reorder": {"query": QUERY, "passages": PASSAGES},
@@ -82,6 +89,11 @@ async def test_fuzzed_bodies_never_5xx(served: Harness) -> None:
         "/v1/bias-profiles/calibrate": {
             "queries": [{"query": QUERY, "passages": PASSAGES}] * 2,
             "design": "pruned_random",
+        },
+        "/v1/bias-profiles/calibrate#traffic": {
+            "from_traffic": True,
+            "design": "pruned_random",
+            "slots": 2,
         },
     }
     tried = server_errors = 0
@@ -91,7 +103,9 @@ async def test_fuzzed_bodies_never_5xx(served: Harness) -> None:
         body = _mutate(bases[path], rng)
         # json.dumps escapes the lone surrogate as \ud800, which JSON parsers accept.
         r = await served.client.post(
-            path, content=json.dumps(body), headers={"content-type": "application/json"}
+            path.split("#")[0],
+            content=json.dumps(body),
+            headers={"content-type": "application/json"},
         )
         tried += 1
         statuses[r.status_code] = statuses.get(r.status_code, 0) + 1

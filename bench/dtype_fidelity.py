@@ -13,7 +13,10 @@ Prompts: the default MoI design (``--design``, default ``pruned_random``) for th
 ``--queries`` NQ-Open dev questions with ``--passages`` passages each.
 
 Usage: python bench/dtype_fidelity.py [--dtypes float32,bfloat16] [--queries 8]
-       [--passages 10] [--design pruned_random] [--out bench/results/dtype_fidelity.json]
+       [--passages 10] [--design pruned_random] [--baseline-seed 1000]
+       [--out bench/results/dtype_fidelity.json]
+``--baseline-seed`` adds the yardstick: the first dtype's fit on another draw of the design
+(how much MoI's order moves with the design's seed alone).
 Device and batch budget come from the environment (``RAG_REORDER_DEVICE``, ...).
 """
 
@@ -49,6 +52,13 @@ from service.settings import Settings
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 
 
+def rank_tau(a: solver.Fit, b: solver.Fit) -> float:
+    """Kendall tau between two fits' rankings, over passages: each passage's rank in ``a``
+    against its rank in ``b`` (tau of the two index sequences themselves is another, wrong,
+    number)."""
+    return float(kendalltau(np.argsort(a.order), np.argsort(b.order)).statistic)
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = Settings()
     dtypes = [cast(DtypeName, d) for d in args.dtypes.split(",")]
@@ -65,7 +75,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     first = backends[dtypes[0]]
     jobs = []
-    for k, ex in enumerate(load_examples(Path(args.data), limit=args.queries)):
+    examples = load_examples(Path(args.data), limit=args.queries)
+    for k, ex in enumerate(examples):
         passages = ex.passages[: args.passages]
         perms = solver.plan(args.design, len(passages), seed=k)
         orders = [tuple(int(p) for p in row if p >= 0) for row in perms]
@@ -95,12 +106,48 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         for d in dtypes
     }
     rows = []
+    if args.baseline_seed is not None:
+        # The yardstick: the same dtype on another draw of the design (what MoI's answer
+        # varies by anyway), against the first dtype on the first draw.
+        other = []
+        for k, (_, n, _) in enumerate(jobs):
+            ex_passages = examples[k].passages[: args.passages]
+            perms = solver.plan(args.design, n, seed=args.baseline_seed + k)
+            orders = [tuple(int(p) for p in row if p >= 0) for row in perms]
+            prompts = build_prompts(
+                first.tokenizer, settings.chat_template, examples[k].question, ex_passages, orders
+            )
+            got = await first.score([p.span_request(f"b{k}-{i}") for i, p in enumerate(prompts)])
+            s_other = np.asarray([sum(cast(SpanLogprobs, g).logprobs) for g in got])
+            other.append(solver.fit(perms, s_other, n_passages=n, uncertainty=False))
+        taus = [
+            rank_tau(f, g)
+            for f, g in zip(other, fits[dtypes[0]], strict=True)
+        ]
+        baseline = {
+            "what": f"{dtypes[0]}, design seed {args.baseline_seed}+k against seed k",
+            "median_kendall_tau": statistics.median(taus),
+            "min_kendall_tau": min(taus),
+            "same_top_passage": sum(
+                f.order[0] == g.order[0] for f, g in zip(other, fits[dtypes[0]], strict=True)
+            )
+            / len(taus),
+            "same_order": sum(
+                list(f.order) == list(g.order) for f, g in zip(other, fits[dtypes[0]], strict=True)
+            )
+            / len(taus),
+        }
+        print(
+            f"baseline ({baseline['what']}): Kendall tau median "
+            f"{baseline['median_kendall_tau']:.3f} min {baseline['min_kendall_tau']:.3f}, same "
+            f"top {baseline['same_top_passage']:.2f}, same order {baseline['same_order']:.2f}"
+        )
     for d in dtypes:
         diffs = np.concatenate(
             [np.abs(a - b) for a, b in zip(scores[d], scores[dtypes[0]], strict=True)]
         )
         taus = [
-            float(kendalltau(f.order, g.order).statistic)
+            rank_tau(f, g)
             for f, g in zip(fits[d], fits[dtypes[0]], strict=True)
         ]
         same_top = [f.order[0] == g.order[0] for f, g in zip(fits[d], fits[dtypes[0]], strict=True)]
@@ -136,6 +183,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "questions": len(jobs),
         "prompts": sum(len(reqs) for _, _, reqs in jobs),
         "rows": rows,
+        "seed_baseline": baseline if args.baseline_seed is not None else None,
     }
 
 
@@ -145,6 +193,12 @@ def main() -> int:
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--design", default="pruned_random")
+    ap.add_argument(
+        "--baseline-seed",
+        type=int,
+        default=None,
+        help="also fit the first dtype on the design drawn with this seed (+k), as a yardstick",
+    )
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "dtype_fidelity.json"))
     args = ap.parse_args()

@@ -40,10 +40,10 @@ class Settings(BaseSettings):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device for the transformers backend: `auto` uses CUDA when available."""
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    """Weights dtype: `auto` is float32 on CPU and bfloat16 on CUDA. bfloat16 perturbs the
-    scores MoI fits (on the CPU, SmolLM2: 0.15 nats median per prompt, MoI rankings at Kendall
-    tau 0.82 median against float32; `bench/dtype_fidelity.py`); check it on your GPU and
-    model, or set `float32`, when the order matters more than throughput."""
+    """Weights dtype: `auto` is float32 on CPU and bfloat16 on CUDA. bfloat16 moves each
+    prompt's score (on the CPU, SmolLM2: 0.15 nats median) and MoI's ranking (Kendall tau 0.96
+    median against float32), far less than redrawing the design's seed does (tau 0.36);
+    `bench/dtype_fidelity.py` measures it for your device and model."""
     chat_template: str = "qa_default"
     """Named prompt template used to build the scoring prompts (see service.prompts)."""
 

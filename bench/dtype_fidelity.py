@@ -59,6 +59,19 @@ def rank_tau(a: solver.Fit, b: solver.Fit) -> float:
     return float(kendalltau(np.argsort(a.order), np.argsort(b.order)).statistic)
 
 
+def agreement(fits: list[solver.Fit], reference: list[solver.Fit]) -> dict[str, float]:
+    """How far two lists of fits (one per question) agree: Kendall tau over passage ranks
+    (median, min), and the share of questions with the same top passage and the same order."""
+    pairs = list(zip(fits, reference, strict=True))
+    taus = [rank_tau(f, g) for f, g in pairs]
+    return {
+        "median_kendall_tau": statistics.median(taus),
+        "min_kendall_tau": min(taus),
+        "same_top_passage": sum(f.order[0] == g.order[0] for f, g in pairs) / len(pairs),
+        "same_order": sum(list(f.order) == list(g.order) for f, g in pairs) / len(pairs),
+    }
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = Settings()
     dtypes = [cast(DtypeName, d) for d in args.dtypes.split(",")]
@@ -105,6 +118,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         ]
         for d in dtypes
     }
+    tokens = sum(len(r.token_ids) for _, _, reqs in jobs for r in reqs)
     rows = []
     if args.baseline_seed is not None:
         # The yardstick: the same dtype on another draw of the design (what MoI's answer
@@ -120,22 +134,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             got = await first.score([p.span_request(f"b{k}-{i}") for i, p in enumerate(prompts)])
             s_other = np.asarray([sum(cast(SpanLogprobs, g).logprobs) for g in got])
             other.append(solver.fit(perms, s_other, n_passages=n, uncertainty=False))
-        taus = [
-            rank_tau(f, g)
-            for f, g in zip(other, fits[dtypes[0]], strict=True)
-        ]
         baseline = {
             "what": f"{dtypes[0]}, design seed {args.baseline_seed}+k against seed k",
-            "median_kendall_tau": statistics.median(taus),
-            "min_kendall_tau": min(taus),
-            "same_top_passage": sum(
-                f.order[0] == g.order[0] for f, g in zip(other, fits[dtypes[0]], strict=True)
-            )
-            / len(taus),
-            "same_order": sum(
-                list(f.order) == list(g.order) for f, g in zip(other, fits[dtypes[0]], strict=True)
-            )
-            / len(taus),
+            **agreement(other, fits[dtypes[0]]),
         }
         print(
             f"baseline ({baseline['what']}): Kendall tau median "
@@ -146,15 +147,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         diffs = np.concatenate(
             [np.abs(a - b) for a, b in zip(scores[d], scores[dtypes[0]], strict=True)]
         )
-        taus = [
-            rank_tau(f, g)
-            for f, g in zip(fits[d], fits[dtypes[0]], strict=True)
-        ]
-        same_top = [f.order[0] == g.order[0] for f, g in zip(fits[d], fits[dtypes[0]], strict=True)]
-        same_order = [
-            list(f.order) == list(g.order) for f, g in zip(fits[d], fits[dtypes[0]], strict=True)
-        ]
-        tokens = sum(len(r.token_ids) for _, _, reqs in jobs for r in reqs)
         row = {
             "dtype": d,
             "seconds": times[d],
@@ -162,10 +154,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "speed_vs_first": times[dtypes[0]] / times[d],
             "max_abs_score_diff": float(diffs.max()),
             "median_abs_score_diff": float(np.median(diffs)),
-            "median_kendall_tau": statistics.median(taus),
-            "min_kendall_tau": min(taus),
-            "same_top_passage": sum(same_top) / len(same_top),
-            "same_order": sum(same_order) / len(same_order),
+            **agreement(fits[d], fits[dtypes[0]]),
         }
         rows.append(row)
         print(

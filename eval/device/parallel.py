@@ -169,11 +169,8 @@ def main() -> int:
             return rc
     print(f"profiles ready after {time.monotonic() - t0:.0f} s", flush=True)
 
-    pending = [
-        j
-        for j in make_jobs(args.data, args.work, args.chunk)
-        if not (args.work / f"{j.name}.done").exists()
-    ]
+    jobs = make_jobs(args.data, args.work, args.chunk)
+    pending = [j for j in jobs if not (args.work / f"{j.name}.done").exists()]
     running: dict[str, tuple[Job, subprocess.Popen[bytes], float]] = {}
     while (pending or running) and time.monotonic() < deadline:
         while pending and len(running) < args.procs:
@@ -199,7 +196,8 @@ def main() -> int:
         proc.wait()
         print(f"{name}: stopped at the deadline", flush=True)
     merge(args.out, args.work)
-    left = [j.name for j in pending] + list(running)
+    # Not started, stopped at the deadline or failed: the next call runs them.
+    left = [j.name for j in jobs if not (args.work / f"{j.name}.done").exists()]
     print(f"finished in {time.monotonic() - t0:.0f} s; unfinished chunks: {left or 'none'}")
     return 0
 

@@ -1,0 +1,167 @@
+"""eval/device/parallel.py: the pool that runs the evaluation on a lent GPU. Its chunks must
+cover every question once, its merge must keep every finished record once (and survive a line
+torn by a stopped process), and a chunk that failed must run again on the next call.
+
+The orchestration is tested against a stand-in for the CLI (``--rr``) that appends one record
+per question, so these tests run in a second; the CLI's own ``eval`` and its resume are
+tested in tests/service/test_evaluation.py."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "eval" / "device" / "parallel.py"
+
+# Stand-in CLI: `calibrate` prints a profile summary; `eval --data F --out D` appends a record
+# per question of F to D/cache.jsonl unless the key is there, and fails on a question whose
+# id is listed in $FAIL_ON (after recording the questions before it).
+FAKE_CLI = r"""
+import json, os, sys
+args = sys.argv[1:]
+if args[0] == "calibrate":
+    print(json.dumps({"profile": os.environ["RAG_REORDER_BIAS_PROFILE_DIR"]}))
+    sys.exit(0)
+data = args[args.index("--data") + 1]
+out = args[args.index("--out") + 1]
+cache = os.path.join(out, "cache.jsonl")
+have = set()
+if os.path.exists(cache):
+    for line in open(cache):
+        have.add(json.loads(line)["key"]["question_id"])
+fail = set(os.environ.get("FAIL_ON", "").split(","))
+for line in open(data):
+    qid = json.loads(line)["id"]
+    if qid in fail:
+        sys.exit(1)
+    if qid not in have:
+        rec = {"key": {"question_id": qid, "variant": "shuffle"},
+               "positional": "--no-positional" not in args}
+        with open(cache, "a") as fh:
+            fh.write(json.dumps(rec) + "\n")
+"""
+
+
+@pytest.fixture(scope="module")
+def parallel() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("eval_device_parallel", SCRIPT)
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass resolves annotations through it
+    spec.loader.exec_module(module)
+    return module
+
+
+def _data(folder: Path, sizes: dict[str, int]) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, n in sizes.items():
+        lines = [json.dumps({"id": f"{name}-{i}", "question": "q"}) for i in range(n)]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+def _ids(path: Path) -> list[str]:
+    return [json.loads(line)["key"]["question_id"] for line in path.read_text().splitlines()]
+
+
+def test_chunks_cover_every_question_once_and_only_the_first_rotates(
+    parallel: ModuleType, tmp_path: Path
+) -> None:
+    data = _data(tmp_path / "data", {"hotpot_dev": 5, "nq_open_dev": 12})
+    jobs = parallel.make_jobs(data, tmp_path / "work", chunk=4)
+    assert [j.name for j in jobs][:1] == ["nq_open_dev-00"]  # the larger set first
+    for test, n in (("hotpot_dev", 5), ("nq_open_dev", 12)):
+        mine = [j for j in jobs if j.test == test]
+        ids = [json.loads(line)["id"] for j in mine for line in j.data.read_text().splitlines()]
+        assert ids == [f"{test}-{i}" for i in range(n)]
+        assert [j.positional for j in mine] == [True] + [False] * (len(mine) - 1)
+
+
+def test_merge_keeps_one_line_per_key_old_lines_first_and_skips_torn_ones(
+    parallel: ModuleType, tmp_path: Path
+) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    old = {"key": {"question_id": "a", "variant": "v"}, "value": "old"}
+    (out / "nq_open_dev").mkdir(parents=True)
+    (out / "nq_open_dev" / "cache.jsonl").write_text(json.dumps(old) + "\n")
+    (work / "nq_open_dev-00").mkdir(parents=True)
+    new = {"key": {"variant": "v", "question_id": "a"}, "value": "new"}  # same key, reordered
+    other = {"key": {"question_id": "b", "variant": "v"}}
+    (work / "nq_open_dev-00" / "cache.jsonl").write_text(
+        json.dumps(new) + "\n" + json.dumps(other) + "\n" + '{"key": {"question_id": "c"'
+    )
+    parallel.merge(out, work)
+    lines = [json.loads(x) for x in (out / "nq_open_dev" / "cache.jsonl").read_text().splitlines()]
+    assert lines == [old, other]
+
+
+def test_a_failed_chunk_runs_again_and_everything_is_merged(tmp_path: Path) -> None:
+    data = _data(tmp_path / "data", {"hotpot_dev": 3, "nq_open_dev": 7})
+    out, work = tmp_path / "out", tmp_path / "work"
+    (out / "profiles" / "positional-nq_open_dev" / "positional").mkdir(parents=True)
+    (out / "hotpot_dev").mkdir(parents=True)
+    seeded = {"key": {"question_id": "hotpot_dev-0", "variant": "shuffle"}, "seeded": True}
+    (out / "hotpot_dev" / "cache.jsonl").write_text(json.dumps(seeded) + "\n")
+    cli = tmp_path / "cli.py"
+    cli.write_text(FAKE_CLI)
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--work",
+        str(work),
+        "--procs",
+        "2",
+        "--chunk",
+        "3",
+        "--budget",
+        "60",
+        "--rr",
+        f"{sys.executable} {cli}",
+    ]
+
+    first = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"], "FAIL_ON": "nq_open_dev-4"},
+        timeout=120,
+        check=True,
+    )
+    assert "nq_open_dev-01: rc=1" in first.stdout
+    assert "unfinished chunks: ['nq_open_dev-01']" in first.stdout  # failed: runs again
+    assert not (work / "nq_open_dev-01.done").exists()
+    for test in ("hotpot_dev", "nq_open_dev"):  # calibration ran once per set
+        assert (out / "profiles" / test / "calibrate-random.json").is_file()
+    nq = _ids(out / "nq_open_dev" / "cache.jsonl")
+    assert sorted(nq) == sorted(f"nq_open_dev-{i}" for i in (0, 1, 2, 3, 6))
+
+    second = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        env={"PATH": os.environ["PATH"]},
+        timeout=120,
+        check=True,
+    )
+    assert "nq_open_dev-01: rc=0" in second.stdout
+    assert "unfinished chunks: none" in second.stdout
+    assert "nq_open_dev-00" not in second.stdout  # finished chunks do not run again
+    nq = _ids(out / "nq_open_dev" / "cache.jsonl")
+    assert sorted(nq) == sorted(f"nq_open_dev-{i}" for i in range(7))
+    hot = [json.loads(x) for x in (out / "hotpot_dev" / "cache.jsonl").read_text().splitlines()]
+    assert hot[0] == seeded  # the committed record is kept, not recomputed
+    assert sorted(r["key"]["question_id"] for r in hot) == [f"hotpot_dev-{i}" for i in range(3)]
+    positional = {r["key"]["question_id"]: r["positional"] for r in hot[1:]}
+    assert positional == {"hotpot_dev-1": True, "hotpot_dev-2": True}  # first chunk rotates

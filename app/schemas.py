@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal, cast
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from service.pipeline import DesignSpec, ReorderResult
+from service.pipeline import DesignSpec, ReorderRequest, ReorderResult
 from service.profile_store import StoredProfile
 from service.prompts import Passage
 from service.strategies.base import StrategyName, StrategyOptions
@@ -153,6 +153,23 @@ class ReorderOptions(_Strict):
             rrf_k=self.rrf_k,
             max_answer_tokens=self.max_answer_tokens,
             seed=self.seed,
+        )
+
+    def request(
+        self, query: str, passages: Sequence[Passage], spec: DesignSpec, request_id: str
+    ) -> ReorderRequest:
+        """The pipeline's request for these options (both routes: `/v1/reorder` carries them
+        at the top level, `/v1/rerank` under `reorder`)."""
+        return ReorderRequest(
+            query=query,
+            passages=passages,
+            strategy=self.strategy,
+            options=self.strategy_options(),
+            design=spec,
+            placement=self.placement,
+            joint=self.joint,
+            template=self.template,
+            request_id=request_id,
         )
 
 

@@ -9,7 +9,6 @@ from app.execution import execute
 from app.limits import check_inputs
 from app.schemas import ReorderBody, ReorderResponse, reorder_response, to_passages
 from app.state import Ctx, RequestId
-from service.pipeline import ReorderRequest
 
 router = APIRouter(tags=["reorder"])
 
@@ -28,16 +27,6 @@ async def reorder(
     passages = to_passages(body.passages)
     spec = body.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec)
-    req = ReorderRequest(
-        query=body.query,
-        passages=passages,
-        strategy=body.strategy,
-        options=body.strategy_options(),
-        design=spec,
-        placement=body.placement,
-        joint=body.joint,
-        template=body.template,
-        request_id=request_id,
-    )
+    req = body.request(body.query, passages, spec, request_id)
     result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
     return reorder_response(result, passages, top_n=body.top_n)

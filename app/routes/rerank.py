@@ -31,7 +31,7 @@ from app.schemas import (
 from app.state import Ctx, RequestId
 from service.backends.base import PromptTokenizer
 from service.errors import LimitExceeded, ReorderError
-from service.pipeline import Reorderer, ReorderRequest, ReorderResult
+from service.pipeline import Reorderer, ReorderResult
 from service.prompts import Passage
 
 router = APIRouter(tags=["rerank"])
@@ -71,17 +71,7 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
     opts = body.reorder
     spec = opts.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec, passages_param="documents")
-    req = ReorderRequest(
-        query=body.query,
-        passages=passages,
-        strategy=opts.strategy,
-        options=opts.strategy_options(),
-        design=spec,
-        placement=opts.placement,
-        joint=opts.joint,
-        template=opts.template,
-        request_id=request_id,
-    )
+    req = opts.request(body.query, passages, spec, request_id)
     max_tokens = body.max_tokens_per_doc
 
     async def work(reorderer: Reorderer) -> ReorderResult:

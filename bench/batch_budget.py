@@ -66,16 +66,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype=settings.dtype,
         batch_token_budget=budgets[0],
     )
-    backends = {
-        b: TransformersBackend(
-            base._model,
-            base.tokenizer,
-            model_id=base.model_id,
-            max_model_len=base.max_model_len,
-            batch_token_budget=b,
-        )
-        for b in budgets
-    }
+    backends = {b: base.with_batch_token_budget(b) for b in budgets}
     requests: list[SpanRequest] = []
     for k, ex in enumerate(load_examples(Path(args.data), limit=args.queries)):
         passages = ex.passages[: args.passages]

@@ -207,6 +207,23 @@ class TransformersBackend:
             head_mode=head_mode,
         )
 
+    def with_batch_token_budget(self, budget: int) -> TransformersBackend:
+        """The same loaded weights behind another forward-batch budget (bench/batch_budget.py
+        compares budgets without loading the model once per budget). The two backends share
+        the model but not their lock, so use one at a time; closing one leaves the other open.
+
+        Raises:
+            BackendUnavailable: this backend is closed.
+        """
+        return TransformersBackend(
+            self._require_open(),
+            self._tokenizer,
+            model_id=self._model_id,
+            max_model_len=self._max_model_len,
+            batch_token_budget=budget,
+            head_mode=self._head_mode,
+        )
+
     # --- LogprobBackend -------------------------------------------------------------------
 
     @property

@@ -163,7 +163,8 @@ def test_small_token_budget_splits_batches_with_same_numbers(
     requests = mixed_requests(tiny_backend)
     budget = max(len(r.token_ids) for r in requests)  # room for one long prompt at a time
     assert len(plan_batches(requests, token_budget=budget, row_budget=10**6)) >= 3
-    small = TransformersBackend.load(tiny_model_dir, device="cpu", batch_token_budget=budget)
+    small = tiny_backend.with_batch_token_budget(budget)
+    assert small.batch_token_budget == budget != tiny_backend.batch_token_budget
     split = run(lambda: small.score(requests))
     together = run(lambda: tiny_backend.score(requests))
     assert_close_to_reference(split, requests, tiny_reference)

@@ -38,7 +38,7 @@ from service.pipeline import Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
 from service.prompts import Passage
 from service.settings import Settings
-from service.traffic import TrafficSampler
+from service.traffic import TrafficSampler, TrafficSpool
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +80,13 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         lifecycle=Lifecycle(metrics),
         engine=Engine(
             ProfileStore(settings.profiles_path),
-            TrafficSampler(settings.traffic_sample_rate, settings.traffic_sample_max_runs),
+            TrafficSampler(
+                settings.traffic_sample_rate,
+                settings.traffic_sample_max_runs,
+                spool=TrafficSpool(settings.traffic_sample_dir, settings.traffic_sample_max_runs)
+                if settings.traffic_sample_dir is not None and settings.traffic_sample_rate > 0
+                else None,
+            ),
         ),
         admission=Admission(settings, metrics),
         metrics=metrics,
@@ -153,6 +159,8 @@ def _lifespan(
             with anyio.move_on_after(30, shield=True):
                 await backend.aclose()
             log.info("backend closed")
+        # The last sampled runs still on their way to the shared traffic folder.
+        await anyio.to_thread.run_sync(ctx.engine.traffic.close)
 
     return lifespan
 

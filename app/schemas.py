@@ -200,10 +200,11 @@ class CalibrateBody(_Strict):
     count (`random`) or for `prompt_passages` slots (`pruned_random`). Either `queries` or
     `from_traffic`."""
     from_traffic: bool = False
-    """Calibrate from the live MoI runs this replica sampled (`traffic_sample_rate`) instead
-    of scoring queries: no model calls. Needs `slots`; `design` picks the sampled runs
-    (`random`: random and hybrid designs of `slots` passages, oriented by the stored data
-    profile; `pruned_random`: pruned-random prompts of `slots` passages)."""
+    """Calibrate from the live MoI runs this replica sampled (`traffic_sample_rate`; with
+    `traffic_sample_dir`, every replica's) instead of scoring queries: no model calls. Needs
+    `slots`; `design` picks the sampled runs (`random`: random and hybrid designs of `slots`
+    passages, oriented by the stored data profile; `pruned_random`: pruned-random prompts of
+    `slots` passages)."""
     slots: int | None = Field(default=None, ge=2, le=MAX_PASSAGES)
     """`from_traffic` only: the slot count of the profile."""
     design: Literal["random", "pruned_random"] = "random"
@@ -307,8 +308,9 @@ class ProfileList(_Model):
     object: Literal["list"] = "list"
     data: list[ProfileOut]
     traffic_samples: list[TrafficSampleOut]
-    """Live MoI runs this replica holds for `from_traffic` calibration (empty unless
-    `traffic_sample_rate` > 0)."""
+    """Live MoI runs a `from_traffic` calibration would pool: this replica's, or with
+    `traffic_sample_dir` the latest of every replica's (empty unless `traffic_sample_rate` >
+    0)."""
 
 
 class PositionBiasOut(_Model):

@@ -190,11 +190,13 @@ async def calibrate_from_traffic(
     """
     template = get_template(template or reorderer.settings.chat_template).name
     model = reorderer.backend.model_id
-    runs = traffic.runs(model, template, design, slots)
+    # Blocking with a shared traffic folder (every replica's files): off the event loop.
+    runs = await anyio.to_thread.run_sync(traffic.runs, model, template, design, slots)
     if not runs:
+        counts = await anyio.to_thread.run_sync(traffic.pooled_counts)
         held = [
             f"{c.key.design} at {c.key.slots} slots: {c.runs}"
-            for c in traffic.counts()
+            for c in counts
             if c.key.model == model and c.key.template == template
         ]
         raise InvalidRequest(

@@ -126,7 +126,13 @@ class Settings(BaseSettings):
     scored) whose scored permutations are kept in memory, numbers only, for `POST
     /v1/bias-profiles/calibrate` with `from_traffic`; 0 keeps none."""
     traffic_sample_max_runs: int = Field(default=1000, ge=1, le=100_000)
-    """Most sampled runs kept per (template, design, slot count); the oldest go first."""
+    """Most sampled runs kept per (template, design, slot count); the oldest go first. With
+    `traffic_sample_dir`, also the most pooled from all replicas (the latest)."""
+    traffic_sample_dir: Path | None = None
+    """A folder every replica mounts (e.g. the bias-profile volume): each replica also appends
+    its sampled runs there, and calibration from traffic on any replica pools the latest
+    `traffic_sample_max_runs` of all of them, across restarts. Unset: each replica calibrates
+    from its own in-memory sample."""
     warmup: bool = True
     """Run one tiny real scoring request after the model loads; `/ready` stays 503 until it
     succeeds (and the process exits non-zero if it fails)."""

@@ -11,19 +11,40 @@ design group, slot count). Cyclic designs are not kept (they identify no bias), 
 variable-pruned ones (ragged prompts), runs that cannot identify a bias on their own (too few
 prompts, served with a stored profile) or requests where a prompt failed.
 
-The sample lives in the process: each replica keeps its own and a restart empties it.
-Everything here runs on the event loop thread: no locks.
+By default the sample lives in the process: each replica keeps its own and a restart empties
+it. With ``traffic_sample_dir`` (a folder every replica mounts, e.g. the bias-profile volume)
+each replica also appends what it keeps to its own file there (``TrafficSpool``), and a
+calibration on any replica pools the latest ``traffic_sample_max_runs`` runs of every replica
+that wrote there, surviving restarts. The appends run on one worker thread, in order, so a
+slow volume never holds up a request; a failed append is logged and the run stays in memory.
+``offer`` runs on the event loop thread (no locks on the in-memory rings); reading the spool
+blocks, so callers on the event loop run ``runs``/``pooled_counts`` in a worker thread.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
+import re
+import socket
+import tempfile
+import time
+import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
 import numpy as np
 
 import solver
+
+log = logging.getLogger(__name__)
+
+_SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+_WARN_EVERY_S = 60.0
 
 DesignGroup = Literal["random", "pruned_random"]
 """``random`` pools the full-length designs (``random`` and ``hybrid``, N slots);
@@ -56,15 +77,26 @@ Run = tuple[np.ndarray, np.ndarray]
 class TrafficSampler:
     """Keeps a random share of live MoI runs (module docstring)."""
 
-    def __init__(self, rate: float, max_runs: int, *, seed: int | None = None) -> None:
+    def __init__(
+        self,
+        rate: float,
+        max_runs: int,
+        *,
+        seed: int | None = None,
+        spool: TrafficSpool | None = None,
+    ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError("rate must be in [0, 1]")
         if max_runs < 1:
             raise ValueError("max_runs must be >= 1")
         self.rate = rate
         self.max_runs = max_runs
+        self.spool = spool
         self._rng = np.random.default_rng(seed)
         self._runs: dict[SampleKey, deque[Run]] = {}
+        # One worker: the spool's appends land in the order the runs were kept.
+        self._writer = ThreadPoolExecutor(1, "traffic-spool") if spool is not None else None
+        self._last_warning = -_WARN_EVERY_S
 
     @property
     def enabled(self) -> bool:
@@ -94,14 +126,154 @@ class TrafficSampler:
         ring = self._runs.get(key)
         if ring is None:
             ring = self._runs[key] = deque(maxlen=self.max_runs)
-        ring.append((perms.copy(), np.asarray(scores, dtype=np.float64).copy()))
+        run = (perms.copy(), np.asarray(scores, dtype=np.float64).copy())
+        ring.append(run)
+        if self._writer is not None:
+            self._writer.submit(self._spool_append, key, run, time.time())
         return group
 
     def runs(self, model: str, template: str, design: DesignGroup, slots: int) -> list[Run]:
-        """The kept runs of this key, oldest first (a copy of the list)."""
-        return list(self._runs.get(SampleKey(model, template, design, slots), ()))
+        """The runs a calibration pools for this key, oldest first: this replica's, or with a
+        spool the latest ``max_runs`` of every replica's (blocks on the spool's folder)."""
+        key = SampleKey(model, template, design, slots)
+        if self.spool is None:
+            return list(self._runs.get(key, ()))
+        self.flush()
+        return self.spool.runs(key)
 
     def counts(self) -> list[SampleCount]:
-        """How many runs each key holds, sorted by model, template, design and slots."""
+        """How many runs each key holds in this replica, sorted by model, template, design
+        and slots (what the ``traffic_sample_runs`` gauge reports)."""
         keys = sorted(self._runs, key=lambda k: (k.model, k.template, k.design, k.slots))
         return [SampleCount(k, len(self._runs[k])) for k in keys if self._runs[k]]
+
+    def pooled_counts(self) -> list[SampleCount]:
+        """``counts`` of what ``runs`` pools: every replica's with a spool (blocks)."""
+        if self.spool is None:
+            return self.counts()
+        self.flush()
+        return self.spool.counts()
+
+    def flush(self) -> None:
+        """Wait until every run kept so far is in the spool (blocks)."""
+        if self._writer is not None:
+            self._writer.submit(lambda: None).result()
+
+    def close(self) -> None:
+        """Finish the pending spool appends; later runs are kept in memory only."""
+        if self._writer is not None:
+            self._writer.shutdown(wait=True)
+            self._writer = None
+
+    def _spool_append(self, key: SampleKey, run: Run, at: float) -> None:
+        assert self.spool is not None
+        try:
+            self.spool.append(key, run, at)
+        except OSError as exc:  # a full or read-only volume must not fail requests
+            now = time.monotonic()
+            if now - self._last_warning >= _WARN_EVERY_S:
+                self._last_warning = now
+                log.warning("traffic sample: could not append to %s: %s", self.spool.root, exc)
+
+
+class TrafficSpool:
+    """Every replica's sampled runs in a shared folder: ``<root>/<key>/<replica>.jsonl``, one
+    JSON line a run (permutation indices, scores, time: numbers only). Each replica appends to
+    its own file only, and rewrites it with its latest ``max_runs`` lines once it holds twice
+    that, so files stay bounded and no two processes write one file. Readers skip a line torn
+    by a crash or a concurrent append.
+
+    Args:
+        root: the shared folder (created on first append).
+        max_runs: runs pooled per key, the latest of all replicas'.
+        replica: this sampler's file name (default ``<hostname>-<pid>-<random>``: unique per
+            pod, restart and app; a gone replica's runs age out of the latest ``max_runs``).
+    """
+
+    def __init__(self, root: Path, max_runs: int, replica: str | None = None) -> None:
+        self.root = root
+        self.max_runs = max_runs
+        default = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.replica = _SAFE.sub("_", replica or default)
+        self._lines: dict[SampleKey, int] = {}
+
+    def folder(self, key: SampleKey) -> Path:
+        name = f"{key.model}__{key.template}__{key.design}__L{key.slots}"
+        return self.root / _SAFE.sub("_", name)
+
+    def append(self, key: SampleKey, run: Run, at: float) -> None:
+        """Append one run to this replica's file of ``key`` (compacting it when due)."""
+        path = self.folder(key) / f"{self.replica}.jsonl"
+        lead = ""
+        if key not in self._lines:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self._lines[key] = len(_read_lines(path))
+            if path.is_file() and path.stat().st_size and not _ends_with_newline(path):
+                lead = "\n"  # a crash tore the last line: do not glue this one to it
+        line = json.dumps(
+            {
+                "t": at,
+                "model": key.model,
+                "template": key.template,
+                "design": key.design,
+                "slots": key.slots,
+                "perms": run[0].tolist(),
+                "scores": run[1].tolist(),
+            },
+            allow_nan=False,
+        )
+        with path.open("a", encoding="utf-8") as fh:
+            fh.write(lead + line + "\n")
+        self._lines[key] += 1
+        if self._lines[key] >= 2 * self.max_runs:
+            keep = _read_lines(path)[-self.max_runs :]
+            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".compact-", suffix=".tmp")
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write("".join(json.dumps(r) + "\n" for r in keep))
+            os.replace(tmp, path)
+            self._lines[key] = len(keep)
+
+    def runs(self, key: SampleKey) -> list[Run]:
+        """The latest ``max_runs`` runs of ``key`` over every replica's file, oldest first."""
+        records = sorted(
+            (r for f in sorted(self.folder(key).glob("*.jsonl")) for r in _read_lines(f)),
+            key=lambda r: float(r["t"]),
+        )[-self.max_runs :]
+        return [
+            (np.asarray(r["perms"], dtype=np.int64), np.asarray(r["scores"], dtype=np.float64))
+            for r in records
+        ]
+
+    def counts(self) -> list[SampleCount]:
+        """Runs ``runs`` would pool, per key found in the folder."""
+        out = []
+        for folder in sorted(p for p in self.root.glob("*") if p.is_dir()):
+            records = [r for f in sorted(folder.glob("*.jsonl")) for r in _read_lines(f)]
+            if records:
+                r = records[0]
+                key = SampleKey(r["model"], r["template"], r["design"], int(r["slots"]))
+                out.append(SampleCount(key, min(len(records), self.max_runs)))
+        return sorted(out, key=lambda c: (c.key.model, c.key.template, c.key.design, c.key.slots))
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    """The well-formed records of one spool file (none if it does not exist)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return []
+    out = []
+    for line in text.splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # torn by a crash, or being appended right now
+        if isinstance(rec, dict) and {"t", "perms", "scores", "slots"} <= rec.keys():
+            out.append(rec)
+    return out
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with path.open("rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
+import anyio.to_thread
 from fastapi import APIRouter, Request
 
 from app.errors import GET_ERRORS, POST_ERRORS, error_responses
@@ -63,6 +64,8 @@ async def list_profiles(
     def wanted(m: str, t: str) -> bool:
         return (model is None or m == model) and (template is None or t == template)
 
+    # Blocking with a shared traffic folder (every replica's files): off the event loop.
+    counts = await anyio.to_thread.run_sync(ctx.engine.traffic.pooled_counts)
     return ProfileList(
         data=[profile_out(p) for p in ctx.engine.profiles.list() if wanted(p.model, p.template)],
         traffic_samples=[
@@ -73,7 +76,7 @@ async def list_profiles(
                 slots=c.key.slots,
                 runs=c.runs,
             )
-            for c in ctx.engine.traffic.counts()
+            for c in counts
             if wanted(c.key.model, c.key.template)
         ],
     )

@@ -296,3 +296,31 @@ async def test_from_traffic_with_sampling_off_says_which_setting(served: Harness
     assert r.status_code == 422
     err = r.json()["error"]
     assert err["param"] == "from_traffic" and "RAG_REORDER_TRAFFIC_SAMPLE_RATE" in err["message"]
+
+
+async def test_replicas_sharing_a_traffic_folder_calibrate_from_each_others_runs(
+    tmp_path: Path,
+) -> None:
+    """Two replicas (two apps) share `traffic_sample_dir`: the one that served the traffic
+    is not the one the calibration request lands on."""
+    shared = {"traffic_sample_rate": 1.0, "traffic_sample_dir": tmp_path / "traffic"}
+    backend = TrackingBackend(TRUTH, bias=recency_bias, noise=0.05)
+    async with serving(tmp_path / "a", backend=backend, **shared) as a:
+        for k in range(3):
+            body = {
+                "query": f"{QUERY} {k}",
+                "passages": PASSAGES[k:] + PASSAGES[:k],
+                "design": {"kind": "pruned_random", "seed": k},
+            }
+            assert (await a.client.post("/v1/reorder", json=body)).status_code == 200
+    async with serving(tmp_path / "b", **shared) as b:  # started after a stopped
+        listed = (await b.client.get("/v1/bias-profiles")).json()["traffic_samples"]
+        assert [(t["design"], t["slots"], t["runs"]) for t in listed] == [("pruned_random", 2, 3)]
+        metrics = (await b.client.get("/metrics")).text
+        assert 'rag_reorder_traffic_sample_runs{design="pruned_random"} 0.0' in metrics  # b's own
+        traffic = {"from_traffic": True, "design": "pruned_random", "slots": 2}
+        r = await b.client.post("/v1/bias-profiles/calibrate", json=traffic)
+        assert r.status_code == 200, r.text
+        out = r.json()
+        assert out["queries"] == 3 and out["profile"]["oriented_by"] == "data"
+        assert out["profile"]["coefficients"][1] > out["profile"]["coefficients"][0]

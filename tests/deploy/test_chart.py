@@ -168,12 +168,16 @@ def test_bias_profiles_on_a_claim_are_mounted_writable_and_named_to_the_service(
     server = checks.server_container({"spec": {"template": {"spec": pod}}})
     path = "/var/lib/rag-reorder/profiles"
     assert checks.env_of(server)["RAG_REORDER_BIAS_PROFILE_DIR"]["value"] == path
+    # The replicas' shared traffic sample lives on the same claim.
+    assert checks.env_of(server)["RAG_REORDER_TRAFFIC_SAMPLE_DIR"]["value"] == f"{path}/traffic"
     (mount,) = [m for m in server["volumeMounts"] if m["name"] == "bias-profiles"]
     assert mount == {"name": "bias-profiles", "mountPath": path}  # writable
     (claim,) = [v for v in pod["volumes"] if v["name"] == "bias-profiles"]
     assert claim["persistentVolumeClaim"] == {"claimName": "profiles"}
     default = checks.one(rendered["default"], "Deployment")
-    assert "RAG_REORDER_BIAS_PROFILE_DIR" not in checks.env_of(checks.server_container(default))
+    default_env = checks.env_of(checks.server_container(default))
+    assert "RAG_REORDER_BIAS_PROFILE_DIR" not in default_env
+    assert "RAG_REORDER_TRAFFIC_SAMPLE_DIR" not in default_env
 
 
 def test_the_dashboard_configmap_carries_the_dashboard_file(
@@ -457,6 +461,11 @@ BAD_VALUES = {
         "biasProfiles.volume.enabled=true,biasProfiles.volume.existingClaim=p,"
         "settings.BIAS_PROFILE_DIR=/x",
         "keep one",
+    ),
+    "traffic folder set twice": (
+        "biasProfiles.volume.enabled=true,biasProfiles.volume.existingClaim=p,"
+        "settings.TRAFFIC_SAMPLE_DIR=/x",
+        "traffic sample folder; keep one",
     ),
     "rollout deadline inside the startup budget": (
         "progressDeadlineSeconds=300",

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
-from service.traffic import TrafficSampler
+from service.traffic import SampleKey, TrafficSampler, TrafficSpool
 
 PERMS = np.array([[0, 1, 2], [2, 0, 1], [1, 2, 0], [0, 2, 1]])
 SCORES = np.array([-3.0, -2.5, -2.0, -2.8])
@@ -76,3 +78,65 @@ def test_ring_keeps_the_latest_runs() -> None:
 def test_bad_settings_are_refused(rate: float, max_runs: int) -> None:
     with pytest.raises(ValueError):
         TrafficSampler(rate, max_runs)
+
+
+# --- the shared folder (TrafficSpool): every replica's runs pooled --------------------------
+
+
+def spooled(root: Path, replica: str, max_runs: int = 10) -> TrafficSampler:
+    return TrafficSampler(1.0, max_runs, spool=TrafficSpool(root, max_runs, replica=replica))
+
+
+def test_a_calibration_on_any_replica_pools_every_replicas_runs(tmp_path: Path) -> None:
+    a, b = spooled(tmp_path, "pod-a"), spooled(tmp_path, "pod-b")
+    offer(a, scores=SCORES + 1)
+    offer(b, scores=SCORES + 2)
+    offer(a, scores=SCORES + 3)
+    for s in (a, b):  # each replica sees all three, oldest first, exact numbers
+        runs = s.runs("m", "t", "random", 3)
+        assert [r[1][0] for r in runs] == [-2.0, -1.0, 0.0]
+        assert all(np.array_equal(r[0], PERMS) and r[0].dtype == np.int64 for r in runs)
+        assert [(c.key, c.runs) for c in s.pooled_counts()] == [
+            (SampleKey("m", "t", "random", 3), 3)
+        ]
+    assert [c.runs for c in a.counts()] == [2]  # the gauge stays per replica
+    a.close()
+    b.close()
+    # A replica started later (a restart, a new pod) pools what the others left.
+    assert len(spooled(tmp_path, "pod-c").runs("m", "t", "random", 3)) == 3
+
+
+def test_the_pool_is_the_latest_max_runs_and_files_stay_bounded(tmp_path: Path) -> None:
+    a, b = spooled(tmp_path, "a", max_runs=4), spooled(tmp_path, "b", max_runs=4)
+    for k in range(20):
+        offer(a if k % 2 else b, scores=SCORES + k)
+    assert [r[1][0] for r in a.runs("m", "t", "random", 3)] == [13.0, 14.0, 15.0, 16.0]
+    assert a.spool is not None
+    for f in a.spool.folder(SampleKey("m", "t", "random", 3)).glob("*.jsonl"):
+        assert len(f.read_text().splitlines()) < 2 * 4  # compacted to the latest 4 at 8
+    assert not list(tmp_path.rglob("*.tmp"))
+
+
+def test_a_torn_line_is_skipped_and_not_glued_to_the_next(tmp_path: Path) -> None:
+    s = spooled(tmp_path, "a")
+    offer(s, scores=SCORES)
+    s.close()
+    assert s.spool is not None
+    path = s.spool.folder(SampleKey("m", "t", "random", 3)) / "a.jsonl"
+    with path.open("a") as fh:
+        fh.write('{"t": 1e12, "perms": [[0, 1')  # the process died mid-append
+    again = spooled(tmp_path, "a")
+    offer(again, scores=SCORES + 1)
+    assert [r[1][0] for r in again.runs("m", "t", "random", 3)] == [-3.0, -2.0]
+
+
+def test_an_unwritable_folder_keeps_serving_from_memory(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    s = spooled(blocker, "a")
+    assert offer(s) == "random"  # the request's path is not affected
+    s.flush()
+    assert "could not append" in caplog.text
+    assert [c.runs for c in s.counts()] == [1]

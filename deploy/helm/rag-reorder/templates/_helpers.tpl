@@ -93,6 +93,9 @@ SIGTERM to exit with nothing in flight). 10 s covers both. */}}
 {{- if and .Values.biasProfiles.volume.enabled (hasKey .Values.settings "BIAS_PROFILE_DIR") }}
 {{- fail "settings.BIAS_PROFILE_DIR and biasProfiles.volume both set the profile folder; keep one" }}
 {{- end }}
+{{- if and .Values.biasProfiles.volume.enabled (hasKey .Values.settings "TRAFFIC_SAMPLE_DIR") }}
+{{- fail "settings.TRAFFIC_SAMPLE_DIR and biasProfiles.volume both set the traffic sample folder; keep one" }}
+{{- end }}
 {{- if and .Values.podDisruptionBudget.enabled (eq (toString .Values.podDisruptionBudget.maxUnavailable) "<nil>") (eq (toString .Values.podDisruptionBudget.minAvailable) "<nil>") }}
 {{- fail "podDisruptionBudget needs maxUnavailable or minAvailable" }}
 {{- end }}

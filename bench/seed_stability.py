@@ -9,8 +9,13 @@ passage, same order), how often each top passage is the gold one, and whether th
 own confidence says so: the median ``confidence[0]`` (probability that the top passage beats
 the second) for questions whose two draws agreed on the top and for those that did not.
 
+Passages: by default as ``rag-reorder eval`` cuts them (``--selection eval``: the gold passage
+kept among ``--passages``); ``--selection first`` takes the first ``--passages`` as they come,
+which on NQ-Open dev mostly leaves the gold passage out (a retriever miss: every passage a
+distractor).
+
 Usage: python bench/seed_stability.py [--queries 8] [--passages 10] [--budgets 20,40,60]
-       [--out bench/results/seed_stability.json]
+       [--selection eval|first] [--out bench/results/seed_stability.json]
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from bench.report import provenance, write
 from service.backends.base import SpanLogprobs
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
+from service.evaluation.runner import prepare
 from service.model_assets import resolve_model
 from service.prompts import build_prompts
 from service.settings import Settings
@@ -63,8 +69,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     per_question = []
     t0 = time.perf_counter()
     tokens = 0
+    gold_shown = 0
     for k, ex in enumerate(examples):
-        passages = ex.passages[: args.passages]
+        if args.selection == "eval":
+            q = prepare(ex, args.passages)
+            passages, gold = q.passages, tuple(q.gold)
+        else:
+            passages = ex.passages[: args.passages]
+            gold = tuple(g for g in ex.gold if g < args.passages)
+        gold_shown += bool(gold)
         n = len(passages)
         draws = []
         for base in SEEDS:
@@ -82,7 +95,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         fits = {
             m: [solver.fit(perms[:m], s[:m], n_passages=n) for perms, s in draws] for m in budgets
         }
-        per_question.append((ex.gold, fits))
+        per_question.append((gold, fits))
         print(f"question {k + 1}/{len(examples)} scored", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
 
@@ -133,6 +146,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": backend.model_id,
         "design": "pruned_random",
         "passages": args.passages,
+        "selection": args.selection,
+        "questions_with_gold_shown": gold_shown,
         "questions": len(per_question),
         "seeds": list(SEEDS),
         "prompt_tokens": tokens,
@@ -146,6 +161,7 @@ def main() -> int:
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--budgets", default="20,40,60", help="prompt counts M to compare")
+    ap.add_argument("--selection", choices=("eval", "first"), default="eval")
     ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "seed_stability.json"))
     args = ap.parse_args()

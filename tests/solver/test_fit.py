@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from scipy.special import ndtr, stdtrit
 from scipy.stats import kendalltau
 
 import solver
@@ -177,6 +178,24 @@ def test_confidences_are_probabilities_and_calibrated_in_shape() -> None:
     assert np.corrcoef(gaps, f.confidence)[0, 1] > 0.3
     assert f.utility_stderr is not None and np.all(f.utility_stderr > 0)
     assert f.residual_dof == 60 - (20 + 18)
+
+
+def test_confidences_account_for_few_residual_degrees_of_freedom() -> None:
+    """The default design at N = 10 leaves 6 residual degrees of freedom; sigma estimated
+    from so few makes the normal CDF overconfident, Student's t is calibrated."""
+    pred, right = [], []
+    for t in range(150):
+        rng = np.random.default_rng(t)
+        perms = plan("pruned_random", 10, seed=t)
+        u = rng.standard_normal(10)
+        f = fit(perms, synthesize(perms, u, bias_shape("primacy", 5), 0.3, rng))
+        assert f.confidence is not None and f.residual_dof == 6
+        pred.extend(f.confidence)
+        right.extend(u[f.order[k]] > u[f.order[k + 1]] for k in range(9))
+    normal = ndtr(stdtrit(6, np.asarray(pred)))  # what Phi(delta / SE) would have said
+    actual = float(np.mean(right))
+    assert abs(float(np.mean(pred)) - actual) < 0.015
+    assert float(np.mean(normal)) - actual > 0.02
 
 
 def test_zero_noise_gives_certain_confidences() -> None:

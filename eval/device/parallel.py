@@ -148,7 +148,8 @@ def main() -> int:
     ap.add_argument("--data", type=Path, required=True)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--work", type=Path, default=Path("/tmp/shards"))
-    ap.add_argument("--procs", type=int, default=6, help="eval processes at once")
+    # 6 held 74-78 GiB of an H100; a 7th and 8th died of CUDA OOM at start-up.
+    ap.add_argument("--procs", type=int, default=5, help="eval processes at once")
     ap.add_argument("--chunk", type=int, default=13, help="questions per process")
     ap.add_argument("--budget", type=float, default=520, help="seconds, then stop and merge")
     ap.add_argument("--rr", default="python3 -m app", help="the CLI to call")

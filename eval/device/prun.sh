@@ -13,7 +13,7 @@ nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,nohead
     >"$OUT/gpu-util.txt" 2>&1 &
 smi=$!
 python3 eval/device/parallel.py --data /tmp/data --out "$out" --budget "${BUDGET:-520}" \
-    --procs "${PROCS:-6}" 2>&1 | tee "$OUT/eval-log.txt"
+    --procs "${PROCS:-5}" 2>&1 | tee "$OUT/eval-log.txt"
 kill "$smi"
 mkdir -p "$OUT/logs" && cp /tmp/shards/*.log "$OUT/logs/" 2>/dev/null
 tar czf "$OUT/evalout.tgz" -C /tmp evalout

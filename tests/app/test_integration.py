@@ -33,6 +33,9 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
         "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
         "RAG_REORDER_API_KEY": "integration-key",
         "HF_HUB_OFFLINE": "1",
+        # Every live MoI run sampled into a shared folder, as replicas on one volume would.
+        "RAG_REORDER_TRAFFIC_SAMPLE_RATE": "1",
+        "RAG_REORDER_TRAFFIC_SAMPLE_DIR": str(tmp_path / "traffic"),
     }
     args = ["-m", "app", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     with server_process(args, tmp_path / "server.log", env) as server:
@@ -102,6 +105,11 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
             assert r.status_code == 200, r.text
             assert r.json()["position_bias"]["profile"] == calibrated["profile"]
 
+            sampled = client.get("/v1/bias-profiles").json()["traffic_samples"]
+            # The pruned-random reorder and rerank (2 slots) were kept; the cyclic one not.
+            assert [(t["design"], t["slots"]) for t in sampled] == [("pruned_random", 2)]
+            assert sampled[0]["runs"] >= 2
+
             metrics = client.get("/metrics").text
             assert 'rag_reorder_build_info{backend="TransformersBackend"' in metrics
             calibrations = "rag_reorder_bias_profile_calibrations_total"
@@ -115,3 +123,17 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
     log = server.log()
     assert "backend closed" in log
     assert "capital" not in log  # no query or passage text in the logs
+    spooled = (tmp_path / "traffic").rglob("*.jsonl")
+    assert all("capital" not in f.read_text() for f in spooled)  # numbers only
+
+    # A restarted (or another) replica on the same folder pools what the first one sampled.
+    with server_process(args, tmp_path / "server2.log", env) as again:
+        again.wait_ready(120)
+        with httpx.Client(base_url=again.base_url, timeout=120, headers=auth) as client:
+            assert client.get("/v1/bias-profiles").json()["traffic_samples"] == sampled
+            r = client.post(
+                "/v1/bias-profiles/calibrate",
+                json={"from_traffic": True, "design": "pruned_random", "slots": 2},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["queries"] == sampled[0]["runs"]

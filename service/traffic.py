@@ -45,6 +45,7 @@ log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _WARN_EVERY_S = 60.0
+_FIELDS = frozenset({"t", "model", "template", "design", "slots", "perms", "scores"})
 
 DesignGroup = Literal["random", "pruned_random"]
 """``random`` pools the full-length designs (``random`` and ``hybrid``, N slots);
@@ -144,8 +145,8 @@ class TrafficSampler:
     def counts(self) -> list[SampleCount]:
         """How many runs each key holds in this replica, sorted by model, template, design
         and slots (what the ``traffic_sample_runs`` gauge reports)."""
-        keys = sorted(self._runs, key=lambda k: (k.model, k.template, k.design, k.slots))
-        return [SampleCount(k, len(self._runs[k])) for k in keys if self._runs[k]]
+        held = sorted(((k, len(ring)) for k, ring in self._runs.items() if ring), key=_order)
+        return [SampleCount(k, n) for k, n in held]
 
     def pooled_counts(self) -> list[SampleCount]:
         """``counts`` of what ``runs`` pools: every replica's with a spool (blocks)."""
@@ -236,7 +237,7 @@ class TrafficSpool:
     def runs(self, key: SampleKey) -> list[Run]:
         """The latest ``max_runs`` runs of ``key`` over every replica's file, oldest first."""
         records = sorted(
-            (r for f in sorted(self.folder(key).glob("*.jsonl")) for r in _read_lines(f)),
+            (r for r in self._records(self.folder(key)) if _key_of(r) == key),
             key=lambda r: float(r["t"]),
         )[-self.max_runs :]
         return [
@@ -246,14 +247,26 @@ class TrafficSpool:
 
     def counts(self) -> list[SampleCount]:
         """Runs ``runs`` would pool, per key found in the folder."""
-        out = []
-        for folder in sorted(p for p in self.root.glob("*") if p.is_dir()):
-            records = [r for f in sorted(folder.glob("*.jsonl")) for r in _read_lines(f)]
-            if records:
-                r = records[0]
-                key = SampleKey(r["model"], r["template"], r["design"], int(r["slots"]))
-                out.append(SampleCount(key, min(len(records), self.max_runs)))
-        return sorted(out, key=lambda c: (c.key.model, c.key.template, c.key.design, c.key.slots))
+        held: dict[SampleKey, int] = {}
+        for r in self._records(self.root, "*/*.jsonl"):
+            key = _key_of(r)
+            held[key] = held.get(key, 0) + 1
+        return [SampleCount(k, min(n, self.max_runs)) for k, n in sorted(held.items(), key=_order)]
+
+    @staticmethod
+    def _records(folder: Path, pattern: str = "*.jsonl") -> list[dict[str, Any]]:
+        return [r for f in sorted(folder.glob(pattern)) for r in _read_lines(f)]
+
+
+def _key_of(record: dict[str, Any]) -> SampleKey:
+    return SampleKey(
+        str(record["model"]), str(record["template"]), record["design"], int(record["slots"])
+    )
+
+
+def _order(item: tuple[SampleKey, int]) -> tuple[str, str, str, int]:
+    k = item[0]
+    return (k.model, k.template, k.design, k.slots)
 
 
 def _read_lines(path: Path) -> list[dict[str, Any]]:
@@ -268,7 +281,7 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except ValueError:
             continue  # torn by a crash, or being appended right now
-        if isinstance(rec, dict) and {"t", "perms", "scores", "slots"} <= rec.keys():
+        if isinstance(rec, dict) and rec.keys() >= _FIELDS:
             out.append(rec)
     return out
 

@@ -92,6 +92,7 @@ def test_a_calibration_on_any_replica_pools_every_replicas_runs(tmp_path: Path) 
     offer(a, scores=SCORES + 1)
     offer(b, scores=SCORES + 2)
     offer(a, scores=SCORES + 3)
+    b.flush()  # another replica's appends land when its worker gets to them (here: now)
     for s in (a, b):  # each replica sees all three, oldest first, exact numbers
         runs = s.runs("m", "t", "random", 3)
         assert [r[1][0] for r in runs] == [-2.0, -1.0, 0.0]
@@ -110,6 +111,7 @@ def test_the_pool_is_the_latest_max_runs_and_files_stay_bounded(tmp_path: Path) 
     a, b = spooled(tmp_path, "a", max_runs=4), spooled(tmp_path, "b", max_runs=4)
     for k in range(20):
         offer(a if k % 2 else b, scores=SCORES + k)
+    b.flush()
     assert [r[1][0] for r in a.runs("m", "t", "random", 3)] == [13.0, 14.0, 15.0, 16.0]
     assert a.spool is not None
     for f in a.spool.folder(SampleKey("m", "t", "random", 3)).glob("*.jsonl"):
@@ -140,3 +142,15 @@ def test_an_unwritable_folder_keeps_serving_from_memory(
     s.flush()
     assert "could not append" in caplog.text
     assert [c.runs for c in s.counts()] == [1]
+
+
+def test_keys_that_share_a_folder_name_stay_apart(tmp_path: Path) -> None:
+    s = spooled(tmp_path, "a")
+    s.offer(model="org/m", template="t", kind="random", perms=PERMS, scores=SCORES)
+    s.offer(model="org_m", template="t", kind="random", perms=PERMS, scores=SCORES + 1)
+    assert s.spool is not None
+    assert s.spool.folder(SampleKey("org/m", "t", "random", 3)) == s.spool.folder(
+        SampleKey("org_m", "t", "random", 3)
+    )
+    assert [r[1][0] for r in s.runs("org/m", "t", "random", 3)] == [-3.0]
+    assert [(c.key.model, c.runs) for c in s.pooled_counts()] == [("org/m", 1), ("org_m", 1)]

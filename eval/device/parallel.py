@@ -137,10 +137,8 @@ def merge(out: Path, work: Path) -> None:
                 seen.setdefault(key, line)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text("".join(v + "\n" for v in seen.values()), encoding="utf-8")
-        per_q: dict[str, int] = {}
-        for key in seen:
-            per_q[json.loads(key)["question_id"]] = per_q.get(json.loads(key)["question_id"], 0) + 1
-        print(f"{test}: {len(seen)} records, {len(per_q)} questions", flush=True)
+        questions = {json.loads(key)["question_id"] for key in seen}
+        print(f"{test}: {len(seen)} records, {len(questions)} questions", flush=True)
 
 
 def main() -> int:

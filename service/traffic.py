@@ -16,7 +16,9 @@ it. With ``traffic_sample_dir`` (a folder every replica mounts, e.g. the bias-pr
 each replica also appends what it keeps to its own file there (``TrafficSpool``), and a
 calibration on any replica pools the latest ``traffic_sample_max_runs`` runs of every replica
 that wrote there, surviving restarts. The appends run on one worker thread, in order, so a
-slow volume never holds up a request; a failed append is logged and the run stays in memory.
+slow volume never holds up a request; a failed append is logged, and the run then stays only in
+this replica's memory (its gauge counts it; a pooled calibration, which reads the folder, does
+not).
 ``offer`` runs on the event loop thread (no locks on the in-memory rings); reading the spool
 blocks, so callers on the event loop run ``runs``/``pooled_counts`` in a worker thread.
 """

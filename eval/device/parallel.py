@@ -81,8 +81,10 @@ def calibrate(rr: list[str], data: Path, out: Path) -> list[subprocess.Popen[byt
 def make_jobs(data: Path, work: Path, chunk: int) -> list[Job]:
     """Chunks of each set's questions as JSONL files under ``work``, largest set first."""
     jobs: list[Job] = []
-    for test in sorted(SETS, key=lambda t: -len((data / f"{t}.jsonl").read_text().splitlines())):
-        lines = [ln for ln in (data / f"{test}.jsonl").read_text().splitlines() if ln.strip()]
+    sets = {
+        t: [ln for ln in (data / f"{t}.jsonl").read_text().splitlines() if ln.strip()] for t in SETS
+    }
+    for test, lines in sorted(sets.items(), key=lambda item: -len(item[1])):
         for i in range(0, len(lines), chunk):
             path = work / "data" / f"{test}-{i // chunk:02d}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)

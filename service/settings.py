@@ -131,8 +131,9 @@ class Settings(BaseSettings):
     traffic_sample_dir: Path | None = None
     """A folder every replica mounts (e.g. the bias-profile volume): each replica also appends
     its sampled runs there, and calibration from traffic on any replica pools the latest
-    `traffic_sample_max_runs` of all of them, across restarts. Unset: each replica calibrates
-    from its own in-memory sample."""
+    `traffic_sample_max_runs` of all of them, across restarts. A gone replica's file is
+    deleted once none of its runs is among those and it is a minute unwritten, so pod churn
+    does not grow the folder. Unset: each replica calibrates from its own in-memory sample."""
     warmup: bool = True
     """Run one tiny real scoring request after the model loads; `/ready` stays 503 until it
     succeeds (and the process exits non-zero if it fails)."""

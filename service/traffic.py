@@ -31,6 +31,7 @@ import os
 import re
 import socket
 import tempfile
+import threading
 import time
 import uuid
 from collections import deque
@@ -47,6 +48,10 @@ log = logging.getLogger(__name__)
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _WARN_EVERY_S = 60.0
+# A file is pruned only after this long unwritten: a replica appending between the read that
+# found its file stale and the unlink would lose that one run (the window is microseconds
+# wide; the idle time makes it need a replica quiet for a minute that appends in it).
+_IDLE_BEFORE_PRUNE_S = 60.0
 _FIELDS = frozenset({"t", "model", "template", "design", "slots", "perms", "scores"})
 
 DesignGroup = Literal["random", "pruned_random"]
@@ -186,6 +191,12 @@ class TrafficSpool:
     that, so files stay bounded and no two processes write one file. Readers skip a line torn
     by a crash or a concurrent append.
 
+    Files of gone replicas (every pod of a rollout gets a new name) are deleted once none of
+    their runs is among the latest ``max_runs`` of their key any more and they have not been
+    written for ``_IDLE_BEFORE_PRUNE_S``; each replica prunes when it compacts its own file and
+    when a calibration reads the folder, so the folder stays bounded under pod churn. Parsed
+    files are cached by (inode, size, mtime): a read re-parses only what changed.
+
     Args:
         root: the shared folder (created on first append).
         max_runs: runs pooled per key, the latest of all replicas'.
@@ -199,6 +210,9 @@ class TrafficSpool:
         default = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.replica = _SAFE.sub("_", replica or default)
         self._lines: dict[SampleKey, int] = {}
+        # Readers run on worker threads beside the writer thread: one lock for the parse cache.
+        self._parsed: dict[Path, tuple[tuple[int, int, int], list[dict[str, Any]]]] = {}
+        self._lock = threading.Lock()
 
     def folder(self, key: SampleKey) -> Path:
         name = f"{key.model}__{key.template}__{key.design}__L{key.slots}"
@@ -235,13 +249,16 @@ class TrafficSpool:
                 fh.write("".join(json.dumps(r) + "\n" for r in keep))
             os.replace(tmp, path)
             self._lines[key] = len(keep)
+            self._prune(path.parent)
 
     def runs(self, key: SampleKey) -> list[Run]:
         """The latest ``max_runs`` runs of ``key`` over every replica's file, oldest first."""
+        folder = self.folder(key)
         records = sorted(
-            (r for r in self._records(self.folder(key)) if _key_of(r) == key),
+            (r for _, recs in self._files(folder) for r in recs if _key_of(r) == key),
             key=lambda r: float(r["t"]),
         )[-self.max_runs :]
+        self._prune(folder)
         return [
             (np.asarray(r["perms"], dtype=np.int64), np.asarray(r["scores"], dtype=np.float64))
             for r in records
@@ -250,14 +267,60 @@ class TrafficSpool:
     def counts(self) -> list[SampleCount]:
         """Runs ``runs`` would pool, per key found in the folder."""
         held: dict[SampleKey, int] = {}
-        for r in self._records(self.root, "*/*.jsonl"):
-            key = _key_of(r)
-            held[key] = held.get(key, 0) + 1
+        for _, recs in self._files(self.root, "*/*.jsonl"):
+            for r in recs:
+                key = _key_of(r)
+                held[key] = held.get(key, 0) + 1
         return [SampleCount(k, min(n, self.max_runs)) for k, n in sorted(held.items(), key=_order)]
 
-    @staticmethod
-    def _records(folder: Path, pattern: str = "*.jsonl") -> list[dict[str, Any]]:
-        return [r for f in sorted(folder.glob(pattern)) for r in _read_lines(f)]
+    def _files(
+        self, folder: Path, pattern: str = "*.jsonl"
+    ) -> list[tuple[Path, list[dict[str, Any]]]]:
+        """Each spool file under ``folder`` with its records, parsed again only if changed."""
+        out = []
+        seen = set()
+        for path in sorted(folder.glob(pattern)):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue  # pruned by another replica since the glob
+            stamp = (st.st_ino, st.st_size, st.st_mtime_ns)
+            with self._lock:
+                cached = self._parsed.get(path)
+            if cached is None or cached[0] != stamp:
+                cached = (stamp, _read_lines(path))
+                with self._lock:
+                    self._parsed[path] = cached
+            out.append((path, cached[1]))
+            seen.add(path)
+        with self._lock:  # forget files gone from this folder
+            for path in [p for p in self._parsed if p.parent.is_relative_to(folder)]:
+                if path not in seen and path.match(pattern):
+                    del self._parsed[path]
+        return out
+
+    def _prune(self, folder: Path) -> None:
+        """Delete other replicas' files in ``folder`` that no longer hold a pooled run."""
+        files = self._files(folder)
+        newest: dict[SampleKey, list[float]] = {}
+        for _, recs in files:
+            for r in recs:
+                newest.setdefault(_key_of(r), []).append(float(r["t"]))
+        cutoff = {  # the oldest pooled time per key; keys not yet full keep every file
+            k: sorted(ts)[-self.max_runs] for k, ts in newest.items() if len(ts) > self.max_runs
+        }
+        idle_since = time.time() - _IDLE_BEFORE_PRUNE_S
+        for path, recs in files:
+            if path.stem == self.replica or not recs:
+                continue  # our own file is bounded by compaction; an empty one may be new
+            if all(_key_of(r) in cutoff and float(r["t"]) < cutoff[_key_of(r)] for r in recs):
+                try:
+                    if path.stat().st_mtime < idle_since:
+                        path.unlink()
+                except FileNotFoundError:
+                    pass  # another replica pruned it first
+                except OSError as exc:  # read-only volume: reading still works
+                    log.debug("traffic sample: could not prune %s: %s", path, exc)
 
 
 def _key_of(record: dict[str, Any]) -> SampleKey:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from service import traffic
 from service.traffic import SampleKey, TrafficSampler, TrafficSpool
 
 PERMS = np.array([[0, 1, 2], [2, 0, 1], [1, 2, 0], [0, 2, 1]])
@@ -154,3 +156,78 @@ def test_keys_that_share_a_folder_name_stay_apart(tmp_path: Path) -> None:
     )
     assert [r[1][0] for r in s.runs("org/m", "t", "random", 3)] == [-3.0]
     assert [(c.key.model, c.runs) for c in s.pooled_counts()] == [("org/m", 1), ("org_m", 1)]
+
+
+def age(folder: Path, seconds: float) -> None:
+    """Make every spool file in ``folder`` look last written ``seconds`` ago."""
+    for f in folder.glob("*.jsonl"):
+        st = f.stat()
+        os.utime(f, (st.st_atime - seconds, st.st_mtime - seconds))
+
+
+def test_files_of_gone_replicas_are_pruned_once_out_of_the_pool(tmp_path: Path) -> None:
+    key = SampleKey("m", "t", "random", 3)
+    for pod in ("rollout-1", "rollout-2"):  # replicas of an earlier rollout, long gone
+        old = spooled(tmp_path, pod, max_runs=3)
+        offer(old, scores=SCORES)
+        old.close()
+    mixed = spooled(tmp_path, "rollout-3", max_runs=3)
+    offer(mixed, scores=SCORES)
+    offer(mixed, scores=SCORES)
+    mixed.close()
+    new = spooled(tmp_path, "current", max_runs=3)
+    assert new.spool is not None
+    folder = new.spool.folder(key)
+    offer(new, scores=SCORES + 10)
+    offer(new, scores=SCORES + 10)
+    age(folder, 3600.0)
+    new.runs("m", "t", "random", 3)
+    # The pool is current's 2 and rollout-3's newest: rollout-1 and -2 hold none of it.
+    assert sorted(f.stem for f in folder.glob("*.jsonl")) == ["current", "rollout-3"]
+    offer(new, scores=SCORES + 10)
+    assert [r[1][0] for r in new.runs("m", "t", "random", 3)] == [7.0, 7.0, 7.0]
+    assert sorted(f.stem for f in folder.glob("*.jsonl")) == ["current"]
+    assert [(c.key, c.runs) for c in new.pooled_counts()] == [(key, 3)]
+
+
+def test_a_recently_written_stale_file_is_kept(tmp_path: Path) -> None:
+    quiet = spooled(tmp_path, "quiet", max_runs=2)
+    offer(quiet, scores=SCORES)
+    quiet.close()
+    busy = spooled(tmp_path, "busy", max_runs=2)
+    for _ in range(3):
+        offer(busy, scores=SCORES + 1)
+    assert busy.spool is not None
+    folder = busy.spool.folder(SampleKey("m", "t", "random", 3))
+    busy.runs("m", "t", "random", 3)  # quiet's run is out of the pool but written just now
+    assert (folder / "quiet.jsonl").is_file()
+    age(folder, 3600.0)
+    busy.runs("m", "t", "random", 3)
+    assert not (folder / "quiet.jsonl").exists()
+
+
+def test_reads_parse_only_files_that_changed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    a, b = spooled(tmp_path, "a"), spooled(tmp_path, "b")
+    offer(a)
+    offer(b)
+    a.flush()  # a first append reads its file too: let both land before counting parses
+    b.flush()
+    parsed: list[str] = []
+    real = traffic._read_lines
+    monkeypatch.setattr(
+        traffic,
+        "_read_lines",
+        lambda p: parsed.append(p.stem) or real(p),  # type: ignore[func-returns-value]
+    )
+    assert len(a.runs("m", "t", "random", 3)) == 2
+    assert sorted(parsed) == ["a", "b"]
+    parsed.clear()
+    a.pooled_counts()
+    assert len(a.runs("m", "t", "random", 3)) == 2
+    assert parsed == []  # nothing changed: the cache answered
+    offer(b, scores=SCORES + 1)
+    b.flush()
+    assert len(a.runs("m", "t", "random", 3)) == 3
+    assert parsed == ["b"]

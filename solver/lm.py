@@ -199,14 +199,18 @@ def run(prob: Problem, st: State, aff: Affine, max_iter: int = _MAX_ITER) -> Sta
     return st
 
 
-def run_nonneg(prob: Problem, st: State, max_iter: int = _MAX_ITER) -> State:
+def run_nonneg(
+    prob: Problem, st: State, max_iter: int = _MAX_ITER, active: NDArray[np.bool_] | None = None
+) -> State:
     """``run`` on the simplex ``a >= 0, sum a = 1`` by an active set on the bounds.
 
     Coefficients that go negative are held at zero and the fit is repeated; a held
-    coefficient is released when the Lagrangian says raising it lowers the cost.
+    coefficient is released when the Lagrangian says raising it lowers the cost. ``active``
+    starts with those coefficients held (a warm start from a nearby solution's bounds: without
+    it, a start on a bound first wanders through the infeasible side).
     """
     slots = st.a.shape[0]
-    active = np.zeros(slots, dtype=bool)
+    active = np.zeros(slots, dtype=bool) if active is None else active.copy()
     for _ in range(2 * slots + 2):
         if not np.any(active):
             st = run(prob, st, simplex(slots), max_iter)

@@ -144,7 +144,12 @@ class MoI:
         try:
             fit = await work.off_loop(
                 lambda: solver.fit(
-                    perms, scores, reference_bias=reference, retriever_scores=retr, n_passages=n
+                    perms,
+                    scores,
+                    reference_bias=reference,
+                    retriever_scores=retr,
+                    n_passages=n,
+                    variance=work.settings.confidence_method,
                 ),
                 timer="solver",
             )

@@ -153,3 +153,18 @@ async def test_single_passage_and_bias_matched_placement(tmp_path: Path) -> None
     assert one.order == [0]
     res = await r.reorder(ReorderRequest("q", passages, placement="bias_matched"))
     assert res.order[-1] == res.ranking[0]  # recency-heavy bias: best passage last
+
+
+async def test_confidence_method_setting_picks_the_covariance_estimate(tmp_path: Path) -> None:
+    passages, truth = _world()
+    results = {}
+    for method in ("jackknife", "delta"):
+        backend = FakeBackend(truth, noise=0.05)
+        settings = Settings(cache_dir=tmp_path, confidence_method=method)  # type: ignore[arg-type]
+        r = Reorderer(backend, settings, ProfileStore(tmp_path / "profiles"))
+        results[method] = (await r.reorder(ReorderRequest("q", passages))).fit
+    jack, delta = results["jackknife"], results["delta"]
+    assert jack.order == delta.order  # the point fit does not depend on it
+    assert jack.utility_stderr is not None and delta.utility_stderr is not None
+    assert not np.allclose(jack.utility_stderr, delta.utility_stderr)
+    assert Settings().confidence_method == "jackknife"

@@ -1,5 +1,8 @@
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -331,3 +334,86 @@ def test_identifiability_report() -> None:
     assert solver.identifiability(solver.as_design(plan("random", 6))).level == "up_to_scale"
     assert solver.identifiability(solver.as_design(plan("pruned_random", 6))).level == "full"
     assert solver.identifiability(solver.as_design(plan("hybrid", 6))).level == "up_to_scale"
+
+
+def _refit_jackknife_stderr(perms: np.ndarray, s: np.ndarray, **kw: object) -> np.ndarray:
+    """The jackknife by brute force: refit from scratch with each prompt dropped (a
+    non-finite score drops its prompt)."""
+    us = []
+    for i in range(s.shape[0]):
+        left_out = s.copy()
+        left_out[i] = np.nan
+        u = fit(perms, left_out, uncertainty=False, **kw).utilities  # type: ignore[arg-type]
+        us.append(u - u.mean())
+    dev = np.asarray(us) - np.mean(us, axis=0)
+    m = s.shape[0]
+    return np.sqrt((m - 1) / m * (dev**2).sum(axis=0))
+
+
+@pytest.mark.parametrize("kind", ["pruned_random", "random"])
+def test_jackknife_is_the_refits_with_each_prompt_left_out(kind: str) -> None:
+    rng = np.random.default_rng(3)
+    perms = plan(kind, 8, seed=3)  # type: ignore[arg-type]
+    s = synthesize(perms, rng.standard_normal(8), bias_shape("primacy", perms.shape[1]), 0.05, rng)
+    f = fit(perms, s, variance="jackknife")
+    assert f.utility_stderr is not None
+    # Warm-started refits land where cold ones do on a well-conditioned problem.
+    np.testing.assert_allclose(f.utility_stderr, _refit_jackknife_stderr(perms, s), rtol=1e-3)
+    delta = fit(perms, s)
+    assert delta.order == f.order and delta.confidence is not None and f.confidence is not None
+    assert not np.allclose(delta.confidence, f.confidence)
+
+
+def test_fixed_bias_jackknife_is_exact_in_closed_form() -> None:
+    # Two copies of a cyclic design identify no bias but leave N residual degrees of freedom.
+    cyc = plan("cyclic", 6, seed=0)
+    perms = np.vstack([cyc, cyc[::-1]])
+    rng = np.random.default_rng(5)
+    a = bias_shape("primacy", 6)  # a symmetric one would leave directions to the ridge
+    s = synthesize(perms, rng.standard_normal(6), a, 0.2, rng)
+    f = fit(perms, s, reference_bias=a, variance="jackknife")
+    assert f.method == "fixed_bias" and f.residual_dof == 6 and f.utility_stderr is not None
+    brute = _refit_jackknife_stderr(perms, s, reference_bias=a)
+    # The refits solve with the deconvolution's 1e-4 ridge, the closed form without it.
+    np.testing.assert_allclose(f.utility_stderr, brute, rtol=2e-3)
+
+
+def test_jackknife_falls_back_to_the_delta_method_when_a_passage_rests_on_one_prompt() -> None:
+    # A default-style design of 6 passages, and a 7th shown in one extra prompt only.
+    perms = np.vstack([plan("pruned_random", 6, num_prompts=14, seed=0), [[0, 1, 6]]])
+    rng = np.random.default_rng(0)
+    s = synthesize(perms, rng.standard_normal(7), bias_shape("primacy", 3), 0.1, rng)
+    f = fit(perms, s, variance="jackknife")
+    d = fit(perms, s, variance="delta")
+    assert any("shown in only one prompt" in w for w in f.warnings)
+    assert f.utility_stderr is not None and d.utility_stderr is not None
+    np.testing.assert_allclose(f.utility_stderr, d.utility_stderr)
+
+
+def test_on_real_scores_the_jackknife_claims_what_an_independent_fit_confirms() -> None:
+    """SmolLM2's scores of 8 NQ-Open questions, 6 default designs each
+    (bench/results/confidence_real_scores.json, bench/confidence_real.py): each design's pairs
+    against a fit of the other five designs' prompts. The delta method claims far more than
+    is confirmed; the jackknife about what is."""
+    path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
+    raw = json.loads(path.read_text())
+    claimed: dict[str, list[float]] = {"delta": [], "jackknife": []}
+    confirmed = []
+    for q in raw["questions"][:4]:
+        designs = [(np.asarray(d["perms"]), np.asarray(d["scores"])) for d in q["designs"]]
+        for i, (perms, s) in enumerate(designs):
+            ref = fit(
+                np.concatenate([p for j, (p, _) in enumerate(designs) if j != i]),
+                np.concatenate([x for j, (_, x) in enumerate(designs) if j != i]),
+                uncertainty=False,
+            )
+            fits = {v: fit(perms, s, variance=v) for v in ("delta", "jackknife")}  # type: ignore[arg-type]
+            assert fits["delta"].order == fits["jackknife"].order
+            order = fits["delta"].order
+            confirmed += [ref.utilities[order[k]] > ref.utilities[order[k + 1]] for k in range(9)]
+            for v, f in fits.items():
+                assert f.confidence is not None
+                claimed[v] += list(f.confidence)
+    share = float(np.mean(confirmed))
+    assert float(np.mean(claimed["delta"])) - share > 0.08
+    assert abs(float(np.mean(claimed["jackknife"])) - share) < 0.05

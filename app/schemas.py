@@ -263,8 +263,11 @@ class PassageOut(_Model):
     """The strategy's own per-passage score (higher is better; see `diagnostics.score`);
     null when the strategy has none or could not compute it."""
     stderr: float | None
+    """`moi`: standard error of `utility`, from a jackknife over the prompts by default
+    (`confidence_method` setting); null where the design leaves no residual freedom."""
     confidence_above_next: float | None
-    """`moi`: probability that this passage truly beats the next one in `ranking`."""
+    """`moi`: probability that this passage truly beats the next one in `ranking` (Student's
+    t on the same spread estimate)."""
     shown: bool
     """Whether any prompt showed this passage to the model."""
     distracting_effect: float | None

@@ -54,8 +54,8 @@ class Fit:
 
     ``utilities`` are in score units (nats of query log-likelihood per unit of slot weight),
     centred on the mean shown passage; ``NaN`` for a passage no prompt showed.
-    ``confidence[k]`` is the delta-method probability that ``order[k]`` truly has a higher
-    utility than ``order[k + 1]`` (``None`` when the design leaves no residual degrees of
+    ``confidence[k]`` is the probability (Student's t on the ``variance`` estimate) that
+    ``order[k]`` truly has a higher utility than ``order[k + 1]`` (``None`` when the design leaves no residual degrees of
     freedom, e.g. cyclic; ``NaN`` for pairs involving a never-shown passage).
     """
 

@@ -48,6 +48,7 @@ from bench.report import provenance, write
 from solver.fit import Variance
 
 RESULTS = Path(__file__).parent / "results"
+BINS = [(0.5, 0.6), (0.6, 0.75), (0.75, 0.9), (0.9, 0.97), (0.97, 1.01)]
 
 
 async def collect(args: argparse.Namespace) -> dict[str, Any]:
@@ -135,6 +136,7 @@ def judge(raw: dict[str, Any], variance: Variance) -> dict[str, Any]:
     c = np.asarray(conf)
     r = np.asarray(right, dtype=np.float64)
     sure = c >= 0.95
+    surest = c >= 0.99
     return {
         "variance": variance,
         "fits": len(dofs),
@@ -145,6 +147,18 @@ def judge(raw: dict[str, Any], variance: Variance) -> dict[str, Any]:
         "brier": float(((c - r) ** 2).mean()),
         "pairs_claimed_095": int(sure.sum()),
         "share_confirmed_of_claimed_095": float(r[sure].mean()) if sure.any() else None,
+        "pairs_claimed_099": int(surest.sum()),
+        "share_confirmed_of_claimed_099": float(r[surest].mean()) if surest.any() else None,
+        "bins": [
+            {
+                "claimed": [lo, hi],
+                "pairs": int(m.sum()),
+                "mean_confidence": float(c[m].mean()) if m.any() else None,
+                "share_confirmed": float(r[m].mean()) if m.any() else None,
+            }
+            for lo, hi in BINS
+            for m in [(c >= lo) & (c < hi)]
+        ],
         "top_pair_mean_confidence": statistics.mean(t[0] for t in top),
         "top_pair_share_confirmed": statistics.mean(float(t[1]) for t in top),
     }
@@ -212,6 +226,13 @@ def main() -> int:
             f" top pair {row['top_pair_mean_confidence']:.3f} for "
             f"{row['top_pair_share_confirmed']:.3f}"
         )
+        for b in row["bins"]:
+            if b["pairs"]:
+                print(
+                    f"{'':>11}claimed in [{b['claimed'][0]}, {b['claimed'][1]}): {b['pairs']:>3} "
+                    f"pairs, {b['mean_confidence']:.3f} claimed, "
+                    f"{b['share_confirmed']:.3f} confirmed"
+                )
     write(
         {
             **provenance(),

@@ -139,8 +139,8 @@ class Settings(BaseSettings):
     `confidence_above_next`. `jackknife`: refit with each prompt left out; on SmolLM2's scores
     its confidences are close to how often an independent fit with five times the prompts
     agrees, where `delta` (`sigma^2 (J^T J)^-1`, exact only if the additive model is) claims
-    far more certainty than it has. It multiplies the solver's time by 7-38 (19 ms a fit at
-    the default N = 10, 188 ms for a random design at N = 20; README, "How sure is the
+    far more certainty than it has. It multiplies the solver's time by 8-39 (23 ms a fit at
+    the default N = 10, 187 ms for a random design at N = 20; README, "How sure is the
     order?"); `delta` for large N on a GPU where that matters."""
     warmup: bool = True
     """Run one tiny real scoring request after the model loads; `/ready` stays 503 until it

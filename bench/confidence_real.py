@@ -57,18 +57,11 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
     from service.backends.transformers_backend import TransformersBackend
     from service.dataset import load_examples
     from service.evaluation.runner import prepare
-    from service.model_assets import resolve_model
     from service.prompts import build_prompts
     from service.settings import Settings
 
     settings = Settings()
-    backend = TransformersBackend.load(
-        resolve_model(settings),
-        model_id=settings.model,
-        device=settings.device,
-        dtype=settings.dtype,
-        batch_token_budget=settings.batch_token_budget,
-    )
+    backend = TransformersBackend.from_settings(settings)
     questions = []
     t0 = time.perf_counter()
     tokens = 0

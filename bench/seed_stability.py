@@ -44,7 +44,6 @@ from service.backends.base import SpanLogprobs
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
 from service.evaluation.runner import prepare
-from service.model_assets import resolve_model
 from service.prompts import build_prompts
 from service.settings import Settings
 
@@ -57,13 +56,7 @@ def _median(xs: list[float]) -> float | None:
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = Settings()
-    backend = TransformersBackend.load(
-        resolve_model(settings),
-        model_id=settings.model,
-        device=settings.device,
-        dtype=settings.dtype,
-        batch_token_budget=settings.batch_token_budget,
-    )
+    backend = TransformersBackend.from_settings(settings)
     budgets = sorted(int(b) for b in args.budgets.split(","))
     examples = load_examples(Path(args.data), limit=args.queries)
     per_question = []

@@ -7,7 +7,8 @@ prompts (a balanced pruned design is built greedily row by row, so its first M r
 design ``plan`` would draw for M), and reports how far the two fits agree (rank tau, same top
 passage, same order), how often each top passage is the gold one, and whether the response's
 own confidence says so: the median ``confidence[0]`` (probability that the top passage beats
-the second) for questions whose two draws agreed on the top and for those that did not.
+the second) for questions whose two draws agreed on the top and for those that did not, from
+the delta method and from the jackknife (the service's default) on the same fits.
 
 Passages: by default as ``rag-reorder eval`` cuts them (``--selection eval``: the gold passage
 kept among ``--passages``); ``--selection first`` takes the first ``--passages`` as they come,
@@ -88,15 +89,24 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         fits = {
             m: [solver.fit(perms[:m], s[:m], n_passages=n) for perms, s in draws] for m in budgets
         }
-        per_question.append((gold, fits))
+        # The same fits' confidences from the jackknife (the service's default estimate).
+        jack = {
+            m: [
+                solver.fit(perms[:m], s[:m], n_passages=n, variance="jackknife")
+                for perms, s in draws
+            ]
+            for m in budgets
+        }
+        per_question.append((gold, fits, jack))
         print(f"question {k + 1}/{len(examples)} scored", file=sys.stderr, flush=True)
     seconds = time.perf_counter() - t0
 
     rows = []
     for m in budgets:
-        a = [fits[m][0] for _, fits in per_question]
-        b = [fits[m][1] for _, fits in per_question]
-        golds = [gold for gold, _ in per_question]
+        a = [fits[m][0] for _, fits, _ in per_question]
+        b = [fits[m][1] for _, fits, _ in per_question]
+        a_jack = [jack[m][0] for _, _, jack in per_question]
+        golds = [gold for gold, _, _ in per_question]
         agree = [f.order[0] == g.order[0] for f, g in zip(a, b, strict=True)]
         conf = [
             float(f.confidence[0])
@@ -113,6 +123,16 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for f, same in zip(a, agree, strict=True)
             if not same and f.confidence is not None
         ]
+        jack_differ = [
+            float(f.confidence[0])
+            for f, same in zip(a_jack, agree, strict=True)
+            if not same and f.confidence is not None
+        ]
+        jack_agree = [
+            float(f.confidence[0])
+            for f, same in zip(a_jack, agree, strict=True)
+            if same and f.confidence is not None
+        ]
         row = {
             "num_prompts": m,
             **agreement(a, b),
@@ -123,6 +143,8 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             "median_top_confidence": _median(conf),
             "median_top_confidence_when_tops_agree": _median(conf_agree),
             "median_top_confidence_when_tops_differ": _median(conf_differ),
+            "jackknife_median_top_confidence_when_tops_agree": _median(jack_agree),
+            "jackknife_median_top_confidence_when_tops_differ": _median(jack_differ),
         }
         rows.append(row)
         print(
@@ -131,7 +153,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             f"{row['same_order']:.2f}, top is gold {row['top_is_gold']:.2f}, top confidence "
             f"median {row['median_top_confidence']} (tops agree "
             f"{row['median_top_confidence_when_tops_agree']}, differ "
-            f"{row['median_top_confidence_when_tops_differ']})"
+            f"{row['median_top_confidence_when_tops_differ']}; jackknife agree "
+            f"{row['jackknife_median_top_confidence_when_tops_agree']}, differ "
+            f"{row['jackknife_median_top_confidence_when_tops_differ']})"
         )
     return {
         **provenance(),

@@ -41,8 +41,9 @@ def compose_errors(path: Path) -> str:
 # --- Compose ---------------------------------------------------------------------------------
 
 
-def test_there_are_the_three_compose_files() -> None:
+def test_there_are_the_four_compose_files() -> None:
     assert [p.name for p in COMPOSE_FILES] == [
+        "compose.admin-key.yaml",
         "compose.api-key.yaml",
         "compose.gpu.yaml",
         "compose.yaml",

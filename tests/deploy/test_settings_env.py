@@ -30,6 +30,7 @@ _INTERPOLATION = re.compile(r"\$\{(\w+)(?:(:?-)([^}]*)|(:?\?)[^}]*)?\}")
 # What a required Compose variable (${VAR:?...}) is set to here.
 REQUIRED_STAND_IN = {
     "RAG_REORDER_API_KEY": "test-key",
+    "RAG_REORDER_ADMIN_API_KEY": "test-admin-key",
     "MODEL_DIR": "/srv/models/model",
 }
 
@@ -86,7 +87,14 @@ def test_each_image_environment_loads(monkeypatch: pytest.MonkeyPatch, target: s
 
 
 @pytest.mark.parametrize(
-    "overrides", [(), ("compose.gpu.yaml",), ("compose.api-key.yaml",)], ids=["cpu", "gpu", "key"]
+    "overrides",
+    [
+        (),
+        ("compose.gpu.yaml",),
+        ("compose.api-key.yaml",),
+        ("compose.api-key.yaml", "compose.admin-key.yaml"),
+    ],
+    ids=["cpu", "gpu", "key", "admin-key"],
 )
 def test_each_compose_stack_environment_loads(
     monkeypatch: pytest.MonkeyPatch, overrides: tuple[str, ...]
@@ -103,6 +111,12 @@ def test_each_compose_stack_environment_loads(
     if "compose.api-key.yaml" in overrides:
         assert settings.api_key is not None
         assert settings.api_key.get_secret_value() == REQUIRED_STAND_IN["RAG_REORDER_API_KEY"]
+    if "compose.admin-key.yaml" in overrides:
+        assert settings.admin_api_key is not None
+        admin = settings.admin_api_key.get_secret_value()
+        assert admin == REQUIRED_STAND_IN["RAG_REORDER_ADMIN_API_KEY"]
+    else:
+        assert settings.admin_api_key is None
 
 
 @pytest.mark.parametrize("name", RENDERS)

@@ -115,7 +115,7 @@ def fit(
             is estimated. ``delta`` (default, cheap): ``sigma^2 (J^T J)^-1``, calibrated when
             the additive model is exact, overconfident on real scores; ``jackknife``:
             delete-one-prompt refits warm-started from the fit (``_jackknife_cov``; the
-            service's default, ``Settings.confidence_method``), 10-30x the solver time.
+            service's default, ``Settings.confidence_method``), 8-39x the solver time.
 
     Returns:
         A ``Fit``.
@@ -335,11 +335,12 @@ def _jackknife_cov(
 
     The delta method's ``sigma^2 (J^T J)^-1`` assumes the additive model is exact and the
     errors independent. On SmolLM2's scores it is not: with the default design at N = 10
-    (20 prompts, 6 residual degrees of freedom) the delta method claimed 0.82 on average for
-    adjacent pairs an independent five-times-larger fit confirmed 0.57 of the time, and 0.94
-    for 0.68; the jackknife claimed 0.58 for 0.57 (bench/confidence_real.py, 48 fits). Each
-    refit drops one prompt and restarts from the full fit, so it takes a few LM iterations.
-    On exact synthetic data it is conservative (bench/confidence.py).
+    (20 prompts, 6 residual degrees of freedom) the delta method's adjacent pairs claimed
+    0.683 on average where an independent fit of five times the prompts confirmed 0.574, and
+    its claims in [0.75, 0.9) averaged 0.82 for 0.56 confirmed; the jackknife's 0.602
+    overall, and 0.81 for 0.79 (bench/confidence_real.py, 48 fits). Each refit drops one
+    prompt and restarts from the full fit and its bounds. On exact synthetic data the
+    jackknife is conservative (bench/confidence.py).
 
     Returns ``None`` when dropping a prompt hides a passage (a utility resting on one prompt
     has no replication to measure): the caller keeps the delta method and says so.
@@ -351,12 +352,12 @@ def _jackknife_cov(
     for i in range(m):
         keep[i] = False
         sub = Design(np.ascontiguousarray(d.perms[keep]), n)  # slots kept: a stays L long
+        left = lm.Problem(sub, prob.s[keep], None if prob.groups is None else prob.groups[keep])
         keep[i] = True
         if not sub.shown.all():
             return None
-        groups = None if prob.groups is None else prob.groups[np.arange(m) != i]
         st = lm.State(best.u.copy(), best.a.copy(), best.b.copy(), best.cost)
-        st = _finish(lm.Problem(sub, prob.s[np.arange(m) != i], groups), st, aff, gauge, True)
+        st = _finish(left, st, aff, gauge, warm=True)
         u = _report_scale(st.u, st.a, ref_c)[1] if gauge else st.u
         us[i] = u - u.mean()
     dev = us - us.mean(axis=0)

@@ -249,16 +249,16 @@ class TrafficSpool:
                 fh.write("".join(json.dumps(r) + "\n" for r in keep))
             os.replace(tmp, path)
             self._lines[key] = len(keep)
-            self._prune(path.parent)
+            self._prune(self._files(path.parent))
 
     def runs(self, key: SampleKey) -> list[Run]:
         """The latest ``max_runs`` runs of ``key`` over every replica's file, oldest first."""
-        folder = self.folder(key)
+        files = self._files(self.folder(key))
         records = sorted(
-            (r for _, recs in self._files(folder) for r in recs if _key_of(r) == key),
+            (r for _, recs in files for r in recs if _key_of(r) == key),
             key=lambda r: float(r["t"]),
         )[-self.max_runs :]
-        self._prune(folder)
+        self._prune(files)
         return [
             (np.asarray(r["perms"], dtype=np.int64), np.asarray(r["scores"], dtype=np.float64))
             for r in records
@@ -299,15 +299,15 @@ class TrafficSpool:
                     del self._parsed[path]
         return out
 
-    def _prune(self, folder: Path) -> None:
-        """Delete other replicas' files in ``folder`` that no longer hold a pooled run."""
-        files = self._files(folder)
-        newest: dict[SampleKey, list[float]] = {}
+    def _prune(self, files: list[tuple[Path, list[dict[str, Any]]]]) -> None:
+        """Delete other replicas' files of one key folder (as ``_files`` listed them) that no
+        longer hold a pooled run."""
+        times: dict[SampleKey, list[float]] = {}
         for _, recs in files:
             for r in recs:
-                newest.setdefault(_key_of(r), []).append(float(r["t"]))
+                times.setdefault(_key_of(r), []).append(float(r["t"]))
         cutoff = {  # the oldest pooled time per key; keys not yet full keep every file
-            k: sorted(ts)[-self.max_runs] for k, ts in newest.items() if len(ts) > self.max_runs
+            k: sorted(ts)[-self.max_runs] for k, ts in times.items() if len(ts) > self.max_runs
         }
         idle_since = time.time() - _IDLE_BEFORE_PRUNE_S
         for path, recs in files:

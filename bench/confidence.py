@@ -39,6 +39,7 @@ SETTINGS = [  # kind, N, M (None: the default), noise
     ("random", 10, None, 0.3),
     ("random", 20, None, 0.1),
     ("random", 20, None, 0.3),
+    ("pruned_random", 50, None, 0.3),  # M = 100: the jackknife leaves out 20 groups of 5
 ]
 
 

@@ -139,9 +139,9 @@ class Settings(BaseSettings):
     `confidence_above_next`. `jackknife`: refit with each prompt left out; on SmolLM2's scores
     its confidences are close to how often an independent fit with five times the prompts
     agrees, where `delta` (`sigma^2 (J^T J)^-1`, exact only if the additive model is) claims
-    far more certainty than it has. It multiplies the solver's time by 8-39 (23 ms a fit at
-    the default N = 10, 187 ms for a random design at N = 20; README, "How sure is the
-    order?"); `delta` for large N on a GPU where that matters."""
+    far more certainty than it has. It multiplies the solver's time by 2.5-8 (14 ms a fit at
+    the default N = 10, 161 ms at N = 50, 1.6 s at N = 100 on one CPU core; README, "How
+    sure is the order?"); `delta` for large N on a GPU where that matters."""
     warmup: bool = True
     """Run one tiny real scoring request after the model loads; `/ready` stays 503 until it
     succeeds (and the process exits non-zero if it fails)."""

@@ -104,6 +104,13 @@ class Design:
         ju[self._flat] = a[self._slot_of_flat]
         return ju.reshape(m, n + 1)[:, :n]
 
+    def u_matrices(self, a: FloatArray) -> FloatArray:
+        """``u_matrix`` for each row of ``a`` (``P x L``): ``P x M x N``."""
+        m, n = self.prompts, self.n_passages
+        ju = np.zeros((a.shape[0], m * (n + 1)))
+        ju[:, self._flat] = a[:, self._slot_of_flat]
+        return ju.reshape(a.shape[0], m, n + 1)[:, :, :n]
+
 
 def as_design(permutations: ArrayLike, n_passages: int | None = None) -> Design:
     """Validate a permutation array.

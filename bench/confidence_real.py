@@ -96,24 +96,37 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def judge(raw: dict[str, Any], variance: Variance) -> dict[str, Any]:
+def references(raw: dict[str, Any]) -> list[list[Any]]:
+    """Per question and design, the fit of the other designs' prompts pooled (the judge)."""
+    out = []
+    for q in raw["questions"]:
+        n = int(q["n_passages"])
+        designs = [(np.asarray(d["perms"]), np.asarray(d["scores"])) for d in q["designs"]]
+        out.append(
+            [
+                solver.fit(
+                    np.concatenate([p for j, (p, _) in enumerate(designs) if j != i]),
+                    np.concatenate([s for j, (_, s) in enumerate(designs) if j != i]),
+                    n_passages=n,
+                    uncertainty=False,
+                )
+                for i in range(len(designs))
+            ]
+        )
+    return out
+
+
+def judge(raw: dict[str, Any], refs: list[list[Any]], variance: Variance) -> dict[str, Any]:
     """Each design's adjacent-pair confidences against the other designs' pooled fit."""
     conf: list[float] = []
     right: list[bool] = []
     top: list[tuple[float, bool]] = []
     dofs: list[int] = []
-    for q in raw["questions"]:
+    for q, q_refs in zip(raw["questions"], refs, strict=True):
         n = int(q["n_passages"])
         designs = [(np.asarray(d["perms"]), np.asarray(d["scores"])) for d in q["designs"]]
-        for i, (perms, scores) in enumerate(designs):
+        for (perms, scores), ref in zip(designs, q_refs, strict=True):
             f = solver.fit(perms, scores, n_passages=n, variance=variance)
-            others = [d for j, d in enumerate(designs) if j != i]
-            ref = solver.fit(
-                np.concatenate([p for p, _ in others]),
-                np.concatenate([s for _, s in others]),
-                n_passages=n,
-                uncertainty=False,
-            )
             dofs.append(f.residual_dof)
             if f.confidence is None:
                 continue
@@ -210,7 +223,8 @@ def main() -> int:
     else:
         raw = asyncio.run(collect(args))
         write(raw, raw_path)
-    rows = [judge(raw, "delta"), judge(raw, "jackknife")]
+    refs = references(raw)  # the same judges for both estimates
+    rows = [judge(raw, refs, "delta"), judge(raw, refs, "jackknife")]
     for row in rows:
         print(
             f"{row['variance']:>9}: confidence {row['mean_confidence']:.3f} for "

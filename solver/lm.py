@@ -288,8 +288,9 @@ def run_batch(
     quadratically. Gauss-Newton converges only linearly when the residuals are large, as on
     real scores (r^2 around 0.8), and its refits one at a time sometimes stopped at the
     iteration limit where these converge (bench/jackknife_cost.py: 8 of 150 at N = 50). A
-    fit from a far start keeps Gauss-Newton (``run``): there the exact Hessian is indefinite
-    and the same damping led 7 of SmolLM2's 48 default fits to worse optima.
+    fit from a far start keeps Gauss-Newton (``run``): there the exact Hessian can be
+    indefinite, and when tried (2026-11-23) the same damping settled some of SmolLM2's
+    default fits in worse optima than Gauss-Newton's.
     """
     d = prob.design
     n = d.n_passages

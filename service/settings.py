@@ -136,7 +136,8 @@ class Settings(BaseSettings):
     does not grow the folder. Unset: each replica calibrates from its own in-memory sample."""
     confidence_method: Literal["jackknife", "delta"] = "jackknife"
     """How MoI estimates the spread of its utilities behind `passages[].stderr` and
-    `confidence_above_next`. `jackknife`: refit with each prompt left out; on SmolLM2's scores
+    `confidence_above_next`. `jackknife`: refit with each prompt left out (past 20 prompts,
+    each of 20 groups of them); on SmolLM2's scores
     its confidences are close to how often an independent fit with five times the prompts
     agrees, where `delta` (`sigma^2 (J^T J)^-1`, exact only if the additive model is) claims
     far more certainty than it has. It multiplies the solver's time by 2.5-8 (14 ms a fit at

@@ -89,7 +89,10 @@ def one_at_a_time(
         if not sub.shown.all():
             return None
         st = lm.State(best.u.copy(), best.a.copy(), best.b.copy(), best.cost)
-        st = F._finish(left, st, aff, gauge, warm=True)
+        if gauge or st.a.shape[0] == 1:
+            st = lm.run(left, st, aff)
+        else:
+            st = lm.run_nonneg(left, st, active=best.a <= 0.0)
         stuck += not st.converged
         u = F._report_scale(st.u, st.a, ref_c)[1] if gauge else st.u
         us[i] = u - u.mean()

@@ -93,16 +93,23 @@ class Design:
         return np.ascontiguousarray((rows + self.extended).ravel())
 
     @cached_property
+    def slot_incidence(self) -> FloatArray:
+        """``M x (N * L)``: 1 at ``(i, q * L + j)`` where prompt ``i`` shows passage ``q`` in
+        slot ``j`` (the layout of the bilinear model's cross second derivatives)."""
+        n, slots = self.n_passages, self.slots
+        inc = np.zeros((self.prompts, (n + 1) * slots))
+        ri, rj = np.indices(self.extended.shape)
+        inc[ri.ravel(), (self.extended * slots + rj).ravel()] = 1.0
+        return np.ascontiguousarray(inc[:, : n * slots])
+
+    @cached_property
     def _slot_of_flat(self) -> IntArray:
         return np.tile(np.arange(self.slots, dtype=np.int64), self.prompts)
 
     def u_matrix(self, a: FloatArray) -> FloatArray:
         """``X(a)`` (M x N): entry (i, p) is the coefficient of the slot showing p in prompt i,
         0 where prompt i does not show p. Also ``d prediction / d u``."""
-        m, n = self.prompts, self.n_passages
-        ju = np.zeros(m * (n + 1))
-        ju[self._flat] = a[self._slot_of_flat]
-        return ju.reshape(m, n + 1)[:, :n]
+        return np.asarray(self.u_matrices(a[None, :])[0], dtype=np.float64)
 
     def u_matrices(self, a: FloatArray) -> FloatArray:
         """``u_matrix`` for each row of ``a`` (``P x L``): ``P x M x N``."""

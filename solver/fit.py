@@ -325,15 +325,11 @@ def _joint(
     )
 
 
-def _finish(
-    prob: lm.Problem, st: lm.State, aff: lm.Affine, gauge: bool, warm: bool = False
-) -> lm.State:
-    """The joint fit's last stage from ``st``: LM in the gauge, else the non-negative simplex
-    (``warm``: starting with the coefficients ``st`` holds at zero kept there, as a jackknife
-    refit one at a time would: bench/jackknife_cost.py's reference)."""
+def _finish(prob: lm.Problem, st: lm.State, aff: lm.Affine, gauge: bool) -> lm.State:
+    """The joint fit's last stage from ``st``: LM in the gauge, else the non-negative simplex."""
     if gauge or st.a.shape[0] == 1:
         return lm.run(prob, st, aff)
-    return lm.run_nonneg(prob, st, active=(st.a <= 0.0) if warm else None)
+    return lm.run_nonneg(prob, st)
 
 
 def _jackknife_cov(
@@ -374,7 +370,7 @@ def _jackknife_cov(
     if gauge or slots == 1:
         out = lm.run_batch(prob, weights, lm.batch(best, m, aff))
     else:
-        # As _finish(warm=True): the fit's zero coefficients start held.
+        # Warm, unlike _finish: the fit's zero coefficients start held.
         out = lm.run_nonneg_batch(prob, weights, best, best.a <= 0.0)
     us = np.empty((m, n))
     for i in range(m):
@@ -387,11 +383,7 @@ def _jackknife_cov(
 
 def _every_passage_survives(d: Design, weights: FloatArray) -> bool:
     """Does every passage stay shown in every weighted copy of the design?"""
-    incidence = np.zeros((d.prompts, d.n_passages))
-    rows = np.repeat(np.arange(d.prompts), d.slots)
-    flat = d.perms.ravel()
-    incidence[rows[flat >= 0], flat[flat >= 0]] = 1.0
-    return bool(((weights @ incidence) > 0).all())
+    return bool(((weights @ d.u_matrix(np.ones(d.slots))) > 0).all())
 
 
 # Groups of prompts the jackknife leaves out in turn, at most. 20 keeps the default design

@@ -220,22 +220,40 @@ def run_nonneg(
             a0 = a0 / a0.sum() if a0.sum() > 0 else np.where(active, 0.0, 1.0) / (~active).sum()
             st.a = a0
             st = run(prob, st, affine(a0, np.vstack(rows)), max_iter)
-        neg = st.a < -1e-12
-        if np.any(neg):
-            active |= neg
-            continue
-        st.a = np.maximum(st.a, 0.0)
-        if not np.any(active):
+        nxt = _next_active(prob, st.u, st.a, st.b, active)
+        if nxt is None:
+            st.a = np.maximum(st.a, 0.0)
             return st
-        # KKT: on free coefficients the gradient equals the multiplier of sum a = 1.
-        pred, shown = predict(prob, st.u, st.a, st.b)
-        grad = shown.T @ (pred - prob.s)
-        lam = float(grad[~active].mean())
-        release = active & (grad < lam - 1e-9 * max(1.0, abs(lam)))
-        if not np.any(release):
-            return st
-        active &= ~(release & (grad == grad[release].min()))
+        active = nxt
     return st
+
+
+def _next_active(
+    prob: Problem,
+    u: FloatArray,
+    a: FloatArray,
+    b: FloatArray,
+    active: NDArray[np.bool_],
+    weights: FloatArray | None = None,
+) -> NDArray[np.bool_] | None:
+    """``run_nonneg``'s bound update after a round: the coefficients to hold next round, or
+    ``None`` when the round's solution is the answer. Coefficients gone negative join the held
+    ones; else a held one is released when the Lagrangian says raising it lowers the cost
+    (``weights``: the prompts' weights, for a copy of ``run_nonneg_batch``)."""
+    neg = a < -1e-12
+    if np.any(neg):
+        return np.asarray(active | neg, dtype=bool)
+    if not np.any(active):
+        return None
+    # KKT: on free coefficients the gradient equals the multiplier of sum a = 1.
+    pred, shown = predict(prob, u, np.maximum(a, 0.0), b)
+    resid = pred - prob.s if weights is None else (pred - prob.s) * weights
+    grad = shown.T @ resid
+    lam = float(grad[~active].mean())
+    release = active & (grad < lam - 1e-9 * max(1.0, abs(lam)))
+    if not np.any(release):
+        return None
+    return np.asarray(active & ~(release & (grad == grad[release].min())), dtype=bool)
 
 
 @dataclass(eq=False)
@@ -302,12 +320,7 @@ def run_batch(
     idx = np.arange(bt.u.shape[0]) if rows is None else np.asarray(rows, dtype=np.int64)
     if idx.size == 0:
         return bt
-    # T[i, q * L + j] = 1 where prompt i shows passage q in slot j: the cross term's layout.
-    inc = np.zeros((d.prompts, (n + 1) * slots))
-    ri, rj = np.indices(ext.shape)
-    inc[ri.ravel(), (ext * slots + rj).ravel()] = 1.0
-    inc = inc[:, : n * slots]
-
+    inc = d.slot_incidence
     a0, basis, w = bt.a0[idx], bt.basis[idx], w_all[idx]
 
     def evaluate(theta: FloatArray, sel: NDArray[np.int64]) -> tuple[FloatArray, ...]:
@@ -418,20 +431,11 @@ def run_nonneg_batch(
         run_batch(prob, weights, bt, todo)
         still = []
         for c in todo:
-            if np.any(bt.a[c] < -1e-12):
-                active[c] |= bt.a[c] < -1e-12
-                still.append(c)
-                continue
-            bt.a[c] = np.maximum(bt.a[c], 0.0)
-            if not np.any(active[c]):
-                continue
-            # KKT, as run_nonneg: on free coefficients the gradient equals sum a = 1's multiplier.
-            pred, shown = predict(prob, bt.u[c], bt.a[c], bt.b[c])
-            grad = shown.T @ ((pred - prob.s) * weights[c])
-            lam = float(grad[~active[c]].mean())
-            release = active[c] & (grad < lam - 1e-9 * max(1.0, abs(lam)))
-            if np.any(release):
-                active[c] &= ~(release & (grad == grad[release].min()))
+            nxt = _next_active(prob, bt.u[c], bt.a[c], bt.b[c], active[c], weights[c])
+            if nxt is None:
+                bt.a[c] = np.maximum(bt.a[c], 0.0)
+            else:
+                active[c] = nxt
                 still.append(c)
         todo = np.asarray(still, dtype=np.int64)
     return bt

@@ -35,6 +35,7 @@ CALIBRATION_QUESTIONS = 50
 # test set -> the set its MoI bias profiles are calibrated on (eval/run.sh's run_set calls)
 SETS = {"hotpot_dev": "nq_open_dev", "nq_open_dev": "hotpot_dev"}
 POSITIONAL = "profiles/positional-nq_open_dev"
+POSITIONAL_VARIANT = "positional"  # the cache key's variant of a positional rotation record
 
 
 @dataclass
@@ -122,6 +123,34 @@ def start(
     )
 
 
+def finished(job: Job, out: Path) -> bool:
+    """Whether the set's committed cache already holds every record ``job`` would compute.
+
+    A chunk's process would only reload them and rebuild a throw-away report (minutes on a
+    CPU: scipy's exact Wilcoxon test for 13 pairs), so such chunks are not started. The
+    expected variants are the ones the cache holds for any question; the positional chunk
+    also needs one positional record per question the cache ran rotations for.
+    """
+    cache = out / job.test / "cache.jsonl"
+    if not cache.is_file():
+        return False
+    have: dict[str, set[str]] = {}
+    for line in cache.read_text(encoding="utf-8").splitlines():
+        try:
+            key = json.loads(line)["key"]
+        except (ValueError, KeyError):
+            continue
+        have.setdefault(key["question_id"], set()).add(key["variant"])
+    variants = set().union(*have.values()) - {POSITIONAL_VARIANT}
+    ids = [json.loads(ln)["id"] for ln in job.data.read_text().splitlines() if ln.strip()]
+    if not variants or any(not variants <= have.get(i, set()) for i in ids):
+        return False
+    if job.positional:
+        rotated = sum(POSITIONAL_VARIANT in v for v in have.values())
+        return rotated > 0 and all(POSITIONAL_VARIANT in have[i] for i in ids[:rotated])
+    return True
+
+
 def merge(out: Path, work: Path) -> None:
     """Every chunk's records into OUT/<set>/cache.jsonl, one line per key, old lines first."""
     for test in SETS:
@@ -171,7 +200,11 @@ def main() -> int:
     print(f"profiles ready after {time.monotonic() - t0:.0f} s", flush=True)
 
     jobs = make_jobs(args.data, args.work, args.chunk)
+    for job in jobs:
+        if finished(job, args.out):
+            (args.work / f"{job.name}.done").write_text("cached\n")
     pending = [j for j in jobs if not (args.work / f"{j.name}.done").exists()]
+    print(f"chunks to run: {[j.name for j in pending] or 'none'}", flush=True)
     running: dict[str, tuple[Job, subprocess.Popen[bytes], float]] = {}
     while (pending or running) and time.monotonic() < deadline:
         while pending and len(running) < args.procs:

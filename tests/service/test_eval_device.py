@@ -165,3 +165,43 @@ def test_a_failed_chunk_runs_again_and_everything_is_merged(tmp_path: Path) -> N
     assert sorted(r["key"]["question_id"] for r in hot) == [f"hotpot_dev-{i}" for i in range(3)]
     positional = {r["key"]["question_id"]: r["positional"] for r in hot[1:]}
     assert positional == {"hotpot_dev-1": True, "hotpot_dev-2": True}  # first chunk rotates
+
+
+def test_a_chunk_the_committed_cache_already_holds_is_not_started(
+    parallel: ModuleType, tmp_path: Path
+) -> None:
+    data = _data(tmp_path / "data", {"hotpot_dev": 2, "nq_open_dev": 6})
+    out, work = tmp_path / "out", tmp_path / "work"
+    jobs = {j.name: j for j in parallel.make_jobs(data, work, chunk=3)}
+
+    def write(records: list[tuple[str, str]]) -> None:
+        (out / "nq_open_dev").mkdir(parents=True, exist_ok=True)
+        lines = [json.dumps({"key": {"question_id": q, "variant": v}}) for q, v in records]
+        (out / "nq_open_dev" / "cache.jsonl").write_text("\n".join(lines) + "\n")
+
+    every = [(f"nq_open_dev-{i}", v) for i in range(6) for v in ("shuffle", "moi:cyclic:x")]
+    write(every[:-1])  # the last question misses a variant the others have
+    assert parallel.finished(jobs["nq_open_dev-00"], out) is False  # no positional records
+    assert parallel.finished(jobs["nq_open_dev-01"], out) is False
+    rotations = [(f"nq_open_dev-{i}", "positional") for i in range(2)]
+    write(every[:-1] + rotations)
+    assert parallel.finished(jobs["nq_open_dev-00"], out) is True
+    assert parallel.finished(jobs["nq_open_dev-01"], out) is False
+    write(every + rotations[:1] + [("nq_open_dev-2", "positional")])  # a gap in the rotations
+    assert parallel.finished(jobs["nq_open_dev-00"], out) is False
+    assert parallel.finished(jobs["nq_open_dev-01"], out) is True
+    assert parallel.finished(jobs["hotpot_dev-00"], out) is False  # no cache for the set
+
+    write(every + rotations)
+    (out / "profiles" / "positional-nq_open_dev" / "positional").mkdir(parents=True)
+    cli = tmp_path / "cli.py"
+    cli.write_text(FAKE_CLI)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--data", str(data), "--out", str(out), "--work",
+         str(work), "--chunk", "3", "--budget", "60", "--rr", f"{sys.executable} {cli}"],
+        capture_output=True, text=True, env={"PATH": os.environ["PATH"]}, timeout=120,
+        check=True,
+    )  # fmt: skip
+    assert "chunks to run: ['hotpot_dev-00']" in run.stdout
+    assert not (work / "nq_open_dev-00.log").exists()  # never started
+    assert "unfinished chunks: none" in run.stdout

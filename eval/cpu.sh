@@ -8,6 +8,10 @@
 # runs (float32 transformers); the records' wall_s are then CPU seconds.
 #
 #   BUDGET=7200 bash eval/cpu.sh            # log: /tmp/shards-cpu/eval-log.txt
+#   pkill -f eval/device/parallel.py         # stop early (e.g. before CI): it still merges
+#
+# NQ-Open questions took 10-15 minutes each this way on the 2-core development VM; the
+# finished questions land in the cache at the end of each question.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 data=${DATA:-../shared/data}

@@ -24,6 +24,7 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -206,7 +207,12 @@ def main() -> int:
     pending = [j for j in jobs if not (args.work / f"{j.name}.done").exists()]
     print(f"chunks to run: {[j.name for j in pending] or 'none'}", flush=True)
     running: dict[str, tuple[Job, subprocess.Popen[bytes], float]] = {}
-    while (pending or running) and time.monotonic() < deadline:
+    # SIGTERM or Ctrl-C ends the run like the deadline: stop the chunks, merge what finished
+    # (a CPU run in a session's background is stopped this way before CI).
+    stopped: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: stopped.append(signum))
+    while (pending or running) and time.monotonic() < deadline and not stopped:
         while pending and len(running) < args.procs:
             job = pending.pop(0)
             started = time.monotonic()
@@ -228,7 +234,7 @@ def main() -> int:
     for name, (_, proc, _) in running.items():
         proc.terminate()
         proc.wait()
-        print(f"{name}: stopped at the deadline", flush=True)
+        print(f"{name}: stopped {'by a signal' if stopped else 'at the deadline'}", flush=True)
     merge(args.out, args.work)
     # Not started, stopped at the deadline or failed: the next call runs them.
     left = [j.name for j in jobs if not (args.work / f"{j.name}.done").exists()]

@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -23,9 +25,9 @@ SCRIPT = ROOT / "eval" / "device" / "parallel.py"
 
 # Stand-in CLI: `calibrate` prints a profile summary; `eval --data F --out D` appends a record
 # per question of F to D/cache.jsonl unless the key is there, and fails on a question whose
-# id is listed in $FAIL_ON (after recording the questions before it).
+# id is listed in $FAIL_ON (after recording the questions before it) and hangs on $HANG_ON's.
 FAKE_CLI = r"""
-import json, os, sys
+import json, os, sys, time
 args = sys.argv[1:]
 if args[0] == "calibrate":
     print(json.dumps({"profile": os.environ["RAG_REORDER_BIAS_PROFILE_DIR"]}))
@@ -42,6 +44,8 @@ for line in open(data):
     qid = json.loads(line)["id"]
     if qid in fail:
         sys.exit(1)
+    if qid == os.environ.get("HANG_ON"):
+        time.sleep(120)
     if qid not in have:
         rec = {"key": {"question_id": qid, "variant": "shuffle"},
                "positional": "--no-positional" not in args}
@@ -205,3 +209,29 @@ def test_a_chunk_the_committed_cache_already_holds_is_not_started(
     assert "chunks to run: ['hotpot_dev-00']" in run.stdout
     assert not (work / "nq_open_dev-00.log").exists()  # never started
     assert "unfinished chunks: none" in run.stdout
+
+
+def test_a_signal_stops_the_chunks_and_keeps_what_finished(tmp_path: Path) -> None:
+    data = _data(tmp_path / "data", {"hotpot_dev": 2, "nq_open_dev": 4})
+    out, work = tmp_path / "out", tmp_path / "work"
+    (out / "profiles" / "positional-nq_open_dev" / "positional").mkdir(parents=True)
+    cli = tmp_path / "cli.py"
+    cli.write_text(FAKE_CLI)
+    proc = subprocess.Popen(
+        [sys.executable, str(SCRIPT), "--data", str(data), "--out", str(out), "--work",
+         str(work), "--procs", "1", "--chunk", "2", "--budget", "100",
+         "--rr", f"{sys.executable} {cli}"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={"PATH": os.environ["PATH"], "HANG_ON": "nq_open_dev-3"},
+    )  # fmt: skip
+    partial = work / "nq_open_dev-01" / "cache.jsonl"
+    deadline = time.monotonic() + 60
+    while not (partial.is_file() and partial.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)  # chunk 01 has recorded question 2 and hangs on question 3
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stdout
+    assert "nq_open_dev-01: stopped by a signal" in stdout
+    assert "unfinished chunks: ['nq_open_dev-01', 'hotpot_dev-00']" in stdout
+    nq = _ids(out / "nq_open_dev" / "cache.jsonl")
+    assert sorted(nq) == [f"nq_open_dev-{i}" for i in range(3)]  # the finished ones, merged

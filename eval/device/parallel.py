@@ -124,24 +124,29 @@ def start(
     )
 
 
-def finished(job: Job, out: Path) -> bool:
-    """Whether the set's committed cache already holds every record ``job`` would compute.
+def cached_variants(out: Path, test: str) -> dict[str, set[str]]:
+    """Question id -> the variants the set's committed cache holds for it."""
+    cache = out / test / "cache.jsonl"
+    have: dict[str, set[str]] = {}
+    if cache.is_file():
+        for line in cache.read_text(encoding="utf-8").splitlines():
+            try:
+                key = json.loads(line)["key"]
+            except (ValueError, KeyError):
+                continue
+            have.setdefault(key["question_id"], set()).add(key["variant"])
+    return have
+
+
+def finished(job: Job, have: dict[str, set[str]]) -> bool:
+    """Whether the set's committed cache (``cached_variants``) already holds every record
+    ``job`` would compute.
 
     A chunk's process would only reload them and rebuild a throw-away report (minutes on a
     CPU: scipy's exact Wilcoxon test for 13 pairs), so such chunks are not started. The
     expected variants are the ones the cache holds for any question; the positional chunk
     also needs one positional record per question the cache ran rotations for.
     """
-    cache = out / job.test / "cache.jsonl"
-    if not cache.is_file():
-        return False
-    have: dict[str, set[str]] = {}
-    for line in cache.read_text(encoding="utf-8").splitlines():
-        try:
-            key = json.loads(line)["key"]
-        except (ValueError, KeyError):
-            continue
-        have.setdefault(key["question_id"], set()).add(key["variant"])
     variants = set().union(*have.values()) - {POSITIONAL_VARIANT}
     ids = [json.loads(ln)["id"] for ln in job.data.read_text().splitlines() if ln.strip()]
     if not variants or any(not variants <= have.get(i, set()) for i in ids):
@@ -201,8 +206,9 @@ def main() -> int:
     print(f"profiles ready after {time.monotonic() - t0:.0f} s", flush=True)
 
     jobs = make_jobs(args.data, args.work, args.chunk)
+    have = {test: cached_variants(args.out, test) for test in SETS}
     for job in jobs:
-        if finished(job, args.out):
+        if finished(job, have[job.test]):
             (args.work / f"{job.name}.done").write_text("cached\n")
     pending = [j for j in jobs if not (args.work / f"{j.name}.done").exists()]
     print(f"chunks to run: {[j.name for j in pending] or 'none'}", flush=True)

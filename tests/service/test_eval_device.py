@@ -185,16 +185,37 @@ def test_a_chunk_the_committed_cache_already_holds_is_not_started(
 
     every = [(f"nq_open_dev-{i}", v) for i in range(6) for v in ("shuffle", "moi:cyclic:x")]
     write(every[:-1])  # the last question misses a variant the others have
-    assert parallel.finished(jobs["nq_open_dev-00"], out) is False  # no positional records
-    assert parallel.finished(jobs["nq_open_dev-01"], out) is False
+    assert (
+        parallel.finished(jobs["nq_open_dev-00"], parallel.cached_variants(out, "nq_open_dev"))
+        is False
+    )  # no positional records
+    assert (
+        parallel.finished(jobs["nq_open_dev-01"], parallel.cached_variants(out, "nq_open_dev"))
+        is False
+    )
     rotations = [(f"nq_open_dev-{i}", "positional") for i in range(2)]
     write(every[:-1] + rotations)
-    assert parallel.finished(jobs["nq_open_dev-00"], out) is True
-    assert parallel.finished(jobs["nq_open_dev-01"], out) is False
+    assert (
+        parallel.finished(jobs["nq_open_dev-00"], parallel.cached_variants(out, "nq_open_dev"))
+        is True
+    )
+    assert (
+        parallel.finished(jobs["nq_open_dev-01"], parallel.cached_variants(out, "nq_open_dev"))
+        is False
+    )
     write(every + rotations[:1] + [("nq_open_dev-2", "positional")])  # a gap in the rotations
-    assert parallel.finished(jobs["nq_open_dev-00"], out) is False
-    assert parallel.finished(jobs["nq_open_dev-01"], out) is True
-    assert parallel.finished(jobs["hotpot_dev-00"], out) is False  # no cache for the set
+    assert (
+        parallel.finished(jobs["nq_open_dev-00"], parallel.cached_variants(out, "nq_open_dev"))
+        is False
+    )
+    assert (
+        parallel.finished(jobs["nq_open_dev-01"], parallel.cached_variants(out, "nq_open_dev"))
+        is True
+    )
+    assert (
+        parallel.finished(jobs["hotpot_dev-00"], parallel.cached_variants(out, "hotpot_dev"))
+        is False
+    )  # no cache for the set
 
     write(every + rotations)
     (out / "profiles" / "positional-nq_open_dev" / "positional").mkdir(parents=True)

@@ -110,7 +110,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--prompt-passages", type=int)
     r.add_argument("--seed", type=int)
     r.add_argument("--variable-pruning", action="store_true")
-    r.add_argument("--placement", choices=_PLACEMENTS, default="descending_utility")
+    r.add_argument(
+        "--placement", choices=_PLACEMENTS, default=None, help="default: RAG_REORDER_PLACEMENT"
+    )
     r.add_argument("--joint", action="store_true", help="add the passages' own log-likelihood")
     r.add_argument("--template")
     r.add_argument("--strategy", choices=strategy_names(), default="moi")

@@ -119,8 +119,11 @@ class ReorderOptions(_Strict):
     """`moi` (mixture of interventions, the default) or another published method: see the
     README's strategy table."""
     design: DesignIn = Field(default_factory=DesignIn)
-    placement: PlacementName = "descending_utility"
-    """`descending_utility` (best first) or `bias_matched` (best into the strongest slot)."""
+    placement: PlacementName | None = None
+    """`bias_matched` (the k-th best passage into the slot with the k-th largest fitted bias)
+    or `descending_utility` (best first). Default: the server's `RAG_REORDER_PLACEMENT`
+    (`bias_matched` unless configured; `/info` says which); the response's
+    `diagnostics.placement` names the one applied."""
     joint: bool = False
     """Also score the passages' own tokens (METHOD.md section 2)."""
     template: str | None = Field(default=None, min_length=1, max_length=64)
@@ -359,6 +362,9 @@ class DiagnosticsOut(_Model):
     strategy: Strategy
     design: DesignKind | None
     """`moi` only."""
+    placement: PlacementName | None
+    """`moi` only: how `order` was placed from the fit (the request's, else the server's
+    default)."""
     template: str
     method: str
     """The fit's method (`moi`) or the strategy's name."""
@@ -531,6 +537,8 @@ class InfoOut(_Model):
     strategies: list[str]
     design_kinds: list[str]
     placements: list[str]
+    default_placement: str
+    """MoI's placement when a request names none (`RAG_REORDER_PLACEMENT`)."""
     templates: list[str]
 
 
@@ -678,6 +686,7 @@ def reorder_meta(
         diagnostics=DiagnosticsOut(
             strategy=result.strategy,
             design=result.design,
+            placement=result.placement,
             template=result.template,
             method=fit.method if fit is not None else result.strategy,
             score=result.score_name,

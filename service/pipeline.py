@@ -66,6 +66,7 @@ class ReorderResult:
     template: str
     strategy: StrategyName
     design: DesignKind | None  # MoI's design; None for other strategies
+    placement: Placement | None  # MoI's placement; None for other strategies
     prompts: int  # planned model calls
     slots: int | None
     order: list[int]  # the placement: passage indices in prompt order
@@ -172,6 +173,7 @@ class Reorderer:
             template=work.template,
             strategy=strategy.name,
             design=outcome.design,
+            placement=outcome.placement,
             prompts=usage.prompts,
             slots=outcome.slots,
             order=outcome.order,

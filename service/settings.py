@@ -71,6 +71,15 @@ class Settings(BaseSettings):
     """Folder of calibrated bias profiles (default: `<cache_dir>/profiles`)."""
     seed: int = 0
     """Default seed for permutation designs (a request may override it)."""
+    placement: Literal["bias_matched", "descending_utility"] = "bias_matched"
+    """MoI's placement when a request names none. `bias_matched`: the k-th best passage into
+    the slot with the k-th largest fitted bias, so the best passages sit where the scoring
+    model looks most (for a bias that falls from the first slot this is the descending order
+    itself). `descending_utility`: best first, as paper 000 does; choose it when the
+    generator's bias is not the scoring model's (e.g. a small scorer for a large generator of
+    another family). On both development sets, with SmolLM2 scoring and answering, the default
+    design's `bias_matched` answered at least as well as `descending_utility` (README,
+    "Evaluate: does it help?")."""
 
     # --- HTTP service (app/) -----------------------------------------------------------
     host: str = "127.0.0.1"

@@ -68,5 +68,6 @@ async def info(ctx: Ctx) -> InfoOut:
         strategies=list(strategy_names()),
         design_kinds=list(get_args(DesignKind)),
         placements=list(get_args(PlacementName)),
+        default_placement=s.placement,
         templates=list(template_names()),
     )

@@ -569,7 +569,7 @@ class Evaluator:
             passages=q.passages,
             strategy=first.strategy,
             design=DesignSpec(kind=first.design) if first.design else DesignSpec(),
-            placement=first.placement or "descending_utility",
+            placement=first.placement,
             template=self.template,
             request_id=f"eval-{q.id}-{first.label}",
         )

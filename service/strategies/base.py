@@ -105,7 +105,7 @@ class ReorderRequest:
     passages: Sequence[Passage]
     strategy: StrategyName = "moi"
     design: DesignSpec = field(default_factory=DesignSpec)
-    placement: Placement = "descending_utility"
+    placement: Placement | None = None  # MoI only; None: ``Settings.placement``
     options: StrategyOptions = field(default_factory=StrategyOptions)
     joint: bool = False
     template: str | None = None
@@ -187,6 +187,7 @@ class Outcome:
     scores: np.ndarray | None = None
     fit: solver.Fit | None = None
     design: DesignKind | None = None
+    placement: Placement | None = None  # MoI: the placement applied
     slots: int | None = None
     profile: StoredProfile | None = None
     positional_profile: PositionalProfile | None = None

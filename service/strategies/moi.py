@@ -162,7 +162,8 @@ class MoI:
             raise UnidentifiableRequest(str(exc), param="design") from None
         except solver.InvalidReference as exc:
             raise UnidentifiableRequest(f"stored profile unusable: {exc}") from None
-        order = solver.place(fit, request.placement)
+        placement = request.placement or work.settings.placement
+        order = solver.place(fit, placement)
         warnings = list(fit.warnings)
         if fit.orientation == "default_reference":
             warnings.append(
@@ -179,6 +180,7 @@ class MoI:
             scores=np.asarray(fit.utilities, dtype=np.float64),
             fit=fit,
             design=kind,
+            placement=placement,
             slots=slots,
             profile=profile,
             warnings=tuple(warnings),

@@ -88,7 +88,10 @@ async def test_calibrate_stores_an_oriented_profile_that_cyclic_requests_then_us
         assert after.status_code == 200, after.text
         body = after.json()
         assert body["position_bias"]["profile"]["id"] == prof["id"]
-        assert body["order"] == sorted(range(4), key=lambda i: -TRUTH[PASSAGES[i]])
+        assert body["ranking"] == sorted(range(4), key=lambda i: -TRUTH[PASSAGES[i]])
+        # The default placement follows the profile: recency, so the best passage goes last.
+        assert body["diagnostics"]["placement"] == "bias_matched"
+        assert body["order"] == body["ranking"][::-1]
         route = {"route": "/v1/bias-profiles/{profile_id}", "status": "200"}
         assert h.metric("rag_reorder_http_requests_total", route) == 1
 

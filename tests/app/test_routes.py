@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from service.backends.fake import primacy_bias
 from service.strategies import strategy_names
 from tests.app.conftest import (
     BEST_FIRST,
@@ -72,6 +73,32 @@ async def test_reorder_options_reach_the_pipeline(served: Harness) -> None:
     assert body["diagnostics"]["prompts"] == 10
     assert body["diagnostics"]["template"] == "qa_plain"
     assert sorted(body["order"]) == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize("default", ["bias_matched", "descending_utility"])
+async def test_placement_defaults_to_the_server_setting(tmp_path: Path, default: str) -> None:
+    """A model whose bias favours the end of the prompt (as SmolLM2's does): `bias_matched`
+    puts the best passage last, `descending_utility` first; a request's own choice wins and
+    the response names the placement it applied."""
+    late = TrackingBackend(TRUTH, bias=lambda n: tuple(reversed(primacy_bias(n))), noise=0.01)
+    async with serving(tmp_path, backend=late, placement=default) as h:
+        assert (await h.client.get("/info")).json()["default_placement"] == default
+        body = (await h.client.post("/v1/reorder", json=reorder_body())).json()
+        assert body["ranking"] == BEST_FIRST
+        assert body["diagnostics"]["placement"] == default
+        expected = BEST_FIRST[::-1] if default == "bias_matched" else BEST_FIRST
+        assert body["order"] == expected
+        other = "descending_utility" if default == "bias_matched" else "bias_matched"
+        body = (await h.client.post("/v1/reorder", json=reorder_body(placement=other))).json()
+        assert body["diagnostics"]["placement"] == other
+        assert body["order"] == expected[::-1]
+        # Other strategies place by their own rule: no placement reported, none accepted.
+        body = (await h.client.post("/v1/reorder", json=reorder_body(strategy="inverse"))).json()
+        assert body["diagnostics"]["placement"] is None
+        r = await h.client.post(
+            "/v1/reorder", json=reorder_body(strategy="inverse", placement=default)
+        )
+        assert r.status_code == 422 and r.json()["error"]["param"] == "placement"
 
 
 async def test_top_n_keeps_the_best_passages_and_scores_all(served: Harness) -> None:

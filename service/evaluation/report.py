@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -35,6 +35,8 @@ from service.evaluation.stats import (
 )
 
 BASELINES = ("shuffle", "retriever")
+PLACEMENT_PAIR = ("bias_matched", "descending_utility")
+"""MoI's two placements of one fit, compared per design: the variant and its baseline."""
 COMPARED: tuple[str, ...] = (*METRICS, "gold_logprob_per_token", "gold_rank_best")
 """Metrics compared against the baselines (higher is better, except ``gold_rank_best``)."""
 MEANS: tuple[str, ...] = (
@@ -100,6 +102,9 @@ class Summary:
     metric: MetricName
     variants: list[VariantSummary]
     comparisons: list[PairedComparison]
+    # bias_matched against descending_utility per MoI design: one fit, two orders, so the
+    # difference is the placement's alone (what RAG_REORDER_PLACEMENT's default rests on).
+    placements: list[PairedComparison]
     positional: list[SlotSummary]
     bias_profiles: list[BiasProfile]
 
@@ -130,10 +135,21 @@ def build_summary(
         for m in compared
         if (pairs := _pairs(recs, by_variant[base], m))
     ]
+    placed, against = PLACEMENT_PAIR
+    placements = [
+        paired_comparison(m, label, base, pairs, resamples=resamples, seed=seed)
+        for label, recs in by_variant.items()
+        if recs[0].strategy == "moi"
+        and recs[0].placement == placed
+        and (base := label.removesuffix(f":{placed}") + f":{against}") in by_variant
+        for m in compared
+        if (pairs := _pairs(recs, by_variant[base], m))
+    ]
     return Summary(
         metric=metric,
         variants=variants,
         comparisons=comparisons,
+        placements=placements,
         positional=_slot_summaries(positional, metric),
         bias_profiles=_bias_profiles(records, resamples=resamples, seed=seed),
     )
@@ -325,35 +341,31 @@ def markdown(meta: Mapping[str, object], summary: Summary) -> str:
         for v in answered:
             cells = [_f(v.means[f"strategy_answer_{m}"]) for m in METRICS]
             out.append(f"| {v.variant} | " + " | ".join(cells) + " |")
+    paired = (
+        "Mean difference (variant - baseline) with a 95% paired bootstrap interval "
+        f"({meta.get('resamples')} resamples) and the two-sided Wilcoxon signed-rank "
+        "p-value (zero differences dropped; p = 1 when all are zero); n: questions "
+        f"paired on {LABELS[metric]}. For gold rank, negative is better."
+    )
     for base in BASELINES:
         comps = [c for c in summary.comparisons if c.baseline == base]
-        if not comps:
-            continue
+        if comps:
+            out += ["", f"## Paired against `{base}`", "", paired, ""]
+            out += _paired_table(comps, order, metric, lambda label: label)
+    if summary.placements:
+        placed, against = PLACEMENT_PAIR
         out += [
             "",
-            f"## Paired against `{base}`",
+            f"## MoI placement: `{placed}` against `{against}`",
             "",
-            "Mean difference (variant - baseline) with a 95% paired bootstrap interval "
-            f"({meta.get('resamples')} resamples) and the two-sided Wilcoxon signed-rank "
-            "p-value (zero differences dropped; p = 1 when all are zero); n: questions "
-            f"paired on {LABELS[metric]}. For gold rank, negative is better.",
+            f"The same fit placed two ways, per design (variant `moi:<design>:{placed}`, "
+            f"baseline `moi:<design>:{against}`), so each difference is the placement's "
+            "alone. " + paired,
             "",
-            "| variant | n | " + " | ".join(LABELS[m] for m in order) + " |",
-            "|---|---:|" + "---|" * len(order),
         ]
-        for label in dict.fromkeys(c.variant for c in comps):
-            row = {c.metric: c for c in comps if c.variant == label}
-            cells = []
-            for m in order:
-                comp = row.get(m)
-                cells.append(
-                    "–"
-                    if comp is None
-                    else f"{comp.mean_diff:+.3f} [{comp.ci_low:+.3f}, {comp.ci_high:+.3f}] "
-                    f"p={_p(comp.p_value)}"
-                )
-            n = row[metric].n if metric in row else 0
-            out.append(f"| {label} | {n} | " + " | ".join(cells) + " |")
+        out += _paired_table(
+            summary.placements, order, metric, lambda label: label.split(":")[1], "design"
+        )
     if summary.positional:
         out += [
             "",
@@ -390,6 +402,34 @@ def markdown(meta: Mapping[str, object], summary: Summary) -> str:
             )
             out.append(f"| {b.design} | {b.slots} | {b.n} | {weights} |")
     return "\n".join(out) + "\n"
+
+
+def _paired_table(
+    comps: Sequence[PairedComparison],
+    order: Sequence[str],
+    metric: str,
+    name: Callable[[str], str],
+    head: str = "variant",
+) -> list[str]:
+    """One row per variant: each metric's difference, interval and p-value."""
+    out = [
+        f"| {head} | n | " + " | ".join(LABELS[m] for m in order) + " |",
+        "|---|---:|" + "---|" * len(order),
+    ]
+    for label in dict.fromkeys(c.variant for c in comps):
+        row = {c.metric: c for c in comps if c.variant == label}
+        cells = []
+        for m in order:
+            comp = row.get(m)
+            cells.append(
+                "–"
+                if comp is None
+                else f"{comp.mean_diff:+.3f} [{comp.ci_low:+.3f}, {comp.ci_high:+.3f}] "
+                f"p={_p(comp.p_value)}"
+            )
+        n = row[metric].n if metric in row else 0
+        out.append(f"| {name(label)} | {n} | " + " | ".join(cells) + " |")
+    return out
 
 
 def _pm(mean: float | None, se: float | None) -> str:

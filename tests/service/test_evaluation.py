@@ -342,6 +342,13 @@ async def test_report_files_summary_table_and_plots(tmp_path: Path) -> None:
     assert acc["mean_diff"] == 0.0 and acc["p_value"] == 1.0 and acc["n"] == QUESTIONS
     # Skipped variants are never compared (no pairs).
     assert not [c for c in comps if c["variant"] == "max_relevance"]
+    # Each MoI design's two placements of one fit, paired (cyclic has no profile: skipped).
+    placed = doc["summary"]["placements"]
+    assert {(c["variant"], c["baseline"]) for c in placed} == {
+        ("moi:pruned_random:bias_matched", "moi:pruned_random:descending_utility")
+    }
+    assert {c["metric"] for c in placed} >= {"accuracy", "gold_rank_best"}
+    assert all(c["n"] == QUESTIONS for c in placed)
 
     md = (tmp_path / "out" / "summary.md").read_text()
     summary = build_summary(out.records, out.positional, out.metric, resamples=500)
@@ -353,6 +360,9 @@ async def test_report_files_summary_table_and_plots(tmp_path: Path) -> None:
     assert "| max_relevance | 0/3 |" in md and "skipped: no profile" in md
     assert "## Paired against `shuffle`" in md and "## Paired against `retriever`" in md
     assert "## Gold passage rotated through every slot" in md
+    assert "## MoI placement: `bias_matched` against `descending_utility`" in md
+    placement_section = md.split("## MoI placement")[1].split("\n## ")[0]
+    assert "| pruned_random | 3 | " in placement_section
     assert "| pruned_random | 3 | 3 |" in md  # the MoI bias profile: 3 slots, 3 questions
 
 

@@ -137,13 +137,13 @@ def build_summary(
     ]
     placed, against = PLACEMENT_PAIR
     placements = [
-        paired_comparison(m, label, base, pairs, resamples=resamples, seed=seed)
+        paired_comparison(m, label, twin, pairs, resamples=resamples, seed=seed)
         for label, recs in by_variant.items()
         if recs[0].strategy == "moi"
         and recs[0].placement == placed
-        and (base := label.removesuffix(f":{placed}") + f":{against}") in by_variant
+        and (twin := label.removesuffix(f":{placed}") + f":{against}") in by_variant
         for m in compared
-        if (pairs := _pairs(recs, by_variant[base], m))
+        if (pairs := _pairs(recs, by_variant[twin], m))
     ]
     return Summary(
         metric=metric,

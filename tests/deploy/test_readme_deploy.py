@@ -1,4 +1,5 @@
-"""The README's Deploy section: every command in it is one these tests can check, and passes.
+"""The deployment guide (docs/deployment.md): every command in it is one these tests can check,
+and passes. The README's Deploy section shows a subset of those commands, verbatim.
 
 helm commands run (``--dry-run=client``, offline) and their render passes the same checks as
 the chart's; the files that kubectl, Compose and ``docker build`` are pointed at exist and are
@@ -23,10 +24,15 @@ from tests.deploy.test_observability import COMPOSE_FILES, DASHBOARD
 from tests.deploy.tools import CHART, EXAMPLES, ROOT, helm_template, run, schema_errors, tool
 
 README = ROOT / "README.md"
+GUIDE = ROOT / "docs" / "deployment.md"
 GPU_VALUES = EXAMPLES / "values-gpu.yaml"
 
 
 def deploy_section() -> str:
+    return GUIDE.read_text()
+
+
+def readme_deploy_section() -> str:
     text = README.read_text()
     start = text.index("\n## Deploy\n")
     end = text.index("\n## ", start + 1)
@@ -72,6 +78,14 @@ def _without_env(words: list[str]) -> list[str]:
     while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):
         words = words[1:]
     return words
+
+
+def test_the_readme_shows_only_commands_the_guide_checks(
+    every_command: list[list[str]],
+) -> None:
+    shown = commands(readme_deploy_section())
+    assert shown, "the README's Deploy section has no commands"
+    assert [w for w in shown if w not in every_command] == []
 
 
 def test_every_command_is_of_a_checked_kind(every_command: list[list[str]]) -> None:

@@ -1,6 +1,6 @@
 """``rag-reorder``: serve the API, reorder once, calibrate a bias profile, list profiles.
 
-Configuration comes from the environment (``RAG_REORDER_*``, see the README's reference); the
+Configuration comes from the environment (``RAG_REORDER_*``, see docs/configuration.md); the
 few flags below override it for one run.
 """
 
@@ -290,7 +290,7 @@ async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _calibrate_positions(settings: Settings, args: argparse.Namespace) -> int:
-    from service.distraction import calibrate_positions
+    from service.offline.positions import calibrate_positions
 
     examples = _load_examples(args)
     async with _pipeline(settings) as reorderer:
@@ -314,7 +314,7 @@ async def _calibrate_positions(settings: Settings, args: argparse.Namespace) -> 
 
 
 async def _eval(settings: Settings, args: argparse.Namespace) -> int:
-    from service.evaluation import EvalConfig, run_evaluation, select_variants
+    from service.offline.evaluation import EvalConfig, run_evaluation, select_variants
 
     for name in ("limit", "max_passages", "positional_limit", "resamples", "max_answer_tokens"):
         value = getattr(args, name)

@@ -44,7 +44,7 @@ from bench.report import provenance, write
 from service.backends.base import SpanLogprobs
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
-from service.evaluation.runner import prepare
+from service.offline.evaluation.runner import prepare
 from service.prompts import build_prompts
 from service.settings import Settings
 

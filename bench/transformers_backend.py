@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from service.backends.base import ChatMessage, SpanRequest
-from service.backends.transformers_backend import HeadMode, TransformersBackend
+from service.backends.batching import HeadMode
+from service.backends.transformers_backend import TransformersBackend
 from service.model_assets import resolve_model
 from service.settings import EMBEDDED_MODEL, Settings
 

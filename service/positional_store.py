@@ -1,8 +1,8 @@
 """Measured positional profiles (paper 004 section 4) on disk, one per (model, template, slots).
 
 ``max_relevance`` and ``min_distraction`` place passages by them; ``rag-reorder
-calibrate-positions`` (``service.distraction.calibrate_positions``) measures and stores them.
-A profile is never hard-coded: a strategy without a stored one refuses the request.
+calibrate-positions`` (``service.offline.positions.calibrate_positions``) measures and stores
+them. A profile is never hard-coded: a strategy without a stored one refuses the request.
 
 One JSON document per key, ``<profiles root>/positional/<model>__<template>__L<slots>.json``
 (beside ``ProfileStore``'s MoI bias profiles, which its non-recursive listing never mixes in),
@@ -54,7 +54,7 @@ class PositionalRecord:
 
     ``accuracy`` and ``answer_logprob`` rotate the gold passage through every slot among
     ``slots - 1`` fixed weak distractors; ``distracting_effect`` rotates the hardest
-    distractor among the same weak distractors (``service.distraction`` has the rules).
+    distractor among the same weak distractors (``service.offline.positions`` has the rules).
     """
 
     model: str

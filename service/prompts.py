@@ -173,7 +173,8 @@ register_template(
     )
 )
 # The distracting-effect probe (paper 004 eq. 1, after Amiraz et al. 2025): answer from the
-# documents or abstain with the literal NO-RESPONSE (service.distraction reads P(NO-RESPONSE)).
+# documents or abstain with the literal NO-RESPONSE (service.strategies.distraction reads
+# P(NO-RESPONSE)).
 # 004 describes that instruction but does not print it; this wording is ours, in the style of
 # 004's generation prompt (its Fig. 7: "Respond directly without providing any premise or
 # explanation").

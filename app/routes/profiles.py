@@ -1,13 +1,13 @@
 """Bias profiles over HTTP (API.md, "Around them"): list, read, and calibrate from a query set.
 
 A profile is what cyclic designs need and what orients full-length random ones (METHOD.md 3.3;
-README, "Calibrated profiles"). ``POST /v1/bias-profiles/calibrate`` runs the same calibration
-as ``rag-reorder calibrate`` on the serving engine: it takes a request slot, each query is held
-to the per-request limits and its prompts are admitted into the shared token budget like a
-request's, so a calibration shares the engine with live traffic instead of starving it. With
-``from_traffic`` it pools the runs live MoI requests already scored (``service.traffic``), at
-no model cost. The profile is written to the profile folder (atomically) and the next request
-finds it.
+docs/operations.md, "Bias profiles and calibration"). ``POST /v1/bias-profiles/calibrate`` runs
+the same calibration as ``rag-reorder calibrate`` on the serving engine: it takes a request
+slot, each query is held to the per-request limits and its prompts are admitted into the shared
+token budget like a request's, so a calibration shares the engine with live traffic instead of
+starving it. With ``from_traffic`` it pools the runs live MoI requests already scored
+(``service.traffic``), at no model cost. The profile is written to the profile folder
+(atomically) and the next request finds it.
 """
 
 from __future__ import annotations

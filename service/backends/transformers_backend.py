@@ -1,12 +1,13 @@
 """``LogprobBackend`` on a transformers causal LM, on CPU or one CUDA device.
 
-The only module of the project that imports torch and transformers (an import-linter contract
-keeps it so); ``service.model_assets`` reaches ``convert_gguf`` through a lazy import.
+With ``service.model_assets.gguf`` (the GGUF conversion), the only module of the project that
+imports torch and transformers (an import-linter contract keeps it so).
 
-Scoring packs requests into padded batches under ``batch_token_budget`` and runs the
-vocabulary-sized LM head only on the rows whose log-probs are asked for: on SmolLM2 the head is
-~20% of a forward and the full-vocabulary log-softmax over every prompt row is what makes
-prompt-log-prob serving run out of memory (see design/RELIABILITY.md).
+Scoring packs requests into padded batches under ``batch_token_budget`` (planned by
+``service.backends.batching``) and runs the vocabulary-sized LM head only on the rows whose
+log-probs are asked for: on SmolLM2 the head is ~20% of a forward and the full-vocabulary
+log-softmax over every prompt row is what makes prompt-log-prob serving run out of memory (see
+design/RELIABILITY.md).
 
 Errors: a malformed request (span out of range, unknown token id, prompt over the context)
 raises ``InvalidRequest``/``LimitExceeded`` for the whole call before any forward runs -- a
@@ -16,7 +17,6 @@ caller bug, not a broken backend. A forward that fails (out of memory, non-finit
 
 from __future__ import annotations
 
-import copy
 import gc
 import inspect
 import logging
@@ -39,6 +39,7 @@ from service.backends.base import (
     SpanRequest,
     checked_span,
 )
+from service.backends.batching import HeadMode, plan_batches, plan_generation_batches
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
 from service.model_assets import resolve_model
@@ -46,11 +47,6 @@ from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-HeadMode = Literal["auto", "mask", "positions", "full"]
-"""Which rows reach the LM head. ``mask``: exactly the scored rows (a 2-D boolean
-``logits_to_keep``, recent transformers); ``positions``: the union of scored positions across the
-batch (1-D ``logits_to_keep``, older transformers); ``full``: every row (models without
-``logits_to_keep``, and the baseline for benchmarks); ``auto``: the best one the model supports."""
 DeviceName = Literal["auto", "cpu", "cuda"]
 Req = TypeVar("Req", SpanRequest, GenerationRequest)
 Res = TypeVar("Res", ScoreResult, GenerateResult)
@@ -541,97 +537,9 @@ class TransformersBackend:
         ]
 
 
-def plan_generation_batches(
-    shapes: Sequence[tuple[int, int]], *, token_budget: int
-) -> list[list[int]]:
-    """Group generation requests, given as ``(prompt tokens, tokens to generate)``, into
-    lockstep batches, longest prompts first.
-
-    A batch's cost is its size times its longest prompt plus its longest generation (the KV
-    cache it ends with); it grows while that stays within ``token_budget``. A request over
-    the budget on its own still gets a batch of one.
-
-    Returns:
-        Lists of indices into ``shapes``; every index appears exactly once.
-    """
-    order = sorted(range(len(shapes)), key=lambda i: -shapes[i][0])
-    batches: list[list[int]] = []
-    current: list[int] = []
-    width = steps = 0
-    for i in order:
-        n, k = shapes[i]
-        if current and (len(current) + 1) * (max(width, n) + max(steps, k)) <= token_budget:
-            current.append(i)
-            width, steps = max(width, n), max(steps, k)
-            continue
-        if current:
-            batches.append(current)
-        current, width, steps = [i], n, k
-    if current:
-        batches.append(current)
-    return batches
-
-
 def default_batch_token_budget(device: torch.device) -> int:
     """The forward-batch budget for ``device`` when the settings leave it open."""
     return _CUDA_BATCH_TOKENS if device.type == "cuda" else _CPU_BATCH_TOKENS
-
-
-def plan_batches(
-    requests: Sequence[SpanRequest],
-    *,
-    token_budget: int,
-    row_budget: int,
-    head_mode: HeadMode = "mask",
-) -> list[list[int]]:
-    """Group request indices into forward batches, longest prompts first.
-
-    Sorting by length keeps padding small; a batch grows while its padded size stays within
-    ``token_budget`` and the rows sent to the LM head stay within ``row_budget``. A request
-    over either budget on its own still gets a batch of one (requests are never split).
-
-    Args:
-        requests: validated span requests.
-        token_budget: max ``batch_size * longest_prompt``.
-        row_budget: max rows reaching the LM head, as ``head_mode`` counts them.
-        head_mode: ``mask`` counts span rows, ``positions`` batch size times the union of span
-            positions, ``full``/``auto`` every padded row.
-
-    Returns:
-        Lists of indices into ``requests``; every index appears exactly once.
-    """
-    order = sorted(range(len(requests)), key=lambda i: -len(requests[i].token_ids))
-    batches: list[list[int]] = []
-    current: list[int] = []
-    width = span_rows = 0
-    union: set[int] = set()
-    for i in order:
-        req = requests[i]
-        n = len(req.token_ids)
-        span = req.span_end - req.span_start
-        # Only the positions mode needs the union; the others skip building the sets.
-        positions = (
-            set(range(req.span_start - 1, req.span_end - 1)) if head_mode == "positions" else set()
-        )
-        if current:
-            size = len(current) + 1
-            cand_width = max(width, n)
-            cand_union = union | positions
-            if head_mode == "mask":
-                rows = span_rows + span
-            elif head_mode == "positions":
-                rows = size * len(cand_union)
-            else:
-                rows = size * cand_width
-            if size * cand_width <= token_budget and rows <= row_budget:
-                current.append(i)
-                width, span_rows, union = cand_width, span_rows + span, cand_union
-                continue
-            batches.append(current)
-        current, width, span_rows, union = [i], n, span, positions
-    if current:
-        batches.append(current)
-    return batches
 
 
 def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -647,35 +555,6 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     picked = logits.gather(1, targets[:, None]).squeeze(1)
     return picked - torch.logsumexp(logits, dim=-1)
-
-
-def convert_gguf(gguf_path: Path, dst: Path) -> None:
-    """Convert a GGUF checkpoint into a transformers folder: float32 safetensors + tokenizer.
-
-    Quantised GGUF weights are dequantised (transformers does it on load); the dense copy is
-    saved without any quantisation config, so later loads are plain and fast.
-
-    Args:
-        gguf_path: the ``.gguf`` file.
-        dst: an existing, empty folder to write into.
-
-    Raises:
-        ValueError: transformers cannot map the GGUF tensors onto a dense model.
-    """
-    folder, name = str(gguf_path.parent), gguf_path.name
-    tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
-    config = copy.deepcopy(loaded.config)
-    if hasattr(config, "quantization_config"):
-        # The GGUF loader marks the model as GGUF-quantised even when every weight was
-        # dequantised, and refuses to save it; a fresh dense model with a strict state-dict
-        # load both drops that mark and proves no packed weight is left.
-        del config.quantization_config
-    dense = type(loaded)(config)
-    dense.load_state_dict(loaded.state_dict(), strict=True)
-    dense.generation_config = loaded.generation_config
-    dense.save_pretrained(str(dst))
-    tokenizer.save_pretrained(str(dst))
 
 
 def _validate_span(req: SpanRequest) -> None:

@@ -2,7 +2,7 @@
 (paper 004 section 5, strategies (iv) and (v)).
 
 Both read the profile stored for (model, the request's template, N slots) by ``rag-reorder
-calibrate-positions`` (``service.distraction``); without one the request is refused
+calibrate-positions`` (``service.offline.positions``); without one the request is refused
 (``UnidentifiableRequest``, 422) before any model call. A profile is measured, never assumed.
 With a single passage there is nothing to place: no profile is needed (it is reported when
 stored).
@@ -32,18 +32,40 @@ the slot where a distractor does least harm. Decided here:
   order among themselves; the request fails (``ScoringFailed``) only when all N failed.
 - DE prompts always use ``qa_abstain`` (the measurement's instruction); the request's template
   only selects the profile, which was measured for the answering template it names.
+
+Distracting effect. ``DE_q(p) = 1 - P("NO-RESPONSE" | q, p)`` under the ``qa_abstain``
+template (``service.prompts``: answer from the documents or reply NO-RESPONSE; Amiraz et al.
+2025 as used by 004). ``P`` is read by teacher forcing, never by sampling: the text
+``NO-RESPONSE``, tokenised on its own, is appended to the generation prompt (the assistant turn
+left open) and ``P = exp(sum of its tokens' log-probs)`` (``Work.continuation_logprobs``).
+Rules the papers leave loose, decided here:
+
+- The end-of-turn token is NOT part of the event: ``P`` is the probability that the reply
+  starts with ``NO-RESPONSE``, not that it is exactly ``NO-RESPONSE`` and stops. A model that
+  abstains with ``NO-RESPONSE.`` or ``NO-RESPONSE\\n(explanation)`` has abstained; the stricter
+  event would count those as answers and inflate DE. No real answer starts with that string,
+  so the looser event does not count answers as abstentions. (The stop event is also not one
+  token: a chat model has several end tokens, whose probabilities would have to be summed.)
+- Only the canonical tokenisation of ``NO-RESPONSE`` is scored; other tokenisations of the
+  same text carry (negligible) probability that is not added, so ``P`` is a lower bound and DE
+  an upper bound, by the same margin for every passage of a model.
+- DE is computed for one passage (the strategies, the choice of weak and hard distractors) or
+  for a whole ordered set (004 footnote 6: the distracting-effect profile). It is the model's
+  readiness to answer, so a relevant passage has a high DE too (004 sets DE = 0 for relevant
+  passages only because it knows which they are; the service does not).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Literal
 
 import numpy as np
 
-from service.distraction import ABSTAIN_TEMPLATE, passage_effects
 from service.errors import UnidentifiableRequest
 from service.positional_store import PositionalRecord, PositionalStore
+from service.prompts import Passage
 from service.settings import Settings
 from service.strategies.base import (
     Outcome,
@@ -55,6 +77,58 @@ from service.strategies.base import (
     need_scores,
     retriever_ranking,
 )
+
+NO_RESPONSE = "NO-RESPONSE"
+"""The abstention the ``qa_abstain`` template asks for."""
+ABSTAIN_TEMPLATE = "qa_abstain"
+HARD_DE = 0.8
+"""004: a distractor with DE above this is hard."""
+WEAK_DE = 0.2
+"""004: a distractor with DE below this is weak."""
+
+
+def distracting_effect(logprobs: Sequence[float] | None) -> float:
+    """``1 - exp(sum(logprobs))``: DE from the log-probs of the tokens of ``NO-RESPONSE``;
+    NaN for a failed prompt (``None``). In [0, 1]: backends clip log-probs to <= 0."""
+    if logprobs is None:
+        return math.nan
+    return float(-math.expm1(min(math.fsum(logprobs), 0.0)))
+
+
+async def set_effects(
+    work: Work,
+    query: str,
+    passages: Sequence[Passage],
+    orders: Sequence[Sequence[int]],
+) -> np.ndarray:
+    """DE of each ordered set of passages: one ``qa_abstain`` prompt per order.
+
+    Returns:
+        One DE per order, NaN where the prompt failed.
+
+    Raises:
+        InvalidRequest, LimitExceeded, PromptAlignmentError: as prompt building.
+    """
+    if not orders:
+        return np.zeros(0)
+    room = len(work.backend.tokenizer.encode(NO_RESPONSE).ids)
+    prompts = await work.generation_prompts(
+        query, passages, orders, template=ABSTAIN_TEMPLATE, room=room
+    )
+    rows = await work.continuation_logprobs(prompts, NO_RESPONSE)
+    return np.asarray([distracting_effect(r) for r in rows], dtype=np.float64)
+
+
+async def passage_effects(
+    work: Work, query: str, passages: Sequence[Passage], indices: Sequence[int] | None = None
+) -> np.ndarray:
+    """Single-passage DE of ``passages[i]`` for each ``i`` in ``indices`` (default: all).
+
+    Returns:
+        One DE per index, NaN where the prompt failed.
+    """
+    chosen = range(len(passages)) if indices is None else indices
+    return await set_effects(work, query, passages, [(i,) for i in chosen])
 
 
 def slot_preference(values: Sequence[float], *, best: Literal["high", "low"]) -> list[int]:

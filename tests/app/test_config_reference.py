@@ -26,8 +26,7 @@ def test_configuration_reference_is_current() -> None:
     gen = _script()
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert gen.rewrite(page) == page, (
-        "docs/configuration.md is stale: run "
-        ".venv/bin/python scripts/gen_config_reference.py"
+        "docs/configuration.md is stale: run .venv/bin/python scripts/gen_config_reference.py"
     )
 
 

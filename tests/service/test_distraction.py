@@ -16,16 +16,8 @@ import pytest
 
 from service.backends.fake import FakeBackend
 from service.dataset import Example
-from service.distraction import (
-    ABSTAIN_TEMPLATE,
-    NO_RESPONSE,
-    calibrate_positions,
-    distracting_effect,
-    passage_effects,
-    rotations,
-    set_effects,
-)
 from service.errors import InvalidRequest
+from service.offline.positions import calibrate_positions, rotations
 from service.positional_store import (
     CorruptPositionalProfile,
     PositionalRecord,
@@ -34,6 +26,13 @@ from service.positional_store import (
 )
 from service.profile_store import ProfileStore
 from service.prompts import Passage, build_generation_prompt
+from service.strategies.distraction import (
+    ABSTAIN_TEMPLATE,
+    NO_RESPONSE,
+    distracting_effect,
+    passage_effects,
+    set_effects,
+)
 from tests.support.pipeline import reorderer_in
 
 LAM = -0.01  # per-token log-prob of non-passage span tokens: keeps P(NO-RESPONSE) readable

@@ -16,18 +16,12 @@ import pytest
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.fake import FakeBackend
 from service.dataset import Example, load_examples
-from service.evaluation import EvalConfig, run_evaluation, select_variants
-from service.evaluation.metrics import gold_ranks, rouge_l, score_answer
-from service.evaluation.report import build_summary, markdown
-from service.evaluation.runner import (
-    CACHE_FILE,
-    AnyRecord,
-    PositionalRecord,
-    Record,
-    all_variants,
-    prepare,
-)
-from service.evaluation.stats import (
+from service.offline.evaluation import EvalConfig, all_variants, run_evaluation, select_variants
+from service.offline.evaluation.metrics import gold_ranks, rouge_l, score_answer
+from service.offline.evaluation.records import CACHE_FILE, AnyRecord, PositionalRecord, Record
+from service.offline.evaluation.report import build_summary, markdown
+from service.offline.evaluation.runner import prepare
+from service.offline.evaluation.stats import (
     bootstrap_mean_band,
     bootstrap_mean_ci,
     paired_comparison,

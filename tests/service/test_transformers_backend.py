@@ -27,12 +27,10 @@ from service.backends.base import (
     SpanLogprobs,
     SpanRequest,
 )
+from service.backends.batching import HeadMode, plan_batches, plan_generation_batches
 from service.backends.transformers_backend import (
-    HeadMode,
     TransformersBackend,
     default_batch_token_budget,
-    plan_batches,
-    plan_generation_batches,
     token_logprobs,
 )
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded

@@ -8,7 +8,7 @@ the gold passage through every slot among fixed distractors. Each finished (ques
 is appended to ``cache.jsonl`` in the output folder, so an interrupted run resumes where it
 stopped; the report is written from the cache at the end.
 
-Rules decided here (the README copies them):
+Rules decided here (docs/evaluation.md summarises them):
 
 - **Variants**: every registered strategy with its default options; ``moi`` once per design
   kind x placement, labelled ``moi:<design>:<placement>``. Both placements are applied to one
@@ -38,229 +38,44 @@ Rules decided here (the README copies them):
 
 from __future__ import annotations
 
-import json
 import logging
-import math
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, cast
+from typing import Any
 
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import solver
 from service.answers import DEFAULT_MAX_ANSWER_TOKENS
 from service.dataset import Example
-from service.errors import ClientError, InvalidRequest, ScoringFailed, UnidentifiableRequest
-from service.evaluation.metrics import (
+from service.errors import ClientError, ScoringFailed, UnidentifiableRequest
+from service.offline.evaluation.metrics import (
     AnswerScores,
     MetricName,
     default_metric,
     gold_ranks,
     score_answer,
 )
+from service.offline.evaluation.records import (
+    CACHE_FILE,
+    POSITIONAL,
+    AnyRecord,
+    Cost,
+    PositionalRecord,
+    Record,
+    RecordCache,
+    RunKey,
+    SlotResult,
+    Status,
+)
+from service.offline.evaluation.variants import Variant, all_variants
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
 from service.prompts import Passage
-from service.strategies import strategy_names
-from service.strategies.base import DesignKind, Placement, StrategyName, Usage
 
 log = logging.getLogger(__name__)
-
-MOI_DESIGNS: tuple[DesignKind, ...] = (
-    "pruned_random",
-    "random",
-    "hybrid",
-    "cyclic",
-    "pruned_cyclic",
-)
-PLACEMENTS: tuple[Placement, ...] = ("descending_utility", "bias_matched")
-CACHE_FILE = "cache.jsonl"
-POSITIONAL = "positional"
-
-Status = Literal["ok", "error", "skipped"]
-
-
-@dataclass(frozen=True)
-class Variant:
-    """One strategy configuration under evaluation."""
-
-    label: str
-    strategy: StrategyName
-    design: DesignKind | None = None
-    placement: Placement | None = None
-
-
-def all_variants() -> list[Variant]:
-    """Every registered strategy; ``moi`` once per design kind and placement."""
-    out: list[Variant] = []
-    for name in strategy_names():
-        if name == "moi":
-            out.extend(
-                Variant(f"moi:{d}:{p}", "moi", d, p) for d in MOI_DESIGNS for p in PLACEMENTS
-            )
-        else:
-            out.append(Variant(name, name))
-    return out
-
-
-def select_variants(spec: Sequence[str] | None) -> list[Variant]:
-    """The variants named in ``spec``: a strategy name (all its variants), ``moi:<design>``
-    (both placements) or a full label; ``None`` or empty for all.
-
-    Raises:
-        InvalidRequest: a name that matches no variant.
-    """
-    every = all_variants()
-    if not spec:
-        return every
-    chosen: list[Variant] = []
-    for raw in spec:
-        name = raw.strip()
-        hits = [
-            v
-            for v in every
-            if name in (v.label, v.strategy) or (":" in name and v.label.startswith(name + ":"))
-        ]
-        if not hits:
-            known = ", ".join(dict.fromkeys(v.strategy for v in every))
-            raise InvalidRequest(
-                f"unknown strategy or variant {name!r}; strategies: {known}; MoI variants are "
-                "moi:<design>[:<placement>]",
-                param="strategies",
-            )
-        chosen.extend(v for v in hits if v not in chosen)
-    return chosen
-
-
-@dataclass(frozen=True)
-class Cost:
-    """Model work of one strategy run (or one generator evaluation)."""
-
-    prompts: int
-    prompts_scored: int
-    prompt_tokens: int
-    scored_tokens: int
-    generations: int
-    generated_tokens: int
-    wall_s: float
-
-    @classmethod
-    def of(cls, usage: Usage, wall_s: float) -> Cost:
-        return cls(
-            prompts=usage.prompts,
-            prompts_scored=usage.prompts_scored,
-            prompt_tokens=usage.prompt_tokens,
-            scored_tokens=usage.scored_tokens,
-            generations=usage.generations,
-            generated_tokens=usage.generated_tokens,
-            wall_s=wall_s,
-        )
-
-
-@dataclass(frozen=True)
-class RunKey:
-    """What a cached record depends on (the brief's key plus the generator's settings)."""
-
-    question_id: str
-    variant: str
-    scorer: str
-    generator: str
-    max_passages: int | None
-    template: str
-    max_answer_tokens: int
-    seed: int
-
-
-@dataclass(frozen=True)
-class Record:
-    """One (question, variant): the order, the generator's answer and its scores, the cost.
-
-    Metric fields are ``None`` where they could not be measured (an error, a failed
-    generation, a question without answers)."""
-
-    key: RunKey
-    strategy: str
-    design: str | None
-    placement: str | None
-    status: Status
-    n_passages: int
-    gold: tuple[int, ...]
-    error: str | None = None
-    error_code: str | None = None
-    order: tuple[int, ...] | None = None
-    gold_rank_best: int | None = None
-    gold_rank_mean: float | None = None
-    answer: str | None = None
-    accuracy: float | None = None
-    em: float | None = None
-    f1: float | None = None
-    rouge_l: float | None = None
-    gold_logprob: float | None = None
-    gold_tokens: int | None = None
-    gold_logprob_per_token: float | None = None
-    strategy_answer: str | None = None
-    strategy_answer_accuracy: float | None = None
-    strategy_answer_em: float | None = None
-    strategy_answer_f1: float | None = None
-    strategy_answer_rouge_l: float | None = None
-    cost: Cost | None = None
-    generator_cost: Cost | None = None
-    generator_error: str | None = None
-    position_bias: tuple[float, ...] | None = None
-    warnings: tuple[str, ...] = ()
-
-    @property
-    def variant(self) -> str:
-        return self.key.variant
-
-    @property
-    def question_id(self) -> str:
-        return self.key.question_id
-
-    def value(self, metric: str) -> float | None:
-        """A numeric field by name (``None`` when missing or not finite)."""
-        v = getattr(self, metric)
-        if v is None:
-            return None
-        f = float(v)
-        return f if math.isfinite(f) else None
-
-
-@dataclass(frozen=True)
-class SlotResult:
-    """The positional run of one question with its gold passage in ``slot`` (1-based)."""
-
-    slot: int
-    answer: str | None
-    accuracy: float | None
-    em: float | None
-    f1: float | None
-    rouge_l: float | None
-    gold_logprob_per_token: float | None
-    question_logprob_per_token: float | None
-
-    def value(self, metric: str) -> float | None:
-        v = getattr(self, metric)
-        return None if v is None or not math.isfinite(float(v)) else float(v)
-
-
-@dataclass(frozen=True)
-class PositionalRecord:
-    key: RunKey
-    status: Status
-    n_passages: int
-    gold_passage: int | None
-    slots: tuple[SlotResult, ...] = ()
-    error: str | None = None
-
-    @property
-    def question_id(self) -> str:
-        return self.key.question_id
-
-
-AnyRecord = Record | PositionalRecord
 
 
 @dataclass(frozen=True)
@@ -333,85 +148,6 @@ class EvalOutcome:
     files: tuple[Path, ...]
 
 
-class RecordCache:
-    """Finished records, one JSON object a line in ``cache.jsonl``, appended as they finish.
-
-    A line that does not parse (the run died while writing it) is ignored and recomputed; the
-    next record starts on a new line.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._records: dict[RunKey, AnyRecord] = {}
-        self._torn = False
-        if path.is_file():
-            data = path.read_bytes()
-            self._torn = bool(data) and not data.endswith(b"\n")
-            with path.open(encoding="utf-8") as fh:
-                for line in fh:
-                    try:
-                        rec = record_from_json(json.loads(line))
-                    except (ValueError, KeyError, TypeError):
-                        log.warning("ignoring an unreadable line in %s", path)
-                        continue
-                    self._records[rec.key] = rec
-
-    def get(self, key: RunKey) -> AnyRecord | None:
-        return self._records.get(key)
-
-    def add(self, record: AnyRecord) -> None:
-        self._records[record.key] = record
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with self.path.open("a", encoding="utf-8") as fh:
-            if self._torn:  # end the torn line first, or this record would join it
-                fh.write("\n")
-                self._torn = False
-            fh.write(json.dumps(record_to_json(record), allow_nan=False) + "\n")
-            fh.flush()
-
-
-def record_to_json(record: AnyRecord) -> dict[str, Any]:
-    """A record as a JSON object (non-finite floats as ``null``)."""
-    data = cast(dict[str, Any], json_safe(asdict(record)))
-    data["kind"] = POSITIONAL if isinstance(record, PositionalRecord) else "strategy"
-    return data
-
-
-def record_from_json(data: dict[str, Any]) -> AnyRecord:
-    """The inverse of ``record_to_json``.
-
-    Raises:
-        KeyError, TypeError, ValueError: not a record.
-    """
-    data = dict(data)
-    kind = data.pop("kind")
-    key = RunKey(**data.pop("key"))
-    if kind == POSITIONAL:
-        slots = tuple(SlotResult(**s) for s in data.pop("slots"))
-        return PositionalRecord(key=key, slots=slots, **data)
-    if kind != "strategy":
-        raise ValueError(f"unknown record kind {kind!r}")
-    for name in ("cost", "generator_cost"):
-        if data.get(name) is not None:
-            data[name] = Cost(**data[name])
-    for name in ("gold", "order", "position_bias", "warnings"):
-        if data.get(name) is not None:
-            data[name] = tuple(data[name])
-    known = {f.name for f in fields(Record)}
-    return Record(key=key, **{k: v for k, v in data.items() if k in known})
-
-
-def json_safe(obj: object) -> object:
-    """``obj`` with every non-finite float replaced by ``None`` (strict JSON)."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
 @dataclass(frozen=True)
 class _Generated:
     """What the generator made of one order."""
@@ -468,8 +204,8 @@ class Evaluator:
         Raises:
             ServerError: the backend failed beyond one question (e.g. it is unavailable).
         """
-        from service.evaluation.plots import write_plots
-        from service.evaluation.report import build_summary, write_report
+        from service.offline.evaluation.plots import write_plots
+        from service.offline.evaluation.report import build_summary, write_report
 
         cfg = self.config
         questions = [prepare(e, cfg.max_passages) for e in examples]

@@ -5,9 +5,9 @@ The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the
 converted once into a plain transformers folder (config + safetensors + tokenizer) under
 ``<cache_dir>/models/``; later starts reuse it.
 
-This module imports neither torch nor transformers (only ``service.backends.transformers_backend``
-does), so resolving a path stays cheap and the import contract stays true. The conversion itself
-is imported lazily from that module.
+This module imports neither torch nor transformers, so resolving a path stays cheap; the
+conversion (``service.model_assets.gguf``, which does) is imported lazily when a GGUF must be
+converted.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def resolve_model(settings: Settings, *, converter: Converter | None = None) -> 
         settings: ``settings.model`` is the embedded default, a local folder, or a hub id that
             is already in the local Hugging Face cache (we never download).
         converter: replaces the GGUF conversion (tests); default is
-            ``service.backends.transformers_backend.convert_gguf``.
+            ``service.model_assets.gguf.convert_gguf``.
 
     Returns:
         The model folder. For the embedded default it is ``<cache_dir>/models/<safe-name>/``,
@@ -178,8 +178,8 @@ def safe_model_name(model: str) -> str:
 
 
 def _default_converter() -> Converter:
-    # Lazy: importing the backend pulls torch/transformers (seconds), only needed to convert.
-    from service.backends.transformers_backend import convert_gguf
+    # Lazy: the conversion pulls torch/transformers (seconds), only needed to convert.
+    from service.model_assets.gguf import convert_gguf
 
     return convert_gguf
 

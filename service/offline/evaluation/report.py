@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.evaluation.metrics import METRICS, MetricName
-from service.evaluation.runner import (
+from service.offline.evaluation.metrics import METRICS, MetricName
+from service.offline.evaluation.records import (
     Cost,
     PositionalRecord,
     Record,
@@ -26,7 +26,7 @@ from service.evaluation.runner import (
     json_safe,
     record_to_json,
 )
-from service.evaluation.stats import (
+from service.offline.evaluation.stats import (
     DEFAULT_RESAMPLES,
     PairedComparison,
     bootstrap_mean_band,

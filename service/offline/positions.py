@@ -1,25 +1,7 @@
-"""The distracting effect (paper 004 eq. 1) and the calibration of positional profiles (004 s. 4).
+"""Positional profiles: the controlled measurement of paper 004 section 4, offline.
 
-Distracting effect. ``DE_q(p) = 1 - P("NO-RESPONSE" | q, p)`` under the ``qa_abstain``
-template (``service.prompts``: answer from the documents or reply NO-RESPONSE; Amiraz et al.
-2025 as used by 004). ``P`` is read by teacher forcing, never by sampling: the text
-``NO-RESPONSE``, tokenised on its own, is appended to the generation prompt (the assistant turn
-left open) and ``P = exp(sum of its tokens' log-probs)`` (``Work.continuation_logprobs``).
-Rules the papers leave loose, decided here:
-
-- The end-of-turn token is NOT part of the event: ``P`` is the probability that the reply
-  starts with ``NO-RESPONSE``, not that it is exactly ``NO-RESPONSE`` and stops. A model that
-  abstains with ``NO-RESPONSE.`` or ``NO-RESPONSE\\n(explanation)`` has abstained; the stricter
-  event would count those as answers and inflate DE. No real answer starts with that string,
-  so the looser event does not count answers as abstentions. (The stop event is also not one
-  token: a chat model has several end tokens, whose probabilities would have to be summed.)
-- Only the canonical tokenisation of ``NO-RESPONSE`` is scored; other tokenisations of the
-  same text carry (negligible) probability that is not added, so ``P`` is a lower bound and DE
-  an upper bound, by the same margin for every passage of a model.
-- DE is computed for one passage (the strategies, the choice of weak and hard distractors) or
-  for a whole ordered set (004 footnote 6: the distracting-effect profile). It is the model's
-  readiness to answer, so a relevant passage has a high DE too (004 sets DE = 0 for relevant
-  passages only because it knows which they are; the service does not).
+``rag-reorder calibrate-positions`` runs it; the distracting effect it reads is defined and
+computed in ``service.strategies.distraction`` (the strategies that use the profiles).
 
 Positional profiles (004 section 4, the controlled setting), per (model, answering template,
 slot count k), measured on a QA set with gold labels (``service.dataset``) and stored by
@@ -58,73 +40,24 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from service.answers import DEFAULT_MAX_ANSWER_TOKENS, nq_accuracy
 from service.dataset import Example
 from service.errors import InvalidRequest, LimitExceeded
+from service.pipeline import Reorderer
 from service.positional_store import PositionalRecord, PositionalStore, SlotMeans, now_fields
-from service.prompts import Passage
-
-if TYPE_CHECKING:
-    from service.pipeline import Reorderer
-    from service.strategies.base import Work
+from service.strategies.base import Work
+from service.strategies.distraction import (
+    ABSTAIN_TEMPLATE,
+    HARD_DE,
+    WEAK_DE,
+    passage_effects,
+    set_effects,
+)
 
 log = logging.getLogger(__name__)
-
-NO_RESPONSE = "NO-RESPONSE"
-"""The abstention the ``qa_abstain`` template asks for."""
-ABSTAIN_TEMPLATE = "qa_abstain"
-HARD_DE = 0.8
-"""004: a distractor with DE above this is hard."""
-WEAK_DE = 0.2
-"""004: a distractor with DE below this is weak."""
-
-
-def distracting_effect(logprobs: Sequence[float] | None) -> float:
-    """``1 - exp(sum(logprobs))``: DE from the log-probs of the tokens of ``NO-RESPONSE``;
-    NaN for a failed prompt (``None``). In [0, 1]: backends clip log-probs to <= 0."""
-    if logprobs is None:
-        return math.nan
-    return float(-math.expm1(min(math.fsum(logprobs), 0.0)))
-
-
-async def set_effects(
-    work: Work,
-    query: str,
-    passages: Sequence[Passage],
-    orders: Sequence[Sequence[int]],
-) -> np.ndarray:
-    """DE of each ordered set of passages: one ``qa_abstain`` prompt per order.
-
-    Returns:
-        One DE per order, NaN where the prompt failed.
-
-    Raises:
-        InvalidRequest, LimitExceeded, PromptAlignmentError: as prompt building.
-    """
-    if not orders:
-        return np.zeros(0)
-    room = len(work.backend.tokenizer.encode(NO_RESPONSE).ids)
-    prompts = await work.generation_prompts(
-        query, passages, orders, template=ABSTAIN_TEMPLATE, room=room
-    )
-    rows = await work.continuation_logprobs(prompts, NO_RESPONSE)
-    return np.asarray([distracting_effect(r) for r in rows], dtype=np.float64)
-
-
-async def passage_effects(
-    work: Work, query: str, passages: Sequence[Passage], indices: Sequence[int] | None = None
-) -> np.ndarray:
-    """Single-passage DE of ``passages[i]`` for each ``i`` in ``indices`` (default: all).
-
-    Returns:
-        One DE per index, NaN where the prompt failed.
-    """
-    chosen = range(len(passages)) if indices is None else indices
-    return await set_effects(work, query, passages, [(i,) for i in chosen])
 
 
 @dataclass(frozen=True)

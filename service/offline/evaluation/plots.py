@@ -22,7 +22,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from service.evaluation.report import LABELS, Summary
+from service.offline.evaluation.report import LABELS, Summary
 
 _DPI = 110
 _MARKERS = ("o", "s", "^", "D", "v", "P")

@@ -1,0 +1,71 @@
+"""The strategy variants an evaluation runs, and how ``--strategies`` names them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from service.errors import InvalidRequest
+from service.strategies import strategy_names
+from service.strategies.base import DesignKind, Placement, StrategyName
+
+MOI_DESIGNS: tuple[DesignKind, ...] = (
+    "pruned_random",
+    "random",
+    "hybrid",
+    "cyclic",
+    "pruned_cyclic",
+)
+PLACEMENTS: tuple[Placement, ...] = ("descending_utility", "bias_matched")
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One strategy configuration under evaluation."""
+
+    label: str
+    strategy: StrategyName
+    design: DesignKind | None = None
+    placement: Placement | None = None
+
+
+def all_variants() -> list[Variant]:
+    """Every registered strategy; ``moi`` once per design kind and placement."""
+    out: list[Variant] = []
+    for name in strategy_names():
+        if name == "moi":
+            out.extend(
+                Variant(f"moi:{d}:{p}", "moi", d, p) for d in MOI_DESIGNS for p in PLACEMENTS
+            )
+        else:
+            out.append(Variant(name, name))
+    return out
+
+
+def select_variants(spec: Sequence[str] | None) -> list[Variant]:
+    """The variants named in ``spec``: a strategy name (all its variants), ``moi:<design>``
+    (both placements) or a full label; ``None`` or empty for all.
+
+    Raises:
+        InvalidRequest: a name that matches no variant.
+    """
+    every = all_variants()
+    if not spec:
+        return every
+    chosen: list[Variant] = []
+    for raw in spec:
+        name = raw.strip()
+        hits = [
+            v
+            for v in every
+            if name in (v.label, v.strategy) or (":" in name and v.label.startswith(name + ":"))
+        ]
+        if not hits:
+            known = ", ".join(dict.fromkeys(v.strategy for v in every))
+            raise InvalidRequest(
+                f"unknown strategy or variant {name!r}; strategies: {known}; MoI variants are "
+                "moi:<design>[:<placement>]",
+                param="strategies",
+            )
+        chosen.extend(v for v in hits if v not in chosen)
+    return chosen

@@ -17,7 +17,9 @@ from tests.support.models import cache_dir_for_tests
 
 API_KEY = "integrations-key"
 # A question and four passages SmolLM2 ranks sensibly (tests/app/test_integration.py), and a
-# design small enough for a few seconds per request on a 2-core CPU.
+# design small enough for about a second per request on a 2-core CPU. With this seed the fit
+# finds a recency bias, so `bias_matched` reverses the ranking: a test cannot mistake one
+# order for the other.
 QUERY = "What is the capital of France?"
 DOCUMENTS = [
     "Berlin is the capital of Germany.",
@@ -25,7 +27,7 @@ DOCUMENTS = [
     "The Loire is the longest river in France.",
     "Madrid is the capital of Spain.",
 ]
-DESIGN = {"kind": "pruned_random", "num_prompts": 8, "seed": 1}
+DESIGN = {"kind": "pruned_random", "num_prompts": 8, "seed": 2}
 
 
 @pytest.fixture(scope="session")

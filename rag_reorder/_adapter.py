@@ -35,12 +35,14 @@ def placed(result: Reordering) -> list[tuple[int, dict[str, MetadataValue]]]:
     (fewer slots than passages with a pruned design), the same list on every document.
     """
     bias = list(result.position_bias.coefficients) if result.position_bias else None
+    scored = {p.index: p for p in result.passages}
+    rank = {index: k for k, index in enumerate(result.ranking)}
     out: list[tuple[int, dict[str, MetadataValue]]] = []
     for slot, index in enumerate(result.order):
-        p = result.passage(index)
+        p = scored[index]
         meta: dict[str, MetadataValue] = {
             "slot": slot,
-            "rank": result.rank(index),
+            "rank": rank[index],
             "utility": p.utility,
             "stderr": p.stderr,
             "confidence_above_next": p.confidence_above_next,

@@ -359,10 +359,10 @@ def _retry_after(response: httpx.Response) -> float | None:
     try:
         seconds = float(value)
     except ValueError:
-        when = email.utils.parsedate_to_datetime(value) if value.strip() else None
-        if when is None:
+        try:
+            seconds = email.utils.parsedate_to_datetime(value).timestamp() - time.time()
+        except (ValueError, TypeError, IndexError):  # neither form: as if it were absent
             return None
-        seconds = when.timestamp() - time.time()
     return max(0.0, seconds) if math.isfinite(seconds) else None
 
 

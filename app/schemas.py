@@ -37,6 +37,7 @@ MAX_CALIBRATION_QUERIES = 4096
 Strategy = StrategyName
 DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
 PlacementName = Literal["descending_utility", "bias_matched"]
+ResultsOrder = Literal["ranking", "placement"]
 ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",
@@ -117,7 +118,7 @@ class ReorderOptions(_Strict):
 
     strategy: Strategy = "moi"
     """`moi` (mixture of interventions, the default) or another published method: see the
-    README's strategy table."""
+    strategies page of the documentation (docs/strategies.md)."""
     design: DesignIn = Field(default_factory=DesignIn)
     placement: PlacementName | None = None
     """`bias_matched` (the k-th best passage into the slot with the k-th largest fitted bias)
@@ -174,6 +175,18 @@ class ReorderOptions(_Strict):
             template=self.template,
             request_id=request_id,
         )
+
+
+class RerankOptions(ReorderOptions):
+    """`reorder` on the rerank routes: the native options, and how `results` are ordered."""
+
+    results_order: ResultsOrder | None = None
+    """`ranking`: `results` best first (descending `relevance_score`), as rerank clients
+    expect. `placement`: `results` in the order to put into the prompt (`meta.reorder.order`;
+    with `top_n`, the `top_n` best in their placement order), `relevance_score` still the
+    strategy's judgement, so a client that re-sorts by it undoes the placement. Default: the
+    server's `RAG_REORDER_RERANK_RESULTS_ORDER` (`ranking` unless configured); the response's
+    `meta.results_order` names the one applied."""
 
 
 class ReorderBody(ReorderOptions):
@@ -250,7 +263,7 @@ class RerankBody(_Lenient):
     return_documents: bool = True
     max_tokens_per_doc: int | None = Field(default=None, ge=1)
     """A document longer than this (in the model's tokens) is a 422, never truncated."""
-    reorder: ReorderOptions = Field(default_factory=ReorderOptions)
+    reorder: RerankOptions = Field(default_factory=RerankOptions)
 
 
 # --- responses --------------------------------------------------------------------------
@@ -461,6 +474,9 @@ class RerankUsage(_Model):
 
 class RerankMetaOut(_Model):
     reorder: ReorderMeta
+    results_order: ResultsOrder
+    """How `results` are ordered: `ranking` (best first) or `placement` (prompt order); the
+    request's `reorder.results_order`, else the server's default."""
 
 
 class RerankResponse(_Model):
@@ -468,7 +484,8 @@ class RerankResponse(_Model):
     model: str
     usage: RerankUsage
     results: list[RerankResult]
-    """Sorted by descending relevance_score."""
+    """Sorted by descending relevance_score, or in prompt order with `reorder.results_order`
+    `placement` (see `meta.results_order`)."""
     meta: RerankMetaOut
 
 
@@ -539,6 +556,9 @@ class InfoOut(_Model):
     placements: list[str]
     default_placement: str
     """MoI's placement when a request names none (`RAG_REORDER_PLACEMENT`)."""
+    default_results_order: ResultsOrder
+    """Order of rerank `results` when a request names none
+    (`RAG_REORDER_RERANK_RESULTS_ORDER`)."""
     templates: list[str]
 
 

@@ -80,6 +80,11 @@ class Settings(BaseSettings):
     another family). On both development sets, with SmolLM2 scoring and answering, the default
     design's `bias_matched` answered at least as well as `descending_utility`
     (docs/evaluation.md)."""
+    rerank_results_order: Literal["ranking", "placement"] = "ranking"
+    """Order of `results` on the rerank routes when a request's `reorder.results_order` names
+    none. `ranking`: best first by `relevance_score`, as rerank clients expect. `placement`:
+    the order to put into the prompt (`meta.reorder.order`), which is where MoI's measured gain
+    lies; a client that re-sorts `results` by `relevance_score` undoes it (docs/api.md)."""
 
     # --- HTTP service (app/) -----------------------------------------------------------
     host: str = "127.0.0.1"

@@ -69,5 +69,6 @@ async def info(ctx: Ctx) -> InfoOut:
         design_kinds=list(get_args(DesignKind)),
         placements=list(get_args(PlacementName)),
         default_placement=s.placement,
+        default_results_order=s.rerank_results_order,
         templates=list(template_names()),
     )

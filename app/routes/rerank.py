@@ -1,7 +1,8 @@
 """``POST /rerank``, ``/v1/rerank``, ``/v2/rerank``: the Cohere/Jina/vLLM rerank shape.
 
 RAG stacks (LiteLLM, LangChain, LlamaIndex, Haystack, Dify, RAGFlow) already call this shape;
-the results are the debiased ranking, and ``meta.reorder`` carries what the native API returns.
+the results are the debiased ranking (or, with ``reorder.results_order`` ``placement``, the
+prompt order), and ``meta.reorder`` carries what the native API returns.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from app.schemas import (
     RerankUsage,
     relevance_scores,
     reorder_meta,
+    selected_order,
     to_passages,
 )
 from app.state import Ctx, RequestId
@@ -58,7 +60,8 @@ router = APIRouter(tags=["rerank"])
 async def rerank(
     body: RerankBody, request: Request, ctx: Ctx, request_id: RequestId
 ) -> RerankResponse:
-    """Documents by the strategy's judgement (default `moi`: debiased utility).
+    """Documents by the strategy's judgement (default `moi`: debiased utility), or with
+    `reorder.results_order` `placement` in the order to put into the prompt.
     `relevance_score` is `sigmoid((x - mean) / sd)` of the per-document score `x` (documents
     without one score 0; strategies without scores give `1 - rank / N`); unknown fields are
     ignored; our options go in `reorder`."""
@@ -82,7 +85,13 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
     result = await execute(ctx, request, work)
     scores = relevance_scores(result)
     top_n = body.top_n or None
-    keep = result.ranking[:top_n] if top_n else result.ranking
+    results_order = opts.results_order or ctx.settings.rerank_results_order
+    # `placement` hands rerank clients the prompt order, where the measured gain lies; the
+    # same top_n passages either way, so only their order differs from `ranking`.
+    if results_order == "placement":
+        keep = selected_order(result, top_n)
+    else:
+        keep = result.ranking[:top_n] if top_n else result.ranking
     return RerankResponse(
         id=request_id,
         model=result.model,
@@ -95,7 +104,9 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
             )
             for i in keep
         ],
-        meta=RerankMetaOut(reorder=reorder_meta(result, passages, top_n)),
+        meta=RerankMetaOut(
+            reorder=reorder_meta(result, passages, top_n), results_order=results_order
+        ),
     )
 
 

@@ -270,6 +270,31 @@ def check_references(docs: list[Doc]) -> list[str]:
     return problems
 
 
+_JOB_MATCHER = re.compile(r'\bjob\s*=\s*"([^"]*)"')
+
+
+def check_alert_rules(docs: list[Doc]) -> list[str]:
+    """The PrometheusRule's queries select the job the chart's ServiceMonitor scrapes into (the
+    Service's name): rules on any other job would watch nothing, and RagReorderDown would fire
+    for ever on absent(up)."""
+    problems = []
+    if not of_kind(docs, "ServiceMonitor"):
+        return problems  # scraped some other way: prometheusRule.selector says how
+    services = {s["metadata"]["name"] for s in of_kind(docs, "Service")}
+    for rule_doc in of_kind(docs, "PrometheusRule"):
+        for group in rule_doc["spec"]["groups"]:
+            for rule in group["rules"]:
+                name = rule.get("alert") or rule.get("record")
+                jobs = set(_JOB_MATCHER.findall(rule["expr"]))
+                if not jobs:
+                    problems.append(f"rule {name} selects no job")
+                elif not jobs <= services:
+                    problems.append(
+                        f"rule {name} selects job {sorted(jobs)}, not {sorted(services)}"
+                    )
+    return problems
+
+
 ALL_CHECKS: tuple[Callable[[list[Doc]], list[str]], ...] = (
     check_selectors,
     check_probes,
@@ -277,6 +302,7 @@ ALL_CHECKS: tuple[Callable[[list[Doc]], list[str]], ...] = (
     check_autoscaling,
     check_metrics_scrape,
     check_references,
+    check_alert_rules,
 )
 
 

@@ -43,6 +43,7 @@ ALL_FEATURES = (
     "serviceMonitor.enabled=true",
     "autoscaling.enabled=true",
     "grafanaDashboard.enabled=true",
+    "prometheusRule.enabled=true",
 )
 RENDERS: dict[str, dict[str, Any]] = {
     "default": {"files": (), "sets": (), "gpu": False},
@@ -108,19 +109,11 @@ def test_each_render_has_the_resources_its_values_ask_for(
 ) -> None:
     base = {"Deployment", "Service", "ServiceAccount", "PodDisruptionBudget"}
     assert kinds(rendered["default"]) == base
-    assert kinds(rendered["gpu"]) == base | {"ScaledObject", "ServiceMonitor", "ConfigMap"}
-    assert kinds(rendered["gpu-hpa"]) == base | {
-        "HorizontalPodAutoscaler",
-        "ServiceMonitor",
-        "ConfigMap",
-    }
+    monitoring = {"ServiceMonitor", "PrometheusRule", "ConfigMap"}
+    assert kinds(rendered["gpu"]) == base | {"ScaledObject"} | monitoring
+    assert kinds(rendered["gpu-hpa"]) == base | {"HorizontalPodAutoscaler"} | monitoring
     assert kinds(rendered["gpu-model-folder"]) == kinds(rendered["gpu"])
-    assert kinds(rendered["cpu-all-features"]) == base | {
-        "ScaledObject",
-        "ServiceMonitor",
-        "ConfigMap",
-        "Secret",
-    }
+    assert kinds(rendered["cpu-all-features"]) == base | {"ScaledObject", "Secret"} | monitoring
 
 
 def test_gpu_values_run_a_real_model_from_the_volume(rendered: dict[str, list[Doc]]) -> None:

@@ -4,10 +4,12 @@
 // stdin: a JSON list of manifests. stdout: a JSON list, one list of error messages per manifest.
 import { readFileSync } from "node:fs";
 import { ScaledObject } from "@kubernetes-models/keda/keda.sh/v1alpha1/ScaledObject";
+import { PrometheusRule } from "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/PrometheusRule";
 import { ServiceMonitor } from "@kubernetes-models/prometheus-operator/monitoring.coreos.com/v1/ServiceMonitor";
 
 const MODELS = {
   "keda.sh/v1alpha1/ScaledObject": ScaledObject,
+  "monitoring.coreos.com/v1/PrometheusRule": PrometheusRule,
   "monitoring.coreos.com/v1/ServiceMonitor": ServiceMonitor,
 };
 

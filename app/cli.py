@@ -230,7 +230,7 @@ def read_passages(path: Path) -> list[Passage]:
 
 
 async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
-    from app.schemas import reorder_response
+    from app.conversions import reorder_response
     from service.pipeline import DesignSpec, ReorderRequest, StrategyOptions
 
     passages = read_passages(args.passages)

@@ -19,6 +19,7 @@ from collections.abc import Awaitable, Callable
 import anyio.to_thread
 from fastapi import APIRouter, Request
 
+from app.conversions import profile_out, to_passages
 from app.errors import GET_ERRORS, POST_ERRORS, error_responses
 from app.execution import run_admitted
 from app.limits import check_inputs
@@ -28,8 +29,6 @@ from app.schemas import (
     ProfileList,
     ProfileOut,
     TrafficSampleOut,
-    profile_out,
-    to_passages,
 )
 from app.state import Ctx, RequestId
 from service.calibration import (

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
+from app.conversions import reorder_response, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs
-from app.schemas import ReorderBody, ReorderResponse, reorder_response, to_passages
+from app.schemas import ReorderBody, ReorderResponse
 from app.state import Ctx, RequestId
 
 router = APIRouter(tags=["reorder"])

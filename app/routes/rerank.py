@@ -14,6 +14,7 @@ from typing import Final
 import anyio.to_thread
 from fastapi import APIRouter, Request
 
+from app.conversions import relevance_scores, reorder_meta, selected_order, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs
@@ -25,10 +26,6 @@ from app.schemas import (
     RerankResponse,
     RerankResult,
     RerankUsage,
-    relevance_scores,
-    reorder_meta,
-    selected_order,
-    to_passages,
 )
 from app.state import Ctx, RequestId
 from service.backends.base import PromptTokenizer

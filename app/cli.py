@@ -162,7 +162,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--scorer", help="scoring model (default: --model, else the configured one)")
     e.add_argument("--generator", help="answering model (default: the scorer)")
-    e.add_argument("--template", help="prompt template (default: the configured one)")
+    e.add_argument("--template", help="scorer's prompt template (default: the configured one)")
+    e.add_argument(
+        "--generator-template",
+        help="generator's prompt template (default: its model's own, e.g. qa_completion for "
+        "google/gemma-3-270m; the scorer's when both are one model)",
+    )
     e.add_argument("--max-answer-tokens", type=int, default=32)
     e.add_argument(
         "--metric",
@@ -322,10 +327,9 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
             raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
     variants = select_variants(args.strategies.split(",") if args.strategies else None)
     examples = _load_examples(args)
-    scorer_settings = settings.model_copy(update={"model": args.scorer or settings.model})
-    generator_settings = settings.model_copy(
-        update={"model": args.generator or scorer_settings.model}
-    )
+    # for_model: a base model (Gemma-3-270m) gets its completion template unless one is set.
+    scorer_settings = settings.for_model(args.scorer or settings.model)
+    generator_settings = scorer_settings.for_model(args.generator or scorer_settings.model)
     async with AsyncExitStack() as stack:
         scorer = await stack.enter_async_context(_pipeline(scorer_settings))
         generator = None
@@ -336,6 +340,7 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
             variants=tuple(variants),
             max_passages=args.max_passages,
             template=args.template,
+            generator_template=args.generator_template,
             max_answer_tokens=args.max_answer_tokens,
             positional=args.positional,
             positional_limit=args.positional_limit,

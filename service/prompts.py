@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from service.backends.base import ChatMessage, Encoding, PromptTokenizer, SpanRequest
 from service.errors import InvalidRequest, LimitExceeded, ServerError
+from service.settings import DEFAULT_TEMPLATE
 
 __all__ = [
     "DEFAULT_TEMPLATE",
@@ -67,6 +68,10 @@ class PromptTemplate:
     ``document`` (``{index}`` is the 1-based slot, ``{title}``, ``{text}``), or with
     ``untitled_document`` when it has no title. ``question_prefix`` should end with a newline:
     byte-level BPE merges a preceding space into the query's first word.
+
+    A ``completion`` template is for base models, which have no chat template: the same text
+    follows the model's BOS token directly, and a generation prompt appends ``answer_prefix``
+    instead of opening an assistant turn.
     """
 
     name: str
@@ -77,8 +82,14 @@ class PromptTemplate:
     separator: str = "\n\n"
     system: str | None = None
     """If set, sent as a system message; the instruction then stays in the user message."""
+    completion: bool = False
+    """Plain text after the BOS token instead of the model's chat template (base models)."""
+    answer_prefix: str = "\nAnswer:"
+    """What a ``completion`` template's generation prompt ends with; the model continues it."""
 
     def __post_init__(self) -> None:
+        if self.completion and self.system is not None:
+            raise ValueError(f"template {self.name!r}: a completion template has no system turn")
         for field_name in ("document", "untitled_document"):
             fmt: str = getattr(self, field_name)
             if fmt.count("{text}") != 1:
@@ -107,7 +118,6 @@ _QA_INSTRUCTION = (
     "Reply with a short answer only."
 )
 
-DEFAULT_TEMPLATE = "qa_default"
 
 _REGISTRY: dict[str, PromptTemplate] = {}
 
@@ -170,6 +180,18 @@ register_template(
         instruction="Documents:",
         document="Document [{index}] (Title: {title})\n{text}",
         untitled_document="Document [{index}]\n{text}",
+    )
+)
+# For base models (no chat template, e.g. Gemma-3-270m): the qa_default layout as plain text,
+# answered after "Answer:"; a base model then writes the answer and usually a newline, where
+# the answer metrics stop reading.
+register_template(
+    PromptTemplate(
+        name="qa_completion",
+        instruction=_QA_INSTRUCTION,
+        document="Document [{index}] (Title: {title})\n{text}",
+        untitled_document="Document [{index}]\n{text}",
+        completion=True,
     )
 )
 # The distracting-effect probe (paper 004 eq. 1, after Amiraz et al. 2025): answer from the
@@ -497,10 +519,14 @@ def _render(
     add(query)
     content = "".join(parts)
 
-    messages = [ChatMessage(role="user", content=content)]
-    if template.system is not None:
-        messages.insert(0, ChatMessage(role="system", content=template.system))
-    text = tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+    if template.completion:
+        suffix = template.answer_prefix if add_generation_prompt else ""
+        text = tokenizer.render_completion(content + suffix)
+    else:
+        messages = [ChatMessage(role="user", content=content)]
+        if template.system is not None:
+            messages.insert(0, ChatMessage(role="system", content=template.system))
+        text = tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
     base = text.find(content)
     if base < 0 or text.find(content, base + 1) >= 0:
         raise PromptAlignmentError(

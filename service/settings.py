@@ -6,15 +6,20 @@ Each field's docstring becomes its description in the generated configuration re
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # The deterministic fake backend is not configurable: it needs known truth per passage, so
 # tests inject it (``create_app(settings, backend=FakeBackend(...))``).
 BackendKind = Literal["auto", "vllm", "transformers"]
 EMBEDDED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
+GEMMA_MODEL = "google/gemma-3-270m"
+"""The second packaged model (base model: no chat template; see service.model_assets)."""
+DEFAULT_TEMPLATE = "qa_default"
+MODEL_TEMPLATES = {GEMMA_MODEL: "qa_completion"}
+"""The prompt template a model gets when `chat_template` is not set (default: qa_default)."""
 
 
 def _default_cache_dir() -> Path:
@@ -44,8 +49,9 @@ class Settings(BaseSettings):
     prompt's score (on the CPU, SmolLM2: 0.15 nats median) and MoI's ranking (Kendall tau 0.96
     median against float32), far less than redrawing the design's seed does (tau 0.36);
     `bench/dtype_fidelity.py` measures it for your device and model."""
-    chat_template: str = "qa_default"
-    """Named prompt template used to build the scoring prompts (see service.prompts)."""
+    chat_template: str = DEFAULT_TEMPLATE
+    """Named prompt template used to build the scoring prompts (see service.prompts). Unset,
+    a base model gets its completion template (`google/gemma-3-270m`: `qa_completion`)."""
 
     # --- transformers backend ----------------------------------------------------------
     batch_token_budget: int | None = Field(default=None, ge=256)
@@ -171,6 +177,28 @@ class Settings(BaseSettings):
     drain_timeout_s: float = Field(default=30.0, ge=0)
     """On SIGTERM: how long in-flight requests may finish (new ones get 503) before the
     server stops; keep it inside Kubernetes' `terminationGracePeriodSeconds`."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _template_for_model(cls, data: Any) -> Any:
+        # A base model has no chat template to render `qa_default` in; pick its completion
+        # template unless one was set explicitly (environment or argument).
+        if isinstance(data, dict) and "chat_template" not in data:
+            template = MODEL_TEMPLATES.get(str(data.get("model", EMBEDDED_MODEL)))
+            if template is not None:
+                return {**data, "chat_template": template}
+        return data
+
+    def for_model(self, model: str) -> Settings:
+        """These settings with another ``model``; a ``chat_template`` that is the current
+        model's default follows the new model's default.
+
+        ``model_copy(update=...)`` would keep the first model's template (it skips validation).
+        """
+        update: dict[str, object] = {"model": model}
+        if self.chat_template == MODEL_TEMPLATES.get(self.model, DEFAULT_TEMPLATE):
+            update["chat_template"] = MODEL_TEMPLATES.get(model, DEFAULT_TEMPLATE)
+        return self.model_copy(update=update)
 
     @property
     def profiles_path(self) -> Path:

@@ -37,6 +37,10 @@ class PromptTokenizer(Protocol):
         """The model's chat template applied to ``messages``, as text (not tokenised)."""
         ...
 
+    def render_completion(self, text: str) -> str:
+        """``text`` as a plain completion prompt: the model's BOS token (if any), then ``text``."""
+        ...
+
     def encode(self, text: str) -> Encoding:
         """Tokenise ``text`` exactly as the model sees it (no special tokens added)."""
         ...

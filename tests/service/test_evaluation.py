@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from service.backends.base import GenerateResult, GenerationRequest
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.fake import FakeBackend
 from service.dataset import Example, load_examples
@@ -262,6 +264,40 @@ async def test_separate_generator_answers_and_scorer_orders(tmp_path: Path) -> N
     assert r.answer == "question 0 passage" and r.accuracy == 0.0
     assert r.generator_cost is not None and r.generator_cost.generations == 1
     assert r.generator_cost.scored_tokens == r.gold_tokens == len("answer 0")
+
+
+async def test_a_base_generator_answers_from_its_own_template(tmp_path: Path) -> None:
+    # A generator whose model has no chat template (Gemma): its settings name qa_completion,
+    # the scorer keeps qa_default, and the cache key records the difference.
+    examples, scorer_backend, scorer = _setup(tmp_path)
+    gen_backend = FakeBackend(scorer_backend.truth, answers={}, model_id="fake/base-generator")
+    seen: list[str] = []
+    generate = gen_backend.generate
+
+    async def recording(requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
+        seen.extend(gen_backend.tokenizer.decode(r.token_ids) for r in requests)
+        return await generate(requests)
+
+    gen_backend.generate = recording  # type: ignore[method-assign]
+    generator = Reorderer(gen_backend, Settings(cache_dir=tmp_path, chat_template="qa_completion"))
+    out = await run_evaluation(
+        examples,
+        scorer,
+        _config(tmp_path, variants=tuple(select_variants(["retriever"])), positional=False),
+        generator=generator,
+    )
+    assert seen and all(t.startswith("<|bos|>Answer the question") for t in seen)
+    assert all(t.endswith("\nAnswer:") and "<|assistant|>" not in t for t in seen)
+    assert {r.key.template for r in out.records} == {"qa_default"}
+    assert {r.key.generator_template for r in out.records} == {"qa_completion"}
+    assert all(r.status == "ok" for r in out.records)
+    # One model for both: one template, and the key keeps its old form (no generator_template).
+    same = await run_evaluation(
+        examples,
+        scorer,
+        _config(tmp_path / "same", variants=tuple(select_variants(["retriever"]))),
+    )
+    assert {r.key.generator_template for r in same.records} == {None}
 
 
 async def test_interrupted_run_resumes_from_the_cache(tmp_path: Path) -> None:

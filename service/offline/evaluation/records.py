@@ -61,6 +61,9 @@ class RunKey:
     template: str
     max_answer_tokens: int
     seed: int
+    generator_template: str | None = None
+    """Set only when the generator's template differs from the scorer's (a base generator):
+    records from before it existed keep their keys."""
 
 
 @dataclass(frozen=True)

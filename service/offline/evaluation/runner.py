@@ -128,6 +128,8 @@ class EvalConfig:
     variants: tuple[Variant, ...] = field(default_factory=lambda: tuple(all_variants()))
     max_passages: int | None = None
     template: str | None = None
+    generator_template: str | None = None
+    """The generator's prompt template (default: its model's; the scorer's when one model)."""
     max_answer_tokens: int = DEFAULT_MAX_ANSWER_TOKENS
     positional: bool = True
     positional_limit: int = 10
@@ -184,6 +186,10 @@ class Evaluator:
         self.config = config
         self.on_record = on_record
         self.template = config.template or scorer.settings.chat_template
+        own = self.generator is scorer
+        self.generator_template = config.generator_template or (
+            self.template if own else self.generator.settings.chat_template
+        )
         self.cache = RecordCache(config.out_dir / CACHE_FILE)
 
     def key(self, question_id: str, variant: str) -> RunKey:
@@ -196,6 +202,9 @@ class Evaluator:
             template=self.template,
             max_answer_tokens=self.config.max_answer_tokens,
             seed=self.scorer.settings.seed,
+            generator_template=(
+                None if self.generator_template == self.template else self.generator_template
+            ),
         )
 
     async def run(self, examples: Sequence[Example]) -> EvalOutcome:
@@ -236,6 +245,7 @@ class Evaluator:
             "scorer": self.scorer.backend.model_id,
             "generator": self.generator.backend.model_id,
             "template": self.template,
+            "generator_template": self.generator_template,
             "max_passages": cfg.max_passages,
             "max_answer_tokens": cfg.max_answer_tokens,
             "metric": metric,
@@ -394,7 +404,7 @@ class Evaluator:
         teacher-forced gold answer); the batch's wall time is shared evenly.
         """
         t0 = time.perf_counter()
-        work = self.generator.work(f"eval-{q.id}-gen", self.template)
+        work = self.generator.work(f"eval-{q.id}-gen", self.generator_template)
         try:
             prompts = await work.generation_prompts(
                 q.question, q.passages, orders, room=self.config.max_answer_tokens
@@ -456,7 +466,7 @@ class Evaluator:
         return rec
 
     async def _rotate(self, q: EvalQuestion, orders: list[list[int]]) -> list[SlotResult]:
-        gwork = self.generator.work(f"eval-{q.id}-pos-gen", self.template)
+        gwork = self.generator.work(f"eval-{q.id}-pos-gen", self.generator_template)
         prompts = await gwork.generation_prompts(
             q.question, q.passages, orders, room=self.config.max_answer_tokens
         )

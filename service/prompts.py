@@ -526,7 +526,18 @@ def _render(
         messages = [ChatMessage(role="user", content=content)]
         if template.system is not None:
             messages.insert(0, ChatMessage(role="system", content=template.system))
-        text = tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        try:
+            text = tokenizer.render_chat(messages, add_generation_prompt=add_generation_prompt)
+        except ValueError as exc:
+            # A base model (no chat template) with a chat layout: the request can name a
+            # completion template, so say which.
+            completion = [n for n, t in sorted(_REGISTRY.items()) if t.completion]
+            raise InvalidRequest(
+                f"template {template.name!r} renders inside the model's chat template, which "
+                f"this model does not have ({exc}); use a completion template: "
+                f"{', '.join(completion)}",
+                param="template",
+            ) from None
     base = text.find(content)
     if base < 0 or text.find(content, base + 1) >= 0:
         raise PromptAlignmentError(

@@ -139,6 +139,19 @@ def test_qa_completion_is_plain_text_after_bos_for_base_models() -> None:
     check_prompt(tok, PASSAGES, QUERY, answer)
 
 
+def test_chat_layout_on_a_model_without_chat_template_names_the_completion_template() -> None:
+    class NoChat(ByteTokenizer):
+        def render_chat(
+            self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool
+        ) -> str:
+            raise ValueError("the model's tokenizer has no chat template")
+
+    with pytest.raises(InvalidRequest, match="use a completion template: qa_completion") as info:
+        build_prompt(NoChat(), "qa_default", QUERY, PASSAGES, [0])
+    assert info.value.param == "template"
+    assert build_prompt(NoChat(), "qa_completion", QUERY, PASSAGES, [0]).text.startswith("<|bos|>")
+
+
 def test_completion_template_cannot_have_a_system_turn() -> None:
     with pytest.raises(ValueError, match="no system turn"):
         PromptTemplate(

@@ -84,8 +84,10 @@ class PromptTemplate:
     """If set, sent as a system message; the instruction then stays in the user message."""
     completion: bool = False
     """Plain text after the BOS token instead of the model's chat template (base models)."""
-    answer_prefix: str = "\nAnswer:"
-    """What a ``completion`` template's generation prompt ends with; the model continues it."""
+    answer_prefix: str = "\nAnswer:\n"
+    """What a ``completion`` template's generation prompt ends with; the model continues it.
+    The newline is part of it: after a bare ``Answer:`` Gemma-3-270m opens with a newline,
+    leaving an empty first line, the line the answer metrics read."""
 
     def __post_init__(self) -> None:
         if self.completion and self.system is not None:
@@ -183,8 +185,8 @@ register_template(
     )
 )
 # For base models (no chat template, e.g. Gemma-3-270m): the qa_default layout as plain text,
-# answered after "Answer:"; a base model then writes the answer and usually a newline, where
-# the answer metrics stop reading.
+# answered on the line after "Answer:"; a base model then writes the answer and usually a
+# newline, where the answer metrics stop reading.
 register_template(
     PromptTemplate(
         name="qa_completion",

@@ -287,7 +287,7 @@ async def test_a_base_generator_answers_from_its_own_template(tmp_path: Path) ->
         generator=generator,
     )
     assert seen and all(t.startswith("<|bos|>Answer the question") for t in seen)
-    assert all(t.endswith("\nAnswer:") and "<|assistant|>" not in t for t in seen)
+    assert all(t.endswith("\nAnswer:\n") and "<|assistant|>" not in t for t in seen)
     assert {r.key.template for r in out.records} == {"qa_default"}
     assert {r.key.generator_template for r in out.records} == {"qa_completion"}
     assert all(r.status == "ok" for r in out.records)

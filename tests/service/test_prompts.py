@@ -134,7 +134,7 @@ def test_qa_completion_is_plain_text_after_bos_for_base_models() -> None:
     )
     check_prompt(tok, PASSAGES, QUERY, score)
     answer = build_generation_prompt(tok, "qa_completion", QUERY, PASSAGES, [1, 0])
-    assert answer.text.endswith(f"Question:\n{QUERY}\nAnswer:")
+    assert answer.text.endswith(f"Question:\n{QUERY}\nAnswer:\n")
     assert "<|user|>" not in answer.text and "<|assistant|>" not in answer.text
     check_prompt(tok, PASSAGES, QUERY, answer)
 

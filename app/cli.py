@@ -1,4 +1,5 @@
-"""``rag-reorder``: serve the API, reorder once, calibrate a bias profile, list profiles.
+"""``rag-reorder``: serve the API, reorder once, calibrate a bias profile, evaluate, distill a
+scorer, list profiles.
 
 Configuration comes from the environment (``RAG_REORDER_*``, see docs/configuration.md); the
 few flags below override it for one run.
@@ -66,6 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_calibrate_positions(settings, args))
         if args.command == "eval":
             return asyncio.run(_eval(settings, args))
+        if args.command == "distill":
+            return asyncio.run(_distill(settings, args))
         if args.command == "profiles":
             from service.positional_store import PositionalStore
             from service.profile_store import ProfileStore
@@ -185,6 +188,39 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     e.add_argument("--out", required=True, type=Path, help="output folder (resumes from it)")
 
+    d = sub.add_parser(
+        "distill",
+        help="preference distillation (paper 000): the teacher scores K permutations per "
+        "question (resumable), then a LoRA adapter on the student learns to prefer the same "
+        "orders; writes the adapter and its manifest for RAG_REORDER_ADAPTER",
+    )
+    d.add_argument("--data", required=True, type=Path, help="training questions (JSONL)")
+    d.add_argument("--limit", type=int, help="questions to use (default: all)")
+    d.add_argument("--teacher", help="the generator (default: --model, else the configured one)")
+    d.add_argument("--teacher-template", help="default: the teacher model's own")
+    d.add_argument("--student", required=True, help="the smaller scoring model")
+    d.add_argument("--student-template", help="default: the student model's own")
+    d.add_argument("--passages", type=int, default=5, help="N: passages per question (gold kept)")
+    d.add_argument("--permutations", type=int, default=30, help="K: teacher-scored orders")
+    d.add_argument(
+        "--permutations-per-step", type=int, default=4, help="K': orders sampled per step"
+    )
+    d.add_argument("--held-back", type=int, default=10, help="questions kept out of training")
+    d.add_argument("--lora-r", type=int, default=8)
+    d.add_argument("--lora-alpha", type=int, default=32)
+    d.add_argument("--lora-dropout", type=float, default=0.1)
+    d.add_argument("--lr", type=float, default=1e-4)
+    d.add_argument("--weight-decay", type=float, default=0.01)
+    d.add_argument("--epochs", type=int, default=5)
+    d.add_argument("--batch-questions", type=int, default=4, help="questions per step")
+    d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--name", help="the adapter's name in the model id (default: --out's name)")
+    d.add_argument(
+        "--preferences", type=Path, help="the preference set (default: <out>/preferences.jsonl)"
+    )
+    d.add_argument("--score-only", action="store_true", help="build the preference set only")
+    d.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
+    d.add_argument("--out", required=True, type=Path, help="the adapter folder")
     sub.add_parser(
         "profiles",
         help="list the stored profiles: MoI bias profiles (calibrate) and positional ones "
@@ -362,6 +398,63 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
             indent=2,
         )
     )
+    return 0
+
+
+async def _distill(settings: Settings, args: argparse.Namespace) -> int:
+    from service.offline.distill.command import DistillJob, run_distill
+    from service.offline.distill.train import DistillConfig
+
+    for name in ("limit", "passages", "permutations", "epochs", "batch_questions", "lora_r"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
+    # Neither model runs with an adapter: the teacher is the generator itself, and the student
+    # is trained from its base weights.
+    base = settings.model_copy(update={"adapter": None})
+    teacher = base.for_model(args.teacher or settings.model)
+    if args.teacher_template:
+        teacher = teacher.model_copy(update={"chat_template": args.teacher_template})
+    student = base.for_model(args.student)
+    if args.student_template:
+        student = student.model_copy(update={"chat_template": args.student_template})
+    job = DistillJob(
+        teacher=teacher,
+        student=student,
+        out=args.out,
+        preferences=args.preferences or args.out / "preferences.jsonl",
+        data_name=args.data.name,
+        passages=args.passages,
+        permutations=args.permutations,
+        held_back=args.held_back,
+        seed=args.seed,
+        name=args.name,
+        progress=not args.no_progress,
+        score_only=args.score_only,
+    )
+    config = DistillConfig(
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        epochs=args.epochs,
+        batch_questions=args.batch_questions,
+        permutations_per_step=args.permutations_per_step,
+        seed=args.seed,
+        device=settings.device,
+    )
+    outcome = await run_distill(_load_examples(args), job, config)
+    out: dict[str, Any] = {
+        "preferences": str(job.preferences),
+        "questions": len(outcome.preferences.preferences),
+        "scored_now": outcome.preferences.scored,
+        "skipped": outcome.preferences.skipped,
+    }
+    if outcome.manifest is not None:
+        out["adapter"] = str(args.out)
+        out["manifest"] = outcome.manifest.to_json()
+    print(json.dumps(out, indent=2))
     return 0
 
 

@@ -49,6 +49,11 @@ class Settings(BaseSettings):
     prompt's score (on the CPU, SmolLM2: 0.15 nats median) and MoI's ranking (Kendall tau 0.96
     median against float32), far less than redrawing the design's seed does (tau 0.36);
     `bench/dtype_fidelity.py` measures it for your device and model."""
+    adapter: Path | None = None
+    """A distilled scorer (`rag-reorder distill`'s output folder: a LoRA adapter and its
+    manifest) applied to `model`, which must be the adapter's base model; merged into the
+    weights on the transformers backend, served through LoRA on vLLM. Reported in the model id
+    (`<model>+<adapter name>`); requests cannot choose another."""
     chat_template: str = DEFAULT_TEMPLATE
     """Named prompt template used to build the scoring prompts (see service.prompts). Unset,
     a base model gets its completion template (`google/gemma-3-270m`: `qa_completion`)."""

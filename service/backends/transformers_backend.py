@@ -1,7 +1,9 @@
 """``LogprobBackend`` on a transformers causal LM, on CPU or one CUDA device.
 
-With ``service.model_assets.gguf`` (the GGUF conversion), the only module of the project that
-imports torch and transformers (an import-linter contract keeps it so).
+With ``service.model_assets.gguf`` (the GGUF conversion) and the distillation's training
+(``service.offline.distill.train``), the only module of the project that imports torch and
+transformers (an import-linter contract keeps it so); it also imports peft, to apply a distilled
+scorer's LoRA adapter (``RAG_REORDER_ADAPTER``), merged into the weights once at load.
 
 Scoring packs requests into padded batches under ``batch_token_budget`` (planned by
 ``service.backends.batching``) and runs the vocabulary-sized LM head only on the rows whose
@@ -23,11 +25,12 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import Literal, TypeVar, cast
 
 import anyio
 import anyio.to_thread
 import torch
+from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from service.backends.base import (
@@ -43,6 +46,7 @@ from service.backends.batching import HeadMode, plan_batches, plan_generation_ba
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
 from service.model_assets import resolve_model
+from service.model_assets.adapter import adapted_model_id, configured_adapter
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -50,6 +54,7 @@ logger = logging.getLogger(__name__)
 DeviceName = Literal["auto", "cpu", "cuda"]
 Req = TypeVar("Req", SpanRequest, GenerationRequest)
 Res = TypeVar("Res", ScoreResult, GenerateResult)
+_Model = TypeVar("_Model", bound=torch.nn.Module)
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
 # Head output plus its float32 copy for the log-softmax, per batch: the planner keeps
@@ -128,11 +133,14 @@ class TransformersBackend:
             A ready backend.
 
         Raises:
-            BackendUnavailable: the model cannot be found, converted or loaded.
+            BackendUnavailable: the model cannot be found, converted or loaded, or the
+                configured adapter does not fit it.
         """
+        manifest = configured_adapter(settings)
         return cls.load(
             resolve_model(settings),
-            model_id=settings.model,
+            model_id=adapted_model_id(settings.model, manifest),
+            adapter=settings.adapter,
             device=settings.device,
             dtype=settings.dtype,
             batch_token_budget=settings.batch_token_budget,
@@ -150,6 +158,7 @@ class TransformersBackend:
         batch_token_budget: int | None = None,
         max_model_len: int | None = None,
         head_mode: HeadMode = "auto",
+        adapter: Path | None = None,
     ) -> TransformersBackend:
         """Load a transformers model folder (config, weights, tokenizer). Blocks seconds.
 
@@ -162,12 +171,14 @@ class TransformersBackend:
                 (``default_batch_token_budget``).
             max_model_len: context length; default (and upper bound) the model's own.
             head_mode: see ``HeadMode``.
+            adapter: a peft LoRA adapter folder to merge into the weights.
 
         Returns:
             A ready backend.
 
         Raises:
-            BackendUnavailable: the folder cannot be loaded or the device is missing.
+            BackendUnavailable: the folder or the adapter cannot be loaded, or the device is
+                missing.
         """
         torch_device = _resolve_device(device)
         torch_dtype = _resolve_dtype(dtype, torch_device)
@@ -181,6 +192,8 @@ class TransformersBackend:
             raise BackendUnavailable(
                 f"cannot load model {model_id or folder.name!r}: {type(exc).__name__}"
             ) from exc
+        if adapter is not None:
+            model = _merged(model, adapter)
         model.train(False)  # eval mode; PreTrainedModel.eval() is untyped
         model.requires_grad_(False)
         tokenizer = HFPromptTokenizer(hf_tokenizer, extra_eos_token_ids=_generation_eos_ids(model))
@@ -535,6 +548,20 @@ class TransformersBackend:
             else Generation(req.request_id, tuple(tokens[b]), tuple(values[b]), "length")
             for b, (req, f) in enumerate(zip(batch, finished, strict=True))
         ]
+
+
+def _merged(model: _Model, adapter: Path) -> _Model:
+    """``model`` with a LoRA adapter folded into its weights: a merged model runs at the base
+    model's speed (no extra low-rank matmuls per layer) and keeps every forward path
+    (``logits_to_keep``, the KV cache) of the base class."""
+    try:
+        peft_model = PeftModel.from_pretrained(model, str(adapter))
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise BackendUnavailable(
+            f"cannot load adapter {adapter.name!r}: {type(exc).__name__}"
+        ) from exc
+    # merge_and_unload returns the base model object itself, its LoRA layers folded in.
+    return cast(_Model, peft_model.merge_and_unload())
 
 
 def default_batch_token_budget(device: torch.device) -> int:

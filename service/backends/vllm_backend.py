@@ -52,6 +52,7 @@ from vllm import RequestOutput, SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import tokens_input
 from vllm.logprobs import FlatLogprobs
+from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -70,6 +71,7 @@ from service.backends.base import (
 from service.backends.hf_tokenizer import HFPromptTokenizer, HFTokenizerLike
 from service.errors import BackendUnavailable
 from service.model_assets import resolve_model
+from service.model_assets.adapter import adapted_model_id, configured_adapter
 from service.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -108,6 +110,7 @@ class VLLMBackend:
         *,
         model_id: str,
         score_mode: ScoreMode = "auto",
+        lora: LoRARequest | None = None,
     ) -> None:
         """Wrap a started engine; most callers want ``from_settings`` or ``load``.
 
@@ -115,12 +118,15 @@ class VLLMBackend:
             engine: a running ``AsyncLLM``; this backend owns it from now on.
             model_id: the name reported by ``model_id``.
             score_mode: see ``ScoreMode``.
+            lora: the one adapter every request runs with (the engine must have LoRA enabled);
+                requests cannot name another.
 
         Raises:
             ValueError: ``score_mode="token_ids"`` on an engine without Model Runner V2.
         """
         self._engine = engine
         self._model_id = model_id
+        self._lora = lora
         model_config = engine.model_config
         self._vocab_size = int(model_config.get_vocab_size())
         # vLLM rejects a prompt of exactly max_model_len tokens even with max_tokens=1 (it wants
@@ -170,16 +176,26 @@ class VLLMBackend:
                 Recommended on CPU, where vLLM reads that fraction as a share of all RAM and
                 refuses to start when other processes hold part of it.
             score_mode: see ``ScoreMode``.
+            adapter: ``(folder, name, rank)`` of a peft LoRA adapter applied to every request
+                through vLLM's LoRA support (unmerged: vLLM keeps the base weights and adds
+                the low-rank product in its punica kernels).
 
         Returns:
             A ready backend.
 
         Raises:
-            BackendUnavailable: the model cannot be found or the engine cannot start.
+            BackendUnavailable: the model cannot be found, the engine cannot start, or the
+                configured adapter does not fit the model.
         """
+        manifest = configured_adapter(settings)
         return cls.load(
             resolve_model(settings),
-            model_id=settings.model,
+            model_id=adapted_model_id(settings.model, manifest),
+            adapter=(
+                None
+                if settings.adapter is None or manifest is None
+                else (settings.adapter, manifest.name, manifest.lora_r)
+            ),
             dtype=settings.dtype,
             max_model_len=settings.max_model_len,
             max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -203,6 +219,7 @@ class VLLMBackend:
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool | None = None,
         score_mode: ScoreMode = "auto",
+        adapter: tuple[Path, str, int] | None = None,
     ) -> VLLMBackend:
         """Start an engine on a local model folder. Blocks for seconds.
 
@@ -242,6 +259,12 @@ class VLLMBackend:
             sizing["max_num_batched_tokens"] = max_num_batched_tokens
         if kv_cache_memory_bytes is not None:
             sizing["kv_cache_memory_bytes"] = kv_cache_memory_bytes
+        lora_args: dict[str, Any] = {}
+        lora: LoRARequest | None = None
+        if adapter is not None:
+            lora_folder, lora_name, lora_rank = adapter
+            lora_args = {"enable_lora": True, "max_loras": 1, "max_lora_rank": lora_rank}
+            lora = LoRARequest(lora_name, 1, str(lora_folder))
         args = AsyncEngineArgs(
             model=str(folder),
             dtype=dtype,
@@ -254,6 +277,7 @@ class VLLMBackend:
             # Prompts are user passages: never log them (design/RELIABILITY.md).
             enable_log_requests=False,
             **sizing,
+            **lora_args,
         )
         try:
             engine = AsyncLLM.from_engine_args(args)
@@ -266,7 +290,7 @@ class VLLMBackend:
                 f"{type(exc).__name__}"
             ) from exc
         try:
-            return cls(engine, model_id=model_id or folder.name, score_mode=score_mode)
+            return cls(engine, model_id=model_id or folder.name, score_mode=score_mode, lora=lora)
         except BaseException:
             engine.shutdown()
             raise
@@ -530,7 +554,10 @@ class VLLMBackend:
         final: RequestOutput | None = None
         try:
             async for out in self._engine.generate(
-                tokens_input(list(job.token_ids)), job.params, job.engine_id
+                tokens_input(list(job.token_ids)),
+                job.params,
+                job.engine_id,
+                lora_request=self._lora,
             ):
                 final = out
         except EngineDeadError:

@@ -509,10 +509,14 @@ class ProbeStatus(_Model):
 
 class ModelCard(_Model):
     id: str
+    """The scoring model; `<base>+<adapter>` when a distilled adapter is applied."""
     object: Literal["model"] = "model"
     owned_by: str = "rag-reorder"
     max_model_len: int | None
     """Context length of the scoring model (null until it has loaded)."""
+    parent: str | None = None
+    """The base model a distilled adapter is applied to (null without one), as vLLM's
+    OpenAI server lists LoRA modules."""
 
 
 class ModelList(_Model):
@@ -538,10 +542,39 @@ class LimitsOut(_Model):
     """Share of live MoI requests kept for calibration from traffic (0: none)."""
 
 
+class AgreementOut(_Model):
+    """A distilled scorer's agreement with its teacher on held-back training questions."""
+
+    questions: int
+    kendall_tau: float
+    """Mean Kendall tau between the two models' scores of the question's permutations."""
+    top1: float
+    """Share of questions where both prefer the same permutation."""
+    kl: float
+    """Mean KL(teacher || student) of the softmax over the permutations, nats."""
+
+
+class AdapterOut(_Model):
+    """The distilled scorer the service runs (`RAG_REORDER_ADAPTER`), from its manifest."""
+
+    name: str
+    base_model: str
+    teacher: str
+    """The model whose preferences it was trained to keep (the generator)."""
+    data: str
+    lora_r: int
+    before: AgreementOut
+    """Agreement of the base model before distillation."""
+    after: AgreementOut
+    """Agreement after distillation."""
+
+
 class InfoOut(_Model):
     name: str
     version: str
     model: str
+    adapter: AdapterOut | None = None
+    """The distilled adapter applied to the scoring model (null without one)."""
     backend: str | None
     ready: bool
     auth: bool

@@ -1,4 +1,5 @@
-"""``GET /v1/models`` (OpenAI shape) and ``GET /info`` (version, model, limits, options)."""
+"""``GET /v1/models`` (OpenAI shape) and ``GET /info`` (version, model and its distilled
+adapter, limits, options)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,8 @@ from fastapi import APIRouter
 
 from app.errors import GET_ERRORS
 from app.schemas import (
+    AdapterOut,
+    AgreementOut,
     DesignKind,
     InfoOut,
     LimitsOut,
@@ -16,6 +19,8 @@ from app.schemas import (
     PlacementName,
 )
 from app.state import AppContext, Ctx
+from service.errors import BackendUnavailable
+from service.model_assets.adapter import AdapterManifest, read_manifest
 from service.prompts import template_names
 from service.strategies import strategy_names
 
@@ -29,11 +34,37 @@ def _model(ctx: AppContext) -> tuple[str, int | None]:
     return backend.model_id, backend.max_model_len
 
 
+def _adapter(ctx: AppContext) -> AdapterManifest | None:
+    """The configured adapter's manifest; the backend checked it at load, so a file gone since
+    only drops it from /info (the weights in memory are still the adapted ones)."""
+    if ctx.settings.adapter is None:
+        return None
+    try:
+        return read_manifest(ctx.settings.adapter)
+    except BackendUnavailable:
+        return None
+
+
+def _adapter_out(m: AdapterManifest) -> AdapterOut:
+    return AdapterOut(
+        name=m.name,
+        base_model=m.base_model,
+        teacher=m.teacher,
+        data=m.data,
+        lora_r=m.lora_r,
+        before=AgreementOut(**vars(m.before)),
+        after=AgreementOut(**vars(m.after)),
+    )
+
+
 @router.get("/v1/models", response_model=ModelList, responses=GET_ERRORS, summary="Models")
 async def models(ctx: Ctx) -> ModelList:
-    """The scoring model and its context length (null until loaded)."""
+    """The scoring model (with its distilled adapter, if any) and its context length (null
+    until loaded)."""
     model, max_len = _model(ctx)
-    return ModelList(data=[ModelCard(id=model, max_model_len=max_len)])
+    adapter = _adapter(ctx)
+    parent = adapter.base_model if adapter is not None else None
+    return ModelList(data=[ModelCard(id=model, max_model_len=max_len, parent=parent)])
 
 
 @router.get("/info", response_model=InfoOut, responses=GET_ERRORS, summary="Service info")
@@ -42,10 +73,12 @@ async def info(ctx: Ctx) -> InfoOut:
     s = ctx.settings
     model, max_len = _model(ctx)
     backend = ctx.engine.backend
+    adapter = _adapter(ctx)
     return InfoOut(
         name="rag-reorder",
         version=ctx.version,
         model=model,
+        adapter=None if adapter is None else _adapter_out(adapter),
         backend=type(backend).__name__ if backend is not None else None,
         ready=ctx.lifecycle.ready,
         auth=s.api_key is not None,

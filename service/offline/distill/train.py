@@ -213,7 +213,7 @@ def train_steps(
                 teacher = torch.tensor([pref.scores[int(i)] for i in pick], device=student.device)
                 loss = preference_kl(student.float(), teacher.float()) / len(batch)
                 loss.backward()  # type: ignore[no-untyped-call]
-                batch_loss += float(loss)
+                batch_loss += float(loss.detach())
             optimizer.step()
             losses.append(batch_loss)
             step += 1

@@ -1,0 +1,174 @@
+"""Preference distillation: the KL objective, training on a tiny random model, the adapter
+round trip, and the teacher's preference set (resumable)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+import torch
+
+from service.backends.fake import FakeBackend
+from service.backends.transformers_backend import TransformersBackend
+from service.dataset import Example
+from service.errors import BackendUnavailable, InvalidRequest
+from service.model_assets.adapter import (
+    adapted_model_id,
+    configured_adapter,
+    read_manifest,
+)
+from service.offline.distill.command import split
+from service.offline.distill.preferences import (
+    build_preferences,
+    read_preferences,
+    sample_orders,
+)
+from service.offline.distill.train import (
+    DistillConfig,
+    StudentScorer,
+    agreement,
+    distill,
+    load_student,
+    preference_kl,
+    train_steps,
+    with_lora,
+)
+from service.settings import Settings
+from tests.support.distill import META, PASSAGES, PREFS
+from tests.support.pipeline import reorderer_in
+
+
+def test_kl_matches_a_hand_computed_example() -> None:
+    # teacher softmax [1/2, 1/2], student softmax [1/4, 3/4]:
+    # KL = 1/2 ln(2) + 1/2 ln(2/3) = 1/2 ln(4/3).
+    teacher = torch.tensor([0.0, 0.0])
+    student = torch.tensor([0.0, math.log(3.0)])
+    assert float(preference_kl(student, teacher)) == pytest.approx(0.5 * math.log(4 / 3))
+    # Only differences within a question matter (the query's absolute likelihood does not).
+    assert float(preference_kl(student - 7.0, teacher + 2.0)) == pytest.approx(
+        0.5 * math.log(4 / 3)
+    )
+    assert float(preference_kl(teacher, teacher)) == pytest.approx(0.0, abs=1e-7)
+    # Batched: the mean over questions.
+    both = preference_kl(torch.stack([student, teacher]), torch.stack([teacher, teacher]))
+    assert float(both) == pytest.approx(0.25 * math.log(4 / 3))
+
+
+def test_sample_orders_are_distinct_seeded_and_cover_small_sets() -> None:
+    orders = sample_orders(5, 30, "q", 0)
+    assert len(set(orders)) == 30 and all(sorted(o) == list(range(5)) for o in orders)
+    assert orders == sample_orders(5, 30, "q", 0) != sample_orders(5, 30, "r", 0)
+    assert sorted(sample_orders(3, 30, "q", 0)) == sorted(itertools.permutations(range(3)))
+
+
+def test_tiny_student_moves_towards_a_fixed_teacher(tiny_model_dir: Path) -> None:
+    config = DistillConfig(
+        learning_rate=1e-2, lora_dropout=0.0, epochs=6, batch_questions=1, permutations_per_step=4
+    )
+    base, tokenizer, _ = load_student(tiny_model_dir, config)
+    model = with_lora(base, config)
+    scorer = StudentScorer(model, tokenizer, "qa_default")
+    before = agreement(scorer, PREFS)
+    result = train_steps(model, scorer, PREFS, config)
+    after = agreement(scorer, PREFS)
+    assert result.steps == 12 and result.prompt_tokens > 0
+    assert after.kl < 0.5 * before.kl
+    assert after.kendall_tau > before.kendall_tau
+
+
+def test_adapter_round_trip_and_serving(tiny_model_dir: Path, tmp_path: Path) -> None:
+    config = DistillConfig(learning_rate=1e-2, epochs=2, batch_questions=1)
+    out = tmp_path / "tiny-distilled"
+    manifest = distill(
+        tiny_model_dir,
+        student_id=str(tiny_model_dir),
+        student_template="qa_default",
+        meta=META,
+        train=PREFS[:1],
+        held_back=PREFS[1:],
+        out=out,
+        config=config,
+    )
+    assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
+    assert read_manifest(out) == manifest
+    assert manifest.name == "tiny-distilled" and manifest.teacher == "teacher/fixed"
+    assert (manifest.lora_r, manifest.lora_alpha, manifest.lora_dropout) == (8, 32, 0.1)
+    assert manifest.steps == 2 and manifest.before.questions == 1
+
+    # The served (merged) model scores exactly as the trained (unmerged) adapter does.
+    from peft import PeftModel
+
+    base, tokenizer, _ = load_student(tiny_model_dir, config)
+    trained = StudentScorer(PeftModel.from_pretrained(base, str(out)), tokenizer, "qa_default")
+    trained.model.train(False)
+    prompts = trained.prompts(PREFS[1], PREFS[1].orders)
+    with torch.inference_mode():
+        expected = trained.scores(prompts).tolist()
+    settings = Settings(model=str(tiny_model_dir), adapter=out, cache_dir=tmp_path)
+    backend = TransformersBackend.from_settings(settings)
+    assert backend.model_id == f"{tiny_model_dir}+tiny-distilled"
+    rows = anyio.run(backend.score, [p.span_request(f"r{i}") for i, p in enumerate(prompts)])
+    served = [p.totals(r.logprobs)[0] for p, r in zip(prompts, rows, strict=True)]  # type: ignore[union-attr]
+    assert served == pytest.approx(expected, abs=1e-3)
+    raw = TransformersBackend.load(tiny_model_dir)
+    raw_rows = anyio.run(raw.score, [p.span_request(f"r{i}") for i, p in enumerate(prompts)])
+    assert [p.totals(r.logprobs)[0] for p, r in zip(prompts, raw_rows, strict=True)] != (  # type: ignore[union-attr]
+        pytest.approx(served, abs=1e-3)
+    )
+
+    # An adapter only serves the base model and template it was trained for.
+    with pytest.raises(BackendUnavailable, match="distilled onto"):
+        configured_adapter(Settings(adapter=out, cache_dir=tmp_path))
+    with pytest.raises(BackendUnavailable, match="template"):
+        configured_adapter(
+            Settings(model=str(tiny_model_dir), adapter=out, chat_template="qa_completion")
+        )
+    with pytest.raises(BackendUnavailable, match="no readable"):
+        configured_adapter(Settings(model=str(tiny_model_dir), adapter=tmp_path))
+    assert adapted_model_id("m", None) == "m"
+
+
+def examples(n: int) -> list[Example]:
+    return [
+        Example(f"e{i}", f"question {i}?", ("a",), PASSAGES + PASSAGES[:1], (0,)) for i in range(n)
+    ]
+
+
+def test_preference_set_is_built_with_the_serving_scores_and_resumes(tmp_path: Path) -> None:
+    backend = FakeBackend({p.text: float(i) for i, p in enumerate(PASSAGES)})
+    teacher = reorderer_in(tmp_path, backend)
+    out = tmp_path / "prefs.jsonl"
+
+    async def build(n: int, **kw: int) -> tuple[int, int]:
+        report = await build_preferences(
+            teacher, examples(n), out, passages=kw.get("passages", 3), permutations=4
+        )
+        return report.scored, len(report.preferences)
+
+    assert anyio.run(build, 2) == (2, 2)
+    # A cut last line (an interrupted run) is dropped and that question scored again.
+    out.write_text(out.read_text(encoding="utf-8") + '{"id": "e2", "quest', encoding="utf-8")
+    assert anyio.run(build, 3) == (1, 3)
+    meta, prefs = read_preferences(out)
+    assert meta.teacher == backend.model_id and meta.permutations == 4
+    assert all(len(p.orders) == len(p.scores) == 4 and len(p.passages) == 3 for p in prefs)
+    assert all(np.isfinite(p.scores).all() and p.prompt_tokens > 0 for p in prefs)
+    with pytest.raises(InvalidRequest, match="built with"):
+        anyio.run(lambda: build(3, passages=4))
+    lines = out.read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 4 and "meta" in json.loads(lines[0])
+
+
+def test_split_holds_back_a_seeded_subset() -> None:
+    prefs = [replace(PREFS[0], id=f"q{i}") for i in range(10)]
+    train, held = split(prefs, 3, seed=0)
+    assert len(train) == 7 and len(held) == 3 and not {p.id for p in train} & {p.id for p in held}
+    assert split(prefs, 3, seed=0) == (train, held)
+    with pytest.raises(InvalidRequest, match="too few"):
+        split(prefs[:3], 3, seed=0)

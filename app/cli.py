@@ -69,6 +69,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_eval(settings, args))
         if args.command == "distill":
             return asyncio.run(_distill(settings, args))
+        if args.command == "distill-eval":
+            return asyncio.run(_distill_eval(settings, args))
         if args.command == "profiles":
             from service.positional_store import PositionalStore
             from service.profile_store import ProfileStore
@@ -221,6 +223,29 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--score-only", action="store_true", help="build the preference set only")
     d.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     d.add_argument("--out", required=True, type=Path, help="the adapter folder")
+    de = sub.add_parser(
+        "distill-eval",
+        help="a distilled scorer against its teacher and the raw student on held-out "
+        "questions: agreement with the teacher's MoI utilities, the generator's quality with "
+        "each order and a shuffle (paired intervals), scoring cost (resumable)",
+    )
+    de.add_argument("--data", required=True, type=Path, help="questions not used in training")
+    de.add_argument("--limit", type=int, help="questions to use (default: all)")
+    de.add_argument("--teacher", help="the generator (default: --model, else the configured one)")
+    de.add_argument("--student", required=True)
+    de.add_argument(
+        "--adapter",
+        type=Path,
+        help="the distilled adapter folder (without it: teacher and raw student only; a later "
+        "run with it in the same --out adds the distilled student)",
+    )
+    de.add_argument("--passages", type=int, default=4, help="N: passages per question")
+    de.add_argument("--design", choices=_DESIGNS, default="random", help="MoI's design")
+    de.add_argument("--num-prompts", type=int, help="MoI's prompts per question")
+    de.add_argument("--max-answer-tokens", type=int, default=16)
+    de.add_argument("--seed", type=int, default=0)
+    de.add_argument("--no-progress", action="store_true")
+    de.add_argument("--out", required=True, type=Path, help="output folder (resumes from it)")
     sub.add_parser(
         "profiles",
         help="list the stored profiles: MoI bias profiles (calibrate) and positional ones "
@@ -455,6 +480,44 @@ async def _distill(settings: Settings, args: argparse.Namespace) -> int:
         out["adapter"] = str(args.out)
         out["manifest"] = outcome.manifest.to_json()
     print(json.dumps(out, indent=2))
+    return 0
+
+
+async def _distill_eval(settings: Settings, args: argparse.Namespace) -> int:
+    from service.offline.distill.measure import TEACHER, MeasureConfig, measure
+    from service.offline.evaluation.plots import write_distill_plot
+
+    base = settings.model_copy(update={"adapter": None})
+    teacher = base.for_model(args.teacher or settings.model)
+    student = base.for_model(args.student)
+    config = MeasureConfig(
+        out=args.out,
+        passages=args.passages,
+        design=args.design,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        max_answer_tokens=args.max_answer_tokens,
+    )
+    examples = _load_examples(args)
+    async with AsyncExitStack() as stack:
+        # The teacher scores and, as the generator, answers: one pipeline for both.
+        scorers = {
+            TEACHER: await stack.enter_async_context(_pipeline(teacher)),
+            "student": await stack.enter_async_context(_pipeline(student)),
+        }
+        if args.adapter is not None:
+            distilled = student.model_copy(update={"adapter": args.adapter})
+            scorers["distilled"] = await stack.enter_async_context(_pipeline(distilled))
+        summary = await measure(
+            examples,
+            scorers,
+            scorers[TEACHER],
+            config,
+            progress=None if args.no_progress else _progress("distill-eval", "questions"),
+        )
+    print(file=sys.stderr)
+    write_distill_plot(args.out, summary)
+    print(json.dumps(summary, indent=2))
     return 0
 
 

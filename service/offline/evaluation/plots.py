@@ -6,13 +6,19 @@
 - ``quality_vs_tokens.png``: each variant's task metric against its mean tokens scored per
   question (symlog x axis: the model-free orders score none).
 
+``write_distill_plot`` draws ``rag-reorder distill-eval``'s summary: ``distill.png``, the
+generator's accuracy and gold log-likelihood per scorer's order (95% intervals) and each
+scorer's prompt tokens per question.
+
 A plot with nothing to show still gets written, with a note saying why, so the set of files
 is the same for every run.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -133,3 +139,37 @@ def _quality(summary: Summary) -> Figure:
     ax.grid(alpha=0.3)
     ax.legend(fontsize="x-small", loc="center left", bbox_to_anchor=(1.01, 0.5))
     return fig
+
+
+def write_distill_plot(out_dir: Path, summary: Mapping[str, Any]) -> Path:
+    """``distill.png`` from a distill-eval summary (module docstring); returns its path."""
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    quality = summary.get("quality")
+    cost = summary.get("cost_per_question")
+    if not isinstance(quality, dict) or not isinstance(cost, dict) or not cost:
+        _empty(fig, "no complete question yet")
+    else:
+        for ax, metric, label in (
+            (axes[0], "accuracy", "NQ accuracy"),
+            (axes[1], "gold_logprob", "gold answer log-lik. / token"),
+        ):
+            rows = quality.get(metric, {})
+            names = list(rows)
+            means = [rows[n]["mean"] for n in names]
+            err = [
+                [rows[n]["mean"] - rows[n]["low"] for n in names],
+                [rows[n]["high"] - rows[n]["mean"] for n in names],
+            ]
+            ax.bar(names, means, yerr=err, capsize=4, color="#8fb3d9")
+            ax.set_title(f"generator: {label}")
+        names = list(cost)
+        axes[2].bar(names, [cost[n]["prompt_tokens"] for n in names], color="#d9a78f")
+        axes[2].set_title("scoring prompt tokens / question")
+    fig.suptitle(f"preference distillation, {summary.get('questions', 0)} held-out questions")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "distill.png"
+    try:
+        fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return path

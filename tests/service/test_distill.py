@@ -172,3 +172,37 @@ def test_split_holds_back_a_seeded_subset() -> None:
     assert split(prefs, 3, seed=0) == (train, held)
     with pytest.raises(InvalidRequest, match="too few"):
         split(prefs[:3], 3, seed=0)
+
+
+def test_distill_eval_measures_agreement_quality_and_cost_and_resumes(tmp_path: Path) -> None:
+    from service.dataset import load_examples
+    from service.offline.distill.measure import MeasureConfig, measure
+    from tests.support.positional import FILLERS, TOPICS, write_qa_file
+
+    qa = load_examples(write_qa_file(tmp_path / "qa.jsonl"))
+    truth = {t[2]: 2.0 for t in TOPICS} | {f: float(-i) for i, f in enumerate(FILLERS)}
+    teacher = reorderer_in(tmp_path, FakeBackend(truth, answers={t[2]: t[1] for t in TOPICS}))
+    same = reorderer_in(tmp_path, FakeBackend(truth, model_id="fake/student"))
+    reversed_ = reorderer_in(
+        tmp_path, FakeBackend({k: -v for k, v in truth.items()}, model_id="fake/reversed")
+    )
+    scorers = {"teacher": teacher, "student": reversed_, "distilled": same}
+    config = MeasureConfig(out=tmp_path / "out", passages=4, num_prompts=8, resamples=200)
+    summary = anyio.run(lambda: measure(qa, scorers, teacher, config))
+    assert summary["questions"] == 2
+    agreement = summary["agreement_with_teacher"]
+    assert isinstance(agreement, dict)
+    assert agreement["distilled"]["kendall_tau"]["mean"] == pytest.approx(1.0)
+    assert agreement["distilled"]["same_top"]["mean"] == 1.0
+    assert agreement["student"]["kendall_tau"]["mean"] < 0
+    cost = summary["cost_per_question"]
+    assert isinstance(cost, dict) and cost["teacher"]["prompts"] == 8
+    lines = (tmp_path / "out" / "records.jsonl").read_text(encoding="utf-8").splitlines()
+    assert len(lines) == 2 * (3 + 4)  # per question: 3 scorers' orders, 4 orders answered
+    # Resumed: nothing is scored or generated again.
+    anyio.run(lambda: measure(qa, scorers, teacher, config))
+    assert (tmp_path / "out" / "records.jsonl").read_text(encoding="utf-8").splitlines() == lines
+    assert json.loads((tmp_path / "out" / "summary.json").read_text())["questions"] == 2
+    from service.offline.evaluation.plots import write_distill_plot
+
+    assert write_distill_plot(tmp_path / "out", summary).stat().st_size > 0

@@ -196,13 +196,17 @@ class Settings(BaseSettings):
 
     def for_model(self, model: str) -> Settings:
         """These settings with another ``model``; a ``chat_template`` that is the current
-        model's default follows the new model's default.
+        model's default follows the new model's default, and an ``adapter`` is dropped.
 
         ``model_copy(update=...)`` would keep the first model's template (it skips validation).
         """
         update: dict[str, object] = {"model": model}
         if self.chat_template == MODEL_TEMPLATES.get(self.model, DEFAULT_TEMPLATE):
             update["chat_template"] = MODEL_TEMPLATES.get(model, DEFAULT_TEMPLATE)
+        if model != self.model:
+            # An adapter belongs to its base model: `rag-reorder eval --generator other` must
+            # not try to put the scorer's distilled adapter on the generator.
+            update["adapter"] = None
         return self.model_copy(update=update)
 
     @property

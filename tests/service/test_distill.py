@@ -132,6 +132,9 @@ def test_adapter_round_trip_and_serving(tiny_model_dir: Path, tmp_path: Path) ->
     with pytest.raises(BackendUnavailable, match="no readable"):
         configured_adapter(Settings(model=str(tiny_model_dir), adapter=tmp_path))
     assert adapted_model_id("m", None) == "m"
+    # The adapter stays with its model: `eval --generator other` does not carry it over.
+    assert settings.for_model(str(tiny_model_dir)).adapter == out
+    assert settings.for_model("HuggingFaceTB/SmolLM2-135M-Instruct").adapter is None
 
 
 def examples(n: int) -> list[Example]:

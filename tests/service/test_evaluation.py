@@ -290,6 +290,8 @@ async def test_a_base_generator_answers_from_its_own_template(tmp_path: Path) ->
     assert all(t.endswith("\nAnswer:\n") and "<|assistant|>" not in t for t in seen)
     assert {r.key.template for r in out.records} == {"qa_default"}
     assert {r.key.generator_template for r in out.records} == {"qa_completion"}
+    summary = (tmp_path / "out" / "summary.md").read_text()
+    assert "templates `qa_default` (scorer) and `qa_completion` (generator)" in summary
     assert all(r.status == "ok" for r in out.records)
     # One model for both: one template, and the key keeps its old form (no generator_template).
     same = await run_evaluation(

@@ -300,11 +300,17 @@ def _p(p: float) -> str:
 def markdown(meta: Mapping[str, object], summary: Summary) -> str:
     """The Markdown summary: strategies, paired comparisons, positional runs, bias profiles."""
     metric = summary.metric
+    template = f"template `{meta.get('template')}`"
+    generator_template = meta.get("generator_template")
+    if generator_template is not None and generator_template != meta.get("template"):
+        template = (
+            f"templates `{meta.get('template')}` (scorer) and `{generator_template}` (generator)"
+        )
     out = [
         f"# Evaluation: {meta.get('data') or 'QA set'}",
         "",
-        f"Scorer `{meta.get('scorer')}`, generator `{meta.get('generator')}`, template "
-        f"`{meta.get('template')}`, {meta.get('questions')} questions, max passages "
+        f"Scorer `{meta.get('scorer')}`, generator `{meta.get('generator')}`, {template}, "
+        f"{meta.get('questions')} questions, max passages "
         f"{meta.get('max_passages') or 'all'}. Task metric: **{LABELS[metric]}**.",
         "",
         "## Strategies",

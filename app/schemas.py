@@ -34,7 +34,7 @@ MAX_CALIBRATION_QUERIES = 4096
 
 Strategy = StrategyName
 DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
-PlacementName = Literal["descending_utility", "bias_matched"]
+PlacementName = Literal["descending_utility", "bias_matched", "litm"]
 ResultsOrder = Literal["ranking", "placement"]
 ErrorType = Literal[
     "invalid_request_error",
@@ -110,8 +110,9 @@ class DesignIn(_Strict):
 class ReorderOptions(_Strict):
     """How to reorder: the native request's options, and `reorder` on the rerank routes.
 
-    `design`, `placement` and `joint` apply to `moi` only; each other option names the
-    strategies that read it, and setting it for another strategy is a 422.
+    `design` and `joint` apply to `moi` only; `placement` and `bias_profile` to every strategy
+    that ranks (`/info` lists them); each other option names the strategies that read it, and
+    setting it for another strategy is a 422.
     """
 
     strategy: Strategy = "moi"
@@ -119,10 +120,17 @@ class ReorderOptions(_Strict):
     strategies page of the documentation (docs/strategies.md)."""
     design: DesignIn = Field(default_factory=DesignIn)
     placement: PlacementName | None = None
-    """`bias_matched` (the k-th best passage into the slot with the k-th largest fitted bias)
-    or `descending_utility` (best first). Default: the server's `RAG_REORDER_PLACEMENT`
-    (`bias_matched` unless configured; `/info` says which); the response's
-    `diagnostics.placement` names the one applied."""
+    """How the ranking goes into the prompt, for every strategy that ranks: `bias_matched`
+    (the k-th best passage into the slot with the k-th largest position bias: MoI's fitted
+    one, or the generator's stored profile, see `bias_profile`), `descending_utility` (best
+    first) or `litm` (best at both ends, weakest in the middle). Default: for `moi` the
+    server's `RAG_REORDER_PLACEMENT` (`/info` says which), for other rankers their own order;
+    the response's `diagnostics.placement` names the one applied."""
+    bias_profile: str | None = Field(default=None, min_length=1, max_length=256)
+    """Id of a stored bias profile (`GET /v1/bias-profiles`) that `bias_matched` places by:
+    the generator's, when the scoring model is another one. Default: the server's
+    `RAG_REORDER_PLACEMENT_PROFILE`, else MoI's own fit, else the profile stored for the
+    scoring model. Unknown ids are a 422 listing the known ones."""
     joint: bool = False
     """Also score the passages' own tokens (METHOD.md section 2)."""
     template: str | None = Field(default=None, min_length=1, max_length=64)
@@ -169,6 +177,7 @@ class ReorderOptions(_Strict):
             options=self.strategy_options(),
             design=spec,
             placement=self.placement,
+            bias_profile=self.bias_profile,
             joint=self.joint,
             template=self.template,
             request_id=request_id,
@@ -585,8 +594,13 @@ class InfoOut(_Model):
     strategies: list[str]
     design_kinds: list[str]
     placements: list[str]
+    ranking_strategies: list[str]
+    """The strategies that rank, to which `placement` and `bias_profile` apply."""
     default_placement: str
     """MoI's placement when a request names none (`RAG_REORDER_PLACEMENT`)."""
+    placement_profile: str | None
+    """The bias profile `bias_matched` places by when a request names none
+    (`RAG_REORDER_PLACEMENT_PROFILE`)."""
     default_results_order: ResultsOrder
     """Order of rerank `results` when a request names none
     (`RAG_REORDER_RERANK_RESULTS_ORDER`)."""

@@ -39,6 +39,7 @@ from service.strategies.base import (
     Work,
     check_options,
 )
+from service.strategies.placing import apply_placement
 from service.traffic import TrafficSampler
 
 __all__ = [
@@ -66,7 +67,7 @@ class ReorderResult:
     template: str
     strategy: StrategyName
     design: DesignKind | None  # MoI's design; None for other strategies
-    placement: Placement | None  # MoI's placement; None for other strategies
+    placement: Placement | None  # the placement applied (MoI's, or the request's for a ranker)
     prompts: int  # planned model calls
     slots: int | None
     order: list[int]  # the placement: passage indices in prompt order
@@ -165,6 +166,8 @@ class Reorderer:
             )
         work = self.work(rid, req.template)
         outcome = await strategy.run(work, req)
+        if strategy.name != "moi":
+            outcome = apply_placement(work, req, outcome)
         _check_outcome(outcome, len(req.passages))
         usage = work.usage()
         return ReorderResult(

@@ -82,15 +82,21 @@ class Settings(BaseSettings):
     """Folder of calibrated bias profiles (default: `<cache_dir>/profiles`)."""
     seed: int = 0
     """Default seed for permutation designs (a request may override it)."""
-    placement: Literal["bias_matched", "descending_utility"] = "bias_matched"
+    placement: Literal["bias_matched", "descending_utility", "litm"] = "bias_matched"
     """MoI's placement when a request names none. `bias_matched`: the k-th best passage into
     the slot with the k-th largest fitted bias, so the best passages sit where the scoring
     model looks most (for a bias that falls from the first slot this is the descending order
     itself). `descending_utility`: best first, as paper 000 does; choose it when the
     generator's bias is not the scoring model's (e.g. a small scorer for a large generator of
-    another family). On both development sets, with SmolLM2 scoring and answering, the default
+    another family), or name the generator's profile in `placement_profile`. `litm`: best
+    passages at both ends. On both development sets, with SmolLM2 scoring and answering, the default
     design's `bias_matched` answered at least as well as `descending_utility`
     (docs/evaluation.md)."""
+    placement_profile: str | None = Field(default=None, min_length=1, max_length=256)
+    """Id of the stored bias profile (`GET /v1/bias-profiles`) that `bias_matched` places by
+    when a request names none (`bias_profile`): the generator's, when the scoring model is a
+    smaller one. Unset: MoI places by its own fit, other rankers by the profile stored for the
+    scoring model and template."""
     rerank_results_order: Literal["ranking", "placement"] = "ranking"
     """Order of `results` on the rerank routes when a request's `reorder.results_order` names
     none. `ranking`: best first by `relevance_score`, as rerank clients expect. `placement`:

@@ -6,7 +6,8 @@ Synchronous, deterministic, numpy/scipy only; no I/O. Public API::
          retriever_scores=None) -> int array M x L (-1 = empty slot)
     fit(permutations, scores, *, reference_bias=None, retriever_scores=None) -> Fit
     calibrate(runs) -> Profile
-    place(fit, how="descending_utility" | "bias_matched") -> list[int]
+    place(fit, how="descending_utility" | "bias_matched" | "litm") -> list[int]
+    place_ranking(ranking, how, bias) -> list[int]   (any ranking, a given bias profile)
 """
 
 from solver.calibrate import Profile, calibrate
@@ -14,7 +15,7 @@ from solver.design import Design, Identifiability, as_design, identifiability
 from solver.designs import KINDS, DesignKind, default_prompt_passages, plan
 from solver.errors import DesignError, InvalidReference, SolverError, UnidentifiableDesign
 from solver.fit import Fit, fit
-from solver.placement import PLACEMENTS, Placement, place
+from solver.placement import PLACEMENTS, Placement, place, place_ranking
 from solver.profiles import primacy_profile, resample
 
 __all__ = [
@@ -36,6 +37,7 @@ __all__ = [
     "fit",
     "identifiability",
     "place",
+    "place_ranking",
     "plan",
     "primacy_profile",
     "resample",

@@ -22,7 +22,7 @@ from app.state import AppContext, Ctx
 from service.errors import BackendUnavailable
 from service.model_assets.adapter import AdapterManifest, read_manifest
 from service.prompts import template_names
-from service.strategies import strategy_names
+from service.strategies import ranking_strategy_names, strategy_names
 
 router = APIRouter(tags=["info"])
 
@@ -101,7 +101,9 @@ async def info(ctx: Ctx) -> InfoOut:
         strategies=list(strategy_names()),
         design_kinds=list(get_args(DesignKind)),
         placements=list(get_args(PlacementName)),
+        ranking_strategies=list(ranking_strategy_names()),
         default_placement=s.placement,
+        placement_profile=s.placement_profile,
         default_results_order=s.rerank_results_order,
         templates=list(template_names()),
     )

@@ -15,6 +15,7 @@ from service.strategies.lore import Lore
 from service.strategies.moi import MoI
 from service.strategies.placements import Inverse, Litm, Retriever, Shuffle
 from service.strategies.pointwise import BayesSaliency, LongLLMLingua, QueryGeneration
+from service.strategies.retrieval import Bm25, Dense
 from service.strategies.self_consistency import SelfConsistency
 
 _ALL: tuple[Strategy, ...] = (
@@ -32,6 +33,8 @@ _ALL: tuple[Strategy, ...] = (
     SelfConsistency(),
     MaxRelevance(),
     MinDistraction(),
+    Bm25(),
+    Dense(),
 )
 
 STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
@@ -57,3 +60,8 @@ def get_strategy(name: str) -> Strategy:
 def strategy_names() -> tuple[StrategyName, ...]:
     """Every strategy's wire name, ``moi`` (the default) first."""
     return tuple(s.name for s in _ALL)
+
+
+def ranking_strategy_names() -> tuple[StrategyName, ...]:
+    """The strategies that rank: ``placement`` and ``bias_profile`` apply to them."""
+    return tuple(s.name for s in _ALL if s.ranks)

@@ -55,9 +55,11 @@ StrategyName = Literal[
     "query_generation",
     "longllmlingua",
     "self_consistency",
+    "bm25",
+    "dense",
 ]
 DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
-Placement = Literal["descending_utility", "bias_matched"]
+Placement = Literal["descending_utility", "bias_matched", "litm"]
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,13 @@ class ReorderRequest:
     passages: Sequence[Passage]
     strategy: StrategyName = "moi"
     design: DesignSpec = field(default_factory=DesignSpec)
-    placement: Placement | None = None  # MoI only; None: ``Settings.placement``
+    placement: Placement | None = None
+    """How the ranking goes into the prompt (strategies that rank). ``None``: MoI takes
+    ``Settings.placement``; the others keep their own order."""
+    bias_profile: str | None = None
+    """The stored bias profile (``StoredProfile.id``) ``bias_matched`` places by: the
+    generator's, when the scorer is another model. ``None``: ``Settings.placement_profile``,
+    else MoI's own fit, else the profile stored for the scoring model."""
     options: StrategyOptions = field(default_factory=StrategyOptions)
     joint: bool = False
     template: str | None = None
@@ -187,7 +195,7 @@ class Outcome:
     scores: np.ndarray | None = None
     fit: solver.Fit | None = None
     design: DesignKind | None = None
-    placement: Placement | None = None  # MoI: the placement applied
+    placement: Placement | None = None  # the placement applied, if the request or MoI chose one
     slots: int | None = None
     profile: StoredProfile | None = None
     positional_profile: PositionalProfile | None = None
@@ -501,7 +509,10 @@ class Strategy(Protocol):
     options: frozenset[str]
     """The ``StrategyOptions`` fields it reads."""
     uses_design: bool
-    """Whether it reads ``design``, ``placement`` and ``joint`` (MoI only)."""
+    """Whether it reads ``design`` and ``joint`` (MoI only)."""
+    ranks: bool
+    """Whether it ranks the passages, so that ``placement`` and ``bias_profile`` apply (the
+    pure placements and the strategies that place by their own measured profile do not)."""
 
     def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
         """Model calls (scored prompts plus generations) the request will need, before any
@@ -533,22 +544,34 @@ def check_options(strategy: Strategy, request: ReorderRequest) -> None:
             f"{name} does not apply to strategy {strategy.name!r} (used by: {users})",
             param=name,
         )
+    default = ReorderRequest(query="", passages=())
     if not strategy.uses_design:
-        default = ReorderRequest(query="", passages=())
-        for name in ("design", "placement", "joint"):
+        for name in ("design", "joint"):
             if getattr(request, name) != getattr(default, name):
                 raise InvalidRequest(
                     f"{name} applies to strategy 'moi' only, not {strategy.name!r}", param=name
                 )
+    if not strategy.ranks:
+        for name in ("placement", "bias_profile"):
+            if getattr(request, name) != getattr(default, name):
+                users = ", ".join(sorted(_RANKERS))
+                raise InvalidRequest(
+                    f"{name} applies to strategies that rank ({users}), not {strategy.name!r}, "
+                    "which places the passages itself",
+                    param=name,
+                )
 
 
 _USERS: dict[str, set[str]] = {}
+_RANKERS: set[str] = set()
 
 
 def register_option_users(strategy: Strategy) -> None:
     """Record which options ``strategy`` reads, so a refusal can name their users."""
     for name in strategy.options:
         _USERS.setdefault(name, set()).add(strategy.name)
+    if strategy.ranks:
+        _RANKERS.add(strategy.name)
 
 
 def _option_users(name: str) -> set[str]:

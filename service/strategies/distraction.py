@@ -189,6 +189,7 @@ class MaxRelevance:
     name: StrategyName = "max_relevance"
     options: frozenset[str] = frozenset()
     uses_design = False
+    ranks = False
 
     def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
         return 0
@@ -218,6 +219,7 @@ class MinDistraction:
     name: StrategyName = "min_distraction"
     options: frozenset[str] = frozenset()
     uses_design = False
+    ranks = False
 
     def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
         return len(request.passages)

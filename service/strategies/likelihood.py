@@ -130,6 +130,7 @@ class QueryLikelihood:
     name: StrategyName = "query_likelihood"
     options = frozenset({"samples", "seed"})
     uses_design = False
+    ranks = True
 
     def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
         return _orders_up_to(len(request.passages), self._samples(request))
@@ -213,6 +214,7 @@ class ConvexScore:
     name: StrategyName = "convex_score"
     options = frozenset({"seed"})
     uses_design = False
+    ranks = True
 
     def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
         return len(request.passages) ** 2

@@ -121,6 +121,7 @@ class Lore:
         {"rankings", "probability_weight", "rank_weight", "rrf_k", "max_answer_tokens"}
     )
     uses_design = False
+    ranks = True
 
     def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
         _Params.of(request)

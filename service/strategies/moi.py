@@ -24,6 +24,7 @@ from service.strategies.base import (
     StrategyName,
     Work,
 )
+from service.strategies.placing import named_profile, placed_by
 
 # The default design: pruned random identifies bias, utilities and orientation from the data
 # at about M * L = N^2 passage-tokens, against 3 N^2 for the paper's random design
@@ -97,6 +98,7 @@ class MoI:
     name: StrategyName = "moi"
     options = frozenset({"seed"})
     uses_design = True
+    ranks = True
 
     def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
         _, perms = plan_design(request.design, request.passages, self._seed(request, settings))
@@ -163,6 +165,14 @@ class MoI:
         except solver.InvalidReference as exc:
             raise UnidentifiableRequest(f"stored profile unusable: {exc}") from None
         placement = request.placement or work.settings.placement
+        # A named profile (the generator's, when this model only scores) replaces the fitted
+        # bias in the placement; the utilities stay this model's.
+        named = named_profile(work, request) if placement == "bias_matched" else None
+        if named is None and request.bias_profile is not None:
+            raise InvalidRequest(
+                f"bias_profile applies with placement 'bias_matched', not {placement!r}",
+                param="bias_profile",
+            )
         order = solver.place(fit, placement)
         warnings = list(fit.warnings)
         if fit.orientation == "default_reference":
@@ -173,7 +183,7 @@ class MoI:
             )
         if failed:
             warnings.append(f"{failed} prompt(s) failed to score and were dropped")
-        return Outcome(
+        outcome = Outcome(
             order=order,
             ranking=list(fit.order),
             score_name="debiased_utility",
@@ -185,3 +195,4 @@ class MoI:
             profile=profile,
             warnings=tuple(warnings),
         )
+        return outcome if named is None else placed_by(outcome, list(fit.order), named)

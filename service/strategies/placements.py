@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import solver
 from service.settings import Settings
 from service.strategies.base import (
     Outcome,
@@ -31,14 +32,13 @@ def litm_order(ranking: Sequence[int]) -> list[int]:
     from the worst passage instead, so for an even length its best passage lands last and for
     an odd length first.)
     """
-    front = list(ranking[0::2])
-    back = list(ranking[1::2])
-    return front + back[::-1]
+    return solver.place_ranking(ranking, "litm")
 
 
 class _Placement:
     options: frozenset[str] = frozenset()
     uses_design = False
+    ranks = False
 
     def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
         return 0
@@ -48,6 +48,7 @@ class Retriever(_Placement):
     """The retriever's order (paper 004's Sequential)."""
 
     name: StrategyName = "retriever"
+    ranks = True
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         ranking = retriever_ranking(request.passages)

@@ -39,6 +39,7 @@ from service.strategies.base import (
 class _Pointwise:
     options: frozenset[str] = frozenset()
     uses_design = False
+    ranks = True
     score_name: str
     joint = False
     """Also score the passage's own tokens (``PromptScore.passages``)."""

@@ -58,6 +58,7 @@ class SelfConsistency:
     name: StrategyName = "self_consistency"
     options = frozenset({"samples", "seed", "max_answer_tokens"})
     uses_design = False
+    ranks = False
 
     def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
         answer_budget(request)

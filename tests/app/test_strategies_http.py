@@ -29,7 +29,7 @@ STRATEGIES_PAGE = Path(__file__).resolve().parents[2] / "docs" / "strategies.md"
 
 POSITIONAL = {"max_relevance", "min_distraction"}
 ANSWERING = {"lore", "self_consistency"}
-MODEL_FREE = {"retriever", "inverse", "shuffle", "litm", "max_relevance"}
+MODEL_FREE = {"retriever", "inverse", "shuffle", "litm", "max_relevance", "bm25", "dense"}
 
 
 def _options(name: str) -> dict[str, Any]:
@@ -135,11 +135,12 @@ async def test_an_option_for_another_strategy_is_a_422_naming_it(tmp_path: Path)
             json={
                 "query": QUERY,
                 "passages": PASSAGES,
-                "strategy": "lore",
+                "strategy": "shuffle",
                 "placement": "bias_matched",
             },
         )
         assert r.status_code == 422 and r.json()["error"]["param"] == "placement"
+        assert "query_generation" in r.json()["error"]["message"]  # names the rankers
         # An option's value the strategy cannot use, on both routes.
         bad = {"strategy": "lore", "rankings": [[0, 9]]}
         r = await h.client.post("/v1/reorder", json={"query": QUERY, "passages": PASSAGES, **bad})
@@ -292,6 +293,11 @@ def _check_rules(body: dict[str, Any], name: str, query: str, profiles: dict[str
             expected[slot] = passage
         assert order == expected and ranking == [0, 1, 2]
         assert planned == usage["prompts_scored"] == 3 and usage["scored_tokens"] > 0
+    elif name in ("bm25", "dense"):
+        # Model-free scorers: no model call; scores descend along the ranking.
+        assert order == ranking and planned == usage["prompts_scored"] == 0
+        scores = [by_index[i]["score"] for i in ranking]
+        assert all(s is not None for s in scores) and scores == sorted(scores, reverse=True)
     else:
         raise AssertionError(f"no rule checked for strategy {name!r}")
 
@@ -405,3 +411,58 @@ async def test_positional_strategies_follow_profiles_measured_on_smollm2(
             if name == "min_distraction":
                 de = [p["distracting_effect"] for p in body["passages"]]
                 assert len(set(de)) == 3, de
+
+
+async def test_placement_for_every_ranker_over_http(tmp_path: Path) -> None:
+    """`bm25` placed three ways on both routes, by hand: query "real answer" matches passage 1
+    on both terms and passage 2 on "answer"; 0 and 3 tie at 0 (input order): ranking
+    [1, 2, 0, 3]."""
+    from service.profile_store import ProfileStore
+
+    async with serving(tmp_path) as h:
+        info = (await h.client.get("/info")).json()
+        assert {"bm25", "dense", "query_generation", "moi"} <= set(info["ranking_strategies"])
+        assert "shuffle" not in info["ranking_strategies"] and "litm" in info["placements"]
+        assert info["placement_profile"] is None
+        body = {"query": "real answer", "passages": PASSAGES, "strategy": "bm25"}
+        r = (await h.client.post("/v1/reorder", json=body)).json()
+        assert r["ranking"] == r["order"] == [1, 2, 0, 3]
+        r = (await h.client.post("/v1/reorder", json={**body, "placement": "litm"})).json()
+        assert r["order"] == [1, 0, 3, 2] and r["diagnostics"]["placement"] == "litm"
+        # The generator's profile (a recency bias) stored beside the scorer's: reversed.
+        prof = ProfileStore(h.ctx.settings.profiles_path).put(
+            model="big/generator",
+            template=h.ctx.settings.chat_template,
+            coefficients=[0.1, 0.2, 0.3, 0.4],
+            identification="full",
+            runs=1,
+            prompts=4,
+            r2=1.0,
+            source="test",
+        )
+        placed = {**body, "placement": "bias_matched", "bias_profile": prof.id}
+        r = (await h.client.post("/v1/reorder", json=placed)).json()
+        assert r["order"] == [3, 0, 2, 1]
+        assert r["diagnostics"]["details"]["placement_profile"] == prof.id
+        rerank = {
+            "query": "real answer",
+            "documents": PASSAGES,
+            "reorder": {
+                "strategy": "bm25",
+                "placement": "bias_matched",
+                "bias_profile": prof.id,
+                "results_order": "placement",
+            },
+        }
+        r = (await h.client.post("/v1/rerank", json=rerank)).json()
+        assert [x["index"] for x in r["results"]] == [3, 0, 2, 1]
+        # Errors: the parameter, the known values.
+        bad = await h.client.post("/v1/reorder", json={**placed, "bias_profile": "nope"})
+        err = bad.json()["error"]
+        assert bad.status_code == 422 and err["param"] == "bias_profile"
+        assert prof.id in err["message"]
+        bad = await h.client.post(
+            "/v1/reorder", json={**body, "strategy": "shuffle", "placement": "litm"}
+        )
+        assert bad.status_code == 422 and bad.json()["error"]["param"] == "placement"
+        assert "bm25" in bad.json()["error"]["message"]

@@ -86,6 +86,17 @@ def test_variants_cover_every_strategy_and_moi_design_placement() -> None:
     assert chosen == ["moi:hybrid:descending_utility", "moi:hybrid:bias_matched", "shuffle"]
     with pytest.raises(Exception, match="unknown strategy or variant"):
         select_variants(["nope"])
+    # The cheap rankers: alone, after lost-in-the-middle, and by the generator's bias.
+    assert [v.label for v in select_variants(["bm25"])] == [
+        "bm25",
+        "bm25:litm",
+        "bm25:bias_matched",
+    ]
+    placed = select_variants(["query_generation:bias_matched", "dense:litm"])
+    assert [(v.strategy, v.placement) for v in placed] == [
+        ("query_generation", "bias_matched"),
+        ("dense", "litm"),
+    ]
 
 
 # --- statistics -----------------------------------------------------------------------------

@@ -100,3 +100,28 @@ def test_bias_matched_resamples_a_pruned_profile() -> None:
     assert place(f, "bias_matched") == list(f.order)  # decreasing profile: same as descending
     with pytest.raises(SolverError, match="unknown placement"):
         place(f, "sideways")  # type: ignore[arg-type]
+
+
+def test_place_ranking_by_hand() -> None:
+    """Any ranking (best first) placed three ways, each worked out by hand."""
+    from solver import place_ranking
+
+    ranking = [3, 0, 4, 1, 2]  # passage 3 best, 2 worst
+    assert place_ranking(ranking, "descending_utility") == ranking
+    # litm: ranks 0, 2, 4 fill the front left to right, ranks 1, 3 the back right to left.
+    assert place_ranking(ranking, "litm") == [3, 4, 2, 1, 0]
+    assert place_ranking([7, 8], "litm") == [7, 8] and place_ranking([5], "litm") == [5]
+    # A U-shaped bias: slots by strength 4 (.35), 0 (.30), 3 (.15), 1 (.12), 2 (.08).
+    bias = [0.30, 0.12, 0.08, 0.15, 0.35]
+    # Rank 0 (passage 3) -> slot 4, rank 1 (0) -> slot 0, rank 2 (4) -> slot 3,
+    # rank 3 (1) -> slot 1, rank 4 (2) -> slot 2.
+    assert place_ranking(ranking, "bias_matched", bias) == [0, 1, 2, 4, 3]
+    # A 3-slot recency profile resampled to 5 slots by relative position:
+    # [.2, .3, .5] -> [.2, .25, .3, .4, .5] (before renormalising): strength 4, 3, 2, 1, 0.
+    assert place_ranking(ranking, "bias_matched", [0.2, 0.3, 0.5]) == [2, 1, 4, 0, 3]
+    # Ties go to the earlier slot: a flat bias keeps the ranking.
+    assert place_ranking(ranking, "bias_matched", [0.2] * 5) == ranking
+    with pytest.raises(SolverError, match="needs a position-bias profile"):
+        place_ranking(ranking, "bias_matched")
+    with pytest.raises(SolverError, match="unknown placement"):
+        place_ranking(ranking, "middle")  # type: ignore[arg-type]

@@ -14,7 +14,10 @@ Rules decided here (docs/evaluation.md summarises them):
   kind x placement, labelled ``moi:<design>:<placement>``. Both placements are applied to one
   MoI run per design (``solver.place`` on its fit): the design is seeded, so a second run would
   score the same prompts and fit the same numbers; the cost and wall time of that run are
-  reported for both.
+  reported for both. The cheap rankers' placed variants (``bm25:litm``,
+  ``query_generation:bias_matched``, ...) run through the pipeline with that ``placement``, each
+  its own run; ``bias_matched`` places by the generator's stored bias profile
+  (``EvalConfig.bias_profile``, else the generator's own), never by the scorer's.
 - **Skipped, not failed**: a variant whose strategy needs a calibrated profile that does not
   exist (cyclic designs, ``max_relevance``, ``min_distraction``) raises
   ``UnidentifiableRequest``; its record is ``skipped`` with the reason and is not cached (it
@@ -138,6 +141,9 @@ class EvalConfig:
     seed: int = 0
     progress: bool = True
     data_name: str = ""
+    bias_profile: str | None = None
+    """The stored profile ``bias_matched`` ranker variants place by (the generator's); None:
+    the generator's own stored profile (this slot count, else its data-oriented one)."""
 
 
 @dataclass(frozen=True)
@@ -316,6 +322,7 @@ class Evaluator:
             strategy=first.strategy,
             design=DesignSpec(kind=first.design) if first.design else DesignSpec(),
             placement=first.placement,
+            bias_profile=self._bias_profile(first, len(q.passages)),
             template=self.template,
             request_id=f"eval-{q.id}-{first.label}",
         )
@@ -335,6 +342,21 @@ class Evaluator:
                 order = solver.place(result.fit, v.placement)
             out.append((v, (result, order)))
         return out
+
+    def _bias_profile(self, v: Variant, n: int) -> str | None:
+        """The profile a ``bias_matched`` ranker variant places by: the configured one, else
+        the *generator's* stored one (the scorer's own is the pipeline's fallback, the same
+        profile when one model scores and answers). MoI places by its own fit."""
+        if v.strategy == "moi" or v.placement != "bias_matched":
+            return None
+        if self.config.bias_profile is not None:
+            return self.config.bias_profile
+        gen = self.generator.backend.model_id
+        if gen == self.scorer.backend.model_id:
+            return None
+        store = self.scorer.profiles
+        found = store.get(gen, self.template, n) or store.orienting(gen, self.template)
+        return found.id if found is not None else None
 
     def _bare(self, q: EvalQuestion, v: Variant, status: Status, **extra: Any) -> Record:
         return Record(

@@ -17,6 +17,11 @@ MOI_DESIGNS: tuple[DesignKind, ...] = (
     "pruned_cyclic",
 )
 PLACEMENTS: tuple[Placement, ...] = ("descending_utility", "bias_matched")
+# The cheap rankers evaluated also under the placements a request can ask for (issue 20):
+# each alone (its own order, best first), then as LangChain's LongContextReorder places a
+# reranker's output (`litm`), then by the generator's calibrated bias (`bias_matched`).
+PLACED_RANKERS: tuple[StrategyName, ...] = ("query_generation", "bm25", "dense")
+RANKER_PLACEMENTS: tuple[Placement, ...] = ("litm", "bias_matched")
 
 
 @dataclass(frozen=True)
@@ -30,7 +35,8 @@ class Variant:
 
 
 def all_variants() -> list[Variant]:
-    """Every registered strategy; ``moi`` once per design kind and placement."""
+    """Every registered strategy; ``moi`` once per design kind and placement; each of
+    ``PLACED_RANKERS`` alone and once per ``RANKER_PLACEMENTS`` (``<strategy>:<placement>``)."""
     out: list[Variant] = []
     for name in strategy_names():
         if name == "moi":
@@ -39,12 +45,15 @@ def all_variants() -> list[Variant]:
             )
         else:
             out.append(Variant(name, name))
+            if name in PLACED_RANKERS:
+                out.extend(Variant(f"{name}:{p}", name, None, p) for p in RANKER_PLACEMENTS)
     return out
 
 
 def select_variants(spec: Sequence[str] | None) -> list[Variant]:
     """The variants named in ``spec``: a strategy name (all its variants), ``moi:<design>``
-    (both placements) or a full label; ``None`` or empty for all.
+    (both placements), or a full label (``moi:<design>:<placement>``, ``bm25:litm``);
+    ``None`` or empty for all.
 
     Raises:
         InvalidRequest: a name that matches no variant.
@@ -64,7 +73,8 @@ def select_variants(spec: Sequence[str] | None) -> list[Variant]:
             known = ", ".join(dict.fromkeys(v.strategy for v in every))
             raise InvalidRequest(
                 f"unknown strategy or variant {name!r}; strategies: {known}; MoI variants are "
-                "moi:<design>[:<placement>]",
+                "moi:<design>[:<placement>], ranker variants <strategy>:<placement> for "
+                f"{', '.join(PLACED_RANKERS)}",
                 param="strategies",
             )
         chosen.extend(v for v in hits if v not in chosen)

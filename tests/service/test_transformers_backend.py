@@ -9,8 +9,8 @@ more than 1e-4 nats.
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 

@@ -7,7 +7,8 @@ The native and the rerank routes go through ``execute``, a calibration through
 
 The work gets a ``Reorderer`` whose backend checks the request's limits and admits its prompt
 tokens (``app.admission``). Cancellation reaches the backend call: the fake backend and vLLM
-stop at once, the transformers backend after its current forward batch.
+stop at once; the transformers backend's scheduler drops the request's prompts not yet in a
+forward and discards its rows of the forward already running.
 """
 
 from __future__ import annotations

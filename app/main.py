@@ -33,6 +33,7 @@ from app.routes import info, probes, profiles, reorder, rerank
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.factory import create_backend
+from service.backends.scheduler import ForwardScheduler
 from service.errors import BackendUnavailable
 from service.pipeline import Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
@@ -181,6 +182,9 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
         lc.fail(f"loading the model failed ({type(exc).__name__})")
         return
     ctx.engine.backend = backend
+    scheduler = getattr(backend, "scheduler", None)
+    if isinstance(scheduler, ForwardScheduler):
+        ctx.metrics.track_scheduler(scheduler)
     ctx.metrics.build_info.labels(ctx.version, backend.model_id, type(backend).__name__).set(1)
     lc.mark(loaded=True)
     log.info("backend %s loaded: %s", type(backend).__name__, backend.model_id)

@@ -17,6 +17,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.backends.scheduler import ForwardScheduler, ForwardStats
 from service.pipeline import ReorderResult
 from service.traffic import TrafficSampler
 
@@ -26,6 +27,10 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _SOLVER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 _PROMPT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 _TOKEN_BUCKETS = tuple(float(4**k) for k in range(3, 11))  # 64 .. 1,048,576
+# Over 1: a lone prompt longer than the budget runs alone.
+_FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
+_WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_SHARING_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
 class _DefaultRegistry(Collector):
@@ -174,6 +179,32 @@ class ServiceMetrics:
         self.canary_failures = Counter(
             f"{p}_canary_failures", "Warm-up and canary requests that failed.", registry=r
         )
+        # The transformers engine's scheduler (vLLM reports its own queue as vllm:*).
+        self.batch_queue = Gauge(
+            f"{p}_batch_queue_prompts",
+            "Prompts waiting for a forward in the transformers engine's scheduler (all "
+            "in-flight requests together).",
+            registry=r,
+        )
+        self.batch_fill = Histogram(
+            f"{p}_batch_fill_ratio",
+            "Padded tokens per forward against the batch token budget (transformers engine).",
+            buckets=_FILL_BUCKETS,
+            registry=r,
+        )
+        self.batch_wait = Histogram(
+            f"{p}_batch_wait_seconds",
+            "Per prompt, time from its request's scoring call to the start of its forward "
+            "(transformers engine).",
+            buckets=_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.batch_requests = Histogram(
+            f"{p}_batch_requests",
+            "Requests whose prompts share a forward (transformers engine).",
+            buckets=_SHARING_BUCKETS,
+            registry=r,
+        )
         if include_default_registry:
             r.register(_DefaultRegistry())
 
@@ -194,6 +225,17 @@ class ServiceMetrics:
             r2 = result.fit.r2
             if r2 is not None and math.isfinite(r2):
                 self.fit_r2.observe(r2)
+
+    def track_scheduler(self, scheduler: ForwardScheduler) -> None:
+        """Expose the queue of a transformers engine and observe each of its forwards."""
+        self.batch_queue.set_function(lambda: scheduler.queue_depth)
+        scheduler.add_observer(self._observe_forward)
+
+    def _observe_forward(self, stats: ForwardStats) -> None:
+        self.batch_fill.observe(stats.padded_tokens / stats.token_budget)
+        self.batch_requests.observe(stats.callers)
+        for wait in stats.waits_s:
+            self.batch_wait.observe(wait)
 
     def track_traffic(self, sampler: TrafficSampler) -> None:
         """Expose the size of the live-traffic calibration sample."""

@@ -18,6 +18,56 @@ batch (1-D ``logits_to_keep``, older transformers); ``full``: every row (models 
 ``logits_to_keep``, and the baseline for benchmarks); ``auto``: the best one the model supports."""
 
 
+class BatchFill:
+    """One forward batch as it grows: padded tokens and LM-head rows against the budgets.
+
+    The one packing rule shared by ``plan_batches`` (one call's prompts) and the scheduler
+    (``service.backends.scheduler``: every in-flight call's prompts), so a request scored alone
+    batches exactly as before the scheduler existed.
+    """
+
+    def __init__(self, *, token_budget: int, row_budget: int, head_mode: HeadMode) -> None:
+        self.token_budget = token_budget
+        self.row_budget = row_budget
+        self.head_mode: HeadMode = head_mode
+        self.size = 0
+        self.width = 0
+        self._span_rows = 0
+        self._union: set[int] = set()
+
+    @property
+    def padded_tokens(self) -> int:
+        """``size * longest prompt``: what the forward computes, padding included."""
+        return self.size * self.width
+
+    def fits(self, req: SpanRequest) -> bool:
+        """Whether ``req`` joins without breaking a budget; an empty batch takes anything
+        (a request over a budget on its own still gets a batch of one)."""
+        if self.size == 0:
+            return True
+        size = self.size + 1
+        width = max(self.width, len(req.token_ids))
+        if self.head_mode == "mask":
+            rows = self._span_rows + req.span_end - req.span_start
+        elif self.head_mode == "positions":
+            rows = size * len(self._union | _positions(req))
+        else:
+            rows = size * width
+        return size * width <= self.token_budget and rows <= self.row_budget
+
+    def add(self, req: SpanRequest) -> None:
+        self.size += 1
+        self.width = max(self.width, len(req.token_ids))
+        self._span_rows += req.span_end - req.span_start
+        # Only the positions mode needs the union; the others skip building the sets.
+        if self.head_mode == "positions":
+            self._union |= _positions(req)
+
+
+def _positions(req: SpanRequest) -> set[int]:
+    return set(range(req.span_start - 1, req.span_end - 1))
+
+
 def plan_batches(
     requests: Sequence[SpanRequest],
     *,
@@ -41,38 +91,24 @@ def plan_batches(
     Returns:
         Lists of indices into ``requests``; every index appears exactly once.
     """
-    order = sorted(range(len(requests)), key=lambda i: -len(requests[i].token_ids))
     batches: list[list[int]] = []
     current: list[int] = []
-    width = span_rows = 0
-    union: set[int] = set()
-    for i in order:
-        req = requests[i]
-        n = len(req.token_ids)
-        span = req.span_end - req.span_start
-        # Only the positions mode needs the union; the others skip building the sets.
-        positions = (
-            set(range(req.span_start - 1, req.span_end - 1)) if head_mode == "positions" else set()
-        )
-        if current:
-            size = len(current) + 1
-            cand_width = max(width, n)
-            cand_union = union | positions
-            if head_mode == "mask":
-                rows = span_rows + span
-            elif head_mode == "positions":
-                rows = size * len(cand_union)
-            else:
-                rows = size * cand_width
-            if size * cand_width <= token_budget and rows <= row_budget:
-                current.append(i)
-                width, span_rows, union = cand_width, span_rows + span, cand_union
-                continue
+    fill = BatchFill(token_budget=token_budget, row_budget=row_budget, head_mode=head_mode)
+    for i in longest_first(requests):
+        if not fill.fits(requests[i]):
             batches.append(current)
-        current, width, span_rows, union = [i], n, span, positions
+            current = []
+            fill = BatchFill(token_budget=token_budget, row_budget=row_budget, head_mode=head_mode)
+        current.append(i)
+        fill.add(requests[i])
     if current:
         batches.append(current)
     return batches
+
+
+def longest_first(requests: Sequence[SpanRequest]) -> list[int]:
+    """Indices of ``requests``, longest prompt first (stable among equal lengths)."""
+    return sorted(range(len(requests)), key=lambda i: -len(requests[i].token_ids))
 
 
 def plan_generation_batches(

@@ -5,7 +5,8 @@ With ``service.model_assets.gguf`` (the GGUF conversion) and the distillation's 
 transformers (an import-linter contract keeps it so); it also imports peft, to apply a distilled
 scorer's LoRA adapter (``RAG_REORDER_ADAPTER``), merged into the weights once at load.
 
-Scoring packs requests into padded batches under ``batch_token_budget`` (planned by
+Scoring packs the requests of every concurrent call into shared padded batches under
+``batch_token_budget`` (``service.backends.scheduler``, with the packing rule of
 ``service.backends.batching``) and runs the vocabulary-sized LM head only on the rows whose
 log-probs are asked for: on SmolLM2 the head is ~20% of a forward and the full-vocabulary
 log-softmax over every prompt row is what makes prompt-log-prob serving run out of memory (see
@@ -42,8 +43,9 @@ from service.backends.base import (
     SpanRequest,
     checked_span,
 )
-from service.backends.batching import HeadMode, plan_batches, plan_generation_batches
+from service.backends.batching import HeadMode, plan_generation_batches
 from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.backends.scheduler import ForwardScheduler
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
 from service.model_assets import resolve_model
 from service.model_assets.adapter import adapted_model_id, configured_adapter
@@ -73,8 +75,10 @@ class TransformersBackend:
 
     Forwards are blocking, so they run in a worker thread, one at a time (an ``anyio.Lock``
     serialises them; a second forward would only compete for the same cores or GPU memory).
-    The lock is taken per batch, so concurrent calls interleave and cancellation is seen
-    between batches.
+    Scoring goes through a ``ForwardScheduler``: the prompts of all concurrent ``score`` calls
+    share forwards (continuous micro-batching), and a cancelled call drops its prompts not yet
+    in a forward. Generation keeps its own lockstep batches per call, taking the same lock
+    per batch, so it interleaves with the shared scoring forwards.
     """
 
     def __init__(
@@ -119,6 +123,12 @@ class TransformersBackend:
         self._head_mode: HeadMode = head_mode
         self._max_logit_rows = max(1, _LOGITS_BYTES_BUDGET // (head_vocab * 8))
         self._lock = anyio.Lock()
+        self._scheduler = ForwardScheduler(
+            self._run_score_batch,
+            token_budget=batch_token_budget,
+            row_budget=self._max_logit_rows,
+            head_mode=self._head_mode,
+        )
 
     # --- construction ---------------------------------------------------------------------
 
@@ -282,22 +292,7 @@ class TransformersBackend:
         for req in reqs:
             self._validate_prompt(req.request_id, req.token_ids, reserve=0)
             _validate_span(req)
-        results: dict[int, ScoreResult] = {}
-        for batch in plan_batches(
-            reqs,
-            token_budget=self._batch_token_budget,
-            row_budget=self._max_logit_rows,
-            head_mode=self._head_mode,
-        ):
-            async with self._lock:
-                model = self._require_open()
-                scored = await anyio.to_thread.run_sync(
-                    self._score_batch, model, [reqs[i] for i in batch]
-                )
-            for i, result in zip(batch, scored, strict=True):
-                results[i] = result
-        # Every index is in exactly one batch, so this is one result per request, in order.
-        return [results[i] for i in range(len(reqs))]
+        return await self._scheduler.score(reqs)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
         """Greedy continuations, one result per request, in order.
@@ -351,7 +346,18 @@ class TransformersBackend:
             if self._device.type == "cuda":
                 torch.cuda.empty_cache()
 
+    @property
+    def scheduler(self) -> ForwardScheduler:
+        """Packs the span requests of all concurrent ``score`` calls into shared forwards."""
+        return self._scheduler
+
     # --- internals ------------------------------------------------------------------------
+
+    async def _run_score_batch(self, batch: list[SpanRequest]) -> list[ScoreResult]:
+        # The lock still orders scoring forwards against generation batches and ``aclose``.
+        async with self._lock:
+            model = self._require_open()
+            return await anyio.to_thread.run_sync(self._score_batch, model, batch)
 
     def _require_open(self) -> PreTrainedModel:
         if self._model is None:

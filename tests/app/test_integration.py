@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 from pathlib import Path
 
@@ -114,6 +115,11 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
             assert 'rag_reorder_build_info{backend="TransformersBackend"' in metrics
             calibrations = "rag_reorder_bias_profile_calibrations_total"
             assert f'{calibrations}{{design="pruned_random",source="queries"}} 1.0' in metrics
+            # The transformers engine's scheduler: every scoring forward observed once.
+            forwards = re.search(r"^rag_reorder_batch_fill_ratio_count (\S+)$", metrics, re.M)
+            assert forwards is not None and float(forwards.group(1)) > 0
+            assert re.search(r"^rag_reorder_batch_queue_prompts 0\.0$", metrics, re.M)
+            assert "rag_reorder_batch_wait_seconds_bucket" in metrics
             assert (
                 client.get("/v1/models", headers={"Authorization": "Bearer no"}).status_code == 401
             )

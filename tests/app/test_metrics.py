@@ -9,6 +9,8 @@ from typing import Any
 import pytest
 
 from app.metrics import ServiceMetrics
+from service.backends.base import ScoreResult, SpanLogprobs, SpanRequest
+from service.backends.scheduler import ForwardScheduler
 from tests.app.conftest import PASSAGES, QUERY, serving
 
 
@@ -68,3 +70,26 @@ def test_r2_lands_in_its_bucket() -> None:
     assert get("rag_reorder_fit_r2_bucket", {"le": "0.9"}) == 0
     assert get("rag_reorder_fit_r2_bucket", {"le": "0.95"}) == 1
     assert get("rag_reorder_order_changed_total", {"strategy": "moi"}) == 1
+
+
+async def test_the_scheduler_metrics_follow_its_forwards() -> None:
+    async def forward(batch: list[SpanRequest]) -> list[ScoreResult]:
+        return [SpanLogprobs(r.request_id, (-1.0,)) for r in batch]
+
+    scheduler = ForwardScheduler(forward, token_budget=100, row_budget=99, head_mode="mask")
+    metrics = ServiceMetrics(include_default_registry=False)
+    metrics.track_scheduler(scheduler)
+    reqs = [SpanRequest(str(i), tuple(range(20)), 1, 2) for i in range(7)]
+    await scheduler.score(reqs)
+
+    def value(name: str, **labels: str) -> float:
+        sample = metrics.registry.get_sample_value(name, labels)
+        assert sample is not None, name
+        return sample
+
+    # 7 prompts of 20 tokens under 100 padded tokens: forwards of 5 and 2.
+    assert value("rag_reorder_batch_fill_ratio_count") == 2
+    assert value("rag_reorder_batch_fill_ratio_sum") == pytest.approx(1.0 + 0.4)
+    assert value("rag_reorder_batch_wait_seconds_count") == 7
+    assert value("rag_reorder_batch_requests_bucket", le="1.0") == 2
+    assert value("rag_reorder_batch_queue_prompts") == 0

@@ -260,6 +260,11 @@ REQUIRED = {
         "rag_reorder_strategy_requests_total",
     },
     "failures by type": {"rag_reorder_request_failures_total"},
+    "transformers engine (issue 22)": {
+        "rag_reorder_batch_queue_prompts",
+        "rag_reorder_batch_fill_ratio_bucket",
+        "rag_reorder_batch_wait_seconds_bucket",
+    },
     "engine": {
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -28,6 +29,7 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.backends.batching import HeadMode, plan_batches, plan_generation_batches
+from service.backends.scheduler import ForwardStats
 from service.backends.transformers_backend import (
     TransformersBackend,
     default_batch_token_budget,
@@ -195,25 +197,47 @@ def test_results_keep_request_order_and_duplicates(tiny_backend: TransformersBac
         assert first.logprobs == pytest.approx(second.logprobs, abs=1e-5)
 
 
-def test_concurrent_calls_are_serialised_and_correct(tiny_backend: TransformersBackend) -> None:
+def test_concurrent_calls_share_forwards_with_the_numbers_of_each_alone(
+    tiny_backend: TransformersBackend,
+) -> None:
     requests = mixed_requests(tiny_backend)
-    expected = run(lambda: tiny_backend.score(requests))
-    outputs: list[list[object]] = []
+    callers = [[replace(r, request_id=f"{k}-{r.request_id}") for r in requests] for k in range(3)]
+    alone = [run(lambda reqs=reqs: tiny_backend.score(reqs)) for reqs in callers]
+    stats: list[ForwardStats] = []
+    tiny_backend.scheduler.add_observer(stats.append)
+    outputs: dict[int, list[object]] = {}
 
-    async def both() -> None:
-        async def one() -> None:
-            outputs.append(list(await tiny_backend.score(requests)))
+    async def together() -> None:
+        async def one(k: int) -> None:
+            outputs[k] = list(await tiny_backend.score(callers[k]))
 
         async with anyio.create_task_group() as tg:
-            for _ in range(3):
-                tg.start_soon(one)
+            for k in range(3):
+                tg.start_soon(one, k)
 
-    run(both)
-    assert len(outputs) == 3
-    for out in outputs:
-        for got, want in zip(out, expected, strict=True):
+    run(together)
+    # The three calls' prompts were packed together: forwards carry rows of several calls.
+    assert max(s.callers for s in stats) == 3
+    assert len(stats) < 3 * len(plan_batches(requests, token_budget=4096, row_budget=10**6))
+    for k in range(3):
+        for got, want in zip(outputs[k], alone[k], strict=True):
             assert isinstance(got, SpanLogprobs) and isinstance(want, SpanLogprobs)
+            assert got.request_id == want.request_id
             assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5)
+
+
+def test_a_cancelled_call_leaves_no_work_behind(tiny_backend: TransformersBackend) -> None:
+    requests = mixed_requests(tiny_backend)
+    many = [replace(r, request_id=f"{i}") for i in range(8) for r in requests]
+
+    async def cancelled() -> int:
+        with anyio.move_on_after(0.01):
+            await tiny_backend.score(many)
+        return tiny_backend.scheduler.queue_depth
+
+    assert run(cancelled) == 0
+    results = run(lambda: tiny_backend.score(requests))
+    assert [r.request_id for r in results] == [r.request_id for r in requests]
 
 
 def test_greedy_generation_matches_manual_argmax_loop(

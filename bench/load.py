@@ -1,0 +1,479 @@
+"""Load benchmark: the real server under closed-loop concurrent clients against the offline
+ceiling of the same prompts through the backend alone, in one run (issue 22).
+
+1. ``python -m app serve`` in its own process (``--server-root`` picks the code it runs, so
+   main's code can be measured as the baseline with this very client). Realistic requests:
+   NQ-Open dev questions (/work/shared/data/nq_open_dev.jsonl) with their first 10 and 20
+   passages, the default design, ``/v1/reorder``. At each concurrency level, that many
+   closed-loop clients (each sends its next request when the previous answer arrives) send
+   ``--requests-per-level`` requests (at least one per client): requests/s, prompt tokens/s
+   (the server-reported ``usage.prompt_tokens``), p50/p95/p99 latency, errors.
+2. The ceiling: the prompts of the very same requests, captured by running each request's
+   strategy in this process on a recording backend (the default design plans its prompts up
+   front, so they do not depend on the scores; the token count is checked against the
+   server's), scored through ``TransformersBackend.score`` as one offline stream, once before
+   and once after the levels, the faster one kept (CPU load from elsewhere hits one of them
+   more than the other). Its prompt tokens/s is the denominator of the throughput ratio.
+
+Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at concurrency 16
+<= 3x its p50; no errors; p50 at concurrency 1 no worse than before (run once with
+``--server-root /work/main --no-ceiling`` for that baseline).
+
+Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16]
+           [--passages 10 20] [--queries 8] [--server-root .] [--no-ceiling]
+           [--out bench/results/load.json]
+Writes the JSON, a markdown table beside it (.md) and a plot (.png).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import argparse
+import asyncio
+import json
+import math
+import platform
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from importlib.metadata import version
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from service.backends.base import (
+    GenerateResult,
+    GenerationRequest,
+    PromptTokenizer,
+    ScoreResult,
+    SpanLogprobs,
+    SpanRequest,
+)
+from service.backends.factory import create_backend
+from service.pipeline import Reorderer, ReorderRequest
+from service.prompts import Passage
+from service.settings import Settings
+
+DATA = Path("/work/shared/data/nq_open_dev.jsonl")
+# The bench measures the engine, not admission: a level of 32 clients on 20-passage requests
+# queues minutes of CPU work, past the default deadline and prompt-token budget.
+SERVER_ENV = {
+    "RAG_REORDER_BACKEND": "transformers",
+    "RAG_REORDER_DEVICE": "cpu",
+    "RAG_REORDER_CANARY_INTERVAL_S": "0",
+    "RAG_REORDER_ACCESS_LOG": "false",
+    "RAG_REORDER_REQUEST_TIMEOUT_S": "3600",
+    "RAG_REORDER_MAX_INFLIGHT_PROMPT_TOKENS": str(1 << 30),
+    "RAG_REORDER_TRAFFIC_SAMPLE_RATE": "0",
+}
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (with few samples p99 is the maximum)."""
+    s = sorted(xs)
+    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def load_requests(queries: int, passages: Sequence[int]) -> list[dict[str, Any]]:
+    """Request bodies: each of the first ``queries`` questions with each passage count."""
+    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:queries]]
+    return [
+        {
+            "query": row["question"],
+            "passages": [f"{p['title']}: {p['text']}" for p in row["passages"][:n]],
+        }
+        for n in passages
+        for row in rows
+    ]
+
+
+# --- the server under closed-loop load --------------------------------------------------------
+
+
+def start_server(root: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
+    cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), **SERVER_ENV},
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"server not ready in 600 s; see {log}")
+
+
+async def level(
+    client: httpx.AsyncClient, bodies: list[dict[str, Any]], concurrency: int, total: int
+) -> dict[str, Any]:
+    """``total`` requests from ``concurrency`` closed-loop clients, bodies in turn."""
+    latencies: list[float] = []
+    tokens = 0
+    errors: list[str] = []
+    next_index = 0
+
+    async def one_client() -> None:
+        nonlocal next_index, tokens
+        while next_index < total:
+            body = bodies[next_index % len(bodies)]
+            next_index += 1
+            t = time.perf_counter()
+            try:
+                r = await client.post("/v1/reorder", json=body)
+            except httpx.HTTPError as exc:
+                errors.append(type(exc).__name__)
+                continue
+            if r.status_code != 200:
+                errors.append(str(r.status_code))
+                continue
+            latencies.append(time.perf_counter() - t)
+            tokens += r.json()["usage"]["prompt_tokens"]
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one_client() for _ in range(concurrency)))
+    wall = time.perf_counter() - t0
+    row = {
+        "concurrency": concurrency,
+        "requests": total,
+        "errors": len(errors),
+        "error_kinds": sorted(set(errors)),
+        "wall_s": wall,
+        "requests_per_s": len(latencies) / wall,
+        "prompt_tokens_per_s": tokens / wall,
+        "p50_s": percentile(latencies, 50) if latencies else math.nan,
+        "p95_s": percentile(latencies, 95) if latencies else math.nan,
+        "p99_s": percentile(latencies, 99) if latencies else math.nan,
+    }
+    print(
+        f"concurrency {concurrency:>2}: {len(latencies)}/{total} ok, "
+        f"{row['requests_per_s']:.3f} req/s, {row['prompt_tokens_per_s']:.0f} prompt tok/s, "
+        f"p50 {row['p50_s']:.2f} s, p95 {row['p95_s']:.2f} s, p99 {row['p99_s']:.2f} s",
+        flush=True,
+    )
+    return row
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
+    """The scheduler's counters from /metrics (absent on a server without the scheduler)."""
+    text = (await client.get("/metrics")).text
+    wanted = (
+        "rag_reorder_batch_fill_ratio_sum",
+        "rag_reorder_batch_fill_ratio_count",
+        "rag_reorder_batch_requests_sum",
+    )
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name in wanted:
+            out[name] = float(value)
+    return out
+
+
+# --- the ceiling: the same prompts through the backend alone ---------------------------------
+
+
+class RecordingBackend:
+    """Delegates the tokenizer and limits to a real backend; records prompts, scores -1."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.prompts: list[SpanRequest] = []
+
+    @property
+    def model_id(self) -> str:
+        return str(self.real.model_id)
+
+    @property
+    def max_model_len(self) -> int:
+        return int(self.real.max_model_len)
+
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        tok: PromptTokenizer = self.real.tokenizer
+        return tok
+
+    async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
+        self.prompts.extend(requests)
+        # Slightly different per prompt, so the fit has something to fit.
+        return [
+            SpanLogprobs(
+                r.request_id, tuple(-1.0 - 0.01 * (k % 7) for k in range(r.span_end - r.span_start))
+            )
+            for r in requests
+        ]
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
+        raise NotImplementedError("the default design does not generate")
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def capture_prompts(backend: Any, bodies: list[dict[str, Any]]) -> list[SpanRequest]:
+    settings = Settings()
+    prompts: list[SpanRequest] = []
+    for k, body in enumerate(bodies):
+        recorder = RecordingBackend(backend)
+        request = ReorderRequest(body["query"], [Passage(text=p) for p in body["passages"]])
+        await Reorderer(recorder, settings).reorder(request)  # type: ignore[arg-type]
+        prompts.extend(
+            SpanRequest(f"{k}-{i}", r.token_ids, r.span_start, r.span_end)
+            for i, r in enumerate(recorder.prompts)
+        )
+    return prompts
+
+
+async def ceiling(backend: Any, prompts: list[SpanRequest], repeat: int) -> dict[str, Any]:
+    """Every prompt of one cycle of requests through ``backend.score`` as one stream,
+    ``repeat`` times; tokens/s of the whole."""
+    tokens = sum(len(p.token_ids) for p in prompts) * repeat
+    t = time.perf_counter()
+    for _ in range(repeat):
+        results = await backend.score(prompts)
+    wall = time.perf_counter() - t
+    failed = sum(not isinstance(r, SpanLogprobs) for r in results)
+    row = {
+        "prompts": len(prompts) * repeat,
+        "prompt_tokens": tokens,
+        "wall_s": wall,
+        "prompt_tokens_per_s": tokens / wall,
+        "failed": failed,
+    }
+    print(
+        f"offline ceiling: {len(prompts) * repeat} prompts, {tokens} tokens, "
+        f"{wall:.1f} s, {tokens / wall:.0f} prompt tok/s",
+        flush=True,
+    )
+    return row
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def verdicts(levels: list[dict[str, Any]], ceiling_tps: float | None) -> dict[str, Any]:
+    by_c = {row["concurrency"]: row for row in levels}
+    out: dict[str, Any] = {"errors": sum(row["errors"] for row in levels)}
+    out["no_errors_met"] = out["errors"] == 0
+    if ceiling_tps:
+        for row in levels:
+            row["ratio_to_ceiling"] = row["prompt_tokens_per_s"] / ceiling_tps
+        high = [row["ratio_to_ceiling"] for row in levels if row["concurrency"] >= 8]
+        if high:
+            out["min_ratio_to_ceiling_at_c_ge_8"] = min(high)
+            out["throughput_target_met"] = min(high) >= 0.9
+    if 16 in by_c:
+        out["p99_over_p50_at_c16"] = by_c[16]["p99_s"] / by_c[16]["p50_s"]
+        out["tail_target_met"] = out["p99_over_p50_at_c16"] <= 3
+    if 1 in by_c:
+        out["p50_at_c1_s"] = by_c[1]["p50_s"]
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# Load benchmark (bench/load.py)",
+        "",
+        f"`{result['command']}` on {result['machine']['platform']}, "
+        f"{result['machine']['cpus']} CPUs, server code: `{result['server_root']}`.",
+        "",
+    ]
+    c = result.get("ceiling")
+    if c:
+        lines += [
+            f"Offline ceiling (backend alone, same prompts): "
+            f"{c['prompt_tokens_per_s']:.0f} prompt tokens/s.",
+            "",
+        ]
+    lines += [
+        "| concurrency | requests | errors | req/s | prompt tok/s | x ceiling | p50 s | p95 s "
+        "| p99 s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for row in result["levels"]:
+        ratio = row.get("ratio_to_ceiling")
+        lines.append(
+            f"| {row['concurrency']} | {row['requests']} | {row['errors']} | "
+            f"{row['requests_per_s']:.3f} | {row['prompt_tokens_per_s']:.0f} | "
+            f"{'' if ratio is None else f'{ratio:.2f}'} | {row['p50_s']:.2f} | "
+            f"{row['p95_s']:.2f} | {row['p99_s']:.2f} |"
+        )
+    lines += ["", "Targets: " + json.dumps(result["targets"]), ""]
+    return "\n".join(lines)
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = result["levels"]
+    xs = [row["concurrency"] for row in levels]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
+    a.plot(xs, [row["prompt_tokens_per_s"] for row in levels], "o-", label="service")
+    if result.get("ceiling"):
+        top = result["ceiling"]["prompt_tokens_per_s"]
+        a.axhline(top, color="k", ls="--", label="offline ceiling")
+        a.axhline(0.9 * top, color="grey", ls=":", label="0.9x ceiling")
+    a.set(
+        xscale="log",
+        xlabel="concurrency (closed-loop clients)",
+        ylabel="prompt tokens/s",
+        title="Throughput",
+    )
+    a.set_xticks(xs, [str(x) for x in xs])
+    a.legend()
+    b.plot(xs, [row["p50_s"] for row in levels], "o-", label="p50")
+    b.plot(xs, [row["p99_s"] for row in levels], "s-", label="p99")
+    b.set(
+        xscale="log",
+        yscale="log",
+        xlabel="concurrency (closed-loop clients)",
+        ylabel="latency (s)",
+        title="Latency",
+    )
+    b.set_xticks(xs, [str(x) for x in xs])
+    b.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    bodies = load_requests(args.queries, args.passages)
+    levels_wanted = [int(x) for x in args.levels.split(",")]
+    load_before = os.getloadavg()
+    backend = None
+    prompts: list[SpanRequest] = []
+    ceilings: list[dict[str, Any]] = []
+    if not args.no_ceiling:
+        os.environ.update(
+            {k: v for k, v in SERVER_ENV.items() if k.endswith(("BACKEND", "DEVICE"))}
+        )
+        backend = await asyncio.to_thread(create_backend, Settings())
+        prompts = await capture_prompts(backend, bodies)
+        ceilings.append(await ceiling(backend, prompts, args.ceiling_repeat))
+    port = _free_port()
+    proc = start_server(Path(args.server_root).resolve(), port, Path(args.server_log))
+    levels: list[dict[str, Any]] = []
+    try:
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=3600) as client:
+            served_tokens = 0
+            for body in bodies:  # warm-up, and the prompt tokens of one cycle
+                r = await client.post("/v1/reorder", json=body)
+                r.raise_for_status()
+                served_tokens += r.json()["usage"]["prompt_tokens"]
+            before = await scrape(client)
+            for c in levels_wanted:
+                total = max(args.requests_per_level, c)
+                levels.append(await level(client, bodies, c, total))
+            after = await scrape(client)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(120)
+    if backend is not None:
+        ceilings.append(await ceiling(backend, prompts, args.ceiling_repeat))
+        await backend.aclose()
+    best = max(ceilings, key=lambda c: c["prompt_tokens_per_s"]) if ceilings else None
+    forwards = after.get("rag_reorder_batch_fill_ratio_count", 0) - before.get(
+        "rag_reorder_batch_fill_ratio_count", 0
+    )
+    scheduler = (
+        {
+            "forwards": forwards,
+            "mean_fill": (
+                after["rag_reorder_batch_fill_ratio_sum"]
+                - before["rag_reorder_batch_fill_ratio_sum"]
+            )
+            / forwards,
+            "mean_requests_per_forward": (
+                after["rag_reorder_batch_requests_sum"] - before["rag_reorder_batch_requests_sum"]
+            )
+            / forwards,
+        }
+        if forwards
+        else None
+    )
+    result = {
+        "command": shlex.join(["python", "bench/load.py", *sys.argv[1:]]),
+        "server_root": str(Path(args.server_root).resolve()),
+        "machine": {
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "torch": version("torch"),
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+        },
+        "requests": {
+            "data": DATA.name,
+            "queries": args.queries,
+            "passages": args.passages,
+            "design": "default",
+            "route": "/v1/reorder",
+            "distinct": len(bodies),
+            "prompt_tokens_per_cycle_served": served_tokens,
+            "prompt_tokens_per_cycle_captured": sum(len(p.token_ids) for p in prompts),
+        },
+        "ceiling": best,
+        "ceilings": ceilings,
+        "levels": levels,
+        "scheduler": scheduler,
+    }
+    result["targets"] = verdicts(levels, best["prompt_tokens_per_s"] if best else None)
+    return result
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--levels", default="1,2,4,8,16,32")
+    ap.add_argument("--requests-per-level", type=int, default=16)
+    ap.add_argument("--passages", type=int, nargs="+", default=[10, 20])
+    ap.add_argument("--queries", type=int, default=8)
+    ap.add_argument("--ceiling-repeat", type=int, default=1)
+    ap.add_argument("--server-root", default=str(ROOT))
+    ap.add_argument("--no-ceiling", action="store_true")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
+    ap.add_argument("--server-log", default="/tmp/rag-reorder-load-server.log")
+    args = ap.parse_args()
+    result = asyncio.run(run(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    plot(result, out.with_suffix(".png"))
+    print(json.dumps(result["targets"], indent=2))
+    print(f"wrote {out} (+ .md, .png)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""ForwardScheduler on a fake forward: sharing, fairness, cancellation, failures, packing rule.
+
+The forward here is a coroutine that records each batch and sleeps, so the tests see exactly
+which prompts shared a forward without a model (the model-backed equality check is in
+test_transformers_backend.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+import pytest
+
+from service.backends.base import PromptFailure, ScoreResult, SpanLogprobs, SpanRequest
+from service.backends.batching import plan_batches
+from service.backends.scheduler import ForwardScheduler, ForwardStats
+from service.errors import BackendUnavailable
+
+
+def prompts(tag: str, count: int, length: int = 10) -> list[SpanRequest]:
+    return [SpanRequest(f"{tag}{i}", tuple(range(length + i % 3)), 1, 3) for i in range(count)]
+
+
+class FakeForward:
+    """Scores a prompt as -len(prompt); records batches; fails prompts named in ``fail``."""
+
+    def __init__(self, delay: float = 0.01, fail: frozenset[str] = frozenset()) -> None:
+        self.batches: list[list[str]] = []
+        self.delay = delay
+        self.fail = fail
+        self.gate: asyncio.Event | None = None
+
+    async def __call__(self, batch: list[SpanRequest]) -> list[ScoreResult]:
+        self.batches.append([r.request_id for r in batch])
+        if self.gate is not None:
+            await self.gate.wait()
+        await asyncio.sleep(self.delay)
+        return [
+            PromptFailure(r.request_id, "boom")
+            if r.request_id in self.fail
+            else SpanLogprobs(r.request_id, (-float(len(r.token_ids)),))
+            for r in batch
+        ]
+
+
+def scheduler(forward: FakeForward, token_budget: int = 60) -> ForwardScheduler:
+    return ForwardScheduler(forward, token_budget=token_budget, row_budget=10**6, head_mode="mask")
+
+
+def test_concurrent_callers_share_forwards_and_get_their_own_results_in_order() -> None:
+    forward = FakeForward()
+    sched = scheduler(forward)
+    stats: list[ForwardStats] = []
+    sched.add_observer(stats.append)
+    work = {tag: prompts(tag, 6) for tag in "abcd"}
+    got: dict[str, list[ScoreResult]] = {}
+
+    async def main() -> None:
+        async def one(tag: str) -> None:
+            got[tag] = await sched.score(work[tag])
+
+        async with anyio.create_task_group() as tg:
+            for tag in work:
+                tg.start_soon(one, tag)
+
+    anyio.run(main)
+    for tag, reqs in work.items():
+        assert [r.request_id for r in got[tag]] == [r.request_id for r in reqs]
+        assert all(isinstance(r, SpanLogprobs) for r in got[tag])
+    # 24 prompts of 10-12 tokens under 60 padded tokens: 5 rows per forward at most.
+    assert sum(len(b) for b in forward.batches) == 24
+    assert all(len(b) <= 5 for b in forward.batches)
+    shared = [b for b in forward.batches if len({rid[0] for rid in b}) > 1]
+    assert len(shared) >= len(forward.batches) - 2
+    assert len(forward.batches) < 4 * len(plan_batches(work["a"], token_budget=60, row_budget=99))
+    assert [s.prompts for s in stats] == [len(b) for b in forward.batches]
+    assert all(s.padded_tokens <= 60 and s.token_budget == 60 for s in stats)
+    assert max(s.callers for s in stats) == 4
+    assert sched.queue_depth == 0
+
+
+def test_alone_a_call_batches_exactly_as_plan_batches() -> None:
+    forward = FakeForward(delay=0)
+    reqs = [SpanRequest(str(i), tuple(range(n)), 1, 2) for i, n in enumerate([5, 30, 12, 12, 7])]
+    anyio.run(lambda: scheduler(forward, token_budget=40).score(reqs))
+    planned = plan_batches(reqs, token_budget=40, row_budget=10**6)
+    assert forward.batches == [[reqs[i].request_id for i in b] for b in planned]
+
+
+def test_a_big_request_does_not_starve_a_small_one() -> None:
+    forward = FakeForward()
+    sched = scheduler(forward)
+    finished: list[str] = []
+
+    async def main() -> None:
+        async def one(tag: str, count: int) -> None:
+            await sched.score(prompts(tag, count))
+            finished.append(tag)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "big", 100)
+            await anyio.sleep(0.005)  # the big one is queued (and in its first forward) first
+            tg.start_soon(one, "small", 6)
+
+    anyio.run(main)
+    assert finished == ["small", "big"]
+    # The small request's prompts were spread over the next few forwards, not queued behind
+    # the big one's 20.
+    last_small = max(i for i, b in enumerate(forward.batches) if any("small" in r for r in b))
+    assert last_small <= 4
+
+
+def test_a_cancelled_caller_drops_its_pending_prompts() -> None:
+    forward = FakeForward()
+    sched = scheduler(forward)
+    depths: list[int] = []
+
+    async def main() -> None:
+        forward.gate = asyncio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sched.score, prompts("keep", 3))
+            with anyio.move_on_after(0.05):
+                async with anyio.create_task_group() as inner:
+                    inner.start_soon(sched.score, prompts("gone", 40))
+                    await anyio.sleep(0.02)
+                    depths.append(sched.queue_depth)
+            depths.append(sched.queue_depth)
+            forward.gate.set()
+
+    anyio.run(main)
+    # Afterwards only what is left of the other caller's 3 prompts waits.
+    assert depths[0] > 30 and depths[1] < 3
+    scored = [rid for b in forward.batches for rid in b]
+    # Only what was already in the first (gated) forward ran of the cancelled call.
+    assert sum(rid.startswith("gone") for rid in scored) <= 5
+    assert sum(rid.startswith("keep") for rid in scored) == 3
+
+
+def test_failures_stay_per_prompt_and_a_broken_forward_fails_only_its_callers() -> None:
+    forward = FakeForward(fail=frozenset({"a1"}))
+    sched = scheduler(forward)
+    results = anyio.run(lambda: sched.score(prompts("a", 4)))
+    assert [type(r).__name__ for r in results] == [
+        "SpanLogprobs",
+        "PromptFailure",
+        "SpanLogprobs",
+        "SpanLogprobs",
+    ]
+
+    async def broken(batch: list[SpanRequest]) -> list[ScoreResult]:
+        raise BackendUnavailable("closed")
+
+    dead = ForwardScheduler(broken, token_budget=60, row_budget=99, head_mode="mask")
+    with pytest.raises(BackendUnavailable):
+        anyio.run(lambda: dead.score(prompts("x", 3)))
+    assert dead.queue_depth == 0
+    assert anyio.run(lambda: dead.score([])) == []
+
+
+def test_a_failing_observer_does_not_stop_the_engine() -> None:
+    sched = scheduler(FakeForward(delay=0))
+
+    def bad(stats: ForwardStats) -> None:
+        raise ValueError("metrics bug")
+
+    sched.add_observer(bad)
+    assert len(anyio.run(lambda: sched.score(prompts("a", 8)))) == 8

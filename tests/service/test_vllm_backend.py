@@ -268,10 +268,13 @@ def test_bad_prompts_fail_alone(
     ]
     real_generate = backend._engine.generate
 
-    def generate(prompt: Any, params: Any, request_id: str) -> AsyncGenerator[Any, None]:
+    # Keyword arguments (lora_request) pass through, as the engine's own generate takes them.
+    def generate(
+        prompt: Any, params: Any, request_id: str, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
         if request_id.startswith("engine-fails-"):
             raise EngineGenerateError()
-        return real_generate(prompt, params, request_id)
+        return real_generate(prompt, params, request_id, **kwargs)
 
     monkeypatch.setattr(backend._engine, "generate", generate)
     results = run(runner, backend.score(requests))
@@ -310,10 +313,12 @@ def test_engine_death_raises(
 ) -> None:
     real_generate = backend._engine.generate
 
-    async def dying(prompt: Any, params: Any, request_id: str) -> AsyncGenerator[Any, None]:
+    async def dying(
+        prompt: Any, params: Any, request_id: str, **kwargs: Any
+    ) -> AsyncGenerator[Any, None]:
         if request_id.startswith("dies-"):
             raise EngineDeadError()
-        async for out in real_generate(prompt, params, request_id):
+        async for out in real_generate(prompt, params, request_id, **kwargs):
             yield out
 
     monkeypatch.setattr(backend._engine, "generate", dying)

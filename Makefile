@@ -47,8 +47,8 @@ test: lint docs
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm
 	# helm and the PromQL grammar for tests/deploy (chart, Compose, dashboard, Dockerfile checks).
 	scripts/deploy-tools.sh $(VENV)
-	# The vLLM module ran above in .venv-vllm; here it could only skip, so it is left out.
-	$(BIN)/python -m pytest -q --ignore=tests/service/test_vllm_backend.py
+	# The vLLM modules ran above in .venv-vllm; here they could only skip, so they are left out.
+	$(BIN)/python -m pytest -q --ignore=tests/service/test_vllm_backend.py --ignore=tests/service/test_vllm_lora.py
 
 serve: install
 	$(BIN)/rag-reorder serve --host 0.0.0.0 --port 8000

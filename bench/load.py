@@ -21,8 +21,10 @@ Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at con
 
 Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16]
            [--passages 10 20] [--queries 8] [--server-root .] [--no-ceiling]
-           [--out bench/results/load.json]
-Writes the JSON, a markdown table beside it (.md) and a plot (.png).
+           [--out bench/results/load.json] [--resume]
+Writes the JSON, a markdown table beside it (.md) and a plot (.png) after every level, so an
+interrupted run keeps what it measured; ``--resume`` continues it: the levels and ceilings
+already in ``--out`` (same requests) are kept, the missing levels run, one more ceiling after.
 """
 
 from __future__ import annotations
@@ -360,23 +362,57 @@ def plot(result: dict[str, Any], path: Path) -> None:
     fig.savefig(path, dpi=100)
 
 
+def previous(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The earlier run in ``--out`` that ``--resume`` continues, if it measured the same
+    requests."""
+    out = Path(args.out)
+    if not args.resume or not out.exists():
+        return None
+    old: dict[str, Any] = json.loads(out.read_text())
+    req = old.get("requests", {})
+    if (req.get("queries"), req.get("passages"), old.get("server_root")) != (
+        args.queries,
+        args.passages,
+        str(Path(args.server_root).resolve()),
+    ):
+        raise SystemExit(f"--resume: {out} measured other requests or server code; remove it")
+    return old
+
+
+def write(result: dict[str, Any], out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    out.with_suffix(".md").write_text(markdown(result))
+    plot(result, out.with_suffix(".png"))
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     bodies = load_requests(args.queries, args.passages)
     levels_wanted = [int(x) for x in args.levels.split(",")]
     load_before = os.getloadavg()
     backend = None
     prompts: list[SpanRequest] = []
-    ceilings: list[dict[str, Any]] = []
+    old = previous(args)
+    ceilings: list[dict[str, Any]] = list(old["ceilings"]) if old else []
+    done: list[dict[str, Any]] = list(old["levels"]) if old else []
     if not args.no_ceiling:
         os.environ.update(
             {k: v for k, v in SERVER_ENV.items() if k.endswith(("BACKEND", "DEVICE"))}
         )
         backend = await asyncio.to_thread(create_backend, Settings())
         prompts = await capture_prompts(backend, bodies)
-        ceilings.append(await ceiling(backend, prompts, args.ceiling_repeat))
+        if not ceilings:
+            ceilings.append(await ceiling(backend, prompts, args.ceiling_repeat))
     port = _free_port()
     proc = start_server(Path(args.server_root).resolve(), port, Path(args.server_log))
-    levels: list[dict[str, Any]] = []
+    levels: list[dict[str, Any]] = list(done)
+    served_tokens = 0
+    before: dict[str, float] = {}
+    after: dict[str, float] = {}
+
+    def snapshot() -> dict[str, Any]:
+        return report(args, bodies, prompts, ceilings, levels, served_tokens, load_before, None)
+
     try:
         async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=3600) as client:
             served_tokens = 0
@@ -386,8 +422,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 served_tokens += r.json()["usage"]["prompt_tokens"]
             before = await scrape(client)
             for c in levels_wanted:
+                if any(row["concurrency"] == c for row in levels):
+                    continue  # measured by the run this one resumes
                 total = max(args.requests_per_level, c)
                 levels.append(await level(client, bodies, c, total))
+                levels.sort(key=lambda row: row["concurrency"])
+                write(snapshot(), Path(args.out))
             after = await scrape(client)
     finally:
         proc.send_signal(signal.SIGTERM)
@@ -395,7 +435,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if backend is not None:
         ceilings.append(await ceiling(backend, prompts, args.ceiling_repeat))
         await backend.aclose()
-    best = max(ceilings, key=lambda c: c["prompt_tokens_per_s"]) if ceilings else None
     forwards = after.get("rag_reorder_batch_fill_ratio_count", 0) - before.get(
         "rag_reorder_batch_fill_ratio_count", 0
     )
@@ -413,8 +452,22 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             / forwards,
         }
         if forwards
-        else None
+        else (old or {}).get("scheduler")
     )
+    return report(args, bodies, prompts, ceilings, levels, served_tokens, load_before, scheduler)
+
+
+def report(
+    args: argparse.Namespace,
+    bodies: list[dict[str, Any]],
+    prompts: list[SpanRequest],
+    ceilings: list[dict[str, Any]],
+    levels: list[dict[str, Any]],
+    served_tokens: int,
+    load_before: tuple[float, float, float],
+    scheduler: dict[str, Any] | None,
+) -> dict[str, Any]:
+    best = max(ceilings, key=lambda c: c["prompt_tokens_per_s"]) if ceilings else None
     result = {
         "command": shlex.join(["python", "bench/load.py", *sys.argv[1:]]),
         "server_root": str(Path(args.server_root).resolve()),
@@ -464,13 +517,11 @@ def main() -> None:
     ap.add_argument("--no-ceiling", action="store_true")
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
     ap.add_argument("--server-log", default="/tmp/rag-reorder-load-server.log")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out")
     args = ap.parse_args()
     result = asyncio.run(run(args))
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
-    out.with_suffix(".md").write_text(markdown(result))
-    plot(result, out.with_suffix(".png"))
+    write(result, out)
     print(json.dumps(result["targets"], indent=2))
     print(f"wrote {out} (+ .md, .png)")
 

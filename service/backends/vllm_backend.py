@@ -52,7 +52,6 @@ from vllm import RequestOutput, SamplingParams
 from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import tokens_input
 from vllm.logprobs import FlatLogprobs
-from vllm.lora.request import LoRARequest
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
@@ -110,7 +109,6 @@ class VLLMBackend:
         *,
         model_id: str,
         score_mode: ScoreMode = "auto",
-        lora: LoRARequest | None = None,
     ) -> None:
         """Wrap a started engine; most callers want ``from_settings`` or ``load``.
 
@@ -118,15 +116,12 @@ class VLLMBackend:
             engine: a running ``AsyncLLM``; this backend owns it from now on.
             model_id: the name reported by ``model_id``.
             score_mode: see ``ScoreMode``.
-            lora: the one adapter every request runs with (the engine must have LoRA enabled);
-                requests cannot name another.
 
         Raises:
             ValueError: ``score_mode="token_ids"`` on an engine without Model Runner V2.
         """
         self._engine = engine
         self._model_id = model_id
-        self._lora = lora
         model_config = engine.model_config
         self._vocab_size = int(model_config.get_vocab_size())
         # vLLM rejects a prompt of exactly max_model_len tokens even with max_tokens=1 (it wants
@@ -176,9 +171,6 @@ class VLLMBackend:
                 Recommended on CPU, where vLLM reads that fraction as a share of all RAM and
                 refuses to start when other processes hold part of it.
             score_mode: see ``ScoreMode``.
-            adapter: ``(folder, name, rank)`` of a peft LoRA adapter applied to every request
-                through vLLM's LoRA support (unmerged: vLLM keeps the base weights and adds
-                the low-rank product in its punica kernels).
 
         Returns:
             A ready backend.
@@ -188,14 +180,16 @@ class VLLMBackend:
                 configured adapter does not fit the model.
         """
         manifest = configured_adapter(settings)
+        folder = resolve_model(settings)
+        if settings.adapter is not None and manifest is not None:
+            # Served merged, not through vLLM's LoRA support (service.model_assets.merge says
+            # why): the merged copy is made once per adapter in the cache.
+            from service.model_assets.merge import merged_model
+
+            folder = merged_model(folder, settings.adapter, settings.cache_dir)
         return cls.load(
-            resolve_model(settings),
+            folder,
             model_id=adapted_model_id(settings.model, manifest),
-            adapter=(
-                None
-                if settings.adapter is None or manifest is None
-                else (settings.adapter, manifest.name, manifest.lora_r)
-            ),
             dtype=settings.dtype,
             max_model_len=settings.max_model_len,
             max_num_batched_tokens=settings.max_num_batched_tokens,
@@ -219,7 +213,6 @@ class VLLMBackend:
         kv_cache_memory_bytes: int | None = None,
         enforce_eager: bool | None = None,
         score_mode: ScoreMode = "auto",
-        adapter: tuple[Path, str, int] | None = None,
     ) -> VLLMBackend:
         """Start an engine on a local model folder. Blocks for seconds.
 
@@ -259,12 +252,6 @@ class VLLMBackend:
             sizing["max_num_batched_tokens"] = max_num_batched_tokens
         if kv_cache_memory_bytes is not None:
             sizing["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        lora_args: dict[str, Any] = {}
-        lora: LoRARequest | None = None
-        if adapter is not None:
-            lora_folder, lora_name, lora_rank = adapter
-            lora_args = {"enable_lora": True, "max_loras": 1, "max_lora_rank": lora_rank}
-            lora = LoRARequest(lora_name, 1, str(lora_folder))
         args = AsyncEngineArgs(
             model=str(folder),
             dtype=dtype,
@@ -277,7 +264,6 @@ class VLLMBackend:
             # Prompts are user passages: never log them (design/RELIABILITY.md).
             enable_log_requests=False,
             **sizing,
-            **lora_args,
         )
         try:
             engine = AsyncLLM.from_engine_args(args)
@@ -290,7 +276,7 @@ class VLLMBackend:
                 f"{type(exc).__name__}"
             ) from exc
         try:
-            return cls(engine, model_id=model_id or folder.name, score_mode=score_mode, lora=lora)
+            return cls(engine, model_id=model_id or folder.name, score_mode=score_mode)
         except BaseException:
             engine.shutdown()
             raise
@@ -557,7 +543,6 @@ class VLLMBackend:
                 tokens_input(list(job.token_ids)),
                 job.params,
                 job.engine_id,
-                lora_request=self._lora,
             ):
                 final = out
         except EngineDeadError:

@@ -23,6 +23,7 @@ from service.model_assets.adapter import (
     configured_adapter,
     read_manifest,
 )
+from service.model_assets.merge import merged_model
 from service.offline.distill.command import split
 from service.offline.distill.preferences import (
     build_preferences,
@@ -121,6 +122,20 @@ def test_adapter_round_trip_and_serving(tiny_model_dir: Path, tmp_path: Path) ->
     assert [p.totals(r.logprobs)[0] for p, r in zip(prompts, raw_rows, strict=True)] != (  # type: ignore[union-attr]
         pytest.approx(served, abs=1e-3)
     )
+
+    # The vLLM backend's form of the same adapter: folded into a cached copy of the base
+    # weights, which scores as the in-memory merge does, is made once, and is made anew when
+    # the adapter changes.
+    folder = merged_model(tiny_model_dir, out, tmp_path)
+    assert merged_model(tiny_model_dir, out, tmp_path) == folder
+    copy = TransformersBackend.load(folder)
+    copy_rows = anyio.run(copy.score, [p.span_request(f"r{i}") for i, p in enumerate(prompts)])
+    assert [p.totals(r.logprobs)[0] for p, r in zip(prompts, copy_rows, strict=True)] == (  # type: ignore[union-attr]
+        pytest.approx(served, abs=1e-4)
+    )
+    config = out / "adapter_config.json"
+    config.write_text(config.read_text() + "\n")
+    assert merged_model(tiny_model_dir, out, tmp_path) != folder
 
     # An adapter only serves the base model and template it was trained for.
     with pytest.raises(BackendUnavailable, match="distilled onto"):

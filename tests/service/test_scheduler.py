@@ -166,3 +166,24 @@ def test_a_failing_observer_does_not_stop_the_engine() -> None:
 
     sched.add_observer(bad)
     assert len(anyio.run(lambda: sched.score(prompts("a", 8)))) == 8
+
+
+def test_a_forward_takes_the_offers_that_pad_least() -> None:
+    # a's 30-token prompt anchors the first forward (budget 60: two rows of 30). Taken in
+    # turn, b's 12 would join it (18 tokens of padding); c's 29 pads 1, so it goes in
+    # instead, and b's short prompts share the next forward with a's short one.
+    forward = FakeForward(delay=0)
+    sched = scheduler(forward, token_budget=60)
+
+    def reqs(tag: str, lengths: list[int]) -> list[SpanRequest]:
+        return [SpanRequest(f"{tag}{n}", tuple(range(n)), 1, 2) for n in lengths]
+
+    async def main() -> None:
+        await asyncio.gather(
+            sched.score(reqs("a", [30, 10])),
+            sched.score(reqs("b", [12, 11])),
+            sched.score(reqs("c", [29])),
+        )
+
+    anyio.run(main)
+    assert forward.batches == [["a30", "c29"], ["b12", "b11", "a10"]]

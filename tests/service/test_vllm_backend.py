@@ -268,7 +268,7 @@ def test_bad_prompts_fail_alone(
     ]
     real_generate = backend._engine.generate
 
-    # Keyword arguments (lora_request) pass through, as the engine's own generate takes them.
+    # Keyword arguments pass through, as the engine's own generate takes them.
     def generate(
         prompt: Any, params: Any, request_id: str, **kwargs: Any
     ) -> AsyncGenerator[Any, None]:

@@ -345,8 +345,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
         ylabel="prompt tokens/s",
         title="Throughput",
     )
+    a.set_ylim(bottom=0)  # from zero: the levels' differences are a few percent
     a.set_xticks(xs, [str(x) for x in xs])
-    a.legend()
+    a.legend(loc="lower right")
     b.plot(xs, [row["p50_s"] for row in levels], "o-", label="p50")
     b.plot(xs, [row["p99_s"] for row in levels], "s-", label="p99")
     b.set(

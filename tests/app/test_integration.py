@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 from pathlib import Path
@@ -143,3 +144,42 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
             )
             assert r.status_code == 200, r.text
             assert r.json()["queries"] == sampled[0]["runs"]
+
+        # Concurrent requests share the engine's forwards (the scheduler) and get the orders
+        # each gets alone.
+        bodies = [
+            {"query": q, "passages": DOCUMENTS[k:] + DOCUMENTS[:k], "design": DESIGN}
+            for k, q in enumerate(
+                [QUERY, "Which river is the longest in France?", "capital of Spain", "Berlin"]
+            )
+        ]
+        with httpx.Client(base_url=again.base_url, timeout=120, headers=auth) as client:
+            alone = [client.post("/v1/reorder", json=b).json() for b in bodies]
+            before = _batch_requests(client.get("/metrics").text)
+
+        async def together() -> list[dict[str, object]]:
+            async with httpx.AsyncClient(
+                base_url=again.base_url, timeout=120, headers=auth
+            ) as client:
+                rs = await asyncio.gather(*(client.post("/v1/reorder", json=b) for b in bodies))
+                return [r.json() for r in rs]
+
+        shared = asyncio.run(together())
+        with httpx.Client(base_url=again.base_url, timeout=120, headers=auth) as client:
+            after = _batch_requests(client.get("/metrics").text)
+        for one, other in zip(alone, shared, strict=True):
+            assert other["order"] == one["order"]
+            assert other["position_bias"]["coefficients"] == pytest.approx(
+                one["position_bias"]["coefficients"], abs=1e-3
+            )
+        # One request per forward when alone; sent together, some forward carried several.
+        forwards, requests = after[0] - before[0], after[1] - before[1]
+        assert 0 < forwards < requests
+
+
+def _batch_requests(metrics: str) -> tuple[float, float]:
+    """(forwards, requests summed over forwards) from the scheduler's histogram."""
+    count = re.search(r"^rag_reorder_batch_requests_count (\S+)$", metrics, re.M)
+    total = re.search(r"^rag_reorder_batch_requests_sum (\S+)$", metrics, re.M)
+    assert count is not None and total is not None
+    return float(count.group(1)), float(total.group(1))

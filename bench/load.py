@@ -41,7 +41,6 @@ import math
 import platform
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Sequence
@@ -54,6 +53,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.server_process import free_port, percentile, start_server
 from service.backends.base import (
     GenerateResult,
     GenerationRequest,
@@ -81,12 +81,6 @@ SERVER_ENV = {
 }
 
 
-def percentile(xs: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile (with few samples p99 is the maximum)."""
-    s = sorted(xs)
-    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
-
-
 def load_requests(queries: int, passages: Sequence[int]) -> list[dict[str, Any]]:
     """Request bodies: each of the first ``queries`` questions with each passage count."""
     rows = [json.loads(line) for line in DATA.read_text().splitlines()[:queries]]
@@ -101,30 +95,6 @@ def load_requests(queries: int, passages: Sequence[int]) -> list[dict[str, Any]]
 
 
 # --- the server under closed-loop load --------------------------------------------------------
-
-
-def start_server(root: Path, port: int, log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=root,
-            env={**os.environ, "PYTHONPATH": str(root), **SERVER_ENV},
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"server not ready in 600 s; see {log}")
 
 
 async def level(
@@ -404,8 +374,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         prompts = await capture_prompts(backend, bodies)
         if not ceilings:
             ceilings.append(await ceiling(backend, prompts, args.ceiling_repeat))
-    port = _free_port()
-    proc = start_server(Path(args.server_root).resolve(), port, Path(args.server_log))
+    port = free_port()
+    proc = start_server(
+        Path(args.server_root).resolve(), port, SERVER_ENV, Path(args.server_log), ready_s=600
+    )
     levels: list[dict[str, Any]] = list(done)
     served_tokens = 0
     before: dict[str, float] = {}
@@ -497,14 +469,6 @@ def report(
     }
     result["targets"] = verdicts(levels, best["prompt_tokens_per_s"] if best else None)
     return result
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main() -> None:

@@ -31,13 +31,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import argparse
 import asyncio
 import json
-import math
 import platform
 import shlex
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -52,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.main import create_app
+from bench.server_process import free_port, percentile, start_server
 from service.backends.factory import create_backend
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.prompts import Passage
@@ -65,18 +64,6 @@ PASSAGES = [
     "Madrid is the capital of Spain.",
 ]
 DESIGN = {"kind": "pruned_random", "num_prompts": 8, "seed": 1}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """Nearest-rank percentile (with a handful of samples p99 is the maximum)."""
-    s = sorted(xs)
-    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
 
 
 async def load_level(
@@ -108,30 +95,6 @@ async def load_level(
         "p99_s": percentile(latencies, 99),
         "throughput_rps": len(latencies) / wall,
     }
-
-
-def start_server(port: int, env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
-    with log.open("wb") as fh:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=ROOT,
-            env={**os.environ, "PYTHONPATH": str(ROOT), **env},
-            stdout=fh,
-            stderr=subprocess.STDOUT,
-        )
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise SystemExit(f"server not ready in 300 s; see {log}")
 
 
 class Client:
@@ -229,7 +192,7 @@ async def separate_process(env: dict[str, str], args: argparse.Namespace) -> dic
     port = free_port()
     log = Path(args.server_log)
     t0 = time.perf_counter()
-    proc = start_server(port, env, log)
+    proc = start_server(ROOT, port, env, log, ready_s=300)
     startup_s = time.perf_counter() - t0
     print(f"separate server ready in {startup_s:.1f} s (log: {log})")
     levels = []

@@ -1,0 +1,59 @@
+"""What the benchmarks that drive a real server process share: a free loopback port, starting
+``python -m app serve`` and waiting for ``/ready``, and the latency percentile they report."""
+
+from __future__ import annotations
+
+import math
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import httpx
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def percentile(xs: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile (with a handful of samples p99 is the maximum)."""
+    s = sorted(xs)
+    return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
+
+
+def start_server(
+    root: Path, port: int, env: dict[str, str], log: Path, *, ready_s: float
+) -> subprocess.Popen[bytes]:
+    """``python -m app serve`` on ``port`` with the code under ``root`` (its stdout and stderr
+    into ``log``), returned once ``/ready`` answers 200.
+
+    Raises:
+        SystemExit: the server exited, or was not ready within ``ready_s`` (then killed).
+    """
+    cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(
+            cmd,
+            cwd=root,
+            env={**os.environ, "PYTHONPATH": str(root), **env},
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + ready_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"server exited with {proc.returncode}; see {log}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
+                return proc
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise SystemExit(f"server not ready in {ready_s:.0f} s; see {log}")

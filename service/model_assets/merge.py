@@ -31,11 +31,16 @@ from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from service.errors import BackendUnavailable
+from service.model_assets import (
+    MARKER_FILE,
+    _fsync_tree,
+    _is_complete,
+    _remove_leftovers,
+    _replace_dir,
+    _share_tree,
+)
 
 logger = logging.getLogger(__name__)
-
-MARKER = ".rag-reorder-merged.json"
-"""Written last into a merged folder: the base and the adapter's digest it was merged from."""
 
 
 def adapter_digest(adapter: Path) -> str:
@@ -55,8 +60,9 @@ def adapter_digest(adapter: Path) -> str:
 def merged_model(base: Path, adapter: Path, cache_dir: Path) -> Path:
     """``base`` with ``adapter`` folded in, saved under ``<cache_dir>/merged/`` and reused after.
 
-    Written to a temporary sibling and renamed into place when complete, under a file lock, as
-    the GGUF conversion is: a crash leaves no half folder, a second replica waits for the first.
+    Made the way the GGUF conversion makes its folder, with the same helpers: written into a
+    temporary sibling, marked, synced and renamed into place under a file lock, so a crash
+    leaves no half folder and a second replica waits for the first.
     The merge runs in float32 on the CPU and is saved in the base model's dtype.
 
     Args:
@@ -72,10 +78,10 @@ def merged_model(base: Path, adapter: Path, cache_dir: Path) -> Path:
             writable.
     """
     digest = adapter_digest(adapter)
-    source = {"base": str(base.resolve()), "adapter": digest}
+    source: dict[str, object] = {"base": str(base.resolve()), "adapter": digest}
     root = cache_dir / "merged"
     final = root / f"{base.name}+{adapter.name}-{digest[:12]}"
-    if _recorded(final) == source:
+    if _is_complete(final, source):
         return final
     try:
         root.mkdir(parents=True, exist_ok=True)
@@ -87,16 +93,17 @@ def merged_model(base: Path, adapter: Path, cache_dir: Path) -> Path:
         ) from exc
     with lock_file:
         fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-        if _recorded(final) == source:
+        if _is_complete(final, source):
             return final
+        _remove_leftovers(root, final.name)
         tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         started = time.perf_counter()
         try:
             _merge_into(base, adapter, tmp)
-            (tmp / MARKER).write_text(json.dumps(source, sort_keys=True) + "\n")
-            tmp.chmod(0o755)
-            shutil.rmtree(final, ignore_errors=True)
-            tmp.rename(final)
+            (tmp / MARKER_FILE).write_text(json.dumps(source, sort_keys=True) + "\n")
+            _share_tree(tmp)
+            _fsync_tree(tmp)
+            _replace_dir(tmp, final)
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, (OSError, ValueError, KeyError, RuntimeError)):
@@ -120,10 +127,3 @@ def _merge_into(base: Path, adapter: Path, out: Path) -> None:
         merged = merged.to(saved)
     merged.save_pretrained(str(out))
     AutoTokenizer.from_pretrained(str(base)).save_pretrained(str(out))
-
-
-def _recorded(folder: Path) -> object:
-    try:
-        return json.loads((folder / MARKER).read_text())
-    except (OSError, ValueError):
-        return None

@@ -172,8 +172,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument(
         "--bias-profile",
-        help="stored bias profile id the bias_matched ranker variants place by (default: the "
-        "generator's stored profile)",
+        help="stored bias profile id the bias_matched ranker variants and the "
+        "moi:<design>:generator_bias variants place by (default: the generator's stored profile "
+        "for its template)",
     )
     e.add_argument("--scorer", help="scoring model (default: --model, else the configured one)")
     e.add_argument("--generator", help="answering model (default: the scorer)")
@@ -397,11 +398,14 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
-    variants = select_variants(args.strategies.split(",") if args.strategies else None)
-    examples = _load_examples(args)
     # for_model: a base model (Gemma-3-270m) gets its completion template unless one is set.
     scorer_settings = settings.for_model(args.scorer or settings.model)
     generator_settings = scorer_settings.for_model(args.generator or scorer_settings.model)
+    variants = select_variants(
+        args.strategies.split(",") if args.strategies else None,
+        cross_model=generator_settings.model != scorer_settings.model,
+    )
+    examples = _load_examples(args)
     async with AsyncExitStack() as stack:
         scorer = await stack.enter_async_context(_pipeline(scorer_settings))
         generator = None

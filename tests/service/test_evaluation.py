@@ -313,6 +313,89 @@ async def test_a_base_generator_answers_from_its_own_template(tmp_path: Path) ->
     assert {r.key.generator_template for r in same.records} == {None}
 
 
+async def test_a_scorer_for_another_generator_places_by_the_generators_profile(
+    tmp_path: Path,
+) -> None:
+    # SmolLM2 scoring for Gemma, in small: the scorer's utilities, the generator's bias.
+    examples, scorer_backend, scorer = _setup(tmp_path)
+    gen_backend = FakeBackend(scorer_backend.truth, answers={}, model_id="fake/base-generator")
+    generator = Reorderer(gen_backend, Settings(cache_dir=tmp_path, chat_template="qa_completion"))
+    chosen = ("moi:pruned_random", "bm25")
+    variants = tuple(select_variants(chosen, cross_model=True))
+    assert [v.label for v in variants] == [
+        "moi:pruned_random:descending_utility",
+        "moi:pruned_random:bias_matched",
+        "moi:pruned_random:generator_bias",
+        "bm25",
+        "bm25:litm",
+        "bm25:bias_matched",
+    ]
+    with pytest.raises(Exception, match="needs a generator other than the scorer"):
+        select_variants(["moi:pruned_random:generator_bias"])
+    profile = {
+        "identification": "up_to_scale",
+        "runs": 1,
+        "prompts": 1,
+        "r2": 1.0,
+        "source": "test",
+        "oriented_by": "profile",
+    }
+    # Stored for the scorer, and for the generator under the *scorer's* template: neither is
+    # the generator's bias, so the variants that need it are skipped, not placed by them.
+    scorer.profiles.put(
+        model="fake/known-truth", template="qa_default", coefficients=[0.2] * K, **profile
+    )
+    scorer.profiles.put(
+        model="fake/base-generator", template="qa_default", coefficients=[0.2] * K, **profile
+    )
+    config = _config(tmp_path, variants=variants, positional=False)
+    out = await run_evaluation(examples, scorer, config, generator=generator)
+    by = {(r.key.question_id, r.variant): r for r in out.records}
+    skipped = [r for r in out.records if r.status == "skipped"]
+    assert {r.variant for r in skipped} == {
+        "moi:pruned_random:generator_bias",
+        "bm25:bias_matched",
+    }
+    assert all(
+        "no bias profile stored for generator 'fake/base-generator', template "
+        "'qa_completion'" in (r.error or "")
+        for r in skipped
+    )
+    assert all(r.status == "ok" for r in out.records if r not in skipped)
+    # The generator's profile under its own template: recency, strictly rising towards the
+    # question, so the k-th best passage takes the k-th slot from the end: each order is its
+    # ranking reversed (MoI: the fit's ranking, its descending_utility order; BM25: its own).
+    rising = [0.1, 0.15, 0.2, 0.25, 0.3]
+    scorer.profiles.put(
+        model="fake/base-generator", template="qa_completion", coefficients=rising, **profile
+    )
+    again = await run_evaluation(examples, scorer, config, generator=generator)
+    assert all(r.status == "ok" for r in again.records)
+    for r in again.records:
+        if r.variant == "moi:pruned_random:generator_bias":
+            ranking = by[(r.key.question_id, "moi:pruned_random:descending_utility")].order
+        elif r.variant == "bm25:bias_matched":
+            ranking = by[(r.key.question_id, "bm25")].order
+        else:
+            assert r.order == by[(r.key.question_id, r.variant)].order  # from the cache
+            continue
+        assert ranking is not None and r.order == tuple(reversed(ranking))
+    # That run found the fit's own placements cached, so the MoI variant ran alone with the
+    # profile in its request; a fresh run places all three from one fit, the same orders.
+    fresh = await run_evaluation(
+        examples,
+        scorer,
+        _config(tmp_path, out_dir=tmp_path / "fresh", variants=variants, positional=False),
+        generator=generator,
+    )
+    assert [r.order for r in fresh.records] == [r.order for r in again.records]
+    # The report pairs it against both placements of the fit's own bias.
+    summary = (tmp_path / "fresh" / "summary.md").read_text()
+    section = summary.split("## MoI placed by the generator's bias")[1].split("\n## ")[0]
+    assert f"| pruned_random against `descending_utility` | {QUESTIONS} | " in section
+    assert f"| pruned_random against `bias_matched` | {QUESTIONS} | " in section
+
+
 async def test_interrupted_run_resumes_from_the_cache(tmp_path: Path) -> None:
     examples, backend, reorderer = _setup(tmp_path)
     config = _config(tmp_path, positional_limit=1)
@@ -447,6 +530,10 @@ def test_cli_eval_on_the_fake_backend(tmp_path: Path, monkeypatch: pytest.Monkey
     assert [b.model_id for b in created] == ["fake/scorer", "fake/generator"]
     assert all(b.closed for b in created)
     doc = json.loads((tmp_path / "cli" / "results.json").read_text())
-    assert doc["meta"]["max_passages"] == 4 and len(doc["records"]) == 2 * 4
+    # Another generator: moi:pruned_random has a third variant, placed by the generator's
+    # profile, skipped here (none is calibrated) with the reason.
+    assert doc["meta"]["max_passages"] == 4 and len(doc["records"]) == 2 * 5
+    placed = [r for r in doc["records"] if r["key"]["variant"].endswith(":generator_bias")]
+    assert len(placed) == 2 and all(r["status"] == "skipped" for r in placed)
     assert {r["key"]["generator"] for r in doc["records"]} == {"fake/generator"}
     assert main([*argv[:-2], "--limit", "0", "--out", str(tmp_path / "x")]) == 2

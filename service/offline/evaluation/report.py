@@ -33,10 +33,15 @@ from service.offline.evaluation.stats import (
     mean_stderr,
     paired_comparison,
 )
+from service.offline.evaluation.variants import GENERATOR_BIAS
 
 BASELINES = ("shuffle", "retriever")
 PLACEMENT_PAIR = ("bias_matched", "descending_utility")
 """MoI's two placements of one fit, compared per design: the variant and its baseline."""
+GENERATOR_BIAS_BASELINES = ("descending_utility", "bias_matched")
+"""What ``moi:<design>:generator_bias`` (the fit placed by the generator's stored profile) is
+compared against: the same fit by utility alone, and placed by the bias it fitted on the
+scorer."""
 COMPARED: tuple[str, ...] = (*METRICS, "gold_logprob_per_token", "gold_rank_best")
 """Metrics compared against the baselines (higher is better, except ``gold_rank_best``)."""
 MEANS: tuple[str, ...] = (
@@ -105,6 +110,9 @@ class Summary:
     # bias_matched against descending_utility per MoI design: one fit, two orders, so the
     # difference is the placement's alone (what RAG_REORDER_PLACEMENT's default rests on).
     placements: list[PairedComparison]
+    # moi:<design>:generator_bias against the same fit's GENERATOR_BIAS_BASELINES (a run with
+    # a generator other than the scorer; empty otherwise).
+    generator_placements: list[PairedComparison]
     positional: list[SlotSummary]
     bias_profiles: list[BiasProfile]
 
@@ -145,11 +153,21 @@ def build_summary(
         for m in compared
         if (pairs := _pairs(recs, by_variant[twin], m))
     ]
+    generator_placements = [
+        paired_comparison(m, label, twin, pairs, resamples=resamples, seed=seed)
+        for label, recs in by_variant.items()
+        if recs[0].strategy == "moi" and label.endswith(f":{GENERATOR_BIAS}")
+        for base in GENERATOR_BIAS_BASELINES
+        if (twin := label.removesuffix(GENERATOR_BIAS) + base) in by_variant
+        for m in compared
+        if (pairs := _pairs(recs, by_variant[twin], m))
+    ]
     return Summary(
         metric=metric,
         variants=variants,
         comparisons=comparisons,
         placements=placements,
+        generator_placements=generator_placements,
         positional=_slot_summaries(positional, metric),
         bias_profiles=_bias_profiles(records, resamples=resamples, seed=seed),
     )
@@ -357,7 +375,7 @@ def markdown(meta: Mapping[str, object], summary: Summary) -> str:
         comps = [c for c in summary.comparisons if c.baseline == base]
         if comps:
             out += ["", f"## Paired against `{base}`", "", paired, ""]
-            out += _paired_table(comps, order, metric, lambda label: label)
+            out += _paired_table(comps, order, metric, lambda label, _: label)
     if summary.placements:
         placed, against = PLACEMENT_PAIR
         out += [
@@ -370,7 +388,25 @@ def markdown(meta: Mapping[str, object], summary: Summary) -> str:
             "",
         ]
         out += _paired_table(
-            summary.placements, order, metric, lambda label: label.split(":")[1], "design"
+            summary.placements, order, metric, lambda label, _: label.split(":")[1], "design"
+        )
+    if summary.generator_placements:
+        out += [
+            "",
+            f"## MoI placed by the generator's bias: `{GENERATOR_BIAS}`",
+            "",
+            "The scorer's fit placed `bias_matched` by the generator's stored bias profile "
+            f"(variant `moi:<design>:{GENERATOR_BIAS}`) against the same fit placed by "
+            "utility alone (`descending_utility`) and by the bias it fitted on the scorer "
+            "(`bias_matched`): each difference is the bias profile's alone. " + paired,
+            "",
+        ]
+        out += _paired_table(
+            summary.generator_placements,
+            order,
+            metric,
+            lambda label, base: f"{label.split(':')[1]} against `{base.split(':')[2]}`",
+            "design",
         )
     if summary.positional:
         out += [
@@ -414,16 +450,17 @@ def _paired_table(
     comps: Sequence[PairedComparison],
     order: Sequence[str],
     metric: str,
-    name: Callable[[str], str],
+    name: Callable[[str, str], str],
     head: str = "variant",
 ) -> list[str]:
-    """One row per variant: each metric's difference, interval and p-value."""
+    """One row per (variant, baseline), named by ``name(variant, baseline)``: each metric's
+    difference, interval and p-value."""
     out = [
         f"| {head} | n | " + " | ".join(LABELS[m] for m in order) + " |",
         "|---|---:|" + "---|" * len(order),
     ]
-    for label in dict.fromkeys(c.variant for c in comps):
-        row = {c.metric: c for c in comps if c.variant == label}
+    for label, base in dict.fromkeys((c.variant, c.baseline) for c in comps):
+        row = {c.metric: c for c in comps if (c.variant, c.baseline) == (label, base)}
         cells = []
         for m in order:
             comp = row.get(m)
@@ -434,7 +471,7 @@ def _paired_table(
                 f"p={_p(comp.p_value)}"
             )
         n = row[metric].n if metric in row else 0
-        out.append(f"| {name(label)} | {n} | " + " | ".join(cells) + " |")
+        out.append(f"| {name(label, base)} | {n} | " + " | ".join(cells) + " |")
     return out
 
 

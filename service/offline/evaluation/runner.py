@@ -17,7 +17,11 @@ Rules decided here (docs/evaluation.md summarises them):
   reported for both. The cheap rankers' placed variants (``bm25:litm``,
   ``query_generation:bias_matched``, ...) run through the pipeline with that ``placement``, each
   its own run; ``bias_matched`` places by the generator's stored bias profile
-  (``EvalConfig.bias_profile``, else the generator's own), never by the scorer's.
+  (``EvalConfig.bias_profile``, else the one stored for the generator's model and template),
+  never by the scorer's. With a generator other than the scorer, MoI's fit is also placed by
+  that profile (``moi:<design>:generator_bias``: the scorer's utilities, the generator's bias),
+  beside the placement by the bias the fit measured on the scorer. A variant that needs the
+  generator's profile when none is stored is ``skipped`` with the reason.
 - **Skipped, not failed**: a variant whose strategy needs a calibrated profile that does not
   exist (cyclic designs, ``max_relevance``, ``min_distraction``) raises
   ``UnidentifiableRequest``; its record is ``skipped`` with the reason and is not cached (it
@@ -54,7 +58,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 import solver
 from service.answers import DEFAULT_MAX_ANSWER_TOKENS
 from service.dataset import Example
-from service.errors import ClientError, ScoringFailed, UnidentifiableRequest
+from service.errors import ClientError, InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.offline.evaluation.metrics import (
     AnswerScores,
     MetricName,
@@ -76,6 +80,7 @@ from service.offline.evaluation.records import (
 )
 from service.offline.evaluation.variants import Variant, all_variants
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
+from service.profile_store import StoredProfile
 from service.prompts import Passage
 
 log = logging.getLogger(__name__)
@@ -217,12 +222,18 @@ class Evaluator:
         """Evaluate ``examples``, resuming from the cache, and write the report.
 
         Raises:
+            InvalidRequest: ``bias_profile`` names no stored profile.
             ServerError: the backend failed beyond one question (e.g. it is unavailable).
         """
         from service.offline.evaluation.plots import write_plots
         from service.offline.evaluation.report import build_summary, write_report
 
         cfg = self.config
+        if cfg.bias_profile is not None and self.scorer.profiles.by_id(cfg.bias_profile) is None:
+            known = ", ".join(p.id for p in self.scorer.profiles.list()) or "none stored"
+            raise InvalidRequest(
+                f"unknown bias profile {cfg.bias_profile!r}; known: {known}", param="bias_profile"
+            )
         questions = [prepare(e, cfg.max_passages) for e in examples]
         metric: MetricName = cfg.metric or default_metric([len(q.gold) for q in questions])
         positional = (
@@ -315,14 +326,34 @@ class Evaluator:
         Returns:
             Per variant, the result and its order, or a finished (skipped/error) record.
         """
-        first = group[0]
+        out: list[tuple[Variant, tuple[ReorderResult, list[int]] | Record]] = []
+        n = len(q.passages)
+        wanted = any(self._by_generator_profile(v) for v in group)
+        profile = self._generator_profile(n) if wanted else None
+        runnable: list[Variant] = []
+        for v in group:
+            if self._by_generator_profile(v) and profile is None:
+                gen = self.generator.backend.model_id
+                reason = (
+                    f"no bias profile stored for generator {gen!r}, template "
+                    f"{self.generator_template!r}: calibrate it (`rag-reorder --model {gen} "
+                    "calibrate`) or name one with --bias-profile"
+                )
+                out.append((v, self._bare(q, v, "skipped", error=reason)))
+            else:
+                runnable.append(v)
+        if not runnable:
+            return out
+        first = runnable[0]
         req = ReorderRequest(
             query=q.question,
             passages=q.passages,
             strategy=first.strategy,
             design=DesignSpec(kind=first.design) if first.design else DesignSpec(),
             placement=first.placement,
-            bias_profile=self._bias_profile(first, len(q.passages)),
+            bias_profile=(
+                profile.id if profile is not None and self._by_generator_profile(first) else None
+            ),
             template=self.template,
             request_id=f"eval-{q.id}-{first.label}",
         )
@@ -332,31 +363,46 @@ class Evaluator:
             status: Status = "skipped" if isinstance(exc, UnidentifiableRequest) else "error"
             if status == "error":
                 log.warning("%s on %s: %s", first.label, q.id, exc.message)
-            return [
-                (v, self._bare(q, v, status, error=exc.message, error_code=exc.code)) for v in group
+            return out + [
+                (v, self._bare(q, v, status, error=exc.message, error_code=exc.code))
+                for v in runnable
             ]
-        out: list[tuple[Variant, tuple[ReorderResult, list[int]] | Record]] = []
-        for v in group:
+        for v in runnable:
             order = list(result.order)
             if v is not first and v.placement is not None and result.fit is not None:
-                order = solver.place(result.fit, v.placement)
+                if v.by_generator and profile is not None:
+                    order = solver.place_ranking(
+                        result.fit.order, "bias_matched", profile.coefficients
+                    )
+                else:
+                    order = solver.place(result.fit, v.placement)
             out.append((v, (result, order)))
         return out
 
-    def _bias_profile(self, v: Variant, n: int) -> str | None:
-        """The profile a ``bias_matched`` ranker variant places by: the configured one, else
-        the *generator's* stored one (the scorer's own is the pipeline's fallback, the same
-        profile when one model scores and answers). MoI places by its own fit."""
-        if v.strategy == "moi" or v.placement != "bias_matched":
-            return None
-        if self.config.bias_profile is not None:
-            return self.config.bias_profile
-        gen = self.generator.backend.model_id
-        if gen == self.scorer.backend.model_id:
-            return None
+    def _by_generator_profile(self, v: Variant) -> bool:
+        """Whether ``v`` places by the generator's stored profile (module docstring): the
+        ``bias_matched`` ranker variants and MoI's ``generator_bias`` ones. With one model
+        for both, a ranker's is left to the pipeline, which falls back to that model's own."""
+        if v.by_generator:
+            return True
+        return (
+            v.strategy != "moi"
+            and v.placement == "bias_matched"
+            and (self.config.bias_profile is not None or self._cross_model)
+        )
+
+    @property
+    def _cross_model(self) -> bool:
+        return self.generator.backend.model_id != self.scorer.backend.model_id
+
+    def _generator_profile(self, n: int) -> StoredProfile | None:
+        """The configured profile, else the one stored for the generator's model and *its*
+        template (``n`` slots, else its data-oriented one); ``None`` when none is stored."""
         store = self.scorer.profiles
-        found = store.get(gen, self.template, n) or store.orienting(gen, self.template)
-        return found.id if found is not None else None
+        if self.config.bias_profile is not None:
+            return store.by_id(self.config.bias_profile)
+        gen, template = self.generator.backend.model_id, self.generator_template
+        return store.get(gen, template, n) or store.orienting(gen, template)
 
     def _bare(self, q: EvalQuestion, v: Variant, status: Status, **extra: Any) -> Record:
         return Record(

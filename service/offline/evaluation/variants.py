@@ -22,6 +22,11 @@ PLACEMENTS: tuple[Placement, ...] = ("descending_utility", "bias_matched")
 # reranker's output (`litm`), then by the generator's calibrated bias (`bias_matched`).
 PLACED_RANKERS: tuple[StrategyName, ...] = ("query_generation", "bm25", "dense")
 RANKER_PLACEMENTS: tuple[Placement, ...] = ("litm", "bias_matched")
+GENERATOR_BIAS = "generator_bias"
+"""The label suffix of MoI's fit placed ``bias_matched`` by the *generator's* stored profile
+instead of the bias it fitted on the scorer (issue 20: a small scorer for another generator).
+Only a run whose generator is not the scorer has these variants: with one model the two are
+the same model's bias."""
 
 
 @dataclass(frozen=True)
@@ -32,17 +37,21 @@ class Variant:
     strategy: StrategyName
     design: DesignKind | None = None
     placement: Placement | None = None
+    by_generator: bool = False
+    """MoI: placed by the generator's stored bias profile, not the fit's (``GENERATOR_BIAS``)."""
 
 
-def all_variants() -> list[Variant]:
-    """Every registered strategy; ``moi`` once per design kind and placement; each of
-    ``PLACED_RANKERS`` alone and once per ``RANKER_PLACEMENTS`` (``<strategy>:<placement>``)."""
+def all_variants(*, cross_model: bool = False) -> list[Variant]:
+    """Every registered strategy; ``moi`` once per design kind and placement (and, with
+    ``cross_model``, ``moi:<design>:generator_bias``); each of ``PLACED_RANKERS`` alone and once
+    per ``RANKER_PLACEMENTS`` (``<strategy>:<placement>``)."""
     out: list[Variant] = []
     for name in strategy_names():
         if name == "moi":
-            out.extend(
-                Variant(f"moi:{d}:{p}", "moi", d, p) for d in MOI_DESIGNS for p in PLACEMENTS
-            )
+            for d in MOI_DESIGNS:
+                out.extend(Variant(f"moi:{d}:{p}", "moi", d, p) for p in PLACEMENTS)
+                if cross_model:
+                    out.append(Variant(f"moi:{d}:{GENERATOR_BIAS}", "moi", d, "bias_matched", True))
         else:
             out.append(Variant(name, name))
             if name in PLACED_RANKERS:
@@ -50,20 +59,27 @@ def all_variants() -> list[Variant]:
     return out
 
 
-def select_variants(spec: Sequence[str] | None) -> list[Variant]:
+def select_variants(spec: Sequence[str] | None, *, cross_model: bool = False) -> list[Variant]:
     """The variants named in ``spec``: a strategy name (all its variants), ``moi:<design>``
-    (both placements), or a full label (``moi:<design>:<placement>``, ``bm25:litm``);
-    ``None`` or empty for all.
+    (every placement), or a full label (``moi:<design>:<placement>``, ``bm25:litm``);
+    ``None`` or empty for all. ``cross_model``: the generator is not the scorer, so the
+    ``generator_bias`` MoI variants exist.
 
     Raises:
         InvalidRequest: a name that matches no variant.
     """
-    every = all_variants()
+    every = all_variants(cross_model=cross_model)
     if not spec:
         return every
     chosen: list[Variant] = []
     for raw in spec:
         name = raw.strip()
+        if not cross_model and name.endswith(f":{GENERATOR_BIAS}"):
+            raise InvalidRequest(
+                f"variant {name!r} places by the generator's bias profile, so it needs a "
+                "generator other than the scorer (--generator)",
+                param="strategies",
+            )
         hits = [
             v
             for v in every

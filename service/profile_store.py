@@ -14,6 +14,7 @@ says nothing about a model whose bias is recency.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import tempfile
@@ -25,6 +26,11 @@ from pathlib import Path
 from service.errors import InvalidRequest
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
+# A profile's file name (``profile_id`` + ``.json``); other files in the folder (a calibration
+# report, an editor's backup) are not profiles.
+_PROFILE_FILE = re.compile(r"[A-Za-z0-9._-]+__[A-Za-z0-9._-]+__L[0-9]+\.json")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -113,10 +119,21 @@ class ProfileStore:
         return prof
 
     def list(self) -> list[StoredProfile]:
-        """Every stored profile, sorted by model, template and slot count."""
+        """Every stored profile, sorted by model, template and slot count: the files named
+        like a profile (``<id>.json``) that load; other files are ignored, damaged ones
+        skipped with a warning."""
         if not self.root.is_dir():
             return []
-        out = [_load(p) for p in sorted(self.root.glob("*.json"))]
+        out: list[StoredProfile] = []
+        for path in sorted(self.root.glob("*.json")):
+            if not _PROFILE_FILE.fullmatch(path.name):
+                continue
+            try:
+                out.append(_load(path))
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                # One damaged file must not take down the listing (GET /v1/bias-profiles)
+                # and every lookup by id with it; the profile's own key still fails loudly.
+                logger.warning("skipping unreadable bias profile %s: %s", path, exc)
         return sorted(out, key=lambda s: (s.model, s.template, s.slots))
 
     def by_id(self, profile_id: str) -> StoredProfile | None:

@@ -195,3 +195,28 @@ async def test_traffic_runs_with_nothing_to_fit_are_a_client_error(tmp_path: Pat
     with pytest.raises(InvalidRequest, match="cannot give a bias profile"):
         await calibrate_from_traffic(r, sampler, design="pruned_random", slots=2)
     assert r.profiles.list() == []
+
+
+def test_the_store_lists_only_profile_files(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # eval/run.sh keeps `calibrate`'s report (calibrate-random.json: a profile plus report
+    # fields) in the profile folder; listing, and so every lookup by id, must not trip on it.
+    store = ProfileStore(tmp_path)
+    kept = store.put(
+        model="m/1",
+        template="qa_default",
+        coefficients=[0.5, 0.5],
+        identification="full",
+        runs=1,
+        prompts=2,
+        r2=1.0,
+        source="test",
+    )
+    (tmp_path / "calibrate-random.json").write_text(json.dumps({"queries": 3, "model": "m/1"}))
+    (tmp_path / "m_2__qa_default__L3.json").write_text("{not json")
+    assert [p.id for p in store.list()] == [kept.id] == ["m_1__qa_default__L2"]
+    assert store.by_id(kept.id) == kept
+    assert (
+        "skipping unreadable bias profile" in caplog.text and "m_2__qa_default__L3" in caplog.text
+    )

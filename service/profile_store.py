@@ -141,6 +141,11 @@ class ProfileStore:
         profiles, never by building a path from the caller's string."""
         return next((p for p in self.list() if p.id == profile_id), None)
 
+    def for_slots(self, model: str, template: str, slots: int) -> StoredProfile | None:
+        """The profile a placement over ``slots`` uses: this slot count's, else the
+        data-oriented one (``orienting``, resampled by the caller); ``None`` if neither."""
+        return self.get(model, template, slots) or self.orienting(model, template)
+
     def orienting(self, model: str, template: str) -> StoredProfile | None:
         """The data-oriented profile (``oriented_by == "data"``) of this model and template
         with the most slots, or ``None``.

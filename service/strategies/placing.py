@@ -53,9 +53,7 @@ def generator_profile(work: Work, request: ReorderRequest, slots: int) -> Stored
     named = named_profile(work, request)
     if named is not None:
         return named
-    stored = work.profiles.get(work.model_id, work.template, slots) or work.profiles.orienting(
-        work.model_id, work.template
-    )
+    stored = work.profiles.for_slots(work.model_id, work.template, slots)
     if stored is None:
         raise UnidentifiableRequest(
             f"placement 'bias_matched' for strategy {request.strategy!r} needs the generator's "

@@ -144,24 +144,10 @@ def build_summary(
         if (pairs := _pairs(recs, by_variant[base], m))
     ]
     placed, against = PLACEMENT_PAIR
-    placements = [
-        paired_comparison(m, label, twin, pairs, resamples=resamples, seed=seed)
-        for label, recs in by_variant.items()
-        if recs[0].strategy == "moi"
-        and recs[0].placement == placed
-        and (twin := label.removesuffix(f":{placed}") + f":{against}") in by_variant
-        for m in compared
-        if (pairs := _pairs(recs, by_variant[twin], m))
-    ]
-    generator_placements = [
-        paired_comparison(m, label, twin, pairs, resamples=resamples, seed=seed)
-        for label, recs in by_variant.items()
-        if recs[0].strategy == "moi" and label.endswith(f":{GENERATOR_BIAS}")
-        for base in GENERATOR_BIAS_BASELINES
-        if (twin := label.removesuffix(GENERATOR_BIAS) + base) in by_variant
-        for m in compared
-        if (pairs := _pairs(recs, by_variant[twin], m))
-    ]
+    placements = _same_fit(by_variant, placed, (against,), compared, resamples, seed)
+    generator_placements = _same_fit(
+        by_variant, GENERATOR_BIAS, GENERATOR_BIAS_BASELINES, compared, resamples, seed
+    )
     return Summary(
         metric=metric,
         variants=variants,
@@ -171,6 +157,28 @@ def build_summary(
         positional=_slot_summaries(positional, metric),
         bias_profiles=_bias_profiles(records, resamples=resamples, seed=seed),
     )
+
+
+def _same_fit(
+    by_variant: Mapping[str, Sequence[Record]],
+    placed: str,
+    baselines: Sequence[str],
+    metrics: Sequence[str],
+    resamples: int,
+    seed: int,
+) -> list[PairedComparison]:
+    """Each MoI variant ``moi:<design>:<placed>`` against the same design's
+    ``moi:<design>:<baseline>`` variants: one fit placed two ways, so each difference is the
+    placement's alone."""
+    return [
+        paired_comparison(m, label, twin, pairs, resamples=resamples, seed=seed)
+        for label, recs in by_variant.items()
+        if recs[0].strategy == "moi" and label.endswith(f":{placed}")
+        for base in baselines
+        if (twin := label.removesuffix(placed) + base) in by_variant
+        for m in metrics
+        if (pairs := _pairs(recs, by_variant[twin], m))
+    ]
 
 
 def _variant_summary(label: str, recs: Sequence[Record]) -> VariantSummary:

@@ -202,6 +202,8 @@ class Evaluator:
             self.template if own else self.generator.settings.chat_template
         )
         self.cache = RecordCache(config.out_dir / CACHE_FILE)
+        self._configured_profile: StoredProfile | None = None
+        """``config.bias_profile``'s stored profile, resolved by ``run``."""
 
     def key(self, question_id: str, variant: str) -> RunKey:
         return RunKey(
@@ -229,11 +231,14 @@ class Evaluator:
         from service.offline.evaluation.report import build_summary, write_report
 
         cfg = self.config
-        if cfg.bias_profile is not None and self.scorer.profiles.by_id(cfg.bias_profile) is None:
-            known = ", ".join(p.id for p in self.scorer.profiles.list()) or "none stored"
-            raise InvalidRequest(
-                f"unknown bias profile {cfg.bias_profile!r}; known: {known}", param="bias_profile"
-            )
+        if cfg.bias_profile is not None:
+            self._configured_profile = self.scorer.profiles.by_id(cfg.bias_profile)
+            if self._configured_profile is None:
+                known = ", ".join(p.id for p in self.scorer.profiles.list()) or "none stored"
+                raise InvalidRequest(
+                    f"unknown bias profile {cfg.bias_profile!r}; known: {known}",
+                    param="bias_profile",
+                )
         questions = [prepare(e, cfg.max_passages) for e in examples]
         metric: MetricName = cfg.metric or default_metric([len(q.gold) for q in questions])
         positional = (
@@ -398,11 +403,10 @@ class Evaluator:
     def _generator_profile(self, n: int) -> StoredProfile | None:
         """The configured profile, else the one stored for the generator's model and *its*
         template (``n`` slots, else its data-oriented one); ``None`` when none is stored."""
-        store = self.scorer.profiles
-        if self.config.bias_profile is not None:
-            return store.by_id(self.config.bias_profile)
-        gen, template = self.generator.backend.model_id, self.generator_template
-        return store.get(gen, template, n) or store.orienting(gen, template)
+        if self._configured_profile is not None:
+            return self._configured_profile  # looked up once, by ``run``
+        gen = self.generator.backend.model_id
+        return self.scorer.profiles.for_slots(gen, self.generator_template, n)
 
     def _bare(self, q: EvalQuestion, v: Variant, status: Status, **extra: Any) -> Record:
         return Record(

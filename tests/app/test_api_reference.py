@@ -4,21 +4,17 @@ keeps the page equal to the snapshot."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 from types import ModuleType
+
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script() -> ModuleType:
-    path = ROOT / "scripts" / "gen_api_reference.py"
-    spec = importlib.util.spec_from_file_location("gen_api_reference", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "scripts" / "gen_api_reference.py", "gen_api_reference")
 
 
 def test_api_reference_is_current() -> None:

@@ -3,23 +3,18 @@ go stale."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 from pathlib import Path
 from types import ModuleType
 
 from service.settings import Settings
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _script() -> ModuleType:
-    path = ROOT / "scripts" / "gen_config_reference.py"
-    spec = importlib.util.spec_from_file_location("gen_config_reference", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "scripts" / "gen_config_reference.py", "gen_config_reference")
 
 
 def test_configuration_reference_is_current() -> None:

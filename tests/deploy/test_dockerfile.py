@@ -7,7 +7,6 @@ entrypoint, the port, the health check, the pinned bases) fails here.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import shlex
@@ -20,6 +19,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from tests.deploy.tools import DOCKER, ROOT, run, tool
+from tests.support.scripts import load_script
 
 DOCKERFILE = ROOT / "Dockerfile"
 SERVICE_PORT = "8000"
@@ -88,13 +88,7 @@ def dockerfile() -> tuple[dict[str, str], dict[str, Stage]]:
 @pytest.fixture(scope="module")
 def constraints() -> ModuleType:
     """docker/merge_constraints.py, loaded from its path (docker/ is no package)."""
-    spec = importlib.util.spec_from_file_location(
-        "merge_constraints", DOCKER / "merge_constraints.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(DOCKER / "merge_constraints.py", "merge_constraints")
 
 
 def base_image(global_args: dict[str, str], stage: Stage) -> str:

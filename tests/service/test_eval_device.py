@@ -8,7 +8,6 @@ tested in tests/service/test_evaluation.py."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import signal
@@ -19,6 +18,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "eval" / "device" / "parallel.py"
@@ -56,12 +57,7 @@ for line in open(data):
 
 @pytest.fixture(scope="module")
 def parallel() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("eval_device_parallel", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves annotations through it
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "eval_device_parallel")
 
 
 def _data(folder: Path, sizes: dict[str, int]) -> Path:

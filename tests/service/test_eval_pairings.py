@@ -2,25 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from tests.support.scripts import load_script
 
 SCRIPT = Path(__file__).resolve().parents[2] / "eval" / "pairings.py"
 
 
 @pytest.fixture(scope="module")
 def pairings() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("eval_pairings", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass resolves annotations through it
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT, "eval_pairings")
 
 
 def _rec(q: str, variant: str, acc: float, ll: float, status: str = "ok") -> str:

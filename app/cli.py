@@ -167,7 +167,8 @@ def _parser() -> argparse.ArgumentParser:
     e.add_argument(
         "--strategies",
         help="comma-separated strategy names, moi:<design>, moi:<design>:<placement> or "
-        "<ranker>:<placement> (bm25:litm, dense:bias_matched, query_generation:bias_matched) "
+        "<ranker>:<placement> (bm25:litm, dense:bias_matched, query_generation:bias_matched; "
+        "<ranker>:descending_utility is the ranker alone, without its placed variants) "
         "(default: every strategy, MoI with each design and placement)",
     )
     e.add_argument(

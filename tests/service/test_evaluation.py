@@ -97,6 +97,12 @@ def test_variants_cover_every_strategy_and_moi_design_placement() -> None:
         ("query_generation", "bias_matched"),
         ("dense", "litm"),
     ]
+    # A ranker's own order alone, without its placed variants.
+    alone = select_variants(["query_generation:descending_utility", "moi:random"])
+    assert [v.label for v in alone][:1] == ["query_generation"]
+    assert alone[0].placement is None
+    with pytest.raises(Exception, match="unknown strategy or variant"):
+        select_variants(["shuffle:descending_utility"])
 
 
 # --- statistics -----------------------------------------------------------------------------

@@ -61,8 +61,9 @@ def all_variants(*, cross_model: bool = False) -> list[Variant]:
 
 def select_variants(spec: Sequence[str] | None, *, cross_model: bool = False) -> list[Variant]:
     """The variants named in ``spec``: a strategy name (all its variants), ``moi:<design>``
-    (every placement), or a full label (``moi:<design>:<placement>``, ``bm25:litm``);
-    ``None`` or empty for all. ``cross_model``: the generator is not the scorer, so the
+    (every placement), or a full label (``moi:<design>:<placement>``, ``bm25:litm``;
+    ``bm25:descending_utility`` is the ranker's own order alone, the variant labelled
+    ``bm25``); ``None`` or empty for all. ``cross_model``: the generator is not the scorer, so the
     ``generator_bias`` MoI variants exist.
 
     Raises:
@@ -83,7 +84,8 @@ def select_variants(spec: Sequence[str] | None, *, cross_model: bool = False) ->
         hits = [
             v
             for v in every
-            if name in (v.label, v.strategy) or (":" in name and v.label.startswith(name + ":"))
+            if name in (v.label, v.strategy, _own_order(v))
+            or (":" in name and v.label.startswith(name + ":"))
         ]
         if not hits:
             known = ", ".join(dict.fromkeys(v.strategy for v in every))
@@ -95,3 +97,11 @@ def select_variants(spec: Sequence[str] | None, *, cross_model: bool = False) ->
             )
         chosen.extend(v for v in hits if v not in chosen)
     return chosen
+
+
+def _own_order(v: Variant) -> str | None:
+    """``<ranker>:descending_utility`` names a placed ranker's unplaced variant (its own order is
+    best first), so it can be chosen without the ranker's placed variants."""
+    if v.strategy in PLACED_RANKERS and v.placement is None:
+        return f"{v.strategy}:descending_utility"
+    return None

@@ -99,7 +99,11 @@ def test_variants_cover_every_strategy_and_moi_design_placement() -> None:
     ]
     # A ranker's own order alone, without its placed variants.
     alone = select_variants(["query_generation:descending_utility", "moi:random"])
-    assert [v.label for v in alone][:1] == ["query_generation"]
+    assert [v.label for v in alone] == [
+        "query_generation",
+        "moi:random:descending_utility",
+        "moi:random:bias_matched",
+    ]
     assert alone[0].placement is None
     with pytest.raises(Exception, match="unknown strategy or variant"):
         select_variants(["shuffle:descending_utility"])

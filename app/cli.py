@@ -233,6 +233,13 @@ def _parser() -> argparse.ArgumentParser:
         "--preferences", type=Path, help="the preference set (default: <out>/preferences.jsonl)"
     )
     d.add_argument("--score-only", action="store_true", help="build the preference set only")
+    d.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="questions the teacher scores at once (their prompts share forwards: use 8-16 on a "
+        "GPU)",
+    )
     d.add_argument("--no-progress", action="store_true", help="no progress bars on stderr")
     d.add_argument("--out", required=True, type=Path, help="the adapter folder")
     de = sub.add_parser(
@@ -256,6 +263,13 @@ def _parser() -> argparse.ArgumentParser:
     de.add_argument("--num-prompts", type=int, help="MoI's prompts per question")
     de.add_argument("--max-answer-tokens", type=int, default=16)
     de.add_argument("--seed", type=int, default=0)
+    de.add_argument(
+        "--concurrency",
+        type=int,
+        default=1,
+        help="questions measured at once (a GPU needs several; above 1 the per-question "
+        "scoring seconds include waiting, so measure cost with 1)",
+    )
     de.add_argument("--no-progress", action="store_true")
     de.add_argument("--out", required=True, type=Path, help="output folder (resumes from it)")
     sub.add_parser(
@@ -447,7 +461,15 @@ async def _distill(settings: Settings, args: argparse.Namespace) -> int:
     from service.offline.distill.command import DistillJob, run_distill
     from service.offline.distill.train import DistillConfig
 
-    for name in ("limit", "passages", "permutations", "epochs", "batch_questions", "lora_r"):
+    for name in (
+        "limit",
+        "passages",
+        "permutations",
+        "epochs",
+        "batch_questions",
+        "lora_r",
+        "concurrency",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
@@ -473,6 +495,7 @@ async def _distill(settings: Settings, args: argparse.Namespace) -> int:
         name=args.name,
         progress=not args.no_progress,
         score_only=args.score_only,
+        concurrency=args.concurrency,
     )
     config = DistillConfig(
         lora_r=args.lora_r,
@@ -514,7 +537,10 @@ async def _distill_eval(settings: Settings, args: argparse.Namespace) -> int:
         num_prompts=args.num_prompts,
         seed=args.seed,
         max_answer_tokens=args.max_answer_tokens,
+        concurrency=args.concurrency,
     )
+    if args.concurrency < 1:
+        raise ClientError("--concurrency must be >= 1", param="concurrency")
     examples = _load_examples(args)
     async with AsyncExitStack() as stack:
         # The teacher scores and, as the generator, answers: one pipeline for both.

@@ -83,6 +83,33 @@ def test_tiny_student_moves_towards_a_fixed_teacher(tiny_model_dir: Path) -> Non
     assert after.kendall_tau > before.kendall_tau
 
 
+def test_packed_student_scores_equal_one_prompt_per_forward(tiny_model_dir: Path) -> None:
+    config = DistillConfig()
+    base, tokenizer, _ = load_student(tiny_model_dir, config)
+    model = with_lora(base, config)
+    model.train(False)
+    # Prompts of different lengths (one, two or all passages), so rows are left-padded.
+    maker = StudentScorer(model, tokenizer, "qa_default")
+    prompts = [
+        p
+        for pref in PREFS
+        for p in maker.prompts(pref, [pref.orders[0][:1], pref.orders[1][:2], pref.orders[2]])
+    ]
+    assert len({p.query_span[1] for p in prompts}) > 1
+    packed = StudentScorer(model, tokenizer, "qa_default", batch_tokens=1 << 20)
+    alone = StudentScorer(model, tokenizer, "qa_default", batch_tokens=1)
+    with torch.inference_mode():
+        a, b = packed.scores(prompts), alone.scores(prompts)
+    assert torch.isfinite(a).all()
+    torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-5)
+    assert packed.prompt_tokens == alone.prompt_tokens == sum(p.query_span[1] for p in prompts)
+    # Gradients flow through a packed forward (the training path).
+    model.train(True)
+    packed.scores(prompts[:3]).sum().backward()  # type: ignore[no-untyped-call]
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
 def test_adapter_round_trip_and_serving(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = DistillConfig(learning_rate=1e-2, epochs=2, batch_questions=1)
     out = tmp_path / "tiny-distilled"
@@ -183,6 +210,28 @@ def test_preference_set_is_built_with_the_serving_scores_and_resumes(tmp_path: P
     assert len(lines) == 4 and "meta" in json.loads(lines[0])
 
 
+def test_concurrent_preference_set_equals_the_sequential_one(tmp_path: Path) -> None:
+    backend = FakeBackend({p.text: float(i) for i, p in enumerate(PASSAGES)})
+    teacher = reorderer_in(tmp_path, backend)
+
+    async def build(name: str, concurrency: int) -> list[object]:
+        report = await build_preferences(
+            teacher,
+            examples(6),
+            tmp_path / name,
+            passages=3,
+            permutations=4,
+            concurrency=concurrency,
+        )
+        return [(p.id, p.orders, p.scores) for p in report.preferences]
+
+    sequential = anyio.run(build, "one.jsonl", 1)
+    assert anyio.run(build, "many.jsonl", 4) == sequential  # in the examples' order
+    assert len(read_preferences(tmp_path / "many.jsonl")[1]) == 6
+    with pytest.raises(InvalidRequest, match="concurrency"):
+        anyio.run(build, "bad.jsonl", 0)
+
+
 def test_split_holds_back_a_seeded_subset() -> None:
     prefs = [replace(PREFS[0], id=f"q{i}") for i in range(10)]
     train, held = split(prefs, 3, seed=0)
@@ -208,6 +257,11 @@ def test_distill_eval_measures_agreement_quality_and_cost_and_resumes(tmp_path: 
     config = MeasureConfig(out=tmp_path / "out", passages=4, num_prompts=8, resamples=200)
     summary = anyio.run(lambda: measure(qa, scorers, teacher, config))
     assert summary["questions"] == 2
+    # Questions measured at once give the same orders and answers.
+    at_once = replace(config, out=tmp_path / "at-once", concurrency=2)
+    concurrent = anyio.run(lambda: measure(qa, scorers, teacher, at_once))
+    for key in ("agreement_with_teacher", "quality", "comparisons"):
+        assert concurrent[key] == summary[key]
     agreement = summary["agreement_with_teacher"]
     assert isinstance(agreement, dict)
     assert agreement["distilled"]["kendall_tau"]["mean"] == pytest.approx(1.0)

@@ -45,6 +45,8 @@ class DistillJob:
     progress: bool = True
     score_only: bool = False
     """Build (or complete) the preference set and stop before training."""
+    concurrency: int = 1
+    """Questions the teacher scores at once (``build_preferences``)."""
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ async def run_distill(
                 permutations=job.permutations,
                 seed=job.seed,
                 data_name=job.data_name,
+                concurrency=job.concurrency,
                 progress=step,
             )
     log.info(

@@ -23,6 +23,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import anyio
 import numpy as np
 from scipy.stats import kendalltau
 
@@ -46,6 +47,9 @@ class MeasureConfig:
     seed: int = 0
     max_answer_tokens: int = 16
     resamples: int = 10_000
+    concurrency: int = 1
+    """Questions measured at once: their scoring prompts share forwards (a GPU needs that to
+    stay busy; on a CPU one question already fills them)."""
 
 
 async def measure(
@@ -85,20 +89,30 @@ async def measure(
             fh.write(json.dumps(rec) + "\n")
             fh.flush()
 
-        for q, ex in enumerate(examples):
-            question = prepare(ex, config.passages)
-            orders: dict[str, list[int]] = {SHUFFLE: _shuffle(question, config.seed)}
-            for name, scorer in scorers.items():
-                rec = done.get(("order", name, ex.id))
-                if rec is None:
-                    rec = await _order(scorer, question, name, config)
-                    keep(rec)
-                orders[name] = [int(i) for i in rec["order"]]  # type: ignore[attr-defined]
-            for name, order in orders.items():
-                if ("answer", name, ex.id) not in done:
-                    keep(await _answer(generator, question, name, order, config))
+        finished = 0
+        gate = anyio.Semaphore(config.concurrency)
+
+        async def one(ex: Example) -> None:
+            nonlocal finished
+            async with gate:
+                question = prepare(ex, config.passages)
+                orders: dict[str, list[int]] = {SHUFFLE: _shuffle(question, config.seed)}
+                for name, scorer in scorers.items():
+                    rec = done.get(("order", name, ex.id))
+                    if rec is None:
+                        rec = await _order(scorer, question, name, config)
+                        keep(rec)
+                    orders[name] = [int(i) for i in rec["order"]]  # type: ignore[attr-defined]
+                for name, order in orders.items():
+                    if ("answer", name, ex.id) not in done:
+                        keep(await _answer(generator, question, name, order, config))
+            finished += 1
             if progress is not None:
-                progress(q + 1, len(examples))
+                progress(finished, len(examples))
+
+        async with anyio.create_task_group() as tg:
+            for ex in examples:
+                tg.start_soon(one, ex)
     summary = summarise(done, list(scorers), [ex.id for ex in examples], config)
     (config.out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n", "utf-8")
     return summary
@@ -190,6 +204,9 @@ def summarise(
         "questions": len(complete),
         "passages": config.passages,
         "design": config.design,
+        # Above 1, a question's scoring_s includes waiting on the others' shared forwards: a
+        # latency under load, not the scorer's cost alone.
+        "concurrency": config.concurrency,
         "models": {s: done[("order", s, complete[0])]["model"] for s in scorers}
         if complete
         else {},

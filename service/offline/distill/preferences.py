@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import anyio
 import numpy as np
 
 from service.dataset import Example
@@ -162,6 +163,7 @@ async def build_preferences(
     seed: int = 0,
     template: str | None = None,
     data_name: str = "",
+    concurrency: int = 1,
     progress: Callable[[int, int], None] | None = None,
 ) -> PreferenceReport:
     """Score ``permutations`` orders of each question with the teacher, appending to ``out``.
@@ -176,10 +178,14 @@ async def build_preferences(
         seed: permutation seed.
         template: the teacher's scoring template (default: the configured one).
         data_name: provenance recorded in the meta line.
+        concurrency: questions scored at once. Their prompts share the teacher's forwards
+            (the backend's scheduler packs concurrent calls), which keeps a GPU busy; one
+            question's K prompts alone fill a CPU's forwards.
         progress: called with (done, total) after each question.
 
     Returns:
-        The whole set and what this run added.
+        The whole set, in ``examples``' order (questions of the file that are not among
+        ``examples`` last), so the held-back split does not depend on the completion order.
 
     Raises:
         InvalidRequest: bad N or K, or ``out`` was built with other settings.
@@ -210,10 +216,17 @@ async def build_preferences(
         out.write_text(json.dumps({"meta": asdict(meta)}) + "\n", encoding="utf-8")
     have = {p.id for p in done}
     todo = [ex for ex in examples if ex.id not in have]
-    scored = skipped = 0
+    if concurrency < 1:
+        raise InvalidRequest("concurrency must be at least 1", param="concurrency")
+    scored = skipped = finished = 0
+    gate = anyio.Semaphore(concurrency)
     with out.open("a", encoding="utf-8") as fh:
-        for i, ex in enumerate(todo):
-            pref = await _score_question(teacher, meta, ex)
+
+        async def one(ex: Example) -> None:
+            nonlocal scored, skipped, finished
+            async with gate:
+                pref = await _score_question(teacher, meta, ex)
+            # One event loop: the appends of concurrent questions never interleave.
             if pref is None:
                 skipped += 1
             else:
@@ -221,8 +234,15 @@ async def build_preferences(
                 fh.flush()
                 done.append(pref)
                 scored += 1
+            finished += 1
             if progress is not None:
-                progress(i + 1, len(todo))
+                progress(finished, len(todo))
+
+        async with anyio.create_task_group() as tg:
+            for ex in todo:
+                tg.start_soon(one, ex)
+    rank = {ex.id: i for i, ex in enumerate(examples)}
+    done.sort(key=lambda p: rank.get(p.id, len(rank)))
     return PreferenceReport(meta, done, scored, skipped)
 
 

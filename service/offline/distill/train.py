@@ -76,10 +76,19 @@ def preference_kl(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
 class StudentScorer:
     """The student's query log-likelihood of permutations, with gradients when enabled."""
 
-    def __init__(self, model: torch.nn.Module, tokenizer: HFPromptTokenizer, template: str):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: HFPromptTokenizer,
+        template: str,
+        *,
+        batch_tokens: int = 16384,
+    ):
         self.model = model
         self.tokenizer = tokenizer
         self.template = template
+        self.batch_tokens = batch_tokens
+        """Padded tokens per forward: a step's prompts share forwards up to this budget."""
         self.device = next(model.parameters()).device
         self.prompt_tokens = 0
 
@@ -87,23 +96,62 @@ class StudentScorer:
         return build_prompts(self.tokenizer, self.template, pref.question, pref.passages, orders)
 
     def scores(self, prompts: Sequence[BuiltPrompt]) -> torch.Tensor:
-        """``(len(prompts),)`` query log-likelihoods, one forward per prompt.
+        """``(len(prompts),)`` query log-likelihoods, the prompts packed into shared forwards.
 
-        One prompt per forward: no padding to get wrong, and the LM head runs only on the
-        query's rows (``logits_to_keep``), which are the prompt's last ones once the tokens
-        after the query are cut (they cannot change a causal model's query log-probs).
+        One forward per prompt left a GPU idle between small kernels (a step is K' prompts of a
+        few hundred tokens), so prompts go in left-padded batches of up to ``batch_tokens``
+        padded tokens. Tokens after the query are cut (they cannot change a causal model's
+        query log-probs), so every row ends with its query and the LM head runs only on the
+        last rows (``logits_to_keep``). Left padding is masked and positions restart at each
+        row's first real token, so a row scores as it would alone.
         """
-        out: list[torch.Tensor] = []
-        for prompt in prompts:
-            start, end = prompt.query_span
-            ids = torch.tensor([prompt.token_ids[:end]], dtype=torch.long, device=self.device)
-            # Logits at position t predict token t + 1: rows start-1 .. end-2 score the query.
-            logits = self.model(
-                input_ids=ids, use_cache=False, logits_to_keep=end - start + 1
-            ).logits[0, :-1]
-            out.append(token_logprobs(logits, ids[0, start:end]).sum())
+        # Shortest first, so each forward's rows are of similar length (little padding).
+        order = sorted(range(len(prompts)), key=lambda i: prompts[i].query_span[1])
+        parts: list[torch.Tensor] = []
+        batch: list[int] = []
+        for i in order:
+            rows = len(batch) + 1
+            if batch and prompts[i].query_span[1] * rows > self.batch_tokens:
+                parts.append(self._forward([prompts[j] for j in batch]))
+                batch = []
+            batch.append(i)
+        if batch:
+            parts.append(self._forward([prompts[j] for j in batch]))
+        packed = torch.cat(parts)
+        # Back to the callers' order.
+        where = torch.empty(len(order), dtype=torch.long)
+        where[torch.tensor(order, dtype=torch.long)] = torch.arange(len(order))
+        return packed[where.to(packed.device)]
+
+    def _forward(self, prompts: Sequence[BuiltPrompt]) -> torch.Tensor:
+        width = max(p.query_span[1] for p in prompts)
+        longest_query = max(end - start for start, end in (p.query_span for p in prompts))
+        keep = longest_query + 1
+        ids = torch.zeros((len(prompts), width), dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for row, prompt in enumerate(prompts):
+            end = prompt.query_span[1]
+            ids[row, width - end :] = torch.tensor(prompt.token_ids[:end], dtype=torch.long)
+            mask[row, width - end :] = 1
             self.prompt_tokens += end
-        return torch.stack(out)
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(dim=1) - 1).clamp(min=0)
+        logits = self.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions,
+            use_cache=False,
+            logits_to_keep=keep,
+        ).logits
+        rows: list[torch.Tensor] = []
+        for row, prompt in enumerate(prompts):
+            start, end = prompt.query_span
+            n = end - start
+            # The kept logits are positions width-keep .. width-1; position t predicts t + 1,
+            # so the query's n tokens (the row's last) are predicted by kept rows keep-1-n ..
+            # keep-2.
+            rows.append(token_logprobs(logits[row, keep - 1 - n : keep - 1], ids[row, -n:]).sum())
+        return torch.stack(rows)
 
 
 def load_student(

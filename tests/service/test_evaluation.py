@@ -287,6 +287,52 @@ async def test_separate_generator_answers_and_scorer_orders(tmp_path: Path) -> N
     assert r.generator_cost.scored_tokens == r.gold_tokens == len("answer 0")
 
 
+async def test_a_failed_generation_is_not_cached_and_runs_again(tmp_path: Path) -> None:
+    # A generator forward that fails on its own (out of memory on a crowded GPU) must not
+    # become a finished record: the next run computes it again.
+    examples, scorer_backend, scorer = _setup(tmp_path)
+    gen_backend = FakeBackend(scorer_backend.truth, answers={}, model_id="fake/generator")
+    generator = Reorderer(gen_backend, Settings(cache_dir=tmp_path))
+    config = _config(tmp_path, variants=tuple(select_variants(["retriever"])), positional=False)
+    gen_backend.fail_rule = lambda prompt: True
+    failed = await run_evaluation(examples, scorer, config, generator=generator)
+    assert [r.generator_error for r in failed.records] == ["generation failed"] * QUESTIONS
+    assert all(r.retryable and r.accuracy is None for r in failed.records)
+    assert not (tmp_path / "out" / CACHE_FILE).exists() or not (
+        tmp_path / "out" / CACHE_FILE
+    ).read_text()
+
+    # Generation works, the gold answer's scoring fails: also incomplete, also not kept.
+    calls = 0
+
+    def gold_scoring_fails(prompt: object) -> bool:
+        nonlocal calls
+        calls += 1
+        return calls > 1  # the batch's generation passes; every scoring after it fails
+
+    gen_backend.fail_rule = gold_scoring_fails
+    config1 = _config(tmp_path, variants=tuple(select_variants(["retriever"])), positional=False)
+    partial = await run_evaluation(examples[:1], scorer, config1, generator=generator)
+    assert partial.records[0].answer is not None
+    assert partial.records[0].generator_error == "gold answer scoring failed"
+    assert partial.records[0].gold_logprob is None and partial.records[0].retryable
+
+    gen_backend.fail_rule = None
+    fixed = await run_evaluation(examples, scorer, config, generator=generator)
+    assert all(r.generator_error is None and r.gold_logprob is not None for r in fixed.records)
+    cached = (tmp_path / "out" / CACHE_FILE).read_text().splitlines()
+    assert len(cached) == QUESTIONS
+
+    # A cache written before this rule (a failed record stored as finished) is recomputed.
+    stale = json.loads(cached[0])
+    stale.update(generator_error="generation failed", answer=None, accuracy=None)
+    (tmp_path / "out" / CACHE_FILE).write_text(json.dumps(stale) + "\n" + "\n".join(cached[1:]))
+    before = gen_backend.stats.generate_calls
+    again = await run_evaluation(examples, scorer, config, generator=generator)
+    assert gen_backend.stats.generate_calls == before + 1  # only the stale question
+    assert again.records[0].generator_error is None and again.records[0].answer is not None
+
+
 async def test_a_base_generator_answers_from_its_own_template(tmp_path: Path) -> None:
     # A generator whose model has no chat template (Gemma): its settings name qa_completion,
     # the scorer keeps qa_default, and the cache key records the difference.

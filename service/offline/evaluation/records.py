@@ -23,6 +23,14 @@ POSITIONAL = "positional"
 
 Status = Literal["ok", "error", "skipped"]
 
+GENERATION_FAILED = "generation failed"
+GOLD_SCORING_FAILED = "gold answer scoring failed"
+RETRYABLE_GENERATOR_ERRORS = frozenset({GENERATION_FAILED, GOLD_SCORING_FAILED})
+"""A generator forward that failed on its own (out of memory under a crowded GPU, a kernel
+error) after the backend's one-by-one retry: the record is incomplete and another run may
+succeed, so it is never cached and a cached one is recomputed (a pool on one H100 cached 1,201
+such records as finished, 2026-11-25)."""
+
 
 @dataclass(frozen=True)
 class Cost:
@@ -109,6 +117,11 @@ class Record:
         return self.key.variant
 
     @property
+    def retryable(self) -> bool:
+        """Its generator failed in a way another run may not (``RETRYABLE_GENERATOR_ERRORS``)."""
+        return self.generator_error in RETRYABLE_GENERATOR_ERRORS
+
+    @property
     def question_id(self) -> str:
         return self.key.question_id
 
@@ -167,6 +180,7 @@ class RecordCache:
         self.path = path
         self._records: dict[RunKey, AnyRecord] = {}
         self._torn = False
+        retry = 0
         if path.is_file():
             data = path.read_bytes()
             self._torn = bool(data) and not data.endswith(b"\n")
@@ -177,7 +191,12 @@ class RecordCache:
                     except (ValueError, KeyError, TypeError):
                         log.warning("ignoring an unreadable line in %s", path)
                         continue
+                    if isinstance(rec, Record) and rec.retryable:
+                        retry += 1
+                        continue
                     self._records[rec.key] = rec
+            if retry:
+                log.warning("%d records in %s had a failed generation: recomputed", retry, path)
 
     def get(self, key: RunKey) -> AnyRecord | None:
         return self._records.get(key)

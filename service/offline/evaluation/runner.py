@@ -68,6 +68,8 @@ from service.offline.evaluation.metrics import (
 )
 from service.offline.evaluation.records import (
     CACHE_FILE,
+    GENERATION_FAILED,
+    GOLD_SCORING_FAILED,
     POSITIONAL,
     AnyRecord,
     Cost,
@@ -316,8 +318,8 @@ class Evaluator:
 
     def _finished(self, rec: Record) -> None:
         """Cache a new record, except those that cost nothing (skipped: a profile may exist
-        next time) or may succeed on a retry (``ScoringFailed``)."""
-        if rec.status == "skipped" or rec.error_code == ScoringFailed.code:
+        next time) or may succeed on a retry (``ScoringFailed``, a failed generator forward)."""
+        if rec.status == "skipped" or rec.error_code == ScoringFailed.code or rec.retryable:
             return
         self.cache.add(rec)
         if self.on_record is not None:
@@ -493,6 +495,11 @@ class Evaluator:
         out = []
         for prompt, ans, row in zip(prompts, answers, rows, strict=True):
             text = ans.text if ans is not None else None
+            error = None
+            if text is None:
+                error = GENERATION_FAILED
+            elif q.answers and row is None:
+                error = GOLD_SCORING_FAILED
             scores = score_answer(text, q.answers) if text is not None and q.answers else None
             n_gold = len(row) if row is not None else 0
             cost = Cost(
@@ -511,7 +518,7 @@ class Evaluator:
                     gold_logprob=float(sum(row)) if row is not None else None,
                     gold_tokens=n_gold or None,
                     cost=cost,
-                    error=None if text is not None else "generation failed",
+                    error=error,
                 )
             )
         return out

@@ -1,4 +1,5 @@
-"""Runs eval/run.sh's work as several `rag-reorder eval` processes sharing one GPU.
+"""Runs eval/run.sh's (and eval/cross_model.sh's) work as several `rag-reorder eval`
+processes sharing one GPU.
 
 One process keeps a lent GPU busy only part of the time with a 135M model (it tokenises,
 solves and decides between small forward batches), so the questions of each set are split
@@ -12,6 +13,12 @@ cache with the full data file (eval/device/README.md).
 
 The first chunk of each set keeps the positional rotations: it holds the set's first
 questions, so it rotates the same ones the full run would.
+
+``--pairing SCORER,GENERATOR,NAME`` (repeatable) adds eval/cross_model.sh's runs to the pool:
+each set's questions scored by SCORER and answered by GENERATOR into OUT/<set>__NAME/, the
+generator's bias profile from OUT/profiles/<set>__NAME/ (calibrated first, as
+eval/cross_model.sh does, when it is missing), no positional rotations. With a pairing the
+same-model runs are left out unless ``--same-model`` asks for them too.
 
 Usage (on the device, after stage1/stage2; see eval/device/README.md):
     python3 eval/device/parallel.py --data /tmp/data --out /tmp/evalout --budget 520
@@ -33,10 +40,70 @@ from pathlib import Path
 
 K = 10  # passages per question, as eval/run.sh
 CALIBRATION_QUESTIONS = 50
+# eval/cross_model.sh's defaults: the generator's profile from 16 questions, 20 prompts each.
+PAIRING_CALIBRATION = ("16", "20")
+PAIRING_STRATEGIES = (
+    "moi:pruned_random,retriever,shuffle,litm,query_likelihood,query_generation,bm25,dense"
+)
 # test set -> the set its MoI bias profiles are calibrated on (eval/run.sh's run_set calls)
 SETS = {"hotpot_dev": "nq_open_dev", "nq_open_dev": "hotpot_dev"}
 POSITIONAL = "profiles/positional-nq_open_dev"
 POSITIONAL_VARIANT = "positional"  # the cache key's variant of a positional rotation record
+# records.RETRYABLE_GENERATOR_ERRORS: a record whose generator forward failed is not finished.
+# Named here, not imported: the script runs where only the standard library is certain.
+RETRYABLE_GENERATOR_ERRORS = frozenset({"generation failed", "gold answer scoring failed"})
+
+
+def _finished_record(line: str) -> dict[str, object] | None:
+    """The record on ``line`` when it is a finished one (parses, has a key, its generator did
+    not fail), else ``None``."""
+    try:
+        rec = json.loads(line)
+        rec["key"]
+    except (ValueError, KeyError, TypeError):
+        return None  # a line torn by a stopped process: recomputed next time
+    if rec.get("generator_error") in RETRYABLE_GENERATOR_ERRORS:
+        return None
+    return rec  # type: ignore[no-any-return]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One evaluation folder the pool fills: a data set, and for a pairing its two models."""
+
+    test: str
+    """The data set (``<data>/<test>.jsonl``)."""
+    folder: str
+    """OUT/<folder>/ holds its cache; OUT/profiles/<folder>/ its bias profiles."""
+    scorer: str | None = None
+    generator: str | None = None
+    strategies: str | None = None
+
+    @property
+    def pairing(self) -> bool:
+        return self.generator is not None
+
+    def eval_args(self) -> list[str]:
+        if not self.pairing:
+            return []
+        assert self.scorer and self.generator and self.strategies
+        return [
+            "--scorer", self.scorer, "--generator", self.generator,
+            "--strategies", self.strategies,
+        ]  # fmt: skip
+
+
+def same_model_runs() -> list[Run]:
+    return [Run(test, test) for test in SETS]
+
+
+def pairing_runs(spec: str, strategies: str = PAIRING_STRATEGIES) -> list[Run]:
+    """``SCORER,GENERATOR,NAME`` -> one run per set, as eval/cross_model.sh names them."""
+    parts = spec.split(",")
+    if len(parts) != 3 or not all(parts):
+        raise ValueError(f"--pairing wants SCORER,GENERATOR,NAME, got {spec!r}")
+    scorer, generator, name = parts
+    return [Run(test, f"{test}__{name}", scorer, generator, strategies) for test in SETS]
 
 
 @dataclass
@@ -45,34 +112,53 @@ class Job:
     test: str
     data: Path
     positional: bool
+    run: Run | None = None
+
+    def __post_init__(self) -> None:
+        if self.run is None:
+            self.run = Run(self.test, self.test)
+
+    @property
+    def folder_name(self) -> str:
+        assert self.run is not None
+        return self.run.folder
 
     def folder(self, work: Path) -> Path:
         return work / self.name
 
 
-def calibrate(rr: list[str], data: Path, out: Path) -> list[subprocess.Popen[bytes]]:
-    """Start the missing MoI bias-profile calibrations (eval/run.sh's first step per set)."""
+def calibrate(
+    rr: list[str], data: Path, out: Path, runs: list[Run] | None = None
+) -> list[subprocess.Popen[bytes]]:
+    """Start the missing bias-profile calibrations: eval/run.sh's first step per set for a
+    same-model run, eval/cross_model.sh's (the generator's, on the other set) for a pairing."""
     procs = []
-    for test, calib in SETS.items():
-        prof = out / "profiles" / test
-        (prof / "positional").mkdir(parents=True, exist_ok=True)
-        for f in (out / POSITIONAL / "positional").glob("*.json"):
-            shutil.copy(f, prof / "positional" / f.name)
+    for run in same_model_runs() if runs is None else runs:
+        calib = SETS[run.test]
+        prof = out / "profiles" / run.folder
         target = prof / "calibrate-random.json"
-        if target.is_file() and target.stat().st_size:
-            continue
-        cmd = [
-            *rr,
-            "calibrate",
-            "--data",
-            str(data / f"{calib}.jsonl"),
-            "--limit",
-            str(CALIBRATION_QUESTIONS),
-            "--max-passages",
-            str(K),
-            "--design",
-            "random",
-        ]
+        if run.pairing:
+            prof.mkdir(parents=True, exist_ok=True)
+            if target.is_file() and target.stat().st_size:
+                continue
+            questions, prompts = PAIRING_CALIBRATION
+            assert run.generator is not None
+            cmd = [
+                *rr, "--model", run.generator, "calibrate",
+                "--data", str(data / f"{calib}.jsonl"), "--limit", questions,
+                "--num-prompts", prompts, "--max-passages", str(K), "--design", "random",
+            ]  # fmt: skip
+        else:
+            (prof / "positional").mkdir(parents=True, exist_ok=True)
+            for f in (out / POSITIONAL / "positional").glob("*.json"):
+                shutil.copy(f, prof / "positional" / f.name)
+            if target.is_file() and target.stat().st_size:
+                continue
+            cmd = [
+                *rr, "calibrate", "--data", str(data / f"{calib}.jsonl"),
+                "--limit", str(CALIBRATION_QUESTIONS), "--max-passages", str(K),
+                "--design", "random",
+            ]  # fmt: skip
         print("+", shlex.join(cmd), f"(profiles: {prof})", flush=True)
         env = {**os.environ, "RAG_REORDER_BIAS_PROFILE_DIR": str(prof)}
         script = f'{shlex.join(cmd)} > "{target}.tmp" && mv "{target}.tmp" "{target}"'
@@ -80,18 +166,28 @@ def calibrate(rr: list[str], data: Path, out: Path) -> list[subprocess.Popen[byt
     return procs
 
 
-def make_jobs(data: Path, work: Path, chunk: int) -> list[Job]:
-    """Chunks of each set's questions as JSONL files under ``work``, largest set first."""
+def make_jobs(data: Path, work: Path, chunk: int, runs: list[Run] | None = None) -> list[Job]:
+    """Chunks of each run's questions as JSONL files under ``work``: runs in the order given,
+    within the runs of one kind (same-model, or one pairing) the largest set first. Only a
+    same-model run's first chunk rotates (a pairing runs with ``--no-positional``)."""
     jobs: list[Job] = []
-    sets = {
-        t: [ln for ln in (data / f"{t}.jsonl").read_text().splitlines() if ln.strip()] for t in SETS
+    sizes = {
+        t: len([ln for ln in (data / f"{t}.jsonl").read_text().splitlines() if ln.strip()])
+        for t in SETS
     }
-    for test, lines in sorted(sets.items(), key=lambda item: -len(item[1])):
+    chosen = same_model_runs() if runs is None else runs
+    group = {run: (run.scorer, run.generator) for run in chosen}
+    first = {key: i for i, key in reversed(list(enumerate(group.values())))}
+    ordered = sorted(chosen, key=lambda r: (first[group[r]], -sizes[r.test]))
+    for run in ordered:
+        lines = [ln for ln in (data / f"{run.test}.jsonl").read_text().splitlines() if ln.strip()]
         for i in range(0, len(lines), chunk):
-            path = work / "data" / f"{test}-{i // chunk:02d}.jsonl"
+            name = f"{run.folder}-{i // chunk:02d}"
+            path = work / "data" / f"{name}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("\n".join(lines[i : i + chunk]) + "\n")
-            jobs.append(Job(f"{test}-{i // chunk:02d}", test, path, positional=i == 0))
+            positional = i == 0 and not run.pairing
+            jobs.append(Job(name, run.test, path, positional=positional, run=run))
     return jobs
 
 
@@ -99,9 +195,10 @@ def start(
     job: Job, rr: list[str], out: Path, work: Path, remaining: float, extra: list[str]
 ) -> subprocess.Popen[bytes]:
     folder = job.folder(work)
-    if not folder.is_dir():  # first time: the set's finished records
+    assert job.run is not None
+    if not folder.is_dir():  # first time: the run's finished records
         folder.mkdir(parents=True)
-        cache = out / job.test / "cache.jsonl"
+        cache = out / job.run.folder / "cache.jsonl"
         if cache.is_file():
             shutil.copy(cache, folder / "cache.jsonl")
     cmd = [
@@ -115,39 +212,43 @@ def start(
         str(folder),
         "--no-progress",
         *([] if job.positional else ["--no-positional"]),
+        *job.run.eval_args(),
         *extra,
     ]
-    env = {**os.environ, "RAG_REORDER_BIAS_PROFILE_DIR": str(out / "profiles" / job.test)}
+    env = {**os.environ, "RAG_REORDER_BIAS_PROFILE_DIR": str(out / "profiles" / job.run.folder)}
     log = (work / f"{job.name}.log").open("ab")
     return subprocess.Popen(
         ["timeout", str(int(remaining)), *cmd], env=env, stdout=log, stderr=subprocess.STDOUT
     )
 
 
-def cached_variants(out: Path, test: str) -> dict[str, set[str]]:
-    """Question id -> the variants the set's committed cache holds for it."""
-    cache = out / test / "cache.jsonl"
+def cached_variants(out: Path, folder: str) -> dict[str, set[str]]:
+    """Question id -> the variants OUT/<folder>/cache.jsonl (a set's committed cache) holds."""
+    cache = out / folder / "cache.jsonl"
     have: dict[str, set[str]] = {}
     if cache.is_file():
         for line in cache.read_text(encoding="utf-8").splitlines():
-            try:
-                key = json.loads(line)["key"]
-            except (ValueError, KeyError):
+            rec = _finished_record(line)
+            if rec is None:
                 continue
+            key = rec["key"]
+            assert isinstance(key, dict)
             have.setdefault(key["question_id"], set()).add(key["variant"])
     return have
 
 
-def finished(job: Job, have: dict[str, set[str]]) -> bool:
+def finished(job: Job, have: dict[str, set[str]], expected: set[str] | None = None) -> bool:
     """Whether the set's committed cache (``cached_variants``) already holds every record
     ``job`` would compute.
 
     A chunk's process would only reload them and rebuild a throw-away report (minutes on a
     CPU: scipy's exact Wilcoxon test for 13 pairs), so such chunks are not started. The
-    expected variants are the ones the cache holds for any question; the positional chunk
-    also needs one positional record per question the cache ran rotations for.
+    expected variants are the ones the cache holds for any question, and ``expected`` (the
+    variants the run's eval selects: a variant the cache holds for no question yet, such as a
+    newly added default one, is still expected); the positional chunk also needs one
+    positional record per question the cache ran rotations for.
     """
-    variants = set().union(*have.values()) - {POSITIONAL_VARIANT}
+    variants = (set().union(*have.values()) | (expected or set())) - {POSITIONAL_VARIANT}
     ids = [json.loads(ln)["id"] for ln in job.data.read_text().splitlines() if ln.strip()]
     if not variants or any(not variants <= have.get(i, set()) for i in ids):
         return False
@@ -157,21 +258,37 @@ def finished(job: Job, have: dict[str, set[str]]) -> bool:
     return True
 
 
-def merge(out: Path, work: Path) -> None:
-    """Every chunk's records into OUT/<set>/cache.jsonl, one line per key, old lines first."""
-    for test in SETS:
+def expected_variants(run: Run, all_variants: bool = False) -> set[str]:
+    """The variant labels ``rag-reorder eval`` selects for ``run`` (a pairing's
+    ``--strategies``; with ``all_variants`` a same-model run's whole default set), else none."""
+    if not run.pairing and not all_variants:
+        return set()
+    root = str(Path(__file__).resolve().parents[2])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from service.offline.evaluation.variants import select_variants
+
+    spec = run.strategies.split(",") if run.pairing and run.strategies else None
+    cross = run.pairing and run.scorer != run.generator
+    return {v.label for v in select_variants(spec, cross_model=cross)}
+
+
+def merge(out: Path, work: Path, runs: list[Run] | None = None) -> None:
+    """Every chunk's records into OUT/<folder>/cache.jsonl, one line per key, old lines first;
+    a torn line, or a record whose generator failed (``RETRYABLE_GENERATOR_ERRORS``), is left
+    out, so a later good record of its key takes its place."""
+    for run in same_model_runs() if runs is None else runs:
+        test = run.folder
         target = out / test / "cache.jsonl"
         seen: dict[str, str] = {}
-        sources = [target, *sorted(work.glob(f"{test}-*/cache.jsonl"))]
+        sources = [target, *sorted(work.glob(f"{test}-[0-9][0-9]/cache.jsonl"))]
         for src in sources:
             if not src.is_file():
                 continue
             for line in src.read_text(encoding="utf-8").splitlines():
-                try:
-                    key = json.dumps(json.loads(line)["key"], sort_keys=True)
-                except (ValueError, KeyError):
-                    continue  # a line torn by a stopped process: recomputed next time
-                seen.setdefault(key, line)
+                rec = _finished_record(line)
+                if rec is not None:
+                    seen.setdefault(json.dumps(rec["key"], sort_keys=True), line)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text("".join(v + "\n" for v in seen.values()), encoding="utf-8")
         questions = {json.loads(key)["question_id"] for key in seen}
@@ -191,24 +308,45 @@ def main() -> int:
     # The chunks' own reports are discarded (rebuilt from the merged cache), so a short
     # bootstrap there saves their CPU.
     ap.add_argument("--eval-args", default="--resamples 100")
+    ap.add_argument(
+        "--pairing",
+        action="append",
+        default=[],
+        metavar="SCORER,GENERATOR,NAME",
+        help="add eval/cross_model.sh's runs of this pairing (both sets; repeatable)",
+    )
+    ap.add_argument("--strategies", default=PAIRING_STRATEGIES, help="a pairing's variants")
+    ap.add_argument(
+        "--same-model", action="store_true", help="with --pairing: run the same-model sets too"
+    )
+    ap.add_argument(
+        "--all-variants",
+        action="store_true",
+        help="a same-model chunk is finished only with every default variant (not only those "
+        "its cache holds for some question): runs variants added to the default set since",
+    )
     args = ap.parse_args()
+    runs = [r for spec in args.pairing for r in pairing_runs(spec, args.strategies)]
+    if not runs or args.same_model:
+        runs += same_model_runs()
     t0 = time.monotonic()
     deadline = t0 + args.budget
     rr = shlex.split(args.rr)
     extra = shlex.split(args.eval_args)
     args.work.mkdir(parents=True, exist_ok=True)
 
-    for proc in calibrate(rr, args.data, args.out):
+    for proc in calibrate(rr, args.data, args.out, runs):
         rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
         if rc:
             print(f"calibration failed: rc={rc}", flush=True)
             return rc
     print(f"profiles ready after {time.monotonic() - t0:.0f} s", flush=True)
 
-    jobs = make_jobs(args.data, args.work, args.chunk)
-    have = {test: cached_variants(args.out, test) for test in SETS}
+    jobs = make_jobs(args.data, args.work, args.chunk, runs)
+    have = {run.folder: cached_variants(args.out, run.folder) for run in runs}
+    expect = {run.folder: expected_variants(run, args.all_variants) for run in runs}
     for job in jobs:
-        if finished(job, have[job.test]):
+        if finished(job, have[job.folder_name], expect[job.folder_name]):
             (args.work / f"{job.name}.done").write_text("cached\n")
     pending = [j for j in jobs if not (args.work / f"{j.name}.done").exists()]
     print(f"chunks to run: {[j.name for j in pending] or 'none'}", flush=True)
@@ -241,7 +379,7 @@ def main() -> int:
         proc.terminate()
         proc.wait()
         print(f"{name}: stopped {'by a signal' if stopped else 'at the deadline'}", flush=True)
-    merge(args.out, args.work)
+    merge(args.out, args.work, runs)
     # Not started, stopped at the deadline or failed: the next call runs them.
     left = [j.name for j in jobs if not (args.work / f"{j.name}.done").exists()]
     print(f"finished in {time.monotonic() - t0:.0f} s; unfinished chunks: {left or 'none'}")

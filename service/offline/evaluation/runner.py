@@ -151,6 +151,10 @@ class EvalConfig:
     bias_profile: str | None = None
     """The stored profile ``bias_matched`` ranker variants place by (the generator's); None:
     the generator's own stored profile (this slot count, else its data-oriented one)."""
+    cached_only: bool = False
+    """Compute nothing: report the questions whose every variant (and positional run, where
+    asked) the cache already holds, and leave the others out. The report of a run that is
+    not finished, on the questions that are, whichever they are (``--limit`` takes a prefix)."""
 
 
 @dataclass(frozen=True)
@@ -242,12 +246,23 @@ class Evaluator:
                     param="bias_profile",
                 )
         questions = [prepare(e, cfg.max_passages) for e in examples]
+        if cfg.cached_only:
+            questions = [q for q in questions if self._all_cached(q)]
+            log.info(
+                "reporting the %d of %d questions the cache finished", len(questions), len(examples)
+            )
         metric: MetricName = cfg.metric or default_metric([len(q.gold) for q in questions])
         positional = (
             [q for q in questions if q.gold and len(q.passages) > 1][: cfg.positional_limit]
             if cfg.positional
             else []
         )
+        if cfg.cached_only:
+            positional = [
+                q
+                for q in positional
+                if isinstance(self.cache.get(self.key(q.id, POSITIONAL)), PositionalRecord)
+            ]
         total = len(questions) * len(cfg.variants) + len(positional)
         records: list[Record] = []
         pos_records: list[PositionalRecord] = []
@@ -276,10 +291,17 @@ class Evaluator:
             "seed": self.scorer.settings.seed,
             "resamples": cfg.resamples,
             "variants": [v.label for v in cfg.variants],
+            "cached_only": cfg.cached_only,
         }
         files = write_report(cfg.out_dir, meta, records, pos_records, summary)
         files += write_plots(cfg.out_dir, summary)
         return EvalOutcome(tuple(records), tuple(pos_records), metric, tuple(files))
+
+    def _all_cached(self, q: EvalQuestion) -> bool:
+        return all(
+            isinstance(self.cache.get(self.key(q.id, v.label)), Record)
+            for v in self.config.variants
+        )
 
     # --- one question -----------------------------------------------------------------
 

@@ -298,9 +298,10 @@ async def test_a_failed_generation_is_not_cached_and_runs_again(tmp_path: Path) 
     failed = await run_evaluation(examples, scorer, config, generator=generator)
     assert [r.generator_error for r in failed.records] == ["generation failed"] * QUESTIONS
     assert all(r.retryable and r.accuracy is None for r in failed.records)
-    assert not (tmp_path / "out" / CACHE_FILE).exists() or not (
-        tmp_path / "out" / CACHE_FILE
-    ).read_text()
+    assert (
+        not (tmp_path / "out" / CACHE_FILE).exists()
+        or not (tmp_path / "out" / CACHE_FILE).read_text()
+    )
 
     # Generation works, the gold answer's scoring fails: also incomplete, also not kept.
     calls = 0

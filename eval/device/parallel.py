@@ -325,10 +325,19 @@ def main() -> int:
         help="a same-model chunk is finished only with every default variant (not only those "
         "its cache holds for some question): runs variants added to the default set since",
     )
+    ap.add_argument(
+        "--merge-only",
+        action="store_true",
+        help="merge what the chunks under --work have finished into --out and stop (safe "
+        "beside a running pool, whose own merge at the end starts from the merged file)",
+    )
     args = ap.parse_args()
     runs = [r for spec in args.pairing for r in pairing_runs(spec, args.strategies)]
     if not runs or args.same_model:
         runs += same_model_runs()
+    if args.merge_only:
+        merge(args.out, args.work, runs)
+        return 0
     t0 = time.monotonic()
     deadline = t0 + args.budget
     rr = shlex.split(args.rr)

@@ -320,3 +320,20 @@ def test_a_pairing_runs_both_sets_with_its_models_profiles_and_no_rotations(
             assert r["args"][r["args"].index("--scorer") + 1] == "org/s"
             assert r["args"][r["args"].index("--generator") + 1] == "org/g"
             assert r["profiles"] == str(out / "profiles" / folder.name)
+
+
+def test_merge_only_merges_the_chunks_and_starts_nothing(tmp_path: Path) -> None:
+    data = _data(tmp_path / "data", {"hotpot_dev": 1, "nq_open_dev": 2})
+    out, work = tmp_path / "out", tmp_path / "work"
+    (work / "nq_open_dev-00").mkdir(parents=True)
+    rec = {"key": {"question_id": "nq_open_dev-0", "variant": "shuffle"}}
+    (work / "nq_open_dev-00" / "cache.jsonl").write_text(json.dumps(rec) + "\n")
+    run = subprocess.run(
+        [sys.executable, str(SCRIPT), "--data", str(data), "--out", str(out), "--work",
+         str(work), "--merge-only", "--rr", "false"],
+        capture_output=True, text=True, env={"PATH": os.environ["PATH"]}, timeout=60,
+        check=True,
+    )  # fmt: skip
+    assert "nq_open_dev: 1 records, 1 questions" in run.stdout
+    assert _ids(out / "nq_open_dev" / "cache.jsonl") == ["nq_open_dev-0"]
+    assert "calibrate" not in run.stdout and not (out / "profiles").exists()

@@ -20,7 +20,7 @@ generator's bias profile from OUT/profiles/<set>__NAME/ (calibrated first, as
 eval/cross_model.sh does, when it is missing), no positional rotations. With a pairing the
 same-model runs are left out unless ``--same-model`` asks for them too.
 
-Usage (on the device, after stage1/stage2; see eval/device/README.md):
+Usage (on the device, after eval/device/stage.sh; see eval/device/README.md):
     python3 eval/device/parallel.py --data /tmp/data --out /tmp/evalout --budget 520
 """
 
@@ -38,6 +38,11 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+# The evaluation's own rule for an unfinished record (this import loads no model library).
+from service.offline.evaluation.records import RETRYABLE_GENERATOR_ERRORS
+
 K = 10  # passages per question, as eval/run.sh
 CALIBRATION_QUESTIONS = 50
 # eval/cross_model.sh's defaults: the generator's profile from 16 questions, 20 prompts each.
@@ -49,9 +54,6 @@ PAIRING_STRATEGIES = (
 SETS = {"hotpot_dev": "nq_open_dev", "nq_open_dev": "hotpot_dev"}
 POSITIONAL = "profiles/positional-nq_open_dev"
 POSITIONAL_VARIANT = "positional"  # the cache key's variant of a positional rotation record
-# records.RETRYABLE_GENERATOR_ERRORS: a record whose generator forward failed is not finished.
-# Named here, not imported: the script runs where only the standard library is certain.
-RETRYABLE_GENERATOR_ERRORS = frozenset({"generation failed", "gold answer scoring failed"})
 
 
 def _finished_record(line: str) -> dict[str, object] | None:
@@ -263,9 +265,6 @@ def expected_variants(run: Run, all_variants: bool = False) -> set[str]:
     ``--strategies``; with ``all_variants`` a same-model run's whole default set), else none."""
     if not run.pairing and not all_variants:
         return set()
-    root = str(Path(__file__).resolve().parents[2])
-    if root not in sys.path:
-        sys.path.insert(0, root)
     from service.offline.evaluation.variants import select_variants
 
     spec = run.strategies.split(",") if run.pairing and run.strategies else None

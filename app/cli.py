@@ -538,6 +538,8 @@ async def _distill_eval(settings: Settings, args: argparse.Namespace) -> int:
     base = settings.model_copy(update={"adapter": None})
     teacher = base.for_model(args.teacher or settings.model)
     student = base.for_model(args.student)
+    if args.concurrency < 1:
+        raise ClientError("--concurrency must be >= 1", param="concurrency")
     config = MeasureConfig(
         out=args.out,
         passages=args.passages,
@@ -547,8 +549,6 @@ async def _distill_eval(settings: Settings, args: argparse.Namespace) -> int:
         max_answer_tokens=args.max_answer_tokens,
         concurrency=args.concurrency,
     )
-    if args.concurrency < 1:
-        raise ClientError("--concurrency must be >= 1", param="concurrency")
     examples = _load_examples(args)
     async with AsyncExitStack() as stack:
         # The teacher scores and, as the generator, answers: one pipeline for both.

@@ -111,18 +111,16 @@ def pairing_runs(spec: str, strategies: str = PAIRING_STRATEGIES) -> list[Run]:
 @dataclass
 class Job:
     name: str
-    test: str
     data: Path
     positional: bool
-    run: Run | None = None
+    run: Run
 
-    def __post_init__(self) -> None:
-        if self.run is None:
-            self.run = Run(self.test, self.test)
+    @property
+    def test(self) -> str:
+        return self.run.test
 
     @property
     def folder_name(self) -> str:
-        assert self.run is not None
         return self.run.folder
 
     def folder(self, work: Path) -> Path:
@@ -173,23 +171,22 @@ def make_jobs(data: Path, work: Path, chunk: int, runs: list[Run] | None = None)
     within the runs of one kind (same-model, or one pairing) the largest set first. Only a
     same-model run's first chunk rotates (a pairing runs with ``--no-positional``)."""
     jobs: list[Job] = []
-    sizes = {
-        t: len([ln for ln in (data / f"{t}.jsonl").read_text().splitlines() if ln.strip()])
-        for t in SETS
+    questions = {
+        t: [ln for ln in (data / f"{t}.jsonl").read_text().splitlines() if ln.strip()] for t in SETS
     }
     chosen = same_model_runs() if runs is None else runs
     group = {run: (run.scorer, run.generator) for run in chosen}
     first = {key: i for i, key in reversed(list(enumerate(group.values())))}
-    ordered = sorted(chosen, key=lambda r: (first[group[r]], -sizes[r.test]))
+    ordered = sorted(chosen, key=lambda r: (first[group[r]], -len(questions[r.test])))
     for run in ordered:
-        lines = [ln for ln in (data / f"{run.test}.jsonl").read_text().splitlines() if ln.strip()]
+        lines = questions[run.test]
         for i in range(0, len(lines), chunk):
             name = f"{run.folder}-{i // chunk:02d}"
             path = work / "data" / f"{name}.jsonl"
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("\n".join(lines[i : i + chunk]) + "\n")
             positional = i == 0 and not run.pairing
-            jobs.append(Job(name, run.test, path, positional=positional, run=run))
+            jobs.append(Job(name, path, positional=positional, run=run))
     return jobs
 
 
@@ -197,7 +194,6 @@ def start(
     job: Job, rr: list[str], out: Path, work: Path, remaining: float, extra: list[str]
 ) -> subprocess.Popen[bytes]:
     folder = job.folder(work)
-    assert job.run is not None
     if not folder.is_dir():  # first time: the run's finished records
         folder.mkdir(parents=True)
         cache = out / job.run.folder / "cache.jsonl"
@@ -277,10 +273,9 @@ def merge(out: Path, work: Path, runs: list[Run] | None = None) -> None:
     a torn line, or a record whose generator failed (``RETRYABLE_GENERATOR_ERRORS``), is left
     out, so a later good record of its key takes its place."""
     for run in same_model_runs() if runs is None else runs:
-        test = run.folder
-        target = out / test / "cache.jsonl"
+        target = out / run.folder / "cache.jsonl"
         seen: dict[str, str] = {}
-        sources = [target, *sorted(work.glob(f"{test}-[0-9][0-9]/cache.jsonl"))]
+        sources = [target, *sorted(work.glob(f"{run.folder}-[0-9][0-9]/cache.jsonl"))]
         for src in sources:
             if not src.is_file():
                 continue
@@ -291,7 +286,7 @@ def merge(out: Path, work: Path, runs: list[Run] | None = None) -> None:
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text("".join(v + "\n" for v in seen.values()), encoding="utf-8")
         questions = {json.loads(key)["question_id"] for key in seen}
-        print(f"{test}: {len(seen)} records, {len(questions)} questions", flush=True)
+        print(f"{run.folder}: {len(seen)} records, {len(questions)} questions", flush=True)
 
 
 def main() -> int:

@@ -125,14 +125,16 @@ class AdmittedBackend:
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
         """Check the request's prompts x tokens limit (422), admit the prompts' tokens plus
-        their answer budgets (503), then generate.
+        their answer budgets (503), then generate. A prompt's score ids are prefilled with
+        it, so they count as its tokens.
 
         Raises:
             LimitExceeded: prompts x tokens over the limit.
             Overloaded: the in-flight token budget is full.
         """
-        self._count_prompt_tokens(sum(len(r.token_ids) for r in requests), len(requests))
-        tokens = sum(len(r.token_ids) + r.max_new_tokens for r in requests)
+        prefilled = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
+        self._count_prompt_tokens(prefilled, len(requests))
+        tokens = prefilled + sum(r.max_new_tokens for r in requests)
         with self._admission.tokens(tokens):
             return await self._inner.generate(requests)
 

@@ -79,22 +79,37 @@ class SpanLogprobs:
 
 @dataclass(frozen=True, slots=True)
 class GenerationRequest:
-    """Greedy continuation of ``token_ids`` (later strategies generate short answers)."""
+    """Greedy continuation of ``token_ids`` (later strategies generate short answers).
+
+    ``score_ids``, when given, are teacher-forced after the prompt and their log-probs come
+    back with the generation (``Generation.score_logprobs``): the greedy answer and the
+    likelihood of a known continuation (the gold answer) from one prefill of the prompt,
+    instead of a ``generate`` and a ``score`` call that prefill it twice. The prompt plus the
+    score ids must fit the model's context.
+    """
 
     request_id: str
     token_ids: tuple[int, ...]
     max_new_tokens: int
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    score_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
 class Generation:
-    """Generated ids with the log-prob of each chosen token; ``finish_reason`` is stop|length."""
+    """Generated ids with the log-prob of each chosen token; ``finish_reason`` is stop|length.
+
+    ``score_logprobs[k] = log P(score_ids[k] | token_ids of the prompt + score_ids[:k])``, nats,
+    one per requested score id (the first conditioned on the prompt alone); ``None`` when the
+    request asked for none. Checked like a ``SpanLogprobs`` row: a row whose score log-probs
+    are not finite comes back as ``PromptFailure``.
+    """
 
     request_id: str
     token_ids: tuple[int, ...]
     logprobs: tuple[float, ...]
     finish_reason: str
+    score_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

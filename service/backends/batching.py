@@ -112,31 +112,48 @@ def longest_first(requests: Sequence[SpanRequest]) -> list[int]:
 
 
 def plan_generation_batches(
-    shapes: Sequence[tuple[int, int]], *, token_budget: int
+    shapes: Sequence[tuple[int, int]],
+    *,
+    token_budget: int,
+    scored: Sequence[int] = (),
 ) -> list[list[int]]:
     """Group generation requests, given as ``(prompt tokens, tokens to generate)``, into
     lockstep batches, longest prompts first.
 
-    A batch's cost is its size times its longest prompt plus its longest generation (the KV
-    cache it ends with); it grows while that stays within ``token_budget``. A request over
-    the budget on its own still gets a batch of one.
+    A row's tokens are its prompt, its score ids (``GenerationRequest.score_ids``, forwarded
+    after the prompt) and its generation: a batch's cost is its size times the sum of the
+    longest of each. That bounds both caches the batch builds (prompt + score ids for the
+    scoring forward, prompt + generation for decoding); it grows while that stays within
+    ``token_budget``. A request over the budget on its own still gets a batch of one.
+
+    Args:
+        shapes: ``(prompt tokens, tokens to generate)`` per request.
+        token_budget: max ``batch size * (longest prompt + most score ids + most steps)``.
+        scored: score ids per request, in the order of ``shapes``; empty: none anywhere.
 
     Returns:
         Lists of indices into ``shapes``; every index appears exactly once.
+
+    Raises:
+        ValueError: ``scored`` is neither empty nor one count per shape.
     """
+    if scored and len(scored) != len(shapes):
+        raise ValueError(f"{len(scored)} score counts for {len(shapes)} requests")
+    extra = list(scored) if scored else [0] * len(shapes)
     order = sorted(range(len(shapes)), key=lambda i: -shapes[i][0])
     batches: list[list[int]] = []
     current: list[int] = []
-    width = steps = 0
+    width = steps = scores = 0
     for i in order:
-        n, k = shapes[i]
-        if current and (len(current) + 1) * (max(width, n) + max(steps, k)) <= token_budget:
+        (n, k), m = shapes[i], extra[i]
+        cost = (len(current) + 1) * (max(width, n) + max(scores, m) + max(steps, k))
+        if current and cost <= token_budget:
             current.append(i)
-            width, steps = max(width, n), max(steps, k)
+            width, steps, scores = max(width, n), max(steps, k), max(scores, m)
             continue
         if current:
             batches.append(current)
-        current, width, steps = [i], n, k
+        current, width, steps, scores = [i], n, k, m
     if current:
         batches.append(current)
     return batches

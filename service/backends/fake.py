@@ -27,6 +27,12 @@ more useful passage gives a more confident answer. With no known passage present
 ``no_answer`` at log-prob ``log(1/2)`` per token. Generation stops after a token in
 ``stop_token_ids`` or the tokenizer's end tokens (``finish_reason="stop"``, the token included)
 or at ``max_new_tokens`` (``"length"``).
+
+Fused scoring. A generation request's ``score_ids`` get exactly the log-probs ``score`` gives
+the span ``[len(token_ids), len(token_ids) + len(score_ids))`` of ``token_ids + score_ids``
+(the failure rules and the context limit apply to that longer prompt too, after the answer's);
+when that scoring fails, the whole request comes back as ``PromptFailure``, as on a real
+backend, where both come from one forward.
 """
 
 from __future__ import annotations
@@ -84,6 +90,7 @@ class FakeBackendStats:
     score_calls: int = 0
     generate_calls: int = 0
     prompts_scored: int = 0
+    """Prompts whose log-probs were read: by ``score``, and generations with score ids."""
     prompt_tokens: int = 0
     """Tokens of all prompts received (scored and generated from): the prefill cost."""
     span_tokens: int = 0
@@ -254,7 +261,8 @@ class FakeBackend:
         return results
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
-        """Answers by the module's generation rule, one result per request.
+        """Answers by the module's generation rule, one result per request, with the
+        ``score_ids``' log-probs by its scoring rule (module docstring: fused scoring).
 
         Raises:
             BackendUnavailable: the backend was closed.
@@ -266,12 +274,16 @@ class FakeBackend:
         for request in requests:
             if request.max_new_tokens < 1:
                 raise ValueError(f"request {request.request_id!r}: max_new_tokens must be >= 1")
-            self.stats.prompt_tokens += len(request.token_ids)
+            # The score ids are prefilled after the prompt: one longer prompt, not two.
+            self.stats.prompt_tokens += len(request.token_ids) + len(request.score_ids)
             result = self._generate_one(request)
             if isinstance(result, PromptFailure):
                 self.stats.failures += 1
             else:
                 self.stats.generated_tokens += len(result.token_ids)
+                if result.score_logprobs is not None:
+                    self.stats.prompts_scored += 1
+                    self.stats.span_tokens += len(result.score_logprobs)
             results.append(result)
         return results
 
@@ -337,11 +349,26 @@ class FakeBackend:
         logprobs = [logprob] * len(out)
         if request.request_id in self.nan_ids or (self.nan_rule and self.nan_rule(prompt)):
             logprobs[0] = math.nan
+        score_logprobs: tuple[float, ...] | None = None
+        if request.score_ids:
+            n = len(request.token_ids)
+            scored = self._score_one(
+                SpanRequest(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids + request.score_ids,
+                    span_start=n,
+                    span_end=n + len(request.score_ids),
+                )
+            )
+            if isinstance(scored, PromptFailure):
+                return scored
+            score_logprobs = scored.logprobs
         return Generation(
             request_id=request.request_id,
             token_ids=tuple(out),
             logprobs=tuple(logprobs),
             finish_reason=finish,
+            score_logprobs=score_logprobs,
         )
 
     def _injected_failure(self, prompt: FakePrompt, n_tokens: int) -> PromptFailure | None:

@@ -20,6 +20,7 @@ caller bug, not a broken backend. A forward that fails (out of memory, non-finit
 
 from __future__ import annotations
 
+import copy
 import gc
 import inspect
 import logging
@@ -298,18 +299,22 @@ class TransformersBackend:
         """Greedy continuations, one result per request, in order.
 
         A generation stops after a stop id (the request's or the tokenizer's eos ids); that id
-        is the last of ``token_ids`` and has its log-prob, as in vLLM's output token ids.
+        is the last of ``token_ids`` and has its log-prob, as in vLLM's output token ids. A
+        request's ``score_ids`` are scored from the same prefill as its answer (``_greedy``).
 
         Args:
             requests: prompts with ``max_new_tokens >= 1``.
 
         Returns:
             ``Generation`` per request (``finish_reason`` ``stop`` or ``length``; ``length``
-            also when the context is full), or ``PromptFailure`` where a forward failed.
+            also when the context is full; ``score_logprobs`` when it had ``score_ids``), or
+            ``PromptFailure`` where a forward failed or gave a non-finite log-prob.
 
         Raises:
-            InvalidRequest: empty prompt, unknown token id, or ``max_new_tokens < 1``.
-            LimitExceeded: the prompt leaves no room in ``max_model_len`` to generate.
+            InvalidRequest: empty prompt, unknown token id (prompt or score ids), or
+                ``max_new_tokens < 1``.
+            LimitExceeded: the prompt leaves no room in ``max_model_len`` to generate, or the
+                prompt plus its score ids do not fit in it.
             BackendUnavailable: the backend is closed.
         """
         self._require_open()
@@ -322,10 +327,13 @@ class TransformersBackend:
                     f"got {req.max_new_tokens}",
                     param="max_new_tokens",
                 )
+            if req.score_ids:
+                self._validate_score_ids(req)
         results: dict[int, GenerateResult] = {}
         for batch in plan_generation_batches(
             [(len(r.token_ids), self._steps(r)) for r in reqs],
             token_budget=self._batch_token_budget,
+            scored=[len(r.score_ids) for r in reqs],
         ):
             async with self._lock:
                 model = self._require_open()
@@ -380,6 +388,24 @@ class TransformersBackend:
                 param="token_ids",
             )
 
+    def _validate_score_ids(self, req: GenerationRequest) -> None:
+        n, m = len(req.token_ids), len(req.score_ids)
+        if n + m > self._max_model_len:
+            raise LimitExceeded(
+                "score_ids",
+                self._max_model_len - n,
+                m,
+                what=f"score tokens after a {n}-token prompt in a {self._max_model_len}-token "
+                "context",
+            )
+        low, high = min(req.score_ids), max(req.score_ids)
+        if low < 0 or high >= self._vocab_size:
+            raise InvalidRequest(
+                f"request {req.request_id!r}: score ids must be in [0, {self._vocab_size}), "
+                f"got {low if low < 0 else high}",
+                param="score_ids",
+            )
+
     def _score_batch(self, model: PreTrainedModel, batch: list[SpanRequest]) -> list[ScoreResult]:
         def forward(part: list[SpanRequest]) -> list[ScoreResult]:
             flat = self._forward_span_logprobs(model, part)
@@ -419,28 +445,43 @@ class TransformersBackend:
             # No KV cache: scoring never continues a prompt, so the cache would be pure waste.
             "use_cache": False,
         }
-        b_idx = torch.tensor(rows_b, dtype=torch.long)
-        t_idx = torch.tensor(rows_t, dtype=torch.long)
-        if self._head_mode == "mask":
-            keep = torch.zeros((len(batch), width), dtype=torch.bool)
-            keep[b_idx, t_idx] = True
-            kwargs["logits_to_keep"] = keep.to(self._device)
-            # Boolean logits_to_keep flattens kept rows in (batch, position) order, the order
-            # in which rows_b/rows_t were built.
-            rows = model(**kwargs).logits
-        elif self._head_mode == "positions":
-            positions = sorted(set(rows_t))
-            column = {t: k for k, t in enumerate(positions)}
-            kwargs["logits_to_keep"] = torch.tensor(positions, dtype=torch.long).to(self._device)
-            logits = model(**kwargs).logits
-            u_idx = torch.tensor([column[t] for t in rows_t], dtype=torch.long)
-            rows = logits[b_idx.to(self._device), u_idx.to(self._device)]
-        else:
-            logits = model(**kwargs).logits
-            rows = logits[b_idx.to(self._device), t_idx.to(self._device)]
+        rows = self._head_rows(model, kwargs, (len(batch), width), rows_b, rows_t)
         target = torch.tensor(targets, dtype=torch.long, device=self._device)
         values: list[float] = token_logprobs(rows, target).cpu().tolist()
         return values
+
+    def _head_rows(
+        self,
+        model: PreTrainedModel,
+        kwargs: dict[str, object],
+        shape: tuple[int, int],
+        rows_b: list[int],
+        rows_t: list[int],
+    ) -> torch.Tensor:
+        """Logits of ``model(**kwargs)`` at the positions ``(rows_b[k], rows_t[k])``, as a
+        ``(len(rows_b), vocab)`` tensor, with no more rows through the LM head than the head
+        mode needs. ``shape`` is the input's ``(batch, positions)``; the pairs must come in
+        (batch, position) order."""
+        b_idx = torch.tensor(rows_b, dtype=torch.long)
+        t_idx = torch.tensor(rows_t, dtype=torch.long)
+        if self._head_mode == "mask":
+            keep = torch.zeros(shape, dtype=torch.bool)
+            keep[b_idx, t_idx] = True
+            # Boolean logits_to_keep flattens kept rows in (batch, position) order, the order
+            # the pairs come in.
+            rows: torch.Tensor = model(**kwargs, logits_to_keep=keep.to(self._device)).logits
+            return rows
+        if self._head_mode == "positions":
+            positions = sorted(set(rows_t))
+            column = {t: k for k, t in enumerate(positions)}
+            keep_at = torch.tensor(positions, dtype=torch.long).to(self._device)
+            logits = model(**kwargs, logits_to_keep=keep_at).logits
+            u_idx = torch.tensor([column[t] for t in rows_t], dtype=torch.long)
+            rows = logits[b_idx.to(self._device), u_idx.to(self._device)]
+            return rows
+        logits = model(**kwargs).logits
+        rows = logits[b_idx.to(self._device), t_idx.to(self._device)]
+        return rows
 
     def _steps(self, req: GenerationRequest) -> int:
         """Tokens ``req`` may generate: its budget, cut where the context ends."""
@@ -486,7 +527,8 @@ class TransformersBackend:
         Prompts are left-padded so every row's next token sits in the last column; the
         attention mask hides the pads and explicit position ids start each row at 0, so a row
         decodes as it would alone. One host sync per step reads every row's token at once,
-        instead of one decode loop (and one sync per token) per request.
+        instead of one decode loop (and one sync per token) per request. Rows with score ids
+        get them scored from the same prefill (``_score_after_prefill``) before decoding.
         """
         rows = len(batch)
         width = max(len(r.token_ids) for r in batch)
@@ -509,9 +551,30 @@ class TransformersBackend:
         if self._accepts_logits_to_keep:
             kwargs["logits_to_keep"] = 1
         out = model(**kwargs)
+        scored: list[tuple[float, ...] | PromptFailure | None] = [None] * rows
+        if any(r.score_ids for r in batch):
+            # Under logits_to_keep=1 the prefill's logits are (rows, 1, vocab), else (rows,
+            # width, vocab): the last column is each prompt's last position either way.
+            scored = self._score_after_prefill(
+                model, batch, out.logits[:, -1], out.past_key_values, mask, positions
+            )
         tokens: list[list[int]] = [[] for _ in batch]
         values: list[list[float]] = [[] for _ in batch]
-        finished: list[GenerateResult | None] = [None] * rows
+        # A row whose score ids failed is finished before it starts: the request fails whole.
+        finished: list[GenerateResult | None] = [
+            s if isinstance(s, PromptFailure) else None for s in scored
+        ]
+
+        def generation(b: int, reason: str) -> Generation:
+            score = scored[b]
+            return Generation(
+                batch[b].request_id,
+                tuple(tokens[b]),
+                tuple(values[b]),
+                reason,
+                score_logprobs=score if isinstance(score, tuple) else None,
+            )
+
         last = positions[:, -1:]
         for step in range(max(steps)):
             logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
@@ -528,13 +591,9 @@ class TransformersBackend:
                 tokens[b].append(token)
                 values[b].append(value)
                 if token in stops[b]:
-                    finished[b] = Generation(
-                        req.request_id, tuple(tokens[b]), tuple(values[b]), "stop"
-                    )
+                    finished[b] = generation(b, "stop")
                 elif len(tokens[b]) >= steps[b]:
-                    finished[b] = Generation(
-                        req.request_id, tuple(tokens[b]), tuple(values[b]), "length"
-                    )
+                    finished[b] = generation(b, "length")
             if all(f is not None for f in finished) or step + 1 >= max(steps):
                 break
             # Finished rows keep decoding their own argmax (cheaper than re-packing the
@@ -548,12 +607,84 @@ class TransformersBackend:
                 past_key_values=out.past_key_values,
                 use_cache=True,
             )
-        return [
-            f
-            if f is not None
-            else Generation(req.request_id, tuple(tokens[b]), tuple(values[b]), "length")
-            for b, (req, f) in enumerate(zip(batch, finished, strict=True))
-        ]
+        return [f if f is not None else generation(b, "length") for b, f in enumerate(finished)]
+
+    def _score_after_prefill(
+        self,
+        model: PreTrainedModel,
+        batch: list[GenerationRequest],
+        last_logits: torch.Tensor,
+        cache: object,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+    ) -> list[tuple[float, ...] | PromptFailure | None]:
+        """Log-probs of each row's ``score_ids`` after its prompt, from ``_greedy``'s prefill
+        (its ``(rows, vocab)`` logits at the last position, its KV ``cache``, the left-padded
+        ``mask`` and ``positions``) and at most one more forward.
+
+        The first score id is predicted by the prompt's last position, which the prefill
+        already ran through the LM head. The others are predicted by the score ids before
+        them: those are fed as one right-padded block after the prompts (mask 0 on the pads,
+        positions continuing each row's), on a copy of the prefill's KV cache, so each row
+        sees its own prompt and score ids only and decoding goes on from the untouched cache.
+        The last score id is never fed: nothing reads what it predicts.
+
+        Returns:
+            Per row: the checked log-probs, ``PromptFailure`` when one is not finite (or is
+            positive), or ``None`` for a row without score ids.
+        """
+        device = self._device
+        rows = len(batch)
+        wanted = [b for b, r in enumerate(batch) if r.score_ids]
+        found: list[list[float]] = [[] for _ in batch]
+        first_ids = torch.tensor([batch[b].score_ids[0] for b in wanted], device=device)
+        first = token_logprobs(last_logits[torch.tensor(wanted, device=device)], first_ids)
+        for b, value in zip(wanted, first.cpu().tolist(), strict=True):
+            found[b].append(value)
+        fed = max(len(r.score_ids) for r in batch) - 1
+        if fed > 0:
+            ids = torch.zeros((rows, fed), dtype=torch.long)
+            tail = torch.zeros((rows, fed), dtype=torch.long)
+            rows_b: list[int] = []
+            rows_t: list[int] = []
+            targets: list[int] = []
+            for b, req in enumerate(batch):
+                k = len(req.score_ids) - 1
+                if k <= 0:
+                    continue
+                ids[b, :k] = torch.tensor(req.score_ids[:-1], dtype=torch.long)
+                tail[b, :k] = 1
+                # The logits at block position j predict score id j + 1.
+                rows_b.extend([b] * k)
+                rows_t.extend(range(k))
+                targets.extend(req.score_ids[1:])
+            kwargs: dict[str, object] = {
+                "input_ids": ids.to(device),
+                "attention_mask": torch.cat([mask, tail.to(device)], dim=1),
+                "position_ids": positions[:, -1:] + 1 + torch.arange(fed, device=device),
+                # A copy, because the forward appends to the cache it is given. deepcopy works
+                # for every cache class; cropping back does not (Gemma-3's sliding-window
+                # layers have already dropped the tokens a crop would need).
+                "past_key_values": copy.deepcopy(cache),
+                "use_cache": True,
+            }
+            logits = self._head_rows(model, kwargs, (rows, fed), rows_b, rows_t)
+            target = torch.tensor(targets, dtype=torch.long, device=device)
+            rest: list[float] = token_logprobs(logits, target).cpu().tolist()
+            del kwargs, logits  # the copied cache: freed before decoding grows the original
+            for b, value in zip(rows_b, rest, strict=True):
+                found[b].append(value)
+        out: list[tuple[float, ...] | PromptFailure | None] = []
+        for b, req in enumerate(batch):
+            if not req.score_ids:
+                out.append(None)
+                continue
+            checked = checked_span(req.request_id, found[b])
+            if isinstance(checked, PromptFailure):
+                out.append(PromptFailure(req.request_id, f"score_ids: {checked.reason}"))
+            else:
+                out.append(checked.logprobs)
+        return out
 
 
 def _merged(model: _Model, adapter: Path) -> _Model:

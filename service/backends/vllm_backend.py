@@ -28,6 +28,11 @@ least one token; it comes from the last prefill row, so it costs no extra forwar
 requests do not read the prefix cache (vLLM turns that off for them: rows served from cached
 blocks would get no log-probs).
 
+Generation with ``score_ids`` (``GenerationRequest``): the generation and a scoring request for
+the prompt plus the score ids go to the engine together, in the same call. Correct and
+simple, but not one prefill as on the transformers backend: the scoring request cannot reuse
+the generation's cached prompt blocks (see above), so the prompt is prefilled twice.
+
 Errors. A request that vLLM rejects or that fails, and a result that does not pass the checks
 (missing rows, a row for another token, non-finite or positive log-probs), come back as
 ``PromptFailure`` for that prompt; the other prompts are still scored. A malformed request
@@ -40,6 +45,7 @@ and be restarted (see design/RELIABILITY.md).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable, Sequence
@@ -82,18 +88,20 @@ DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 # Kept short: a failure reason travels into response diagnostics and logs.
 _MAX_REASON_CHARS = 200
 
-_R = TypeVar("_R", SpanLogprobs, Generation)
+_R = TypeVar("_R", bound=SpanLogprobs | Generation)
+# Covariant, so that generation and scoring jobs can share one ``_run_all`` (fused generation).
+_R_co = TypeVar("_R_co", bound=SpanLogprobs | Generation, covariant=True)
 
 
 @dataclass(frozen=True, slots=True)
-class _Job(Generic[_R]):
+class _Job(Generic[_R_co]):
     """One engine request: what to send and how to turn its final output into a result."""
 
     request_id: str
     engine_id: str
     token_ids: tuple[int, ...]
     params: SamplingParams
-    parse: Callable[[RequestOutput], _R | PromptFailure]
+    parse: Callable[[RequestOutput], _R_co | PromptFailure]
 
 
 class VLLMBackend:
@@ -338,30 +346,48 @@ class VLLMBackend:
         ``eos_token_ids`` (the same set as the transformers backend; vLLM's own eos rule is
         switched off so both backends stop on the same ids). That token is the last of
         ``token_ids`` and has its log-prob. ``finish_reason`` is ``length`` after
-        ``max_new_tokens`` tokens or when the context is full.
+        ``max_new_tokens`` tokens or when the context is full. A request's ``score_ids`` are
+        scored by a scoring request for the prompt plus them, sent with the generation
+        (module docstring); the request fails when either of the two does.
 
         Args:
             requests: prompts with ``max_new_tokens >= 1``.
 
         Returns:
-            ``Generation`` per request, or ``PromptFailure`` where the request is malformed or
-            vLLM rejected or failed it.
+            ``Generation`` per request (with ``score_logprobs`` when it had ``score_ids``), or
+            ``PromptFailure`` where the request is malformed or vLLM rejected or failed it.
 
         Raises:
             BackendUnavailable: the engine is dead or the backend is closed.
         """
         self._require_alive()
         results: list[GenerateResult | None] = [None] * len(requests)
-        jobs: list[tuple[int, _Job[Generation]]] = []
+        generating: list[tuple[int, _Job[Generation]]] = []
+        scoring: dict[int, _Job[SpanLogprobs]] = {}
         for i, req in enumerate(requests):
             problem = self._generation_problem(req)
             if problem is not None:
                 results[i] = PromptFailure(req.request_id, problem)
-            else:
-                jobs.append((i, self._generation_job(req)))
-        outcomes = await self._run_all([job for _, job in jobs])
-        for (i, _), outcome in zip(jobs, outcomes, strict=True):
-            results[i] = outcome
+                continue
+            generating.append((i, self._generation_job(req)))
+            if req.score_ids:
+                n = len(req.token_ids)
+                span = SpanRequest(
+                    req.request_id, req.token_ids + req.score_ids, n, n + len(req.score_ids)
+                )
+                scoring[i] = self._score_job(span)
+        # One _run_all for both kinds: the engine schedules them together, and a failure or a
+        # cancellation aborts every engine request of the call.
+        jobs: list[_Job[Generation | SpanLogprobs]] = [job for _, job in generating]
+        jobs.extend(scoring.values())
+        outcomes = await self._run_all(jobs)
+        # By construction, the first outcomes are the generations' and the rest the scorings',
+        # in the order of ``scoring``.
+        generated = cast("list[GenerateResult]", outcomes[: len(generating)])
+        scored_outcomes = cast("list[ScoreResult]", outcomes[len(generating) :])
+        scored = dict(zip(scoring, scored_outcomes, strict=True))
+        for (i, _), outcome in zip(generating, generated, strict=True):
+            results[i] = with_score_logprobs(outcome, scored[i]) if i in scored else outcome
         return [r for r in results if r is not None]
 
     async def aclose(self) -> None:
@@ -438,7 +464,19 @@ class VLLMBackend:
     def _generation_problem(self, req: GenerationRequest) -> str | None:
         if req.max_new_tokens < 1:
             return f"max_new_tokens must be >= 1, got {req.max_new_tokens}"
-        return self._prompt_problem(req.token_ids, limit=self._max_prompt_len)
+        problem = self._prompt_problem(req.token_ids, limit=self._max_prompt_len)
+        if problem is not None or not req.score_ids:
+            return problem
+        n, m = len(req.token_ids), len(req.score_ids)
+        if n + m > self._max_prompt_len:
+            return (
+                f"score_ids: {m} score ids after a {n}-token prompt are over the limit of "
+                f"{self._max_prompt_len} tokens"
+            )
+        low, high = min(req.score_ids), max(req.score_ids)
+        if low < 0 or high >= self._vocab_size:
+            return f"score_ids: id {low if low < 0 else high} outside [0, {self._vocab_size})"
+        return None
 
     def _score_job(self, req: SpanRequest) -> _Job[SpanLogprobs]:
         prompt = req.token_ids[: req.span_end]
@@ -651,6 +689,21 @@ def generation_from_output(request_id: str, out: RequestOutput) -> GenerateResul
     if isinstance(checked, PromptFailure):
         return checked
     return Generation(request_id, token_ids, checked.logprobs, str(reason))
+
+
+def with_score_logprobs(generated: GenerateResult, scored: ScoreResult) -> GenerateResult:
+    """A generation with score ids, out of its generation's and its scoring's results.
+
+    Returns:
+        The generation with ``score_logprobs`` from ``scored``, or ``PromptFailure`` when
+        either failed (the generation's failure first).
+    """
+    if isinstance(generated, PromptFailure):
+        return generated
+    if isinstance(scored, PromptFailure):
+        reason = f"score_ids: {scored.reason}"
+        return PromptFailure(generated.request_id, reason[:_MAX_REASON_CHARS])
+    return dataclasses.replace(generated, score_logprobs=scored.logprobs)
 
 
 def _row_value(rows: Sequence[Any], pos: int, token: int) -> float | None:

@@ -422,12 +422,11 @@ class Work:
 
         The continuation is tokenised on its own and appended to the generation prompt's ids:
         the same ids a generator would have to produce, token by token.
+
+        Raises:
+            InvalidRequest: the continuation is empty.
         """
-        ids = await self.off_loop(
-            lambda: self.backend.tokenizer.encode(continuation).ids, timer="tokenize"
-        )
-        if not ids:
-            raise InvalidRequest("continuation is empty", param="continuation")
+        ids = await self._continuation_ids(continuation)
         requests = [
             SpanRequest(
                 request_id="",
@@ -446,6 +445,45 @@ class Work:
 
         Identical prompts are generated once (greedy decoding is deterministic).
         """
+        return [answer for answer, _ in await self._generate(prompts, max_new_tokens, ())]
+
+    async def generate_and_score(
+        self, prompts: Sequence[BuiltPrompt], continuation: str, *, max_new_tokens: int
+    ) -> list[tuple[Answer | None, tuple[float, ...] | None]]:
+        """``generate`` and ``continuation_logprobs`` on the same prompts, from one prefill each.
+
+        The continuation's ids (tokenised as ``continuation_logprobs`` does) travel with each
+        generation request (``GenerationRequest.score_ids``): the backend scores them from
+        the prefill that starts the answer instead of forwarding the prompt a second time.
+        The usage counts one model call per prompt, prefilling the prompt and the
+        continuation, with the continuation's tokens scored.
+
+        Returns:
+            Per prompt, the answer (``None`` where generation failed) and the continuation's
+            per-token log-probs (``None`` where scoring failed); a prompt that failed on the
+            backend has neither.
+
+        Raises:
+            InvalidRequest: the continuation is empty.
+            ScoringFailed: the backend answered the wrong number of prompts.
+            BackendUnavailable: the backend is unusable.
+        """
+        ids = await self._continuation_ids(continuation)
+        return await self._generate(prompts, max_new_tokens, ids)
+
+    async def _continuation_ids(self, continuation: str) -> tuple[int, ...]:
+        ids = await self.off_loop(
+            lambda: self.backend.tokenizer.encode(continuation).ids, timer="tokenize"
+        )
+        if not ids:
+            raise InvalidRequest("continuation is empty", param="continuation")
+        return ids
+
+    async def _generate(
+        self, prompts: Sequence[BuiltPrompt], max_new_tokens: int, score_ids: tuple[int, ...]
+    ) -> list[tuple[Answer | None, tuple[float, ...] | None]]:
+        """Greedy answers, with ``score_ids`` scored after each prompt when given; identical
+        prompts are sent once."""
         if not prompts:
             return []
         self.planned += len(prompts)
@@ -461,6 +499,7 @@ class Work:
                         request_id=self.new_id(),
                         token_ids=p.token_ids,
                         max_new_tokens=max_new_tokens,
+                        score_ids=score_ids,
                     )
                 )
             index.append(k)
@@ -472,19 +511,47 @@ class Work:
         if len(results) != len(sent):
             raise ScoringFailed(f"backend answered {len(results)} of {len(sent)} generations")
         eos = self.backend.tokenizer.eos_token_ids
-        answers: list[Answer | None] = []
+        rows: list[tuple[Answer | None, tuple[float, ...] | None]] = []
         for res in results:
-            if isinstance(res, PromptFailure) or not all(math.isfinite(v) for v in res.logprobs):
+            if isinstance(res, PromptFailure):
+                log.warning("generation %s failed: %s", res.request_id, res.reason)
                 self._failed += 1
-                reason = res.reason if isinstance(res, PromptFailure) else "non-finite log-prob"
-                log.warning("generation %s failed: %s", res.request_id, reason)
-                answers.append(None)
+                rows.append((None, None))
                 continue
-            self._generated_tokens += len(res.token_ids)
-            answers.append(_answer(res, eos, self.backend.tokenizer.decode))
+            answer: Answer | None = None
+            if all(math.isfinite(v) for v in res.logprobs):
+                self._generated_tokens += len(res.token_ids)
+                answer = _answer(res, eos, self.backend.tokenizer.decode)
+            else:
+                log.warning("generation %s failed: non-finite log-prob", res.request_id)
+            scores = _checked_scores(res, len(score_ids)) if score_ids else None
+            if answer is None or (score_ids and scores is None):
+                self._failed += 1  # one prompt, whichever of its two parts failed
+            rows.append((answer, scores))
         self._generations += len(sent)
-        self._prompt_tokens += sum(len(r.token_ids) for r in sent)
-        return [answers[k] for k in index]
+        # The score ids are prefilled after the prompt, in the same forward: one longer prompt.
+        self._prompt_tokens += sum(len(r.token_ids) + len(r.score_ids) for r in sent)
+        if score_ids:
+            self._scored += len(sent)
+            self._scored_tokens += len(sent) * len(score_ids)
+        return [rows[k] for k in index]
+
+
+def _checked_scores(gen: Generation, expected: int) -> tuple[float, ...] | None:
+    """A generation's score log-probs if there is one finite value per score id, else None."""
+    values = gen.score_logprobs
+    if values is None or len(values) != expected:
+        log.warning(
+            "generation %s: %s score log-probs for %d score ids",
+            gen.request_id,
+            "no" if values is None else len(values),
+            expected,
+        )
+        return None
+    if not all(math.isfinite(v) for v in values):
+        log.warning("generation %s: non-finite score log-prob", gen.request_id)
+        return None
+    return tuple(values)
 
 
 def _answer(gen: Generation, eos: frozenset[int], decode: Callable[[Sequence[int]], str]) -> Answer:

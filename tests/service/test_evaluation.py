@@ -31,7 +31,7 @@ from service.offline.evaluation.stats import (
 )
 from service.pipeline import Reorderer
 from service.profile_store import ProfileStore
-from service.prompts import Passage
+from service.prompts import Passage, build_generation_prompt
 from service.settings import Settings
 
 K = 5  # passages per question
@@ -287,6 +287,40 @@ async def test_separate_generator_answers_and_scorer_orders(tmp_path: Path) -> N
     assert r.generator_cost.scored_tokens == r.gold_tokens == len("answer 0")
 
 
+async def test_the_generator_prefills_each_order_once_with_its_gold_answer(
+    tmp_path: Path,
+) -> None:
+    # The answer and the gold answer's log-probs come from one generation call per order (the
+    # gold answer teacher-forced after the prompt), and the generator cost says so: one prompt
+    # of the prompt's tokens plus the gold answer's, not two forwards of the prompt.
+    examples, scorer_backend, scorer = _setup(tmp_path)
+    gen_backend = FakeBackend(scorer_backend.truth, answers={}, model_id="fake/generator")
+    generator = Reorderer(gen_backend, Settings(cache_dir=tmp_path))
+    config = _config(tmp_path, variants=tuple(select_variants(["retriever", "inverse"])))
+    out = await run_evaluation(examples, scorer, config, generator=generator)
+    # No scoring call on the generator, the positional runs' included: one batch per
+    # question for its two orders, one per positional question for its K rotations.
+    assert gen_backend.stats.score_calls == 0
+    assert gen_backend.stats.generate_calls == QUESTIONS + 2
+    assert gen_backend.stats.prompts_scored == QUESTIONS * 2 + 2 * K
+    tok = ByteTokenizer()
+    for r in out.records:
+        ex = next(e for e in examples if e.id == r.question_id)
+        assert r.order is not None and r.generator_cost is not None
+        prompt = build_generation_prompt(
+            tok, "qa_default", ex.question, prepare(ex, None).passages, r.order
+        )
+        gold = len(tok.encode(ex.answers[0]).ids)
+        assert r.gold_tokens == gold
+        assert r.gold_logprob_per_token == pytest.approx(
+            _per_token(gen_backend, [ex.passages[i].text for i in r.order], ex.answers[0])
+        )
+        cost = r.generator_cost
+        assert (cost.prompts, cost.prompts_scored, cost.generations) == (1, 1, 1)
+        assert cost.prompt_tokens == len(prompt.token_ids) + gold
+        assert cost.scored_tokens == gold
+
+
 async def test_a_failed_generation_is_not_cached_and_runs_again(tmp_path: Path) -> None:
     # A generator forward that fails on its own (out of memory on a crowded GPU) must not
     # become a finished record: the next run computes it again.
@@ -303,20 +337,31 @@ async def test_a_failed_generation_is_not_cached_and_runs_again(tmp_path: Path) 
         or not (tmp_path / "out" / CACHE_FILE).read_text()
     )
 
-    # Generation works, the gold answer's scoring fails: also incomplete, also not kept.
+    # Generation works, the gold answer's scoring fails (a non-finite log-prob in the gold
+    # answer's row, the answer's own fine): also incomplete, also not kept.
     calls = 0
 
-    def gold_scoring_fails(prompt: object) -> bool:
+    def after_the_first(prompt: object) -> bool:
         nonlocal calls
         calls += 1
-        return calls > 1  # the batch's generation passes; every scoring after it fails
+        return calls > 1  # the fake checks the answer's prompt, then the gold answer's
 
-    gen_backend.fail_rule = gold_scoring_fails
+    gen_backend.fail_rule = None
+    gen_backend.nan_rule = after_the_first
     config1 = _config(tmp_path, variants=tuple(select_variants(["retriever"])), positional=False)
     partial = await run_evaluation(examples[:1], scorer, config1, generator=generator)
     assert partial.records[0].answer is not None
     assert partial.records[0].generator_error == "gold answer scoring failed"
     assert partial.records[0].gold_logprob is None and partial.records[0].retryable
+    gen_backend.nan_rule = None
+
+    # The gold answer is scored from the answer's own prefill: when the backend fails that
+    # scoring, the prompt fails whole, a failed generation (retried like the others).
+    calls = 0
+    gen_backend.fail_rule = after_the_first
+    whole = await run_evaluation(examples[:1], scorer, config1, generator=generator)
+    assert whole.records[0].answer is None and whole.records[0].gold_logprob is None
+    assert whole.records[0].generator_error == "generation failed" and whole.records[0].retryable
 
     gen_backend.fail_rule = None
     fixed = await run_evaluation(examples, scorer, config, generator=generator)

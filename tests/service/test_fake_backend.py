@@ -390,6 +390,36 @@ def test_generation_failures_and_limits() -> None:
     assert ok.finish_reason == "length"
 
 
+def test_generation_scores_its_score_ids_as_score_would() -> None:
+    backend = FakeBackend(TRUTH, bias=bias_table, query_logprob_per_token=-2.0)
+    ids = generation_ids([2, 1, 0])  # C, B, A: weights 0.5, 0.3, 0.2
+    paris = backend.tokenizer.encode("Paris").ids  # 5 bytes, 5 tokens, none in a passage
+    [plain, fused] = generate(
+        backend, [GenerationRequest("p", ids, 50), GenerationRequest("f", ids, 50, score_ids=paris)]
+    )
+    # The answer is the plain generation's; the score ids get the scoring formula by hand:
+    # c = lam * n - max(0, max u) = -2 * 5 - 1.0 = -11; signal 0.5 * -0.5 + 0.3 * 0 + 0.2 * 1.0
+    # = -0.05; spread evenly over the 5 tokens.
+    assert (fused.token_ids, fused.logprobs) == (plain.token_ids, plain.logprobs)
+    assert plain.score_logprobs is None
+    assert fused.score_logprobs == pytest.approx([-11.05 / 5] * 5)
+    [span] = score(backend, [SpanRequest("s", ids + paris, len(ids), len(ids) + 5)])
+    assert isinstance(span, SpanLogprobs) and fused.score_logprobs == span.logprobs
+    # One prefill of prompt + score ids, counted as a scored prompt.
+    stats = backend.stats
+    assert stats.prompts_scored == 2 and stats.span_tokens == 10  # the fused one and `score`
+    assert stats.prompt_tokens == len(ids) + (len(ids) + 5) + (len(ids) + 5)
+
+    # The score ids must fit the context too; when their scoring fails, the request does.
+    short = FakeBackend(TRUTH, max_model_len=len(ids) + 3)
+    [ok, over] = anyio.run(
+        short.generate,
+        [GenerationRequest("ok", ids, 2), GenerationRequest("over", ids, 2, score_ids=paris)],
+    )
+    assert isinstance(ok, Generation) and ok.score_logprobs is None
+    assert isinstance(over, PromptFailure) and "max_model_len" in over.reason
+
+
 def test_scores_are_exactly_the_bilinear_model() -> None:
     # With a known, u is a linear least-squares problem: the fake's scores must give it back
     # exactly (up to the constant the model cannot see), which is what the fit relies on.

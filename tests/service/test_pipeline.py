@@ -122,6 +122,33 @@ async def test_identical_prompts_are_scored_once(tmp_path: Path) -> None:
     assert any("all scores are equal" in w for w in res.warnings)
 
 
+async def test_generate_and_score_is_both_calls_in_one_prefill(tmp_path: Path) -> None:
+    passages, truth = _world(n=3)
+    orders = [[0, 1, 2], [2, 1, 0], [0, 1, 2]]  # the third repeats the first
+    separate_backend, fused_backend = FakeBackend(truth), FakeBackend(truth)
+    separate = _reorderer(separate_backend, tmp_path).work("s")
+    fused = _reorderer(fused_backend, tmp_path).work("f")
+    prompts = await separate.generation_prompts("q?", passages, orders)
+    answers = await separate.generate(prompts, max_new_tokens=8)
+    rows = await separate.continuation_logprobs(prompts, "gold answer")
+    got = await fused.generate_and_score(prompts, "gold answer", max_new_tokens=8)
+    assert got == list(zip(answers, rows, strict=True))
+    assert got[0] == got[2] and got[0][1] is not None and len(got[0][1]) == 11
+    # One generation call; two distinct prompts, each prefilled once with the 11 gold tokens
+    # after it; the third order is the first one's prompt, sent once.
+    assert (fused_backend.stats.generate_calls, fused_backend.stats.score_calls) == (1, 0)
+    usage = fused.usage()
+    distinct = len(prompts[0].token_ids) + len(prompts[1].token_ids)
+    assert (usage.prompts, usage.prompts_scored, usage.generations) == (3, 2, 2)
+    assert usage.prompt_tokens == distinct + 2 * 11 == fused_backend.stats.prompt_tokens
+    assert usage.scored_tokens == 2 * 11 and usage.prompts_failed == 0
+    assert usage.generated_tokens == separate.usage().generated_tokens
+    # The separate calls counted two model calls per order and two prefills per prompt.
+    assert separate.usage().prompts == 6 and separate.usage().prompt_tokens == 2 * distinct + 22
+    with pytest.raises(InvalidRequest, match="continuation is empty"):
+        await fused.generate_and_score(prompts, "", max_new_tokens=8)
+
+
 async def test_variable_pruning_needs_scores(tmp_path: Path) -> None:
     passages, truth = _world()
     r = _reorderer(FakeBackend(truth), tmp_path)

@@ -37,7 +37,7 @@ from service.backends.transformers_backend import (
 )
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
 from service.settings import EMBEDDED_MODEL, Settings
-from tests.support.models import cache_dir_for_tests
+from tests.support.models import build_tiny_gemma3, cache_dir_for_tests
 
 TOL = 1e-4
 T = TypeVar("T")
@@ -128,6 +128,11 @@ def tiny_backend(tiny_model_dir: Path) -> TransformersBackend:
 @pytest.fixture(scope="module")
 def tiny_reference(tiny_model_dir: Path) -> PreTrainedModel:
     return load_reference(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma3_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Path:
+    return build_tiny_gemma3(tmp_path_factory.mktemp("tiny-gemma3"), smollm2_dir)
 
 
 def test_satisfies_protocol_and_reports_model(tiny_backend: TransformersBackend) -> None:
@@ -300,6 +305,140 @@ def test_batched_generation_matches_each_prompt_alone(
         assert list(gen.token_ids) == [tok for tok, _ in manual[:cut]]
         assert gen.logprobs == pytest.approx([lp for _, lp in manual[:cut]], abs=TOL)
         assert gen.finish_reason == ("stop" if cut < steps else "length")
+
+
+@pytest.mark.parametrize(
+    ("arch", "head_mode"),
+    # auto is the best mode this transformers supports (mask on recent ones, positions before).
+    [("llama", "auto"), ("llama", "positions"), ("llama", "full"), ("gemma3", "auto")],
+)
+def test_generation_with_score_ids_equals_generate_and_score(
+    arch: str, head_mode: HeadMode, tiny_model_dir: Path, tiny_gemma3_dir: Path
+) -> None:
+    # One prefill serves the answer and the score ids: it must give the tokens of a plain
+    # generation and the log-probs `score` gives the same ids after the same prompt. Prompts
+    # of different lengths (left padding differs per row) and score ids of different lengths
+    # (right padding in the scoring forward, rows without any or with one beside them) in one
+    # batch; on Gemma-3 the prompts overflow the sliding window, so the copied cache holds
+    # both kinds of layers. Every head mode selects the scoring forward's rows its own way.
+    folder = tiny_model_dir if arch == "llama" else tiny_gemma3_dir
+    backend = TransformersBackend.load(folder, device="cpu", head_mode=head_mode)
+    reference = load_reference(folder)
+    questions = [
+        "Name a river.",
+        "Which is the longest river in the whole of Europe?",
+        "Hi",
+        "Where is the Eiffel tower?",
+    ]
+    prompts = [chat_ids(backend, q) for q in questions]
+    tok = backend.tokenizer
+    score_ids = [tok.encode(a).ids for a in ("The Danube, in Europe.", "Volga", "", "Paris")]
+    assert len({len(p) for p in prompts}) == 4 and len({len(s) for s in score_ids}) == 4
+    assert min(len(s) for s in score_ids) == 0 and 1 in {len(s) for s in score_ids}
+    if arch == "gemma3":
+        window = reference.config.sliding_window
+        assert min(len(p) for p in prompts) > window
+    budgets = [12, 5, 9, 7]
+    fused = [
+        GenerationRequest(f"f{k}", p, n, score_ids=s)
+        for k, (p, n, s) in enumerate(zip(prompts, budgets, score_ids, strict=True))
+    ]
+    shapes = [(len(p), n) for p, n in zip(prompts, budgets, strict=True)]
+    scored = [len(s) for s in score_ids]
+    assert len(plan_generation_batches(shapes, token_budget=4096, scored=scored)) == 1
+
+    got = run(lambda: backend.generate(fused))
+    plain = run(lambda: backend.generate([replace(r, score_ids=()) for r in fused]))
+    spans = [
+        SpanRequest(f"s{k}", p + s, len(p), len(p) + len(s))
+        for k, (p, s) in enumerate(zip(prompts, score_ids, strict=True))
+        if s
+    ]
+    scores = iter(run(lambda: backend.score(spans)))
+    for gen, alone, req in zip(got, plain, fused, strict=True):
+        assert isinstance(gen, Generation) and isinstance(alone, Generation), (gen, alone)
+        assert gen.request_id == req.request_id
+        assert gen.token_ids == alone.token_ids and gen.finish_reason == alone.finish_reason
+        assert gen.logprobs == pytest.approx(alone.logprobs, abs=TOL)
+        if not req.score_ids:
+            assert gen.score_logprobs is None
+            continue
+        span = next(scores)
+        assert isinstance(span, SpanLogprobs) and gen.score_logprobs is not None
+        assert len(gen.score_logprobs) == len(req.score_ids)
+        assert gen.score_logprobs == pytest.approx(span.logprobs, abs=TOL)
+        # ... and the naive reference, so that both paths are right, not merely alike.
+        n = len(req.token_ids)
+        whole = SpanRequest("r", req.token_ids + req.score_ids, n, n + len(req.score_ids))
+        assert gen.score_logprobs == pytest.approx(brute_force(reference, whole), abs=TOL)
+
+
+def test_a_failed_or_nonfinite_scoring_fails_its_request_alone(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = TransformersBackend.load(tiny_model_dir, device="cpu")
+    prompt = chat_ids(backend, "Name a river.")
+    answer = backend.tokenizer.encode("The Danube.").ids
+    requests = [
+        GenerationRequest(rid, prompt, 4, score_ids=answer) for rid in ("ok", "nan", "boom")
+    ]
+    requests.append(GenerationRequest("plain", prompt, 4))
+    original = TransformersBackend._score_after_prefill
+
+    def flaky(
+        self: TransformersBackend,
+        model: PreTrainedModel,
+        batch: list[GenerationRequest],
+        last_logits: torch.Tensor,
+        *rest: object,
+    ) -> list[tuple[float, ...] | PromptFailure | None]:
+        ids = [r.request_id for r in batch]
+        if "boom" in ids:
+            raise RuntimeError("simulated out of memory")
+        if "nan" in ids:
+            last_logits = last_logits.clone()
+            last_logits[ids.index("nan")] = math.nan
+        return original(self, model, batch, last_logits, *rest)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(TransformersBackend, "_score_after_prefill", flaky)
+    by_id = {r.request_id: r for r in run(lambda: backend.generate(requests))}
+    assert isinstance(by_id["boom"], PromptFailure) and "RuntimeError" in by_id["boom"].reason
+    assert isinstance(by_id["nan"], PromptFailure)
+    assert by_id["nan"].reason == "score_ids: non-finite log-prob"
+    # The batch was retried one by one: the others are still served, with their scores.
+    ok, plain = by_id["ok"], by_id["plain"]
+    assert isinstance(ok, Generation) and isinstance(plain, Generation)
+    assert ok.token_ids == plain.token_ids
+    assert ok.score_logprobs is not None and len(ok.score_logprobs) == len(answer)
+    assert plain.score_logprobs is None
+
+
+def test_generation_batches_count_score_ids() -> None:
+    # (prompt tokens, tokens to generate) and score ids; cost of a batch = size x (longest
+    # prompt + most score ids + most steps).
+    shapes = [(10, 4), (30, 2), (20, 8), (5, 1)]
+    # Without score ids: 2 x (30 + 8) = 76 <= 80, then 2 x (10 + 4) = 28.
+    assert plan_generation_batches(shapes, token_budget=80) == [[1, 2], [0, 3]]
+    # Five score ids on the 20-token prompt: 2 x (30 + 5 + 8) = 86 > 80 splits the first pair;
+    # then 2 x (20 + 5 + 8) = 66 fits, 3 x (20 + 5 + 8) = 99 does not.
+    scored = [0, 0, 5, 0]
+    assert plan_generation_batches(shapes, token_budget=80, scored=scored) == [[1], [2, 0], [3]]
+    with pytest.raises(ValueError, match="3 score counts for 4 requests"):
+        plan_generation_batches(shapes, token_budget=80, scored=[1, 2, 3])
+
+
+def test_prompt_plus_score_ids_must_fit_the_context(tiny_model_dir: Path) -> None:
+    short = TransformersBackend.load(tiny_model_dir, device="cpu", max_model_len=16)
+    prompt = tuple(range(100, 112))  # 12 tokens: room for 4 more
+    [fits] = run(lambda: short.generate([GenerationRequest("x", prompt, 2, score_ids=(5,) * 4)]))
+    assert isinstance(fits, Generation) and fits.score_logprobs is not None
+    with pytest.raises(LimitExceeded) as info:
+        run(lambda: short.generate([GenerationRequest("x", prompt, 2, score_ids=(5,) * 5)]))
+    assert (info.value.param, info.value.limit, info.value.value) == ("score_ids", 4, 5)
+    assert "after a 12-token prompt in a 16-token context" in info.value.message
+    with pytest.raises(InvalidRequest, match="score ids must be in") as bad:
+        run(lambda: short.generate([GenerationRequest("x", prompt, 2, score_ids=(10**7,))]))
+    assert bad.value.param == "score_ids"
 
 
 def test_generation_batches_respect_the_token_budget() -> None:

@@ -54,6 +54,7 @@ from service.backends.vllm_backend import (
     generation_from_output,
     span_from_prompt_logprobs,
     span_from_token_id_scores,
+    with_score_logprobs,
 )
 from service.errors import BackendUnavailable
 
@@ -251,6 +252,53 @@ def test_generate_matches_greedy_transformers(
     assert worst <= TOLERANCE
 
 
+def test_generate_with_score_ids_matches_transformers(
+    backend: VLLMBackend, hf_model: Any, runner: asyncio.Runner
+) -> None:
+    # The answer of a plain generation, and the log-probs of the score ids after the prompt,
+    # for prompts and score ids of different lengths (one of them with none) in one call.
+    rng = random.Random(2)
+    vocab = backend._vocab_size
+    eos = backend.tokenizer.eos_token_ids
+    prompts = [random_ids(rng, n, vocab) for n in (3, 40, 150)]
+    score_ids = [random_ids(rng, m, vocab) for m in (1, 7, 0)]
+    requests = [
+        GenerationRequest(f"f{i}", p, 6, score_ids=s)
+        for i, (p, s) in enumerate(zip(prompts, score_ids, strict=True))
+    ]
+    results = run(runner, backend.generate(requests))
+    worst = 0.0
+    for result, req in zip(results, requests, strict=True):
+        assert isinstance(result, Generation), result
+        ids, lps, reason = reference_greedy(hf_model, req.token_ids, 6, eos)
+        assert list(result.token_ids) == ids and result.finish_reason == reason
+        worst = max(worst, max_diff(result.logprobs, lps))
+        if not req.score_ids:
+            assert result.score_logprobs is None
+            continue
+        n = len(req.token_ids)
+        span = SpanRequest("r", req.token_ids + req.score_ids, n, n + len(req.score_ids))
+        assert result.score_logprobs is not None
+        worst = max(worst, max_diff(result.score_logprobs, reference_span(hf_model, span)))
+    print(f"max |vLLM - transformers| fused generation = {worst:.3e} nats")
+    assert worst <= TOLERANCE
+
+    # The prompt plus its score ids must fit the context; bad score ids fail that prompt.
+    fits = tuple([5] * (CONTEXT - 4))
+    bad = run(
+        runner,
+        backend.generate(
+            [
+                GenerationRequest("over", fits, 2, score_ids=(5,) * 4),
+                GenerationRequest("vocab", prompts[0], 2, score_ids=(vocab,)),
+                GenerationRequest("ok", fits, 2, score_ids=(5,) * 3),
+            ]
+        ),
+    )
+    assert [type(g).__name__ for g in bad] == ["PromptFailure", "PromptFailure", "Generation"]
+    assert all(g.reason.startswith("score_ids: ") for g in bad[:2])
+
+
 def test_bad_prompts_fail_alone(
     backend: VLLMBackend, hf_model: Any, runner: asyncio.Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -399,6 +447,12 @@ def test_output_checks_on_synthetic_outputs() -> None:
 
     ok = generation_from_output("g", output("stop", [5, 6], flat([{5: -0.5}, {6: -0.1}])))
     assert ok == Generation("g", (5, 6), (-0.5, -0.1), "stop")
+    fused = with_score_logprobs(ok, SpanLogprobs("g", (-1.0, -2.0)))
+    assert fused == Generation("g", (5, 6), (-0.5, -0.1), "stop", score_logprobs=(-1.0, -2.0))
+    failed = with_score_logprobs(ok, PromptFailure("g", "engine error"))
+    assert failed == PromptFailure("g", "score_ids: engine error")
+    gen_failed = PromptFailure("g", "no")
+    assert with_score_logprobs(gen_failed, SpanLogprobs("g", (-1.0,))) is gen_failed
     for out in (
         output("abort", [5], flat([{5: -0.5}])),
         output("length", [5, 6], flat([{5: -0.5}])),

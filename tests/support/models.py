@@ -1,8 +1,9 @@
 """Model folders for tests: the converted embedded SmolLM2, and a tiny random Llama beside it.
 
-The tiny model keeps a real architecture (Llama: RoPE, GQA, RMSNorm, SwiGLU) and the real
-SmolLM2 tokenizer and chat template, so fast tests exercise the same code paths as production
-at a fraction of the cost. Weights are random but fixed by the seed.
+The tiny models keep a real architecture (Llama: RoPE, GQA, RMSNorm, SwiGLU; Gemma-3: the
+same with sliding-window layers beside full-attention ones) and the real SmolLM2 tokenizer and
+chat template, so fast tests exercise the same code paths as production at a fraction of the
+cost. Weights are random but fixed by the seed.
 """
 
 from __future__ import annotations
@@ -69,6 +70,50 @@ def build_tiny_llama(dst: Path, tokenizer_dir: Path, *, seed: int = TINY_SEED) -
     torch.manual_seed(seed)
     # The generation config (bos/eos/pad ids) is derived from the model config.
     model = LlamaForCausalLM(config)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(dst))
+    tokenizer.save_pretrained(str(dst))
+    return dst
+
+
+def build_tiny_gemma3(dst: Path, tokenizer_dir: Path, *, seed: int = TINY_SEED) -> Path:
+    """Save a tiny random Gemma-3 text model with a real tokenizer: a sliding-window layer
+    (window of 8 tokens, so short prompts already overflow it), a full-attention one, and
+    another sliding one, like Gemma-3-270m's 5:1 pattern in small. Its KV cache mixes both
+    layer kinds, which is what cache handling (copies, crops) must survive.
+
+    Args:
+        dst: folder to write (created).
+        tokenizer_dir: a model folder whose tokenizer (and vocabulary size) to reuse.
+        seed: weight initialisation seed.
+
+    Returns:
+        ``dst``.
+    """
+    import torch
+    from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    config = Gemma3TextConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        query_pre_attn_scalar=32,
+        sliding_window=8,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+        max_position_embeddings=4096,
+        initializer_range=0.2,  # peaked distributions, as for the tiny Llama
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForCausalLM(config)
     dst.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(str(dst))
     tokenizer.save_pretrained(str(dst))

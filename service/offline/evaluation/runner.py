@@ -37,6 +37,9 @@ Rules decided here (docs/evaluation.md summarises them):
   prompts and tokens, with an even share of the batch's wall time.
 - **Gold answer**: the first listed answer is the teacher-forced continuation; its
   log-likelihood per token is the sum over its tokens / their number (generator's tokenizer).
+  It is scored with the greedy answer from one prefill of the prompt
+  (``Work.generate_and_score``): the generator cost counts one prompt per order, of the
+  prompt's tokens plus the gold answer's.
 - **Positional runs**: the (first) gold passage is moved through slots 1..K; the other K - 1
   passages (a second gold passage included) keep their order. Per slot: the generator's
   answer metrics, the gold answer's log-likelihood per token, and the question's
@@ -83,7 +86,8 @@ from service.offline.evaluation.records import (
 from service.offline.evaluation.variants import Variant, all_variants
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
 from service.profile_store import StoredProfile
-from service.prompts import Passage
+from service.prompts import BuiltPrompt, Passage
+from service.strategies.base import Answer, Work
 
 log = logging.getLogger(__name__)
 
@@ -496,8 +500,8 @@ class Evaluator:
     ) -> list[_Generated]:
         """Greedy answers and gold log-likelihoods for ``orders``, as one generator batch.
 
-        Each order's generator cost counts its own prompts and tokens (its generation and its
-        teacher-forced gold answer); the batch's wall time is shared evenly.
+        Each order's generator cost counts its own prompt and tokens (its generation and its
+        teacher-forced gold answer, from one prefill); the batch's wall time is shared evenly.
         """
         t0 = time.perf_counter()
         work = self.generator.work(f"eval-{q.id}-gen", self.generator_template)
@@ -505,17 +509,14 @@ class Evaluator:
             prompts = await work.generation_prompts(
                 q.question, q.passages, orders, room=self.config.max_answer_tokens
             )
-            answers = await work.generate(prompts, max_new_tokens=self.config.max_answer_tokens)
-            rows: list[tuple[float, ...] | None] = [None] * len(orders)
-            if q.answers:
-                rows = await work.continuation_logprobs(prompts, q.answers[0])
+            answered = await self._answer_and_score(work, prompts, q)
         except ClientError as exc:
             wall = (time.perf_counter() - t0) / len(orders)
             none = Cost(0, 0, 0, 0, 0, 0, wall)
             return [_Generated(None, None, None, None, none, exc.message) for _ in orders]
         wall = (time.perf_counter() - t0) / len(orders)
         out = []
-        for prompt, ans, row in zip(prompts, answers, rows, strict=True):
+        for prompt, (ans, row) in zip(prompts, answered, strict=True):
             text = ans.text if ans is not None else None
             error = None
             if text is None:
@@ -525,9 +526,10 @@ class Evaluator:
             scores = score_answer(text, q.answers) if text is not None and q.answers else None
             n_gold = len(row) if row is not None else 0
             cost = Cost(
-                prompts=2 if q.answers else 1,
+                # One forward of the prompt, with the gold answer after it when there is one.
+                prompts=1,
                 prompts_scored=1 if q.answers else 0,
-                prompt_tokens=len(prompt.token_ids) * (2 if q.answers else 1) + n_gold,
+                prompt_tokens=len(prompt.token_ids) + n_gold,
                 scored_tokens=n_gold,
                 generations=1,
                 generated_tokens=len(ans.token_ids) if ans is not None else 0,
@@ -544,6 +546,16 @@ class Evaluator:
                 )
             )
         return out
+
+    async def _answer_and_score(
+        self, work: Work, prompts: Sequence[BuiltPrompt], q: EvalQuestion
+    ) -> list[tuple[Answer | None, tuple[float, ...] | None]]:
+        """Per prompt, the greedy answer and the gold answer's log-probs (``None`` where that
+        part failed, and always without a gold answer), from one prefill of the prompt."""
+        budget = self.config.max_answer_tokens
+        if q.answers:
+            return await work.generate_and_score(prompts, q.answers[0], max_new_tokens=budget)
+        return [(a, None) for a in await work.generate(prompts, max_new_tokens=budget)]
 
     # --- controlled positional runs ---------------------------------------------------
 
@@ -571,16 +583,13 @@ class Evaluator:
         prompts = await gwork.generation_prompts(
             q.question, q.passages, orders, room=self.config.max_answer_tokens
         )
-        answers = await gwork.generate(prompts, max_new_tokens=self.config.max_answer_tokens)
-        gold_rows: list[tuple[float, ...] | None] = [None] * len(orders)
-        if q.answers:
-            gold_rows = await gwork.continuation_logprobs(prompts, q.answers[0])
+        answered = await self._answer_and_score(gwork, prompts, q)
         swork = self.scorer.work(f"eval-{q.id}-pos-score", self.template)
         scored = await swork.score_prompts(
             await swork.scoring_prompts(q.question, q.passages, orders)
         )
         out = []
-        for s, (ans, row, sc) in enumerate(zip(answers, gold_rows, scored, strict=True)):
+        for s, ((ans, row), sc) in enumerate(zip(answered, scored, strict=True)):
             text = ans.text if ans is not None else None
             m = score_answer(text, q.answers) if text is not None and q.answers else None
             out.append(

@@ -30,8 +30,9 @@ over the used questions of its per-slot values, with the standard error of that 
 question whose prompts failed in one profile is left out of that profile only (all its slots,
 so every slot averages the same questions).
 
-Cost per question of P non-gold passages: P short scored prompts, k generations, 2k scored
-prompts (the gold answer and the DE of the set).
+Cost per question of P non-gold passages: P short scored prompts, k generations (each also
+scores the gold answer from its prefill: ``Work.generate_and_score``) and k scored prompts
+(the DE of the set).
 """
 
 from __future__ import annotations
@@ -255,10 +256,12 @@ async def _measure(work: Work, ex: Example, k: int, max_answer_tokens: int) -> _
     answering = await work.generation_prompts(
         ex.question, ex.passages, rotations(fixed, gold), room=max_answer_tokens
     )
-    answers = await work.generate(answering, max_new_tokens=max_answer_tokens)
-    accuracy = [nq_accuracy(a.text, ex.answers) for a in answers if a is not None]
-    gold_rows = await work.continuation_logprobs(answering, gold_answer)
-    loglik = [float(np.mean(r)) for r in gold_rows if r is not None]
+    # Each answer and the gold answer's log-probs from one prefill of its prompt.
+    answered = await work.generate_and_score(
+        answering, gold_answer, max_new_tokens=max_answer_tokens
+    )
+    accuracy = [nq_accuracy(a.text, ex.answers) for a, _ in answered if a is not None]
+    loglik = [float(np.mean(r)) for _, r in answered if r is not None]
     de = await set_effects(work, ex.question, ex.passages, rotations(fixed, hard_idx))
     return _Question(
         hard=hard_de > HARD_DE,

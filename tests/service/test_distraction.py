@@ -222,8 +222,9 @@ async def test_calibration_measures_both_profiles_by_hand(tmp_path: Path) -> Non
     for m in (rec.accuracy, rec.answer_logprob, rec.distracting_effect):
         assert m.questions == 2 and len(m.values) == len(m.stderr) == 4
 
-    # Cost per used question: 5 single-passage DEs, 4 answers, 4 gold answers, 4 set DEs.
-    assert report.prompts == 2 * (5 + 4 + 4 + 4)
+    # Cost per used question: 5 single-passage DEs, 4 answers (each scoring the gold answer
+    # from its own prefill, so no separate gold prompts), 4 set DEs.
+    assert report.prompts == 2 * (5 + 4 + 4)
     assert report.prompts_failed == 0 and report.generated_tokens > 0
     # Stored where the strategies look, and read back equal.
     stored = PositionalStore(tmp_path / "profiles" / "positional").get(

@@ -166,10 +166,12 @@ async def _answer(
     prompts = await work.generation_prompts(
         question.question, question.passages, [order], room=config.max_answer_tokens
     )
-    answers = await work.generate(prompts, max_new_tokens=config.max_answer_tokens)
     gold = next((a for a in question.answers if a.strip()), "")
-    rows = await work.continuation_logprobs(prompts, gold) if gold else [None]
-    answer = answers[0]
+    budget = config.max_answer_tokens
+    if gold:  # the answer and the gold answer's log-probs from one prefill
+        ((answer, row),) = await work.generate_and_score(prompts, gold, max_new_tokens=budget)
+    else:
+        answer, row = (await work.generate(prompts, max_new_tokens=budget))[0], None
     return {
         "kind": "answer",
         "name": name,
@@ -177,7 +179,7 @@ async def _answer(
         "order": order,
         "gold_slot": next((order.index(g) for g in question.gold), None),
         "accuracy": None if answer is None else nq_accuracy(answer.text, question.answers),
-        "gold_logprob": None if rows[0] is None else float(np.mean(rows[0])),
+        "gold_logprob": None if row is None else float(np.mean(row)),
     }
 
 

@@ -227,7 +227,9 @@ async def test_calibrate_positions_cli_then_min_distraction_on_a_tiny_model(
     printed, err = await calibrate_positions(tiny_model_dir, data, capsys)
     assert "calibrating positions: 2/2 questions" in err
     assert printed["slots"] == 3 and printed["questions"] == 2 and printed["source"] == "qa.jsonl"
-    assert printed["prompts"] == 2 * (4 + 3 + 3 + 3)
+    # Per question: 4 single-passage DEs, 3 answers (each scoring the gold answer from its
+    # own prefill), 3 set DEs.
+    assert printed["prompts"] == 2 * (4 + 3 + 3)
     for name, lo, hi in (("accuracy", 0, 1), ("distracting_effect", 0, 1)):
         assert all(lo <= v <= hi for v in printed[name]["values"])
     assert all(v <= 0 for v in printed["answer_logprob"]["values"])

@@ -142,6 +142,16 @@ def checked_span(request_id: str, values: Sequence[float]) -> ScoreResult:
     return SpanLogprobs(request_id, tuple(min(float(v), 0.0) for v in values))
 
 
+def out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> int | None:
+    """An id of ``token_ids`` outside ``[0, vocab_size)`` (the lowest if one is negative,
+    else the highest), or ``None`` when all are in range. Every backend checks prompt and
+    score ids with it before a forward."""
+    low, high = min(token_ids), max(token_ids)
+    if low < 0:
+        return low
+    return high if high >= vocab_size else None
+
+
 @runtime_checkable
 class LogprobBackend(Protocol):
     """Port to a language model. Implementations: vLLM, transformers, and a deterministic fake.

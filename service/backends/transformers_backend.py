@@ -43,6 +43,7 @@ from service.backends.base import (
     ScoreResult,
     SpanRequest,
     checked_span,
+    out_of_vocab,
 )
 from service.backends.batching import HeadMode, plan_generation_batches
 from service.backends.hf_tokenizer import HFPromptTokenizer
@@ -380,11 +381,10 @@ class TransformersBackend:
             raise LimitExceeded("token_ids", self._max_model_len - reserve, n, what="prompt tokens")
         # An out-of-range id is an index error on CPU and a device-side assert on CUDA, which
         # poisons the CUDA context for every later request: check before any forward.
-        low, high = min(token_ids), max(token_ids)
-        if low < 0 or high >= self._vocab_size:
+        bad = out_of_vocab(token_ids, self._vocab_size)
+        if bad is not None:
             raise InvalidRequest(
-                f"request {request_id!r}: token ids must be in [0, {self._vocab_size}), "
-                f"got {low if low < 0 else high}",
+                f"request {request_id!r}: token ids must be in [0, {self._vocab_size}), got {bad}",
                 param="token_ids",
             )
 
@@ -398,11 +398,11 @@ class TransformersBackend:
                 what=f"score tokens after a {n}-token prompt in a {self._max_model_len}-token "
                 "context",
             )
-        low, high = min(req.score_ids), max(req.score_ids)
-        if low < 0 or high >= self._vocab_size:
+        bad = out_of_vocab(req.score_ids, self._vocab_size)
+        if bad is not None:
             raise InvalidRequest(
                 f"request {req.request_id!r}: score ids must be in [0, {self._vocab_size}), "
-                f"got {low if low < 0 else high}",
+                f"got {bad}",
                 param="score_ids",
             )
 

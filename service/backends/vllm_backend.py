@@ -72,6 +72,7 @@ from service.backends.base import (
     SpanLogprobs,
     SpanRequest,
     checked_span,
+    out_of_vocab,
 )
 from service.backends.hf_tokenizer import HFPromptTokenizer, HFTokenizerLike
 from service.errors import BackendUnavailable
@@ -446,9 +447,9 @@ class VLLMBackend:
             return "empty prompt"
         if len(token_ids) > limit:
             return f"prompt has {len(token_ids)} tokens, over the limit of {limit}"
-        low, high = min(token_ids), max(token_ids)
-        if low < 0 or high >= self._vocab_size:
-            return f"token id {low if low < 0 else high} outside [0, {self._vocab_size})"
+        bad = out_of_vocab(token_ids, self._vocab_size)
+        if bad is not None:
+            return f"token id {bad} outside [0, {self._vocab_size})"
         return None
 
     def _span_problem(self, req: SpanRequest) -> str | None:
@@ -473,9 +474,9 @@ class VLLMBackend:
                 f"score_ids: {m} score ids after a {n}-token prompt are over the limit of "
                 f"{self._max_prompt_len} tokens"
             )
-        low, high = min(req.score_ids), max(req.score_ids)
-        if low < 0 or high >= self._vocab_size:
-            return f"score_ids: id {low if low < 0 else high} outside [0, {self._vocab_size})"
+        bad = out_of_vocab(req.score_ids, self._vocab_size)
+        if bad is not None:
+            return f"score_ids: id {bad} outside [0, {self._vocab_size})"
         return None
 
     def _score_job(self, req: SpanRequest) -> _Job[SpanLogprobs]:

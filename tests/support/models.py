@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 from service.model_assets import resolve_model
 from service.settings import EMBEDDED_MODEL, Settings
@@ -33,6 +34,19 @@ def embedded_model_dir(cache_dir: Path | None = None) -> Path:
     )
 
 
+def _save_random(dst: Path, tokenizer: Any, model_class: Any, config: Any, seed: int) -> Path:
+    """Initialise ``model_class(config)`` from ``seed`` and save it with ``tokenizer`` in
+    ``dst`` (created); the tiny builders' common tail."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = model_class(config)
+    dst.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(dst))
+    tokenizer.save_pretrained(str(dst))
+    return dst
+
+
 def build_tiny_llama(dst: Path, tokenizer_dir: Path, *, seed: int = TINY_SEED) -> Path:
     """Save a tiny random Llama (hidden 64, 2 layers, 2 heads of 32) with a real tokenizer.
 
@@ -44,7 +58,6 @@ def build_tiny_llama(dst: Path, tokenizer_dir: Path, *, seed: int = TINY_SEED) -
     Returns:
         ``dst``.
     """
-    import torch
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -67,13 +80,8 @@ def build_tiny_llama(dst: Path, tokenizer_dir: Path, *, seed: int = TINY_SEED) -
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    torch.manual_seed(seed)
     # The generation config (bos/eos/pad ids) is derived from the model config.
-    model = LlamaForCausalLM(config)
-    dst.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(dst))
-    tokenizer.save_pretrained(str(dst))
-    return dst
+    return _save_random(dst, tokenizer, LlamaForCausalLM, config, seed)
 
 
 def build_tiny_gemma3(dst: Path, tokenizer_dir: Path, *, seed: int = TINY_SEED) -> Path:
@@ -90,7 +98,6 @@ def build_tiny_gemma3(dst: Path, tokenizer_dir: Path, *, seed: int = TINY_SEED) 
     Returns:
         ``dst``.
     """
-    import torch
     from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig
 
     tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -112,9 +119,4 @@ def build_tiny_gemma3(dst: Path, tokenizer_dir: Path, *, seed: int = TINY_SEED) 
         pad_token_id=tokenizer.pad_token_id,
         dtype="float32",
     )
-    torch.manual_seed(seed)
-    model = Gemma3ForCausalLM(config)
-    dst.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(str(dst))
-    tokenizer.save_pretrained(str(dst))
-    return dst
+    return _save_random(dst, tokenizer, Gemma3ForCausalLM, config, seed)

@@ -114,9 +114,12 @@ class TransformersBackend:
         self._batch_token_budget = batch_token_budget
         self._device = next(model.parameters()).device
         self._vocab_size = _weight_rows(model.get_input_embeddings())
-        self._accepts_logits_to_keep = (
-            "logits_to_keep" in inspect.signature(model.forward).parameters
-        )
+        forward_params = inspect.signature(model.forward).parameters
+        self._accepts_logits_to_keep = "logits_to_keep" in forward_params
+        # transformers 5.2x renamed the KV cache's argument and output field from
+        # ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40); older
+        # releases know only the old one. The same name serves both directions.
+        self._cache_name = "cache" if "cache" in forward_params else "past_key_values"
         supported, head_vocab = _probe_head(model, self._device, self._accepts_logits_to_keep)
         if head_mode == "auto":
             head_mode = supported[0]
@@ -556,7 +559,7 @@ class TransformersBackend:
             # Under logits_to_keep=1 the prefill's logits are (rows, 1, vocab), else (rows,
             # width, vocab): the last column is each prompt's last position either way.
             scored = self._score_after_prefill(
-                model, batch, out.logits[:, -1], out.past_key_values, mask, positions
+                model, batch, out.logits[:, -1], getattr(out, self._cache_name), mask, positions
             )
         tokens: list[list[int]] = [[] for _ in batch]
         values: list[list[float]] = [[] for _ in batch]
@@ -604,8 +607,8 @@ class TransformersBackend:
                 input_ids=best[:, None],
                 attention_mask=mask,
                 position_ids=last,
-                past_key_values=out.past_key_values,
                 use_cache=True,
+                **{self._cache_name: getattr(out, self._cache_name)},
             )
         return [f if f is not None else generation(b, "length") for b, f in enumerate(finished)]
 
@@ -665,7 +668,7 @@ class TransformersBackend:
                 # A copy, because the forward appends to the cache it is given. deepcopy works
                 # for every cache class; cropping back does not (Gemma-3's sliding-window
                 # layers have already dropped the tokens a crop would need).
-                "past_key_values": copy.deepcopy(cache),
+                self._cache_name: copy.deepcopy(cache),
                 "use_cache": True,
             }
             logits = self._head_rows(model, kwargs, (rows, fed), rows_b, rows_t)

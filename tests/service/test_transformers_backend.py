@@ -9,6 +9,7 @@ more than 1e-4 nats.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -371,6 +372,27 @@ def test_generation_with_score_ids_equals_generate_and_score(
         n = len(req.token_ids)
         whole = SpanRequest("r", req.token_ids + req.score_ids, n, n + len(req.score_ids))
         assert gen.score_logprobs == pytest.approx(brute_force(reference, whole), abs=TOL)
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_kv_cache_goes_by_the_name_the_installed_transformers_uses(
+    arch: str, tiny_model_dir: Path, tiny_gemma3_dir: Path
+) -> None:
+    # transformers 5.2x renamed ``past_key_values`` to ``cache`` (argument and output field)
+    # and drops the old name in 5.40, which ``transformers<6`` admits: a backend still using
+    # it warns today and would decode without its cache then. Decoding and the fused scoring
+    # (both pass a cache) must not touch a deprecated name.
+    folder = tiny_model_dir if arch == "llama" else tiny_gemma3_dir
+    backend = TransformersBackend.load(folder, device="cpu")
+    prompt = chat_ids(backend, "Name a river.")
+    req = GenerationRequest(
+        "g", prompt, 4, score_ids=tuple(backend.tokenizer.encode("The Volga").ids)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        (gen,) = run(lambda: backend.generate([req]))
+    assert isinstance(gen, Generation) and len(gen.token_ids) >= 1, gen
+    assert gen.score_logprobs is not None and len(gen.score_logprobs) == len(req.score_ids)
 
 
 def test_a_failed_or_nonfinite_scoring_fails_its_request_alone(

@@ -268,10 +268,12 @@ def expected_variants(run: Run, all_variants: bool = False) -> set[str]:
     return {v.label for v in select_variants(spec, cross_model=cross)}
 
 
-def merge(out: Path, work: Path, runs: list[Run] | None = None) -> None:
+def merge(out: Path, work: Path, runs: list[Run] | None = None, all_variants: bool = False) -> None:
     """Every chunk's records into OUT/<folder>/cache.jsonl, one line per key, old lines first;
     a torn line, or a record whose generator failed (``RETRYABLE_GENERATOR_ERRORS``), is left
-    out, so a later good record of its key takes its place."""
+    out, so a later good record of its key takes its place. Prints each folder's counts, with
+    the questions that have every expected variant (``expected_variants``) where it knows
+    them: the number a report rebuilt with ``--cached-only`` can cover."""
     for run in same_model_runs() if runs is None else runs:
         target = out / run.folder / "cache.jsonl"
         seen: dict[str, str] = {}
@@ -285,8 +287,16 @@ def merge(out: Path, work: Path, runs: list[Run] | None = None) -> None:
                     seen.setdefault(json.dumps(rec["key"], sort_keys=True), line)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text("".join(v + "\n" for v in seen.values()), encoding="utf-8")
-        questions = {json.loads(key)["question_id"] for key in seen}
-        print(f"{run.folder}: {len(seen)} records, {len(questions)} questions", flush=True)
+        variants: dict[str, set[str]] = {}
+        for key in seen:
+            k = json.loads(key)
+            variants.setdefault(k["question_id"], set()).add(k["variant"])
+        line = f"{run.folder}: {len(seen)} records, {len(variants)} questions"
+        expected = expected_variants(run, all_variants)
+        if expected:
+            complete = sum(1 for have in variants.values() if expected <= have)
+            line += f" ({complete} with every variant)"
+        print(line, flush=True)
 
 
 def main() -> int:
@@ -330,7 +340,7 @@ def main() -> int:
     if not runs or args.same_model:
         runs += same_model_runs()
     if args.merge_only:
-        merge(args.out, args.work, runs)
+        merge(args.out, args.work, runs, args.all_variants)
         return 0
     t0 = time.monotonic()
     deadline = t0 + args.budget
@@ -339,10 +349,10 @@ def main() -> int:
     args.work.mkdir(parents=True, exist_ok=True)
 
     for proc in calibrate(rr, args.data, args.out, runs):
-        rc = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
-        if rc:
-            print(f"calibration failed: rc={rc}", flush=True)
-            return rc
+        code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+        if code:
+            print(f"calibration failed: rc={code}", flush=True)
+            return code
     print(f"profiles ready after {time.monotonic() - t0:.0f} s", flush=True)
 
     jobs = make_jobs(args.data, args.work, args.chunk, runs)
@@ -382,7 +392,7 @@ def main() -> int:
         proc.terminate()
         proc.wait()
         print(f"{name}: stopped {'by a signal' if stopped else 'at the deadline'}", flush=True)
-    merge(args.out, args.work, runs)
+    merge(args.out, args.work, runs, args.all_variants)
     # Not started, stopped at the deadline or failed: the next call runs them.
     left = [j.name for j in jobs if not (args.work / f"{j.name}.done").exists()]
     print(f"finished in {time.monotonic() - t0:.0f} s; unfinished chunks: {left or 'none'}")

@@ -308,6 +308,7 @@ def test_a_pairing_runs_both_sets_with_its_models_profiles_and_no_rotations(
         check=True,
     )  # fmt: skip
     assert "unfinished chunks: none" in run.stdout
+    assert f"nq_open_dev__{name}: 5 records, 5 questions (5 with every variant)" in run.stdout
     assert "--model org/g calibrate" in run.stdout  # the generator's profile, as cross_model.sh
     assert not (out / "nq_open_dev").exists()  # no same-model run without --same-model
     for test, n in (("hotpot_dev", 2), ("nq_open_dev", 5)):
@@ -337,3 +338,19 @@ def test_merge_only_merges_the_chunks_and_starts_nothing(tmp_path: Path) -> None
     assert "nq_open_dev: 1 records, 1 questions" in run.stdout
     assert _ids(out / "nq_open_dev" / "cache.jsonl") == ["nq_open_dev-0"]
     assert "calibrate" not in run.stdout and not (out / "profiles").exists()
+
+
+def test_merge_counts_the_questions_with_every_variant_of_a_pairing(
+    parallel: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out, work = tmp_path / "out", tmp_path / "work"
+    (run,) = [r for r in parallel.pairing_runs("org/s,org/g,p", "shuffle,retriever")
+              if r.test == "nq_open_dev"]  # fmt: skip
+    (work / f"{run.folder}-00").mkdir(parents=True)
+    recs = [("a", "shuffle"), ("a", "retriever"), ("b", "shuffle")]
+    (work / f"{run.folder}-00" / "cache.jsonl").write_text(
+        "".join(json.dumps({"key": {"question_id": q, "variant": v}}) + "\n" for q, v in recs)
+    )
+    parallel.merge(out, work, [run])
+    # "b" lacks `retriever`: a --cached-only report can cover "a" alone.
+    assert f"{run.folder}: 3 records, 2 questions (1 with every variant)" in capsys.readouterr().out

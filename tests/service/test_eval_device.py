@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from pathlib import Path
 from types import ModuleType
@@ -354,3 +355,62 @@ def test_merge_counts_the_questions_with_every_variant_of_a_pairing(
     parallel.merge(out, work, [run])
     # "b" lacks `retriever`: a --cached-only report can cover "a" alone.
     assert f"{run.folder}: 3 records, 2 questions (1 with every variant)" in capsys.readouterr().out
+
+
+# Stand-in CLI for eval/device/distill.sh: `distill --score-only` writes the preference set,
+# `distill` the manifest, `distill-eval` the summary; each call is logged, and $FAIL_STEP
+# makes that step exit 3.
+FAKE_DISTILL_CLI = r"""
+import json, os, sys
+args = sys.argv[1:]
+step = "score" if "--score-only" in args else ("train" if args[0] == "distill" else "eval")
+out = args[args.index("--out") + 1]
+with open(os.environ["CALLS"], "a") as fh:
+    fh.write(step + "\n")
+if os.environ.get("FAIL_STEP") == step:
+    sys.exit(3)
+os.makedirs(out, exist_ok=True)
+if step == "score":
+    with open(os.path.join(out, "preferences.jsonl"), "w") as fh:
+        fh.write(json.dumps({"meta": {}}) + "\n" + json.dumps({"id": "q0"}) + "\n")
+elif step == "train":
+    open(os.path.join(out, "distill.json"), "w").write("{}")
+else:
+    open(os.path.join(out, "summary.json"), "w").write("{}")
+"""
+
+
+def test_the_distillation_calls_resume_step_by_step_and_pack_the_folder(tmp_path: Path) -> None:
+    cli = tmp_path / "cli.py"
+    cli.write_text(FAKE_DISTILL_CLI)
+    calls, work, out = tmp_path / "calls.txt", tmp_path / "distill", tmp_path / "out"
+    env = {
+        "PATH": os.environ["PATH"], "LOCAL": "1", "RR": f"{sys.executable} {cli}",
+        "CALLS": str(calls), "WORK": str(work), "OUT": str(out), "DATA": str(tmp_path),
+    }  # fmt: skip
+
+    def call(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(ROOT / "eval" / "device" / "distill.sh")], cwd=ROOT, check=False,
+            env=env | extra, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    # Too little of the call left to train: the set is scored, training waits.
+    first = call(BUDGET="20", TRAIN_MIN="100")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "training waits" in first.stdout
+    # A failing step is reported in the exit status; the finished one is not run again.
+    failed = call(FAIL_STEP="train")
+    assert failed.returncode == 3 and not (work / "distill.json").exists()
+    done = call()
+    assert done.returncode == 0, done.stdout + done.stderr
+    again = call()  # everything finished: nothing runs, the folder is packed again
+    assert again.returncode == 0
+    assert calls.read_text().split() == ["score", "train", "train", "eval"]
+    with tarfile.open(out / "distill.tgz") as tar:
+        names = set(tar.getnames())
+    assert {
+        "distill/preferences.jsonl",
+        "distill/distill.json",
+        "distill/dev/summary.json",
+    } <= names

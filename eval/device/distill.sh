@@ -36,9 +36,16 @@ DEV_CONCURRENCY=${DEV_CONCURRENCY:-8}
 log=$OUT/distill-log.txt
 
 failed=0  # a step's exit status other than 0 and timeout's 124 (cut by BUDGET: continued next call)
-check() { ((rc == 0 || rc == 124)) || failed=$rc; }
 left() { echo $((BUDGET - (SECONDS - started))); }
 say() { echo "[$((SECONDS - started)) s] $*" | tee -a "$log"; }
+# One step: the CLI with ARGS for the rest of the call's budget, output into the log; sets rc
+# (and failed, unless the step succeeded or was cut by the budget) and returns rc.
+step() {
+    timeout "$(left)" "${rr[@]}" "$@" >>"$log" 2>&1
+    rc=$?
+    ((rc == 0 || rc == 124)) || failed=$rc
+    return "$rc"
+}
 
 if [[ ! -d $WORK && -n ${SEED:-} ]]; then
     cp -r "$SEED" "$WORK"
@@ -53,19 +60,13 @@ common=(--data "$DATA/nq_open_train.jsonl" --limit "$LIMIT" --teacher "$TEACHER"
 scored() { cat "$WORK/preferences.jsonl" 2>/dev/null | grep -c '^{"id"'; }
 if [[ ! -f $WORK/.scored ]]; then
     say "1. preference set: $(scored)/$LIMIT questions scored"
-    timeout "$(left)" "${rr[@]}" distill "${common[@]}" --score-only >>"$log" 2>&1
-    rc=$?
-    check
-    ((rc == 0)) && touch "$WORK/.scored"
+    step distill "${common[@]}" --score-only && touch "$WORK/.scored"
     say "1. preference set: $(scored)/$LIMIT (rc=$rc)"
 fi
 if [[ -f $WORK/.scored && ! -f $WORK/distill.json ]]; then
     if (($(left) >= TRAIN_MIN)); then
         say "2. training, $EPOCHS epochs"
-        timeout "$(left)" "${rr[@]}" distill "${common[@]}" --epochs "$EPOCHS" \
-            --held-back "$HELD_BACK" >>"$log" 2>&1
-        rc=$?
-        check
+        step distill "${common[@]}" --epochs "$EPOCHS" --held-back "$HELD_BACK"
         say "2. training: rc=$rc ($([[ -f $WORK/distill.json ]] && echo done || echo not done))"
     else
         say "2. training waits for a call with $TRAIN_MIN s left ($(left) s now)"
@@ -73,13 +74,10 @@ if [[ -f $WORK/.scored && ! -f $WORK/distill.json ]]; then
 fi
 if [[ -f $WORK/distill.json && ! -f $WORK/.evaluated ]] && (($(left) > 30)); then
     say "3. distill-eval on $DEV_LIMIT development questions"
-    timeout "$(left)" "${rr[@]}" distill-eval --data "$DATA/nq_open_dev.jsonl" \
-        --limit "$DEV_LIMIT" --teacher "$TEACHER" --student "$STUDENT" --adapter "$WORK" \
-        --passages "$N" --concurrency "$DEV_CONCURRENCY" --no-progress --out "$WORK/dev" \
-        >>"$log" 2>&1
-    rc=$?
-    check
-    ((rc == 0)) && touch "$WORK/.evaluated"
+    step distill-eval --data "$DATA/nq_open_dev.jsonl" --limit "$DEV_LIMIT" \
+        --teacher "$TEACHER" --student "$STUDENT" --adapter "$WORK" --passages "$N" \
+        --concurrency "$DEV_CONCURRENCY" --no-progress --out "$WORK/dev" &&
+        touch "$WORK/.evaluated"
     say "3. distill-eval: rc=$rc"
 fi
 [[ -f $WORK/distill.json ]] && cat "$WORK/distill.json" >>"$log"

@@ -35,6 +35,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -223,15 +224,19 @@ def start(
 def cached_variants(out: Path, folder: str) -> dict[str, set[str]]:
     """Question id -> the variants OUT/<folder>/cache.jsonl (a set's committed cache) holds."""
     cache = out / folder / "cache.jsonl"
+    if not cache.is_file():
+        return {}
+    lines = cache.read_text(encoding="utf-8").splitlines()
+    records = (rec for rec in map(_finished_record, lines) if rec is not None)
+    return variants_by_question(rec["key"] for rec in records)
+
+
+def variants_by_question(keys: Iterable[object]) -> dict[str, set[str]]:
+    """Question id -> its variants, from records' cache keys."""
     have: dict[str, set[str]] = {}
-    if cache.is_file():
-        for line in cache.read_text(encoding="utf-8").splitlines():
-            rec = _finished_record(line)
-            if rec is None:
-                continue
-            key = rec["key"]
-            assert isinstance(key, dict)
-            have.setdefault(key["question_id"], set()).add(key["variant"])
+    for key in keys:
+        assert isinstance(key, dict)
+        have.setdefault(key["question_id"], set()).add(key["variant"])
     return have
 
 
@@ -287,10 +292,7 @@ def merge(out: Path, work: Path, runs: list[Run] | None = None, all_variants: bo
                     seen.setdefault(json.dumps(rec["key"], sort_keys=True), line)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text("".join(v + "\n" for v in seen.values()), encoding="utf-8")
-        variants: dict[str, set[str]] = {}
-        for key in seen:
-            k = json.loads(key)
-            variants.setdefault(k["question_id"], set()).add(k["variant"])
+        variants = variants_by_question(json.loads(key) for key in seen)
         line = f"{run.folder}: {len(seen)} records, {len(variants)} questions"
         expected = expected_variants(run, all_variants)
         if expected:

@@ -12,6 +12,11 @@
 # eval/results/distill/ here. A machine lost between calls starts from SEED (a folder holding
 # an earlier distill.tgz's contents, carried with the call).
 #
+# LR overrides the CLI's learning rate (the paper's 1e-4 is for thousands of steps).
+# SCORE_FOR=S caps step 1 at S seconds for a session with little device time: the questions
+# scored by then (a prefix, give or take the CONCURRENCY in flight) become the set, LIMIT is cut
+# to their count (kept in $WORK/.limit for later calls) and training starts in the same call.
+#
 # LOCAL=1 rehearses the same steps here on the CPU with .venv (tiny LIMIT/K/DEV_LIMIT), so a
 # GPU call is not where a mistake in the arguments is found.
 set -uo pipefail
@@ -41,7 +46,10 @@ say() { echo "[$((SECONDS - started)) s] $*" | tee -a "$log"; }
 # One step: the CLI with ARGS for the rest of the call's budget, output into the log; sets rc
 # (and failed, unless the step succeeded or was cut by the budget) and returns rc.
 step() {
-    timeout "$(left)" "${rr[@]}" "$@" >>"$log" 2>&1
+    local t
+    t=$(left)
+    ((${cap:-0} > 0 && cap < t)) && t=$cap
+    timeout "$t" "${rr[@]}" "$@" >>"$log" 2>&1
     rc=$?
     ((rc == 0 || rc == 124)) || failed=$rc
     return "$rc"
@@ -52,6 +60,7 @@ if [[ ! -d $WORK && -n ${SEED:-} ]]; then
     say "seeded $WORK from $SEED"
 fi
 mkdir -p "$WORK"
+[[ -f $WORK/.limit ]] && LIMIT=$(cat "$WORK/.limit")
 common=(--data "$DATA/nq_open_train.jsonl" --limit "$LIMIT" --teacher "$TEACHER"
     --student "$STUDENT" --passages "$N" --permutations "$K" --concurrency "$CONCURRENCY"
     --no-progress --out "$WORK")
@@ -60,13 +69,20 @@ common=(--data "$DATA/nq_open_train.jsonl" --limit "$LIMIT" --teacher "$TEACHER"
 scored() { cat "$WORK/preferences.jsonl" 2>/dev/null | grep -c '^{"id"'; }
 if [[ ! -f $WORK/.scored ]]; then
     say "1. preference set: $(scored)/$LIMIT questions scored"
-    step distill "${common[@]}" --score-only && touch "$WORK/.scored"
+    cap=${SCORE_FOR:-0} step distill "${common[@]}" --score-only && touch "$WORK/.scored"
     say "1. preference set: $(scored)/$LIMIT (rc=$rc)"
+    if [[ ! -f $WORK/.scored && $rc == 124 && -n ${SCORE_FOR:-} ]] && (($(scored) > HELD_BACK)); then
+        LIMIT=$(scored)
+        echo "$LIMIT" >"$WORK/.limit"
+        common[3]=$LIMIT
+        touch "$WORK/.scored"
+        say "1. SCORE_FOR=$SCORE_FOR s reached: the set is the first $LIMIT questions"
+    fi
 fi
 if [[ -f $WORK/.scored && ! -f $WORK/distill.json ]]; then
     if (($(left) >= TRAIN_MIN)); then
         say "2. training, $EPOCHS epochs"
-        step distill "${common[@]}" --epochs "$EPOCHS" --held-back "$HELD_BACK"
+        step distill "${common[@]}" --epochs "$EPOCHS" --held-back "$HELD_BACK" ${LR:+--lr "$LR"}
         say "2. training: rc=$rc ($([[ -f $WORK/distill.json ]] && echo done || echo not done))"
     else
         say "2. training waits for a call with $TRAIN_MIN s left ($(left) s now)"

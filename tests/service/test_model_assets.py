@@ -20,8 +20,10 @@ from service.errors import BackendUnavailable
 from service.model_assets import (
     MARKER_FILE,
     PACKAGED_MODELS,
+    TOKENIZER_PROBE,
     PackagedModel,
     _join_chunks,
+    check_tokenizer,
     embedded_gguf_path,
     ensure_embedded_model,
     gguf_sources,
@@ -313,3 +315,53 @@ def test_an_unset_template_follows_the_model(monkeypatch: pytest.MonkeyPatch) ->
     assert Settings(chat_template="qa_plain").for_model(GEMMA_MODEL).chat_template == "qa_plain"
     monkeypatch.setenv("RAG_REORDER_MODEL", GEMMA_MODEL)
     assert Settings().chat_template == "qa_completion"
+
+
+# --- the converted tokenizer is checked (transformers 5.17 converted Gemma-3's wrongly) -----
+
+
+def test_the_converted_smollm2_tokenizer_gives_its_probe_ids(smollm2_dir: Path) -> None:
+    check_tokenizer(smollm2_dir, PACKAGED_MODELS[EMBEDDED_MODEL])
+
+
+def test_a_tokenizer_that_is_not_the_models_is_refused(smollm2_dir: Path) -> None:
+    # A real tokenizer with another vocabulary: the same count (19), different ids.
+    with pytest.raises(BackendUnavailable) as err:
+        check_tokenizer(smollm2_dir, PACKAGED_MODELS[GEMMA_MODEL])
+    assert "gives 19 tokens" in str(err.value) and "first difference at token 0" in str(err.value)
+    assert "transformers>=5.24" in str(err.value)
+
+
+def test_the_broken_gemma_conversion_of_transformers_5_17_is_refused(tmp_path: Path) -> None:
+    # What 5.17 made of the probe: pieces without merges and no <bos> (33 tokens, not 19).
+    broken = list(range(33))
+    with pytest.raises(BackendUnavailable, match="gives 33 tokens .* gives 19"):
+        check_tokenizer(tmp_path, PACKAGED_MODELS[GEMMA_MODEL], ids_of=lambda _f, _t: broken)
+
+
+def test_the_gemma_probe_ids_spell_the_probe_in_the_packaged_vocabulary(tmp_path: Path) -> None:
+    # The reference ids come from a conversion; here they are read back through the GGUF's own
+    # token list, so a wrong reference cannot hide behind a matching wrong conversion.
+    from gguf import GGUFReader
+
+    packaged = PACKAGED_MODELS[GEMMA_MODEL]
+    reader = GGUFReader(_join_chunks(gguf_sources(packaged), tmp_path, packaged))
+    field = reader.fields["tokenizer.ggml.tokens"]
+    pieces = [bytes(field.parts[field.data[i]]).decode() for i in packaged.probe_ids]
+    assert pieces[0] == "<bos>"
+    assert "".join(pieces[1:]).replace("\u2581", " ") == TOKENIZER_PROBE
+
+
+def test_a_conversion_whose_tokenizer_fails_the_probe_is_never_cached(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import service.model_assets as assets
+
+    def converter(gguf_path: Path, dst: Path) -> None:
+        (dst / "config.json").write_text("{}")
+
+    monkeypatch.setattr(assets, "_default_converter", lambda: converter)
+    monkeypatch.setattr(assets, "_default_probe", lambda: lambda _f, _t: [1, 2, 3])
+    with pytest.raises(BackendUnavailable, match="gives 3 tokens"):
+        ensure_embedded_model(tmp_path, model=EMBEDDED_MODEL)
+    assert not (tmp_path / "models" / safe_model_name(EMBEDDED_MODEL)).exists()

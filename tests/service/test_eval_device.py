@@ -359,7 +359,7 @@ def test_merge_counts_the_questions_with_every_variant_of_a_pairing(
 
 # Stand-in CLI for eval/device/distill.sh: `distill --score-only` writes the preference set,
 # `distill` the manifest, `distill-eval` the summary; each call is logged, and $FAIL_STEP
-# makes that step exit 3.
+# makes that step exit 3; $LIMITS logs each step's --limit, $SLOW_SCORE makes scoring hang.
 FAKE_DISTILL_CLI = r"""
 import json, os, sys
 args = sys.argv[1:]
@@ -369,8 +369,18 @@ with open(os.environ["CALLS"], "a") as fh:
     fh.write(step + "\n")
 if os.environ.get("FAIL_STEP") == step:
     sys.exit(3)
+if os.environ.get("LIMITS"):
+    with open(os.environ["LIMITS"], "a") as fh:
+        fh.write(step + " " + args[args.index("--limit") + 1] + "\n")
 os.makedirs(out, exist_ok=True)
-if step == "score":
+if step == "score" and os.environ.get("SLOW_SCORE"):
+    # Three questions scored, then the teacher is still busy when SCORE_FOR runs out.
+    import time
+    with open(os.path.join(out, "preferences.jsonl"), "w") as fh:
+        fh.write(json.dumps({"meta": {}}) + "\n")
+        fh.writelines(json.dumps({"id": f"q{i}"}) + "\n" for i in range(3))
+    time.sleep(60)
+elif step == "score":
     with open(os.path.join(out, "preferences.jsonl"), "w") as fh:
         fh.write(json.dumps({"meta": {}}) + "\n" + json.dumps({"id": "q0"}) + "\n")
 elif step == "train":
@@ -414,3 +424,28 @@ def test_the_distillation_calls_resume_step_by_step_and_pack_the_folder(tmp_path
         "distill/distill.json",
         "distill/dev/summary.json",
     } <= names
+
+
+def test_score_for_trains_on_the_questions_scored_in_time(tmp_path: Path) -> None:
+    cli = tmp_path / "cli.py"
+    cli.write_text(FAKE_DISTILL_CLI)
+    limits, work, out = tmp_path / "limits.txt", tmp_path / "distill", tmp_path / "out"
+    env = {
+        "PATH": os.environ["PATH"], "LOCAL": "1", "RR": f"{sys.executable} {cli}",
+        "CALLS": str(tmp_path / "calls.txt"), "LIMITS": str(limits), "WORK": str(work),
+        "OUT": str(out), "DATA": str(tmp_path), "HELD_BACK": "1", "TRAIN_MIN": "5",
+    }  # fmt: skip
+
+    def call(**extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            ["bash", str(ROOT / "eval" / "device" / "distill.sh")], cwd=ROOT, check=False,
+            env=env | extra, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    # Scoring is cut after 3 s; too little is left to train in this call.
+    cut = call(SLOW_SCORE="1", SCORE_FOR="3", BUDGET="40", TRAIN_MIN="38", LIMIT="1000")
+    assert cut.returncode == 0, cut.stdout + cut.stderr
+    assert "the set is the first 3 questions" in cut.stdout and "training waits" in cut.stdout
+    # The next call keeps the cut limit (from $WORK/.limit), not the LIMIT it is given.
+    assert call(LIMIT="1000").returncode == 0
+    assert limits.read_text().split("\n")[:-1] == ["score 1000", "train 3", "eval 200"]

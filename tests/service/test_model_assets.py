@@ -335,7 +335,7 @@ def test_a_tokenizer_that_is_not_the_models_is_refused(smollm2_dir: Path) -> Non
 def test_the_broken_gemma_conversion_of_transformers_5_17_is_refused(tmp_path: Path) -> None:
     # What 5.17 made of the probe: pieces without merges and no <bos> (33 tokens, not 19).
     broken = list(range(33))
-    with pytest.raises(BackendUnavailable, match="gives 33 tokens .* gives 19"):
+    with pytest.raises(BackendUnavailable, match=r"gives 33 tokens .* gives 19"):
         check_tokenizer(tmp_path, PACKAGED_MODELS[GEMMA_MODEL], ids_of=lambda _f, _t: broken)
 
 

@@ -56,9 +56,15 @@ def load(folder: Path) -> dict[str, dict[str, dict[str, Any]]]:
 def compare(
     folder: Path, variant: str, baselines: Sequence[str], *, resamples: int, seed: int = 0
 ) -> Pairing:
-    """``variant`` against each baseline on the questions where all of them finished."""
+    """``variant`` against each baseline on the questions where all of them finished.
+
+    A baseline the folder's run never had (no question holds it: a variant added after the
+    run) is left out of the pairing and shows as "not run", rather than emptying the row."""
     by_question = load(folder)
-    wanted = (variant, *baselines)
+    ran = {v for recs in by_question.values() for v in recs}
+    if variant not in ran:
+        raise SystemExit(f"{folder}: no question has {variant} finished")
+    wanted = (variant, *(b for b in baselines if b in ran))
     rows = [recs for recs in by_question.values() if all(v in recs for v in wanted)]
     if not rows:
         raise SystemExit(f"{folder}: no question has {', '.join(wanted)} finished")
@@ -73,7 +79,7 @@ def compare(
             resamples=resamples,
             seed=seed,
         )
-        for base in baselines
+        for base in wanted[1:]
         for m in METRICS
     ]
     return Pairing(folder.name, key["scorer"], key["generator"], len(rows), means, comparisons)
@@ -91,9 +97,11 @@ def markdown(pairings: Sequence[Pairing], variant: str, baselines: Sequence[str]
         for m in METRICS:
             cells = []
             for b in baselines:
-                c = next(c for c in p.comparisons if c.baseline == b and c.metric == m)
+                c = next((c for c in p.comparisons if c.baseline == b and c.metric == m), None)
                 cells.append(
-                    f"{c.mean_diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] p={_p(c.p_value)}"
+                    "not run"
+                    if c is None
+                    else f"{c.mean_diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] p={_p(c.p_value)}"
                 )
             lines.append(
                 f"| {pair} | {p.questions} | {LABELS[m]} | {p.means[variant][m]:.3f} | "

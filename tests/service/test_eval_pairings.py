@@ -45,5 +45,10 @@ def test_pairs_only_questions_where_every_variant_finished(
     assert pairings.main([str(tmp_path), "--variant", "moi", "--baselines", "shuffle"]) == 0
     table = capsys.readouterr().out
     assert "| s → g | 2 | accuracy | 1.000 | +0.500 [" in table
-    with pytest.raises(SystemExit, match="no question has moi, inverse finished"):
-        pairings.compare(tmp_path, "moi", ["inverse"], resamples=200)
+    # A baseline the run never had is "not run"; the others are still paired.
+    p = pairings.compare(tmp_path, "moi", ["inverse", "shuffle"], resamples=200)
+    assert p.questions == 2 and {c.baseline for c in p.comparisons} == {"shuffle"}
+    table = pairings.markdown([p], "moi", ["inverse", "shuffle"])
+    assert "| s → g | 2 | accuracy | 1.000 | not run | +0.500 [" in table
+    with pytest.raises(SystemExit, match="no question has lore finished"):
+        pairings.compare(tmp_path, "lore", ["moi"], resamples=200)

@@ -30,9 +30,10 @@ def prompt_chars(data: Path) -> dict[tuple[str, int], int]:
             ex = json.loads(line)
             if "passages" not in ex:
                 continue
-            for n in range(1, len(ex["passages"]) + 1):
-                text = sum(len(p["title"]) + len(p["text"]) for p in ex["passages"][:n])
-                chars[(ex["id"], n)] = text + len(ex["question"])
+            total = len(ex["question"])
+            for n, p in enumerate(ex["passages"], start=1):
+                total += len(p["title"]) + len(p["text"])
+                chars[(ex["id"], n)] = total
     return chars
 
 
@@ -55,9 +56,10 @@ def purge(folder: Path, chars: dict[tuple[str, int], int], max_ratio: float) -> 
     kept: list[str] = []
     dropped: Counter[str] = Counter()
     for line in cache.read_text(encoding="utf-8").splitlines():
-        ratio = tokens_per_char(json.loads(line), chars)
+        record = json.loads(line)
+        ratio = tokens_per_char(record, chars)
         if ratio is not None and ratio > max_ratio:
-            dropped[json.loads(line)["key"]["question_id"]] += 1
+            dropped[record["key"]["question_id"]] += 1
         else:
             kept.append(line)
     cache.write_text("".join(line + "\n" for line in kept), encoding="utf-8")

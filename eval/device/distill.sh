@@ -61,7 +61,8 @@ if [[ ! -d $WORK && -n ${SEED:-} ]]; then
 fi
 mkdir -p "$WORK"
 [[ -f $WORK/.limit ]] && LIMIT=$(cat "$WORK/.limit")
-common=(--data "$DATA/nq_open_train.jsonl" --limit "$LIMIT" --teacher "$TEACHER"
+# --limit is given per step: SCORE_FOR may cut LIMIT after step 1.
+common=(--data "$DATA/nq_open_train.jsonl" --teacher "$TEACHER"
     --student "$STUDENT" --passages "$N" --permutations "$K" --concurrency "$CONCURRENCY"
     --no-progress --out "$WORK")
 
@@ -69,12 +70,12 @@ common=(--data "$DATA/nq_open_train.jsonl" --limit "$LIMIT" --teacher "$TEACHER"
 scored() { cat "$WORK/preferences.jsonl" 2>/dev/null | grep -c '^{"id"'; }
 if [[ ! -f $WORK/.scored ]]; then
     say "1. preference set: $(scored)/$LIMIT questions scored"
-    cap=${SCORE_FOR:-0} step distill "${common[@]}" --score-only && touch "$WORK/.scored"
+    cap=${SCORE_FOR:-0} step distill "${common[@]}" --limit "$LIMIT" --score-only &&
+        touch "$WORK/.scored"
     say "1. preference set: $(scored)/$LIMIT (rc=$rc)"
     if [[ ! -f $WORK/.scored && $rc == 124 && -n ${SCORE_FOR:-} ]] && (($(scored) > HELD_BACK)); then
         LIMIT=$(scored)
         echo "$LIMIT" >"$WORK/.limit"
-        common[3]=$LIMIT
         touch "$WORK/.scored"
         say "1. SCORE_FOR=$SCORE_FOR s reached: the set is the first $LIMIT questions"
     fi
@@ -82,7 +83,8 @@ fi
 if [[ -f $WORK/.scored && ! -f $WORK/distill.json ]]; then
     if (($(left) >= TRAIN_MIN)); then
         say "2. training, $EPOCHS epochs"
-        step distill "${common[@]}" --epochs "$EPOCHS" --held-back "$HELD_BACK" ${LR:+--lr "$LR"}
+        step distill "${common[@]}" --limit "$LIMIT" --epochs "$EPOCHS" --held-back "$HELD_BACK" \
+            ${LR:+--lr "$LR"}
         say "2. training: rc=$rc ($([[ -f $WORK/distill.json ]] && echo done || echo not done))"
     else
         say "2. training waits for a call with $TRAIN_MIN s left ($(left) s now)"

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -390,20 +391,29 @@ else:
 """
 
 
-def test_the_distillation_calls_resume_step_by_step_and_pack_the_folder(tmp_path: Path) -> None:
+def _distill_sh(tmp_path: Path, **env: str) -> Callable[..., subprocess.CompletedProcess[str]]:
+    """Runs eval/device/distill.sh locally over the stand-in CLI, folders under ``tmp_path``;
+    each call's keyword arguments add to ``env``."""
     cli = tmp_path / "cli.py"
     cli.write_text(FAKE_DISTILL_CLI)
-    calls, work, out = tmp_path / "calls.txt", tmp_path / "distill", tmp_path / "out"
-    env = {
+    base = {
         "PATH": os.environ["PATH"], "LOCAL": "1", "RR": f"{sys.executable} {cli}",
-        "CALLS": str(calls), "WORK": str(work), "OUT": str(out), "DATA": str(tmp_path),
-    }  # fmt: skip
+        "CALLS": str(tmp_path / "calls.txt"), "WORK": str(tmp_path / "distill"),
+        "OUT": str(tmp_path / "out"), "DATA": str(tmp_path),
+    } | env  # fmt: skip
 
     def call(**extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             ["bash", str(ROOT / "eval" / "device" / "distill.sh")], cwd=ROOT, check=False,
-            env=env | extra, capture_output=True, text=True, timeout=60,
+            env=base | extra, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
+
+    return call
+
+
+def test_the_distillation_calls_resume_step_by_step_and_pack_the_folder(tmp_path: Path) -> None:
+    calls, work, out = tmp_path / "calls.txt", tmp_path / "distill", tmp_path / "out"
+    call = _distill_sh(tmp_path)
 
     # Too little of the call left to train: the set is scored, training waits.
     first = call(BUDGET="20", TRAIN_MIN="100")
@@ -427,20 +437,8 @@ def test_the_distillation_calls_resume_step_by_step_and_pack_the_folder(tmp_path
 
 
 def test_score_for_trains_on_the_questions_scored_in_time(tmp_path: Path) -> None:
-    cli = tmp_path / "cli.py"
-    cli.write_text(FAKE_DISTILL_CLI)
-    limits, work, out = tmp_path / "limits.txt", tmp_path / "distill", tmp_path / "out"
-    env = {
-        "PATH": os.environ["PATH"], "LOCAL": "1", "RR": f"{sys.executable} {cli}",
-        "CALLS": str(tmp_path / "calls.txt"), "LIMITS": str(limits), "WORK": str(work),
-        "OUT": str(out), "DATA": str(tmp_path), "HELD_BACK": "1", "TRAIN_MIN": "5",
-    }  # fmt: skip
-
-    def call(**extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            ["bash", str(ROOT / "eval" / "device" / "distill.sh")], cwd=ROOT, check=False,
-            env=env | extra, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+    limits = tmp_path / "limits.txt"
+    call = _distill_sh(tmp_path, LIMITS=str(limits), HELD_BACK="1", TRAIN_MIN="5")
 
     # Scoring is cut after 3 s; too little is left to train in this call.
     cut = call(SLOW_SCORE="1", SCORE_FOR="3", BUDGET="40", TRAIN_MIN="38", LIMIT="1000")

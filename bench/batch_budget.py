@@ -24,7 +24,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -36,15 +35,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 import solver
-from bench.report import provenance, write
+from bench import report
+from bench.report import provenance
 from service.backends.base import ScoreResult, SpanRequest
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
 from service.model_assets import resolve_model
 from service.prompts import build_prompts
 from service.settings import Settings
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 
 
 def logprobs(results: list[ScoreResult]) -> np.ndarray:
@@ -118,17 +116,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("batch_budget", __doc__, data=True)
     ap.add_argument("--budgets", default="16384,4096,2048,1024")
     ap.add_argument("--queries", type=int, default=2)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--design", default="pruned_random")
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch_budget.json"))
-    args = ap.parse_args()
-    write(asyncio.run(run(args)), args.out)
-    return 0
+    return report.main(ap, run)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,14 +26,13 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import solver
+from bench import report
 from bench.report import provenance, write
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.dataset import load_examples
 from service.model_assets import resolve_model
 from service.prompts import build_prompts
 from service.settings import Settings
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 
 
 def query_logprob(
@@ -53,11 +51,9 @@ def query_logprob(
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("bf16_head", __doc__, data=True)
     ap.add_argument("--prompts", type=int, default=6)
     ap.add_argument("--passages", type=int, default=6)
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "bf16_head.json"))
     args = ap.parse_args()
     folder = str(resolve_model(Settings()))
     tok = HFPromptTokenizer(AutoTokenizer.from_pretrained(folder))

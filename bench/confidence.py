@@ -19,7 +19,6 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import argparse
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ import numpy as np
 from scipy.special import ndtr, stdtrit
 
 import solver
+from bench import report
 from bench.report import provenance, write
 
 SETTINGS = [  # kind, N, M (None: the default), noise
@@ -94,9 +94,8 @@ def one(kind: str, n: int, m: int | None, noise: float, trials: int) -> dict[str
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("confidence", __doc__)
     ap.add_argument("--trials", type=int, default=200)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "confidence.json"))
     args = ap.parse_args()
     rows = []
     for kind, n, m, noise in SETTINGS:

@@ -43,11 +43,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 import solver
-from bench.dtype_fidelity import DATA
-from bench.report import provenance, write
+from bench import report
+from bench.report import RESULTS, provenance, write
 from solver.fit import Variance
 
-RESULTS = Path(__file__).parent / "results"
 BINS = [(0.5, 0.6), (0.6, 0.75), (0.75, 0.9), (0.9, 0.97), (0.97, 1.01)]
 
 
@@ -207,15 +206,13 @@ def cost(repeats: int) -> list[dict[str, Any]]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("confidence_real", __doc__, data=True)
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--seeds", type=int, default=6)
     ap.add_argument("--num-prompts", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=15, help="timed fits per design and estimate")
-    ap.add_argument("--data", default=str(DATA))
     ap.add_argument("--raw", default=str(RESULTS / "confidence_real_scores.json"))
-    ap.add_argument("--out", default=str(RESULTS / "confidence_real.json"))
     args = ap.parse_args()
     raw_path = Path(args.raw)
     if raw_path.is_file():

@@ -28,7 +28,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -41,15 +40,14 @@ import numpy as np
 from scipy.stats import kendalltau
 
 import solver
-from bench.report import provenance, write
+from bench import report
+from bench.report import provenance
 from service.backends.base import SpanLogprobs
 from service.backends.transformers_backend import DtypeName, TransformersBackend
 from service.dataset import load_examples
 from service.model_assets import resolve_model
 from service.prompts import build_prompts
 from service.settings import Settings
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 
 
 def rank_tau(a: solver.Fit, b: solver.Fit) -> float:
@@ -177,7 +175,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("dtype_fidelity", __doc__, data=True)
     ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--passages", type=int, default=10)
@@ -188,11 +186,7 @@ def main() -> int:
         default=None,
         help="also fit the first dtype on the design drawn with this seed (+k), as a yardstick",
     )
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "dtype_fidelity.json"))
-    args = ap.parse_args()
-    write(asyncio.run(run(args)), args.out)
-    return 0
+    return report.main(ap, run)
 
 
 if __name__ == "__main__":

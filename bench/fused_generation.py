@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from bench.report import provenance, write
+from bench import report
+from bench.report import provenance
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
 from service.offline.evaluation.runner import prepare
@@ -47,8 +48,6 @@ from service.pipeline import Reorderer
 from service.prompts import BuiltPrompt
 from service.settings import GEMMA_MODEL, Settings
 from service.strategies.base import Answer
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 
 Rows = list[tuple[Answer | None, tuple[float, ...] | None]]
 
@@ -135,7 +134,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("fused_generation", __doc__, data=True)
     ap.add_argument("--model", default=GEMMA_MODEL)
     ap.add_argument("--question", type=int, default=0)
     ap.add_argument("--orders", type=int, default=8)
@@ -144,14 +143,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument(
-        "--out", default=str(Path(__file__).parent / "results" / "fused_generation.json")
-    )
-    args = ap.parse_args()
-    out = asyncio.run(run(args))
-    write(out, args.out)
-    return 0
+    return report.main(ap, run)
 
 
 if __name__ == "__main__":

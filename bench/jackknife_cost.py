@@ -32,7 +32,6 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import argparse
 import importlib
 import json
 import re
@@ -49,7 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 import solver
-from bench.report import provenance, write
+from bench import report
+from bench.report import RESULTS, provenance, write
 from solver import lm
 from solver.design import Design
 from solver.fit import Variance
@@ -57,7 +57,6 @@ from solver.fit import Variance
 # The module (the package exports its `fit` function under the same name); typed loosely
 # because the bench swaps its private implementation.
 F: Any = importlib.import_module("solver.fit")
-RESULTS = Path(__file__).parent / "results"
 DESIGNS = [
     ("pruned_random", 10),
     ("random", 10),
@@ -239,10 +238,9 @@ def real(path: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("jackknife_cost", __doc__)
     ap.add_argument("--repeats", type=int, default=5, help="timed fits per method, N <= 20")
     ap.add_argument("--raw", default=str(RESULTS / "confidence_real_scores.json"))
-    ap.add_argument("--out", default=str(RESULTS / "jackknife_cost.json"))
     args = ap.parse_args()
     result = {**provenance(), "real": real(Path(args.raw)), "designs": designs(args.repeats)}
     write(result, args.out)

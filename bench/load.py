@@ -53,6 +53,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench.report import DATA
 from bench.server_process import free_port, percentile, start_server
 from service.backends.base import (
     GenerateResult,
@@ -67,7 +68,6 @@ from service.pipeline import Reorderer, ReorderRequest
 from service.prompts import Passage
 from service.settings import Settings
 
-DATA = Path("/work/shared/data/nq_open_dev.jsonl")
 # The bench measures the engine, not admission: a level of 32 clients on 20-passage requests
 # queues minutes of CPU work, past the default deadline and prompt-token budget.
 SERVER_ENV = {

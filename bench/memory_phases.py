@@ -43,7 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from bench.report import provenance, write
+from bench import report
+from bench.report import provenance
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
 from service.offline.evaluation.runner import prepare
@@ -51,7 +52,6 @@ from service.pipeline import Reorderer
 from service.settings import GEMMA_MODEL, Settings
 from service.strategies.base import ReorderRequest
 
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 GIB = float(1 << 30)
 
 
@@ -130,17 +130,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("memory_phases", __doc__, data=True)
     ap.add_argument("--model", default=GEMMA_MODEL)
     ap.add_argument("--questions", type=int, default=4)
     ap.add_argument("--orders", type=int, default=16)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--max-new-tokens", type=int, default=32)
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "memory_phases.json"))
-    args = ap.parse_args()
-    write(asyncio.run(run(args)), args.out)
-    return 0
+    return report.main(ap, run)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import solver
+from bench import report
 from bench.report import provenance, write
 from service.backends.base import Encoding, PromptTokenizer
 from service.backends.hf_tokenizer import HFPromptTokenizer
@@ -37,8 +38,6 @@ from service.dataset import load_examples
 from service.model_assets import resolve_model
 from service.prompts import BuiltPrompt, build_prompts
 from service.settings import Settings
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 
 
 class OneByOne:
@@ -110,13 +109,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("prompts", __doc__, data=True)
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--design", default="random")
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "prompts.json"))
     args = ap.parse_args()
     out = run(args)
     write(out, args.out)

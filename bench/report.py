@@ -1,14 +1,57 @@
-"""What every benchmark writes beside its figures: the command that measured them and where."""
+"""What every benchmark shares: its command line, the development questions it reads by
+default, and what it writes beside its figures (the command that measured them and where)."""
 
 from __future__ import annotations
 
+import argparse
+import asyncio
+import inspect
 import json
 import os
 import platform
 import shlex
 import sys
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+"""Where a benchmark's ``--out`` goes by default: ``bench/results/<name>.json``."""
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
+"""The NQ-Open development questions (``../shared/data`` beside the checkout)."""
+
+Result = dict[str, Any]
+
+
+def parser(name: str, doc: str | None, *, data: bool = False) -> argparse.ArgumentParser:
+    """A benchmark's argument parser with the options every benchmark has.
+
+    Args:
+        name: the script's name; ``--out`` defaults to ``bench/results/<name>.json``.
+        doc: the script's module docstring; its first paragraph is the ``--help`` description.
+        data: add ``--data`` (a JSONL of questions, default ``DATA``).
+    """
+    first_paragraph = " ".join((doc or name).strip().split("\n\n")[0].split())
+    ap = argparse.ArgumentParser(prog=f"bench/{name}.py", description=first_paragraph)
+    if data:
+        ap.add_argument("--data", default=str(DATA), help="JSONL of questions with passages")
+    ap.add_argument("--out", default=str(RESULTS / f"{name}.json"), help="result JSON")
+    return ap
+
+
+def main(
+    ap: argparse.ArgumentParser,
+    run: Callable[[argparse.Namespace], Result | Coroutine[Any, Any, Result]],
+) -> int:
+    """Parse the command line, run the benchmark (awaited if it is a coroutine) and write
+    its result to ``--out``; the exit code for ``raise SystemExit(...)``."""
+    args = ap.parse_args()
+    result = run(args)
+    if inspect.iscoroutine(result):
+        result = asyncio.run(result)
+    assert isinstance(result, dict)
+    write(result, args.out)
+    return 0
 
 
 def provenance() -> dict[str, Any]:

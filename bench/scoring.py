@@ -29,14 +29,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.report import provenance, write
+from bench import report
+from bench.report import provenance
 from service.backends.factory import create_backend, resolve_backend
 from service.dataset import load_examples
 from service.pipeline import Reorderer, ReorderRequest
 from service.prompts import build_prompts
 from service.settings import Settings
-
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -124,15 +123,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("scoring", __doc__, data=True)
     ap.add_argument("--queries", type=int, default=6)
     ap.add_argument("--passages", type=int, default=10)
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "scoring.json"))
-    args = ap.parse_args()
-    out = asyncio.run(run(args))
-    write(out, args.out)
-    return 0
+    return report.main(ap, run)
 
 
 if __name__ == "__main__":

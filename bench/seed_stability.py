@@ -27,7 +27,6 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
-import asyncio
 import statistics
 import sys
 import time
@@ -39,8 +38,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 
 import solver
-from bench.dtype_fidelity import DATA, agreement
-from bench.report import provenance, write
+from bench import report
+from bench.dtype_fidelity import agreement
+from bench.report import provenance
 from service.backends.base import SpanLogprobs
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
@@ -174,16 +174,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("seed_stability", __doc__, data=True)
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--budgets", default="20,40,60", help="prompt counts M to compare")
     ap.add_argument("--selection", choices=("eval", "first"), default="eval")
-    ap.add_argument("--data", default=str(DATA))
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "seed_stability.json"))
-    args = ap.parse_args()
-    write(asyncio.run(run(args)), args.out)
-    return 0
+    return report.main(ap, run)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,6 @@ import os
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 
-import argparse
 import json
 import platform
 import statistics
@@ -38,6 +37,7 @@ from scipy.stats import kendalltau
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import solver
+from bench import report
 
 DESIGNS = ["random", "pruned_random", "variable_pruned", "hybrid", "cyclic", "pruned_cyclic"]
 
@@ -147,9 +147,8 @@ def case(n: int, design: str, seed: int, reps: int, slsqp_reps: int) -> dict[str
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = report.parser("solver", __doc__)
     ap.add_argument("--quick", action="store_true", help="N in 5, 10, 20 only, fewer repeats")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "solver.json"))
     args = ap.parse_args()
     ns = [5, 10, 20] if args.quick else [5, 10, 20, 50, 100]
     rows = []

@@ -1,0 +1,76 @@
+"""The benchmarks' shared command line (``bench/report.py``), and that every benchmark script
+still starts: a benchmark is run rarely, by hand or on a lent GPU, so a broken import or
+option would otherwise surface only when its device time is already being spent."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from bench import report
+
+ROOT = Path(__file__).resolve().parents[2]
+# Helpers imported by the scripts, not scripts themselves.
+LIBRARIES = {"report", "server_process"}
+SCRIPTS = sorted(p for p in (ROOT / "bench").glob("*.py") if p.stem not in LIBRARIES)
+
+DOC = """Peak memory of each phase,
+measured side by side.
+
+Usage: python bench/x.py
+"""
+
+
+def test_parser_defaults_and_description() -> None:
+    ap = report.parser("memory_phases", DOC, data=True)
+    args = ap.parse_args([])
+    assert args.out == str(ROOT / "bench" / "results" / "memory_phases.json")
+    assert args.data == str(ROOT.parent / "shared" / "data" / "nq_open_dev.jsonl")
+    # The whole first paragraph, not its first line cut mid-sentence.
+    assert ap.description == "Peak memory of each phase, measured side by side."
+    assert ap.prog == "bench/memory_phases.py"
+
+
+def test_parser_without_data_has_no_data_option() -> None:
+    ap = report.parser("solver", DOC)
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--data", "x.jsonl"])
+
+
+@pytest.mark.parametrize("kind", ["function", "coroutine"])
+def test_main_runs_and_writes_to_out(
+    kind: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "deep" / "result.json"
+    monkeypatch.setattr(sys, "argv", ["bench/x.py", "--out", str(out), "--n", "3"])
+    ap = report.parser("x", DOC)
+    ap.add_argument("--n", type=int, default=1)
+
+    def run(args: Any) -> dict[str, Any]:
+        return {"n": args.n, "kind": kind}
+
+    async def arun(args: Any) -> dict[str, Any]:
+        return run(args)
+
+    assert report.main(ap, run if kind == "function" else arun) == 0
+    assert json.loads(out.read_text()) == {"n": 3, "kind": kind}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.stem)
+def test_every_benchmark_script_starts(script: Path) -> None:
+    # --help imports everything the script imports and builds its parser, and measures nothing.
+    proc = subprocess.run(
+        [sys.executable, str(script), "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "--out" in proc.stdout

@@ -33,6 +33,12 @@ class PromptTokenizer(Protocol):
     @property
     def eos_token_ids(self) -> frozenset[int]: ...
 
+    @property
+    def line_break_ids(self) -> frozenset[int]:
+        """Ids whose text contains a line break: a completion template's answer is one line,
+        so its generation stops at the first of them (``service.strategies.base.Work``)."""
+        ...
+
     def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         """The model's chat template applied to ``messages``, as text (not tokenised)."""
         ...

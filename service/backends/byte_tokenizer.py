@@ -52,6 +52,11 @@ class ByteTokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         return frozenset({EOS_ID, END_OF_TURN_ID})
 
+    @property
+    def line_break_ids(self) -> frozenset[int]:
+        """The newline byte: no other id's text contains one."""
+        return frozenset({ord("\n")})
+
     def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         """Render ``messages`` with the template above.
 

@@ -48,6 +48,10 @@ class HFTokenizerLike(Protocol):
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool) -> object: ...
 
+    def batch_decode(self, sequences: list[list[int]], *, skip_special_tokens: bool) -> object: ...
+
+    def __len__(self) -> int: ...
+
     def convert_tokens_to_ids(self, tokens: str) -> object: ...
 
     def convert_ids_to_tokens(self, ids: int) -> object: ...
@@ -71,6 +75,7 @@ class HFPromptTokenizer:
         self._tok = tokenizer
         self._eos_ids = frozenset(_eos_ids(tokenizer) | {int(i) for i in extra_eos_token_ids})
         self._completion_prefix: str | None = None
+        self._line_break_ids: frozenset[int] | None = None
 
     @property
     def hf_tokenizer(self) -> HFTokenizerLike:
@@ -81,6 +86,22 @@ class HFPromptTokenizer:
     def eos_token_ids(self) -> frozenset[int]:
         """The tokenizer's eos id plus the chat template's end-of-turn ids (if they differ)."""
         return self._eos_ids
+
+    @property
+    def line_break_ids(self) -> frozenset[int]:
+        """Ids whose decoded text contains ``\\n``, found once by decoding the whole vocabulary
+        (one batched call in Rust: 0.4 s for SmolLM2's 49k ids, 2.4 s for Gemma-3's 262k on
+        this project's busy 2-core CPU; 129 and 32 ids). Decoding, not the token strings, because
+        byte-level BPE writes a newline as ``Ċ`` and SentencePiece as ``\\n`` or ``<0x0A>``."""
+        if self._line_break_ids is None:
+            size = len(self._tok)
+            texts = self._tok.batch_decode([[i] for i in range(size)], skip_special_tokens=False)
+            if not isinstance(texts, list) or len(texts) != size:
+                raise TypeError("batch_decode did not return one text per id")
+            self._line_break_ids = frozenset(
+                i for i, text in enumerate(texts) if isinstance(text, str) and "\n" in text
+            )
+        return self._line_break_ids
 
     def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         """Apply the model's chat template to ``messages`` and return the text.

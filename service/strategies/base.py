@@ -28,7 +28,13 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.errors import InvalidRequest, ScoringFailed
-from service.prompts import BuiltPrompt, Passage, build_generation_prompt, build_prompts
+from service.prompts import (
+    BuiltPrompt,
+    Passage,
+    build_generation_prompt,
+    build_prompts,
+    get_template,
+)
 from service.settings import Settings
 
 if TYPE_CHECKING:
@@ -483,10 +489,20 @@ class Work:
         self, prompts: Sequence[BuiltPrompt], max_new_tokens: int, score_ids: tuple[int, ...]
     ) -> list[tuple[Answer | None, tuple[float, ...] | None]]:
         """Greedy answers, with ``score_ids`` scored after each prompt when given; identical
-        prompts are sent once."""
+        prompts are sent once.
+
+        A completion template's answer is the line after its answer prefix: its generation
+        stops at the first line break (``PromptTokenizer.line_break_ids``) instead of running
+        on into the next "Question:" a base model writes, up to ``max_new_tokens``.
+        """
         if not prompts:
             return []
         self.planned += len(prompts)
+        tokenizer = self.backend.tokenizer
+        one_line = frozenset[int]()
+        if any(get_template(p.template).completion for p in prompts):
+            # Decoding the vocabulary the first time takes seconds: not on the event loop.
+            one_line = await self.off_loop(lambda: tokenizer.line_break_ids, timer="tokenize")
         unique: dict[tuple[int, ...], int] = {}
         sent: list[GenerationRequest] = []
         index: list[int] = []
@@ -494,11 +510,13 @@ class Work:
             k = unique.get(p.token_ids)
             if k is None:
                 k = unique[p.token_ids] = len(sent)
+                completion = get_template(p.template).completion
                 sent.append(
                     GenerationRequest(
                         request_id=self.new_id(),
                         token_ids=p.token_ids,
                         max_new_tokens=max_new_tokens,
+                        stop_token_ids=one_line if completion else frozenset(),
                         score_ids=score_ids,
                     )
                 )
@@ -510,9 +528,9 @@ class Work:
             self.model_s += time.perf_counter() - t0
         if len(results) != len(sent):
             raise ScoringFailed(f"backend answered {len(results)} of {len(sent)} generations")
-        eos = self.backend.tokenizer.eos_token_ids
+        eos = tokenizer.eos_token_ids
         rows: list[tuple[Answer | None, tuple[float, ...] | None]] = []
-        for res in results:
+        for req, res in zip(sent, results, strict=True):
             if isinstance(res, PromptFailure):
                 log.warning("generation %s failed: %s", res.request_id, res.reason)
                 self._failed += 1
@@ -521,7 +539,7 @@ class Work:
             answer: Answer | None = None
             if all(math.isfinite(v) for v in res.logprobs):
                 self._generated_tokens += len(res.token_ids)
-                answer = _answer(res, eos, self.backend.tokenizer.decode)
+                answer = _answer(res, eos, req.stop_token_ids, tokenizer.decode)
             else:
                 log.warning("generation %s failed: non-finite log-prob", res.request_id)
             scores = _checked_scores(res, len(score_ids)) if score_ids else None
@@ -554,15 +572,26 @@ def _checked_scores(gen: Generation, expected: int) -> tuple[float, ...] | None:
     return tuple(values)
 
 
-def _answer(gen: Generation, eos: frozenset[int], decode: Callable[[Sequence[int]], str]) -> Answer:
+def _answer(
+    gen: Generation,
+    eos: frozenset[int],
+    line_breaks: frozenset[int],
+    decode: Callable[[Sequence[int]], str],
+) -> Answer:
+    """The answer in ``gen``: its text and log-probs without the token that ended it (an
+    end-of-turn id in ``eos``, or for a one-line answer a line-break id in ``line_breaks``:
+    then the text ends at the first newline, which keeps any text a line-break token carries
+    before its newline)."""
     ids = list(gen.token_ids)
     lps = list(gen.logprobs)
-    # The end-of-turn token ends the answer; it is not part of its text or its probability.
-    if ids and ids[-1] in eos:
+    text: str | None = None
+    if ids and ids[-1] in line_breaks and ids[-1] not in eos:
+        text = decode(ids).split("\n", 1)[0]
+    if ids and (ids[-1] in eos or text is not None):
         ids.pop()
         lps.pop()
     return Answer(
-        text=decode(ids).strip(),
+        text=(decode(ids) if text is None else text).strip(),
         token_ids=tuple(ids),
         logprobs=tuple(lps),
         finish_reason=gen.finish_reason,

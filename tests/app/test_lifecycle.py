@@ -8,6 +8,7 @@ import anyio
 import pytest
 
 import app.main
+from service.backends.byte_tokenizer import ByteTokenizer
 from service.settings import Settings
 from tests.app.conftest import TRUTH, TrackingBackend, serving, wait_until
 
@@ -21,6 +22,25 @@ async def test_warm_up_scores_once_before_ready_and_shutdown_closes_the_backend(
         assert h.ctx.lifecycle.phase == "ready" and h.ctx.lifecycle.last_success is not None
         assert not backend.closed
     assert backend.closed
+
+
+@pytest.mark.parametrize("template", ["qa_completion", "qa_default"])
+async def test_warm_up_finds_a_completion_templates_line_breaks(
+    tmp_path: Path, template: str
+) -> None:
+    backend = TrackingBackend(TRUTH)
+    asked: list[int] = []
+
+    class Counting(ByteTokenizer):
+        @property
+        def line_break_ids(self) -> frozenset[int]:
+            asked.append(1)
+            return super().line_break_ids
+
+    backend._tokenizer = Counting()
+    async with serving(tmp_path, backend=backend, chat_template=template):
+        # Looked up once before ready when answers stop at line breaks, else never.
+        assert len(asked) == (1 if template == "qa_completion" else 0)
 
 
 async def test_without_warm_up_ready_follows_the_load(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds .devcarry/ (git-ignored) for running the evaluation on a lent GPU machine, where
 # nothing can be downloaded and at most 64 MiB travels per call (the working tree included):
-# cp312 wheels of what the machine lacks (it has torch and peft; our transformers replaces
-# its 5.17), the three packaged models (SmolLM2-135M's GGUF, Gemma-3-270m's four GGUF chunks,
+# cp312 wheels of what the machine lacks (it has torch; our transformers and peft replace its
+# own), the three packaged models (SmolLM2-135M's GGUF, Gemma-3-270m's four GGUF chunks,
 # all-MiniLM-L6-v2) as the package folders find_spec locates, and the data sets, in one tarball cut into parts of
 # PART_MIB (default 56) with its checksum. Each device call carries one part
 # (eval/device/stage.sh); see eval/device/README.md for the calls.
@@ -25,11 +25,13 @@ B=$CARRY/bundle
     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --only-binary=:all: \
     pydantic==2.14.3 pydantic_core==2.50.4 pydantic-settings==2.16.3 python-dotenv==1.2.4 \
     typing-inspection==0.4.5 annotated-types==0.8.0 gguf==0.19.0 nltk==3.10.4 bm25s==0.3.16 \
-    transformers==5.24.0
+    transformers==5.24.0 peft==0.21.2
 # transformers too, although the machine has 5.17: 5.17 converts Gemma-3's GGUF tokenizer
 # without its merges (4.5x the tokens, prompts the model never saw; service.model_assets now
 # refuses such a conversion). The machine's tokenizers, huggingface-hub and safetensors satisfy
-# 5.24's pins.
+# 5.24's pins. peft too, although the machine has one: the distillation then runs the pair CI
+# tests (peft 0.21.2 beside transformers 5.24), not the machine's peft of unknown version,
+# checked only beside its transformers 5.17.
 # rouge-score ships only an sdist: build its (pure-Python) wheel here.
 "$PY" -m pip wheel -q --no-deps --wheel-dir "$B/whl" rouge-score==0.1.2
 # The model packages' folders, as installed here (only their files are read, never imported,

@@ -30,12 +30,13 @@ from app.errors import install_error_handlers
 from app.metrics import ServiceMetrics
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.routes import info, probes, profiles, reorder, rerank
+from app.schemas import ReorderOptions
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.factory import create_backend
 from service.backends.scheduler import ForwardScheduler
-from service.errors import BackendUnavailable
-from service.pipeline import Reorderer, ReorderRequest
+from service.errors import BackendUnavailable, ClientError
+from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
 from service.prompts import Passage, get_template
 from service.settings import Settings
@@ -190,6 +191,11 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
     log.info("backend %s loaded: %s", type(backend).__name__, backend.model_id)
     if ctx.settings.warmup:
         error, _ = await _probe(ctx, backend, "warmup")
+        if error is None and ctx.settings.strategy != "moi":
+            # The server's default strategy once, as a request naming none gets it: loads what
+            # it loads on first use (the dense encoder) and refuses a default that cannot run
+            # (bias_matched with no profile to place by) before ready, not on every request.
+            error, _ = await _probe(ctx, backend, "warmup", default_strategy=True)
         if error is not None:
             lc.fail(f"warm-up failed: {error}")
             return
@@ -227,10 +233,22 @@ async def _watch(ctx: AppContext, backend: LogprobBackend) -> None:
             lc.fail(f"canary failed {lc.canary_failures} time(s): {error}")
 
 
-async def _probe(ctx: AppContext, backend: LogprobBackend, what: str) -> tuple[str | None, bool]:
-    """Run the tiny probe request: ``(None, False)`` if it scored, else (why, engine dead)."""
+async def _probe(
+    ctx: AppContext, backend: LogprobBackend, what: str, *, default_strategy: bool = False
+) -> tuple[str | None, bool]:
+    """Run the tiny probe request: ``(None, False)`` if it scored, else (why, engine dead).
+
+    The probe is MoI's (it scores, so it proves the engine), or with ``default_strategy`` a
+    request naming no strategy, resolved as the routes resolve one.
+    """
     reorderer = Reorderer(backend, ctx.settings, ctx.engine.profiles)
-    req = ReorderRequest(PROBE_QUERY, PROBE_PASSAGES, request_id=f"{what}-{time.monotonic_ns():x}")
+    request_id = f"{what}-{time.monotonic_ns():x}"
+    if default_strategy:
+        req = ReorderOptions().request(
+            PROBE_QUERY, PROBE_PASSAGES, DesignSpec(), request_id, ctx.settings
+        )
+    else:
+        req = ReorderRequest(PROBE_QUERY, PROBE_PASSAGES, request_id=request_id)
     error: str | None = None
     dead = False
     try:
@@ -242,6 +260,9 @@ async def _probe(ctx: AppContext, backend: LogprobBackend, what: str) -> tuple[s
         error = f"no answer within {ctx.settings.canary_timeout_s:g} s"
     except BackendUnavailable as exc:
         error, dead = f"engine unavailable: {exc.message}", True
+    except ClientError as exc:
+        # Only the configured defaults shape the probe: its refusal is a configuration error.
+        error = f"the default {req.strategy!r} request is refused: {exc.message}"
     except Exception as exc:
         log.exception("%s request failed", what)
         error = f"{type(exc).__name__}"

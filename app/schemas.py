@@ -17,7 +17,10 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from service.pipeline import DesignSpec, ReorderRequest
 from service.prompts import Passage
-from service.strategies.base import StrategyName, StrategyOptions
+from service.settings import Settings
+from service.strategies import ranking_strategy_names
+from service.strategies.base import StrategyOptions
+from service.strategy_names import StrategyName
 
 # Absolute caps of the wire types. The configurable limits in Settings are bounded by the same
 # numbers (their `le=`), so a limit can be lowered in configuration but never raised past the
@@ -115,17 +118,19 @@ class ReorderOptions(_Strict):
     setting it for another strategy is a 422.
     """
 
-    strategy: Strategy = "moi"
-    """`moi` (mixture of interventions, the default) or another published method: see the
-    strategies page of the documentation (docs/strategies.md)."""
+    strategy: Strategy | None = None
+    """`moi` (mixture of interventions) or another published method: see the strategies page
+    of the documentation (docs/strategies.md). Default: the server's `RAG_REORDER_STRATEGY`
+    (`moi` unless configured; `/info`'s `default_strategy`)."""
     design: DesignIn = Field(default_factory=DesignIn)
     placement: PlacementName | None = None
     """How the ranking goes into the prompt, for every strategy that ranks: `bias_matched`
     (the k-th best passage into the slot with the k-th largest position bias: MoI's fitted
     one, or the generator's stored profile, see `bias_profile`), `descending_utility` (best
     first) or `litm` (best at both ends, weakest in the middle). Default: for `moi` the
-    server's `RAG_REORDER_PLACEMENT` (`/info` says which), for other rankers their own order;
-    the response's `diagnostics.placement` names the one applied."""
+    server's `RAG_REORDER_PLACEMENT` (`/info` says which), for other rankers their own order,
+    except that a request naming no strategy gets the server's placement for any default
+    strategy that ranks; the response's `diagnostics.placement` names the one applied."""
     bias_profile: str | None = Field(default=None, min_length=1, max_length=256)
     """Id of a stored bias profile (`GET /v1/bias-profiles`) that `bias_matched` places by:
     the generator's, when the scoring model is another one. Default: the server's
@@ -166,17 +171,29 @@ class ReorderOptions(_Strict):
         )
 
     def request(
-        self, query: str, passages: Sequence[Passage], spec: DesignSpec, request_id: str
+        self,
+        query: str,
+        passages: Sequence[Passage],
+        spec: DesignSpec,
+        request_id: str,
+        settings: Settings,
     ) -> ReorderRequest:
         """The pipeline's request for these options (both routes: `/v1/reorder` carries them
-        at the top level, `/v1/rerank` under `reorder`)."""
+        at the top level, `/v1/rerank` under `reorder`), with the server's default strategy
+        (and, for a ranker other than `moi`, its placement) where they name none."""
+        strategy = self.strategy or settings.strategy
+        placement = self.placement
+        # MoI applies the server's placement itself; another ranker only as the server's
+        # default, so that a request naming the strategy keeps the ranker's own order.
+        if self.strategy is None and placement is None and strategy != "moi":
+            placement = settings.placement if strategy in ranking_strategy_names() else None
         return ReorderRequest(
             query=query,
             passages=passages,
-            strategy=self.strategy,
+            strategy=strategy,
             options=self.strategy_options(),
             design=spec,
-            placement=self.placement,
+            placement=placement,
             bias_profile=self.bias_profile,
             joint=self.joint,
             template=self.template,
@@ -596,8 +613,11 @@ class InfoOut(_Model):
     placements: list[str]
     ranking_strategies: list[str]
     """The strategies that rank, to which `placement` and `bias_profile` apply."""
+    default_strategy: Strategy
+    """The strategy of a request that names none (`RAG_REORDER_STRATEGY`)."""
     default_placement: str
-    """MoI's placement when a request names none (`RAG_REORDER_PLACEMENT`)."""
+    """MoI's placement when a request names none, and the default strategy's when a request
+    names neither (`RAG_REORDER_PLACEMENT`)."""
     placement_profile: str | None
     """The bias profile `bias_matched` places by when a request names none
     (`RAG_REORDER_PLACEMENT_PROFILE`)."""

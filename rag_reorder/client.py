@@ -487,7 +487,7 @@ class Client:
         Args:
             query: the user's question.
             passages: the retrieved passages, in any order (their indices are the answer's).
-            strategy: ``moi`` (the server's default) or another strategy of ``/info``.
+            strategy: a strategy of ``/info`` (default: the server's, ``moi`` unless configured).
             placement: ``bias_matched`` or ``descending_utility`` (default: the server's).
             design: ``moi``'s permutation design (``{"kind": "pruned_random", "seed": 7}``).
             top_n: keep the ``top_n`` best passages in ``order`` (all are still scored).

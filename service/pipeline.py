@@ -31,7 +31,6 @@ from service.strategies.base import (
     Placement,
     PositionalProfile,
     ReorderRequest,
-    StrategyName,
     StrategyOptions,
     Timing,
     Usage,
@@ -40,6 +39,7 @@ from service.strategies.base import (
     check_options,
 )
 from service.strategies.placing import apply_placement
+from service.strategy_names import StrategyName
 from service.traffic import TrafficSampler
 
 __all__ = [

@@ -11,6 +11,8 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from service.strategy_names import StrategyName
+
 # The deterministic fake backend is not configurable: it needs known truth per passage, so
 # tests inject it (``create_app(settings, backend=FakeBackend(...))``).
 BackendKind = Literal["auto", "vllm", "transformers"]
@@ -82,8 +84,15 @@ class Settings(BaseSettings):
     """Folder of calibrated bias profiles (default: `<cache_dir>/profiles`)."""
     seed: int = 0
     """Default seed for permutation designs (a request may override it)."""
+    strategy: StrategyName = "moi"
+    """The strategy of a request that names none. A ranker other than `moi` gets `placement`
+    there too (a request that names the strategy keeps the ranker's own order unless it names a
+    placement). `dense` with `bias_matched` and `placement_profile` set to the generator's
+    calibrated profile scores nothing per request and, on NQ-Open, answered as well as MoI's
+    default or better for Gemma-3-270m (docs/evaluation.md, "Pairings")."""
     placement: Literal["bias_matched", "descending_utility", "litm"] = "bias_matched"
-    """MoI's placement when a request names none. `bias_matched`: the k-th best passage into
+    """MoI's placement when a request names none, and the configured `strategy`'s when a
+    request names neither. `bias_matched`: the k-th best passage into
     the slot with the k-th largest fitted bias, so the best passages sit where the scoring
     model looks most (for a bias that falls from the first slot this is the descending order
     itself). `descending_utility`: best first, as paper 000 does; choose it when the

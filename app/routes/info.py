@@ -102,6 +102,7 @@ async def info(ctx: Ctx) -> InfoOut:
         design_kinds=list(get_args(DesignKind)),
         placements=list(get_args(PlacementName)),
         ranking_strategies=list(ranking_strategy_names()),
+        default_strategy=s.strategy,
         default_placement=s.placement,
         placement_profile=s.placement_profile,
         default_results_order=s.rerank_results_order,

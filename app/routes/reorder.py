@@ -23,11 +23,12 @@ router = APIRouter(tags=["reorder"])
 async def reorder(
     body: ReorderBody, request: Request, ctx: Ctx, request_id: RequestId
 ) -> ReorderResponse:
-    """Order the passages with `strategy` (default `moi`: score permutations, fit utilities
-    and position bias, return the debiased order with the fit's diagnostics)."""
+    """Order the passages with `strategy` (default: the server's, `moi` unless configured:
+    score permutations, fit utilities and position bias, return the debiased order with the
+    fit's diagnostics)."""
     passages = to_passages(body.passages)
     spec = body.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec)
-    req = body.request(body.query, passages, spec, request_id)
+    req = body.request(body.query, passages, spec, request_id, ctx.settings)
     result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
     return reorder_response(result, passages, top_n=body.top_n)

@@ -57,7 +57,8 @@ router = APIRouter(tags=["rerank"])
 async def rerank(
     body: RerankBody, request: Request, ctx: Ctx, request_id: RequestId
 ) -> RerankResponse:
-    """Documents by the strategy's judgement (default `moi`: debiased utility), or with
+    """Documents by the strategy's judgement (default: the server's, `moi` unless
+    configured: debiased utility), or with
     `reorder.results_order` `placement` in the order to put into the prompt.
     `relevance_score` is `sigmoid((x - mean) / sd)` of the per-document score `x` (documents
     without one score 0; strategies without scores give `1 - rank / N`); unknown fields are
@@ -71,7 +72,7 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
     opts = body.reorder
     spec = opts.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec, passages_param="documents")
-    req = opts.request(body.query, passages, spec, request_id)
+    req = opts.request(body.query, passages, spec, request_id, ctx.settings)
     max_tokens = body.max_tokens_per_doc
 
     async def work(reorderer: Reorderer) -> ReorderResult:

@@ -8,7 +8,7 @@ the tests that run every strategy pick it up from the registry.
 from __future__ import annotations
 
 from service.errors import InvalidRequest
-from service.strategies.base import Strategy, StrategyName, register_option_users
+from service.strategies.base import Strategy, register_option_users
 from service.strategies.distraction import MaxRelevance, MinDistraction
 from service.strategies.likelihood import ConvexScore, QueryLikelihood
 from service.strategies.lore import Lore
@@ -17,6 +17,7 @@ from service.strategies.placements import Inverse, Litm, Retriever, Shuffle
 from service.strategies.pointwise import BayesSaliency, LongLLMLingua, QueryGeneration
 from service.strategies.retrieval import Bm25, Dense
 from service.strategies.self_consistency import SelfConsistency
+from service.strategy_names import StrategyName
 
 _ALL: tuple[Strategy, ...] = (
     MoI(),

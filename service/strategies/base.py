@@ -36,6 +36,7 @@ from service.prompts import (
     get_template,
 )
 from service.settings import Settings
+from service.strategy_names import StrategyName
 
 if TYPE_CHECKING:
     import solver
@@ -46,24 +47,6 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-StrategyName = Literal[
-    "moi",
-    "query_likelihood",
-    "convex_score",
-    "lore",
-    "min_distraction",
-    "max_relevance",
-    "retriever",
-    "inverse",
-    "shuffle",
-    "litm",
-    "bayes_saliency",
-    "query_generation",
-    "longllmlingua",
-    "self_consistency",
-    "bm25",
-    "dense",
-]
 DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
 Placement = Literal["descending_utility", "bias_matched", "litm"]
 

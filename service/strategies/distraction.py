@@ -71,12 +71,12 @@ from service.strategies.base import (
     Outcome,
     PositionalProfile,
     ReorderRequest,
-    StrategyName,
     Work,
     descending,
     need_scores,
     retriever_ranking,
 )
+from service.strategy_names import StrategyName
 
 NO_RESPONSE = "NO-RESPONSE"
 """The abstention the ``qa_abstain`` template asks for."""

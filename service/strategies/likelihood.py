@@ -26,13 +26,13 @@ from service.strategies.base import (
     Outcome,
     PromptScore,
     ReorderRequest,
-    StrategyName,
     Work,
     descending,
     need_scores,
     retriever_ranking,
     rng_for,
 )
+from service.strategy_names import StrategyName
 
 
 def _orders_up_to(n: int, cap: int) -> int:

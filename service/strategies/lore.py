@@ -53,13 +53,13 @@ from service.settings import Settings
 from service.strategies.base import (
     Outcome,
     ReorderRequest,
-    StrategyName,
     VotedAnswer,
     Work,
     descending,
     need_scores,
     retriever_ranking,
 )
+from service.strategy_names import StrategyName
 
 DEFAULT_PROBABILITY_WEIGHT = 0.8
 DEFAULT_RANK_WEIGHT = 0.2

@@ -16,15 +16,9 @@ import solver
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.prompts import Passage
 from service.settings import Settings
-from service.strategies.base import (
-    DesignKind,
-    DesignSpec,
-    Outcome,
-    ReorderRequest,
-    StrategyName,
-    Work,
-)
+from service.strategies.base import DesignKind, DesignSpec, Outcome, ReorderRequest, Work
 from service.strategies.placing import named_profile, placed_by
+from service.strategy_names import StrategyName
 
 # The default design: pruned random identifies bias, utilities and orientation from the data
 # at about M * L = N^2 passage-tokens, against 3 N^2 for the paper's random design

@@ -12,14 +12,8 @@ from collections.abc import Sequence
 
 import solver
 from service.settings import Settings
-from service.strategies.base import (
-    Outcome,
-    ReorderRequest,
-    StrategyName,
-    Work,
-    retriever_ranking,
-    rng_for,
-)
+from service.strategies.base import Outcome, ReorderRequest, Work, retriever_ranking, rng_for
+from service.strategy_names import StrategyName
 
 
 def litm_order(ranking: Sequence[int]) -> list[int]:

@@ -28,12 +28,12 @@ from service.strategies.base import (
     Outcome,
     PromptScore,
     ReorderRequest,
-    StrategyName,
     Work,
     descending,
     need_scores,
     retriever_ranking,
 )
+from service.strategy_names import StrategyName
 
 
 class _Pointwise:

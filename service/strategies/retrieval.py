@@ -23,14 +23,8 @@ import numpy as np
 
 from service.prompts import Passage
 from service.settings import Settings
-from service.strategies.base import (
-    Outcome,
-    ReorderRequest,
-    StrategyName,
-    Work,
-    descending,
-    retriever_ranking,
-)
+from service.strategies.base import Outcome, ReorderRequest, Work, descending, retriever_ranking
+from service.strategy_names import StrategyName
 
 K1 = 1.5
 B = 0.75

@@ -40,13 +40,13 @@ from service.strategies.base import (
     Answer,
     Outcome,
     ReorderRequest,
-    StrategyName,
     VotedAnswer,
     Work,
     need_scores,
     rng_for,
 )
 from service.strategies.lore import answer_budget
+from service.strategy_names import StrategyName
 
 DEFAULT_SAMPLES = 30  # paper 000, section 4.1
 TOP_VOTES = 5  # distinct answers listed in details

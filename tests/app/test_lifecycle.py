@@ -43,6 +43,22 @@ async def test_warm_up_finds_a_completion_templates_line_breaks(
         assert len(asked) == (1 if template == "qa_completion" else 0)
 
 
+async def test_warm_up_refuses_a_default_strategy_that_cannot_run(tmp_path: Path) -> None:
+    # bm25 placed bias_matched with no generator profile stored or named: every request that
+    # names no strategy would be a 422, so the service does not become ready.
+    backend = TrackingBackend(TRUTH)
+    async with serving(tmp_path, backend=backend, strategy="bm25", ready=False) as h:
+        await wait_until(lambda: h.ctx.lifecycle.fatal is not None)
+        fatal = str(h.ctx.lifecycle.fatal)
+        assert "warm-up failed: the default 'bm25' request is refused" in fatal
+        assert "position-bias profile" in fatal and "bias_profile" in fatal
+        assert (await h.client.get("/ready")).status_code == 503
+    # Placed by litm it needs no profile: ready, after MoI's probe and bm25's (no model call).
+    fresh = TrackingBackend(TRUTH)
+    async with serving(tmp_path, backend=fresh, strategy="bm25", placement="litm") as h:
+        assert h.ctx.lifecycle.phase == "ready"
+
+
 async def test_without_warm_up_ready_follows_the_load(tmp_path: Path) -> None:
     backend = TrackingBackend(TRUTH)
     async with serving(tmp_path, backend=backend, warmup=False):

@@ -466,3 +466,53 @@ async def test_placement_for_every_ranker_over_http(tmp_path: Path) -> None:
         )
         assert bad.status_code == 422 and bad.json()["error"]["param"] == "placement"
         assert "bm25" in bad.json()["error"]["message"]
+
+
+async def test_server_default_strategy_and_its_placement(tmp_path: Path) -> None:
+    """`RAG_REORDER_STRATEGY=bm25` with the generator's profile as `RAG_REORDER_PLACEMENT_PROFILE`:
+    a request (or a rerank client) that names no strategy gets `bm25` placed `bias_matched`
+    by that profile, no model call; one that names `bm25` keeps BM25's own order, one that
+    names `moi` gets MoI. Hand-computed as in the test above: ranking [1, 2, 0, 3], placed by
+    the recency profile [0.1, 0.2, 0.3, 0.4] as [3, 0, 2, 1]."""
+    from service.profile_store import ProfileStore
+
+    store = ProfileStore(tmp_path / "profiles")
+    prof = store.put(
+        model="big/generator",
+        template="qa_default",
+        coefficients=[0.1, 0.2, 0.3, 0.4],
+        identification="full",
+        runs=1,
+        prompts=4,
+        r2=1.0,
+        source="test",
+    )
+    backend = TrackingBackend(TRUTH)
+    async with serving(
+        tmp_path,
+        backend=backend,
+        bias_profile_dir=tmp_path / "profiles",
+        strategy="bm25",
+        placement_profile=prof.id,
+    ) as h:
+        info = (await h.client.get("/info")).json()
+        assert (info["default_strategy"], info["default_placement"]) == ("bm25", "bias_matched")
+        calls = backend.started
+        body = {"query": "real answer", "passages": PASSAGES}
+        r = (await h.client.post("/v1/reorder", json=body)).json()
+        assert (r["strategy"], r["ranking"], r["order"]) == ("bm25", [1, 2, 0, 3], [3, 0, 2, 1])
+        assert r["diagnostics"]["placement"] == "bias_matched"
+        assert r["diagnostics"]["details"]["placement_profile"] == prof.id
+        rerank = {"query": "real answer", "documents": PASSAGES, "top_n": 4}
+        r = (await h.client.post("/v1/rerank", json=rerank)).json()
+        assert [x["index"] for x in r["results"]] == [1, 2, 0, 3]  # best first, as clients expect
+        assert r["meta"]["reorder"]["order"] == [3, 0, 2, 1]
+        assert backend.started == calls  # BM25 calls no model
+        # A request that names a strategy gets that strategy's own defaults.
+        r = (await h.client.post("/v1/reorder", json={**body, "strategy": "bm25"})).json()
+        assert r["order"] == [1, 2, 0, 3] and r["diagnostics"]["placement"] is None
+        r = (await h.client.post("/v1/reorder", json={**body, "strategy": "moi"})).json()
+        assert r["strategy"] == "moi" and backend.started > calls
+        # A request's own placement wins over the server's.
+        r = (await h.client.post("/v1/reorder", json={**body, "placement": "litm"})).json()
+        assert r["order"] == [1, 0, 3, 2]

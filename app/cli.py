@@ -119,12 +119,15 @@ def _parser() -> argparse.ArgumentParser:
         "--placement",
         choices=_PLACEMENTS,
         default=None,
-        help="any strategy that ranks (default: MoI RAG_REORDER_PLACEMENT, others their order)",
+        help="any strategy that ranks (default: MoI and RAG_REORDER_STRATEGY's ranker "
+        "RAG_REORDER_PLACEMENT, others their order)",
     )
     r.add_argument("--bias-profile", help="stored bias profile id bias_matched places by")
     r.add_argument("--joint", action="store_true", help="add the passages' own log-likelihood")
     r.add_argument("--template")
-    r.add_argument("--strategy", choices=strategy_names(), default="moi")
+    r.add_argument(
+        "--strategy", choices=strategy_names(), help="default: RAG_REORDER_STRATEGY (moi)"
+    )
     r.add_argument("--samples", type=int, help="K for query_likelihood / self_consistency")
     r.add_argument("--max-answer-tokens", type=int, help="lore / self_consistency")
 
@@ -329,14 +332,16 @@ def read_passages(path: Path) -> list[Passage]:
 
 async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
     from app.conversions import reorder_response
+    from app.schemas import with_defaults
     from service.pipeline import DesignSpec, ReorderRequest, StrategyOptions
 
     passages = read_passages(args.passages)
-    moi = args.strategy == "moi"
+    strategy, placement = with_defaults(args.strategy, args.placement, settings)
+    moi = strategy == "moi"
     req = ReorderRequest(
         query=args.query,
         passages=passages,
-        strategy=args.strategy,
+        strategy=strategy,
         design=DesignSpec(
             kind=args.design,
             num_prompts=args.num_prompts,
@@ -349,7 +354,7 @@ async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
             max_answer_tokens=args.max_answer_tokens,
             seed=None if moi else args.seed,
         ),
-        placement=args.placement,
+        placement=placement,
         bias_profile=args.bias_profile,
         joint=args.joint,
         template=args.template,

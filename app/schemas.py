@@ -181,12 +181,7 @@ class ReorderOptions(_Strict):
         """The pipeline's request for these options (both routes: `/v1/reorder` carries them
         at the top level, `/v1/rerank` under `reorder`), with the server's default strategy
         (and, for a ranker other than `moi`, its placement) where they name none."""
-        strategy = self.strategy or settings.strategy
-        placement = self.placement
-        # MoI applies the server's placement itself; another ranker only as the server's
-        # default, so that a request naming the strategy keeps the ranker's own order.
-        if self.strategy is None and placement is None and strategy != "moi":
-            placement = settings.placement if strategy in ranking_strategy_names() else None
+        strategy, placement = with_defaults(self.strategy, self.placement, settings)
         return ReorderRequest(
             query=query,
             passages=passages,
@@ -199,6 +194,21 @@ class ReorderOptions(_Strict):
             template=self.template,
             request_id=request_id,
         )
+
+
+def with_defaults(
+    strategy: StrategyName | None, placement: PlacementName | None, settings: Settings
+) -> tuple[StrategyName, PlacementName | None]:
+    """A request's strategy and placement with the server's defaults where it names none:
+    `RAG_REORDER_STRATEGY`, and for a ranker other than `moi` that it supplies,
+    `RAG_REORDER_PLACEMENT` (MoI applies that one itself; a request that names a ranker keeps
+    the ranker's own order). The routes and `rag-reorder reorder` resolve them alike."""
+    if strategy is not None:
+        return strategy, placement
+    strategy = settings.strategy
+    if placement is None and strategy != "moi" and strategy in ranking_strategy_names():
+        placement = settings.placement
+    return strategy, placement
 
 
 class RerankOptions(ReorderOptions):

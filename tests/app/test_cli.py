@@ -14,12 +14,13 @@ ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "nq_open_dev.jsonl"
 
 
-def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], tmp_path: Path, **settings: str) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
         "HF_HUB_OFFLINE": "1",
         "RAG_REORDER_BACKEND": "transformers",
         "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
+        **{f"RAG_REORDER_{k.upper()}": v for k, v in settings.items()},
     }
     return subprocess.run(
         [sys.executable, "-m", "app", *args],
@@ -101,3 +102,21 @@ def test_bad_passages_file_is_a_clear_error(tmp_path: Path) -> None:
     assert out.returncode == 2
     err = json.loads(out.stderr.strip().splitlines()[-1])["error"]
     assert "passages[0]" in err["message"] and err["param"] == "passages"
+
+
+def test_reorder_takes_the_configured_default_strategy_and_its_placement(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    del smollm2_dir
+    passages = tmp_path / "p.json"
+    # BM25 for "real answer": 1 matches both terms, 2 one, 0 and 3 none (input order).
+    passages.write_text(json.dumps(["nothing here", "a real answer", "an answer", "zilch"]))
+    args = ["reorder", "--query", "real answer", "--passages", str(passages)]
+    out = _run(args, tmp_path, strategy="bm25", placement="litm")
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout)
+    assert (res["strategy"], res["ranking"], res["order"]) == ("bm25", [1, 2, 0, 3], [1, 0, 3, 2])
+    assert res["diagnostics"]["placement"] == "litm"
+    # Naming the strategy: its own order, the server's placement not applied.
+    out = _run([*args, "--strategy", "bm25"], tmp_path, strategy="bm25", placement="litm")
+    assert json.loads(out.stdout)["order"] == [1, 2, 0, 3]

@@ -516,3 +516,17 @@ async def test_server_default_strategy_and_its_placement(tmp_path: Path) -> None
         # A request's own placement wins over the server's.
         r = (await h.client.post("/v1/reorder", json={**body, "placement": "litm"})).json()
         assert r["order"] == [1, 0, 3, 2]
+
+
+def test_with_defaults_resolves_strategy_and_placement_as_documented() -> None:
+    from app.schemas import with_defaults
+    from service.settings import Settings
+
+    moi, bm25 = Settings(), Settings(strategy="bm25", placement="litm")
+    assert with_defaults(None, None, moi) == ("moi", None)  # MoI applies its placement itself
+    assert with_defaults(None, None, bm25) == ("bm25", "litm")
+    assert with_defaults(None, "descending_utility", bm25) == ("bm25", "descending_utility")
+    assert with_defaults("bm25", None, bm25) == ("bm25", None)  # named: its own order
+    assert with_defaults("dense", None, bm25) == ("dense", None)
+    # A default that does not rank takes no placement (it places by its own rule).
+    assert with_defaults(None, None, Settings(strategy="shuffle")) == ("shuffle", None)

@@ -182,6 +182,8 @@ def test_tokenizer_matches_transformers(backend: VLLMBackend, tiny_model_dir: Pa
     assert text == hf.render_chat(messages, add_generation_prompt=True)
     assert backend.tokenizer.encode(text) == hf.encode(text)
     assert backend.tokenizer.eos_token_ids == hf.eos_token_ids
+    # What a completion template's answers stop at: vLLM's tokenizer object decodes alike.
+    assert backend.tokenizer.line_break_ids == hf.line_break_ids and hf.line_break_ids
 
 
 def test_score_matches_brute_force_transformers(

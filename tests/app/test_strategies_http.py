@@ -21,6 +21,7 @@ import anyio.to_thread
 import numpy as np
 import pytest
 
+from service.profile_store import ProfileStore, StoredProfile
 from service.strategies import strategy_names
 from tests.app.conftest import PASSAGES, QUERY, TRUTH, Harness, TrackingBackend, serving
 from tests.support.positional import Topic, calibrate_positions, write_qa_file
@@ -413,12 +414,24 @@ async def test_positional_strategies_follow_profiles_measured_on_smollm2(
                 assert len(set(de)) == 3, de
 
 
+def _recency_profile(folder: Path, template: str) -> StoredProfile:
+    """A generator's 4-slot profile that rises towards the question, stored in ``folder``."""
+    return ProfileStore(folder).put(
+        model="big/generator",
+        template=template,
+        coefficients=[0.1, 0.2, 0.3, 0.4],
+        identification="full",
+        runs=1,
+        prompts=4,
+        r2=1.0,
+        source="test",
+    )
+
+
 async def test_placement_for_every_ranker_over_http(tmp_path: Path) -> None:
     """`bm25` placed three ways on both routes, by hand: query "real answer" matches passage 1
     on both terms and passage 2 on "answer"; 0 and 3 tie at 0 (input order): ranking
     [1, 2, 0, 3]."""
-    from service.profile_store import ProfileStore
-
     async with serving(tmp_path) as h:
         info = (await h.client.get("/info")).json()
         assert {"bm25", "dense", "query_generation", "moi"} <= set(info["ranking_strategies"])
@@ -430,16 +443,7 @@ async def test_placement_for_every_ranker_over_http(tmp_path: Path) -> None:
         r = (await h.client.post("/v1/reorder", json={**body, "placement": "litm"})).json()
         assert r["order"] == [1, 0, 3, 2] and r["diagnostics"]["placement"] == "litm"
         # The generator's profile (a recency bias) stored beside the scorer's: reversed.
-        prof = ProfileStore(h.ctx.settings.profiles_path).put(
-            model="big/generator",
-            template=h.ctx.settings.chat_template,
-            coefficients=[0.1, 0.2, 0.3, 0.4],
-            identification="full",
-            runs=1,
-            prompts=4,
-            r2=1.0,
-            source="test",
-        )
+        prof = _recency_profile(h.ctx.settings.profiles_path, h.ctx.settings.chat_template)
         placed = {**body, "placement": "bias_matched", "bias_profile": prof.id}
         r = (await h.client.post("/v1/reorder", json=placed)).json()
         assert r["order"] == [3, 0, 2, 1]
@@ -474,19 +478,7 @@ async def test_server_default_strategy_and_its_placement(tmp_path: Path) -> None
     by that profile, no model call; one that names `bm25` keeps BM25's own order, one that
     names `moi` gets MoI. Hand-computed as in the test above: ranking [1, 2, 0, 3], placed by
     the recency profile [0.1, 0.2, 0.3, 0.4] as [3, 0, 2, 1]."""
-    from service.profile_store import ProfileStore
-
-    store = ProfileStore(tmp_path / "profiles")
-    prof = store.put(
-        model="big/generator",
-        template="qa_default",
-        coefficients=[0.1, 0.2, 0.3, 0.4],
-        identification="full",
-        runs=1,
-        prompts=4,
-        r2=1.0,
-        source="test",
-    )
+    prof = _recency_profile(tmp_path / "profiles", "qa_default")
     backend = TrackingBackend(TRUTH)
     async with serving(
         tmp_path,

@@ -27,24 +27,20 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.answers import first_line
+from service.dataset import load_examples
 from service.offline.evaluation.metrics import score_answer
 from service.prompts import get_template
-from service.settings import MODEL_TEMPLATES
+from service.settings import DEFAULT_TEMPLATE, MODEL_TEMPLATES
 
-DEFAULT_TEMPLATE = "qa_default"
 # The metrics that read the first line only: a rewrite that changed one is a bug, not a fix.
 UNCHANGED = ("accuracy", "em", "f1")
 
 
 def gold_answers(data: Path) -> dict[str, tuple[str, ...]]:
     """Question id -> its gold answers, over every JSONL data set in ``data``."""
-    golds: dict[str, tuple[str, ...]] = {}
-    for path in sorted(data.glob("*.jsonl")):
-        for line in path.read_text(encoding="utf-8").splitlines():
-            if line.strip():
-                ex = json.loads(line)
-                golds[ex["id"]] = tuple(ex.get("answers", ()))
-    return golds
+    return {
+        ex.id: ex.answers for path in sorted(data.glob("*.jsonl")) for ex in load_examples(path)
+    }
 
 
 def is_completion(model: str, template: str | None) -> bool:

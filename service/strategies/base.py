@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, TypeVar
 import anyio.to_thread
 import numpy as np
 
+from service.answers import first_line
 from service.backends.base import (
     Generation,
     GenerationRequest,
@@ -482,8 +483,9 @@ class Work:
             return []
         self.planned += len(prompts)
         tokenizer = self.backend.tokenizer
+        completion = {p.template: get_template(p.template).completion for p in prompts}
         one_line = frozenset[int]()
-        if any(get_template(p.template).completion for p in prompts):
+        if any(completion.values()):
             # Decoding the vocabulary the first time takes seconds: not on the event loop.
             one_line = await self.off_loop(lambda: tokenizer.line_break_ids, timer="tokenize")
         unique: dict[tuple[int, ...], int] = {}
@@ -493,13 +495,12 @@ class Work:
             k = unique.get(p.token_ids)
             if k is None:
                 k = unique[p.token_ids] = len(sent)
-                completion = get_template(p.template).completion
                 sent.append(
                     GenerationRequest(
                         request_id=self.new_id(),
                         token_ids=p.token_ids,
                         max_new_tokens=max_new_tokens,
-                        stop_token_ids=one_line if completion else frozenset(),
+                        stop_token_ids=one_line if completion[p.template] else frozenset(),
                         score_ids=score_ids,
                     )
                 )
@@ -569,7 +570,7 @@ def _answer(
     lps = list(gen.logprobs)
     text: str | None = None
     if ids and ids[-1] in line_breaks and ids[-1] not in eos:
-        text = decode(ids).split("\n", 1)[0]
+        text = first_line(decode(ids))
     if ids and (ids[-1] in eos or text is not None):
         ids.pop()
         lps.pop()

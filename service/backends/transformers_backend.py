@@ -83,6 +83,10 @@ class TransformersBackend:
     per batch, so it interleaves with the shared scoring forwards.
     """
 
+    # Finished rows leave a lockstep generation batch (``_greedy``). Only
+    # ``bench/generation.py`` turns it off, to measure what it saves side by side.
+    prune_finished: bool = True
+
     def __init__(
         self,
         model: PreTrainedModel,
@@ -530,7 +534,8 @@ class TransformersBackend:
         Prompts are left-padded so every row's next token sits in the last column; the
         attention mask hides the pads and explicit position ids start each row at 0, so a row
         decodes as it would alone. One host sync per step reads every row's token at once,
-        instead of one decode loop (and one sync per token) per request. Rows with score ids
+        instead of one decode loop (and one sync per token) per request; a finished row
+        leaves the batch and its KV cache. Rows with score ids
         get them scored from the same prefill (``_score_after_prefill``) before decoding.
         """
         rows = len(batch)
@@ -578,16 +583,22 @@ class TransformersBackend:
                 score_logprobs=score if isinstance(score, tuple) else None,
             )
 
+        # ``active[i]``: the request of the batch's row i. A row leaves the batch (and its
+        # KV cache) once it is finished: one answer that runs to the token budget would
+        # otherwise keep every finished row of its batch in each decode forward. On
+        # Gemma-3's 262k-token head, that row's LM head alone costs as much as its layers.
+        active = list(range(rows))
         last = positions[:, -1:]
         for step in range(max(steps)):
             logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
             best = torch.argmax(logp, dim=-1)
             picked = logp.gather(1, best[:, None]).squeeze(1)
             best_host, picked_host = best.tolist(), picked.tolist()
-            for b, req in enumerate(batch):
+            for i, b in enumerate(active):
                 if finished[b] is not None:
                     continue
-                token, value = int(best_host[b]), float(picked_host[b])
+                req = batch[b]
+                token, value = int(best_host[i]), float(picked_host[i])
                 if not math.isfinite(value):
                     finished[b] = PromptFailure(req.request_id, "non-finite log-prob in generation")
                     continue
@@ -597,18 +608,25 @@ class TransformersBackend:
                     finished[b] = generation(b, "stop")
                 elif len(tokens[b]) >= steps[b]:
                     finished[b] = generation(b, "length")
-            if all(f is not None for f in finished) or step + 1 >= max(steps):
+            keep = [i for i, b in enumerate(active) if finished[b] is None]
+            if not keep or step + 1 >= max(steps):
                 break
-            # Finished rows keep decoding their own argmax (cheaper than re-packing the
-            # cache); their outputs are ignored.
-            mask = torch.cat([mask, torch.ones((rows, 1), dtype=mask.dtype, device=mask.device)], 1)
+            cache = getattr(out, self._cache_name)
+            if self.prune_finished and len(keep) < len(active):
+                kept = torch.tensor(keep, dtype=torch.long, device=mask.device)
+                cache.batch_select_indices(kept)
+                mask, last, best = mask[kept], last[kept], best[kept]
+                active = [active[i] for i in keep]
+            mask = torch.cat(
+                [mask, torch.ones((len(active), 1), dtype=mask.dtype, device=mask.device)], 1
+            )
             last = last + 1
             out = model(
                 input_ids=best[:, None],
                 attention_mask=mask,
                 position_ids=last,
                 use_cache=True,
-                **{self._cache_name: getattr(out, self._cache_name)},
+                **{self._cache_name: cache},
             )
         return [f if f is not None else generation(b, "length") for b, f in enumerate(finished)]
 

@@ -18,7 +18,7 @@ from typing import TypeVar
 import anyio
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from service.backends.base import (
     ChatMessage,
@@ -30,6 +30,7 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.backends.batching import HeadMode, plan_batches, plan_generation_batches
+from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.backends.scheduler import ForwardStats
 from service.backends.transformers_backend import (
     TransformersBackend,
@@ -306,6 +307,56 @@ def test_batched_generation_matches_each_prompt_alone(
         assert list(gen.token_ids) == [tok for tok, _ in manual[:cut]]
         assert gen.logprobs == pytest.approx([lp for _, lp in manual[:cut]], abs=TOL)
         assert gen.finish_reason == ("stop" if cut < steps else "length")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_finished_rows_leave_the_lockstep_batch(
+    arch: str, tiny_model_dir: Path, tiny_gemma3_dir: Path
+) -> None:
+    # Budgets 9, 2 and 5 in one batch: each decode forward carries only the rows still
+    # running (their KV cache cut to them: on Gemma-3, sliding and full layers both), and
+    # every row still decodes as the no-cache loop on its prompt alone.
+    folder = tiny_model_dir if arch == "llama" else tiny_gemma3_dir
+    model = load_reference(folder)
+    tokenizer = HFPromptTokenizer(AutoTokenizer.from_pretrained(str(folder)))
+    backend = TransformersBackend(
+        model, tokenizer, model_id="tiny", max_model_len=4096, batch_token_budget=16384
+    )
+    reference = load_reference(folder)
+    questions = ["Which is the longest river in the whole of Europe?", "Hi", "Name a river."]
+    prompts = [chat_ids(backend, q) for q in questions]
+    budgets = [9, 2, 5]
+    # No eos: the budgets alone decide when each row finishes.
+    eos = tokenizer.eos_token_ids
+    assert all(tok not in eos for p in prompts for tok, _ in manual_greedy(reference, p, 9))
+    requests = [
+        GenerationRequest(f"g{k}", p, n)
+        for k, (p, n) in enumerate(zip(prompts, budgets, strict=True))
+    ]
+    rows: list[int] = []
+
+    def record(_module: torch.nn.Module, _args: object, kwargs: dict[str, torch.Tensor]) -> None:
+        rows.append(int(kwargs["input_ids"].shape[0]))
+
+    hook = model.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        got = run(lambda: backend.generate(requests))
+        pruned_rows = list(rows)
+        rows.clear()
+        backend.prune_finished = False
+        unpruned = run(lambda: backend.generate(requests))
+    finally:
+        hook.remove()
+    # The prefill, then 8 decode steps: 3 rows until the 2-token row is done, 2 until the
+    # 5-token one is, then the last alone. Unpruned, all 3 rows run every step.
+    assert pruned_rows == [3, 3, 2, 2, 2, 1, 1, 1, 1]
+    assert rows == [3] * 9
+    for gen, other, prompt, steps in zip(got, unpruned, prompts, budgets, strict=True):
+        manual = manual_greedy(reference, prompt, steps)
+        assert isinstance(gen, Generation) and isinstance(other, Generation)
+        assert gen.finish_reason == other.finish_reason == "length"
+        assert list(gen.token_ids) == list(other.token_ids) == [tok for tok, _ in manual]
+        assert gen.logprobs == pytest.approx([lp for _, lp in manual], abs=TOL)
 
 
 @pytest.mark.parametrize(

@@ -143,7 +143,8 @@ def _quality(summary: Summary) -> Figure:
 
 def write_distill_plot(out_dir: Path, summary: Mapping[str, Any]) -> Path:
     """``distill.png`` from a distill-eval summary (module docstring); returns its path."""
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    # constrained layout keeps the suptitle clear of the middle panel's title
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8), layout="constrained")
     quality = summary.get("quality")
     cost = summary.get("cost_per_question")
     if not isinstance(quality, dict) or not isinstance(cost, dict) or not cost:

@@ -20,7 +20,7 @@ from app.schemas import (
 )
 from app.state import AppContext, Ctx
 from service.errors import BackendUnavailable
-from service.model_assets.adapter import AdapterManifest, read_manifest
+from service.model_assets.adapter import AdapterManifest, adapted_model_id, read_manifest
 from service.prompts import template_names
 from service.strategies import ranking_strategy_names, strategy_names
 
@@ -30,7 +30,9 @@ router = APIRouter(tags=["info"])
 def _model(ctx: AppContext) -> tuple[str, int | None]:
     backend = ctx.engine.backend
     if backend is None:
-        return ctx.settings.model, None
+        # The id the backend will report once loaded, so a client reading it during the
+        # load does not see the base model's id for a distilled scorer.
+        return adapted_model_id(ctx.settings.model, _adapter(ctx)), None
     return backend.model_id, backend.max_model_len
 
 

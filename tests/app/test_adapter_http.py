@@ -3,14 +3,19 @@ model with an adapter trained in the test, through the HTTP routes."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import httpx
+import pytest
 
+import app.main
 from app.main import create_app
+from service.model_assets.adapter import write_manifest
 from service.offline.distill.train import DistillConfig, distill
+from service.settings import Settings
 from tests.app.conftest import reorder_body, rerank_body, settings_for, wait_ready
-from tests.support.distill import META, PREFS
+from tests.support.distill import META, PREFS, manifest
 
 
 async def test_a_distilled_adapter_is_served_and_reported(
@@ -54,3 +59,39 @@ async def test_a_distilled_adapter_is_served_and_reported(
         assert r.status_code == 422
         r = await client.post("/v1/rerank", json=rerank_body(model="HuggingFaceTB/other"))
         assert r.status_code == 200 and r.json()["model"] == adapted
+
+
+async def test_the_adapted_model_id_is_reported_while_the_model_loads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A client that reads /v1/models during the load must get the id the responses will
+    # carry, not the base model's: the load is held until the routes have been read.
+    folder = tmp_path / "adapted"
+    folder.mkdir()
+    write_manifest(folder, manifest(Path("base/model"), "adapted"))
+    release = threading.Event()
+
+    def held_load(settings: Settings) -> None:
+        release.wait(timeout=30)
+        raise OSError("load released by the test")
+
+    monkeypatch.setattr(app.main, "create_backend", held_load)
+    application = app.main.create_app(settings_for(tmp_path, model="base/model", adapter=folder))
+    transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
+    try:
+        async with (
+            application.router.lifespan_context(application),
+            httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+        ):
+            card = (await client.get("/v1/models")).json()["data"][0]
+            assert card == {
+                "id": "base/model+adapted",
+                "object": "model",
+                "owned_by": "rag-reorder",
+                "max_model_len": None,
+                "parent": "base/model",
+            }
+            assert (await client.get("/info")).json()["model"] == "base/model+adapted"
+            release.set()
+    finally:
+        release.set()

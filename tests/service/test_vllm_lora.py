@@ -31,8 +31,9 @@ from transformers import AutoModelForCausalLM
 
 from service.backends.base import SpanLogprobs, SpanRequest
 from service.backends.vllm_backend import VLLMBackend
-from service.model_assets.adapter import AdapterManifest, Agreement, write_manifest
+from service.model_assets.adapter import write_manifest
 from service.settings import Settings
+from tests.support.distill import manifest
 
 pytestmark = pytest.mark.vllm
 
@@ -58,41 +59,8 @@ def adapter_dir(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) 
                 param.normal_(0.0, 0.2)
     out = tmp_path_factory.mktemp("tiny-lora")
     model.save_pretrained(str(out))
-    write_manifest(out, manifest(tiny_model_dir, out.name))
+    write_manifest(out, manifest(tiny_model_dir, out.name, lora_r=RANK))
     return out
-
-
-def manifest(base: Path, name: str) -> AdapterManifest:
-    """What ``rag-reorder distill`` would have written for this adapter (the service checks
-    the base model and the template against its settings)."""
-    agreement = Agreement(questions=1, kendall_tau=0.0, top1=0.0, kl=0.0)
-    return AdapterManifest(
-        name=name,
-        base_model=str(base),
-        template="qa_default",
-        teacher="teacher/fixed",
-        teacher_template="qa_default",
-        data="none",
-        passages=4,
-        permutations=6,
-        permutations_per_step=3,
-        lora_r=RANK,
-        lora_alpha=32,
-        lora_dropout=0.0,
-        target_modules=("q_proj", "v_proj"),
-        learning_rate=1e-3,
-        weight_decay=0.01,
-        epochs=1,
-        batch_questions=1,
-        train_questions=1,
-        steps=0,
-        train_seconds=0.0,
-        train_prompt_tokens=0,
-        device="cpu",
-        before=agreement,
-        after=agreement,
-        created_at="2026-11-25T00:00:00Z",
-    )
 
 
 @pytest.fixture(scope="module")

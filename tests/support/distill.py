@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from service.model_assets.adapter import AdapterManifest, Agreement
 from service.offline.distill.preferences import Preference, PreferenceMeta, sample_orders
 from service.prompts import Passage
 
@@ -31,3 +34,36 @@ PREFS = [
     fixed_teacher("What is the capital of France?", "q0"),
     fixed_teacher("Which city is France's capital?", "q1"),
 ]
+
+
+def manifest(base: Path, name: str, lora_r: int = 8) -> AdapterManifest:
+    """What ``rag-reorder distill`` would have written for an adapter on ``base`` (the service
+    checks the base model and the template against its settings)."""
+    agreement = Agreement(questions=1, kendall_tau=0.0, top1=0.0, kl=0.0)
+    return AdapterManifest(
+        name=name,
+        base_model=str(base),
+        template="qa_default",
+        teacher="teacher/fixed",
+        teacher_template="qa_default",
+        data="none",
+        passages=4,
+        permutations=6,
+        permutations_per_step=3,
+        lora_r=lora_r,
+        lora_alpha=32,
+        lora_dropout=0.0,
+        target_modules=("q_proj", "v_proj"),
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        epochs=1,
+        batch_questions=1,
+        train_questions=1,
+        steps=0,
+        train_seconds=0.0,
+        train_prompt_tokens=0,
+        device="cpu",
+        before=agreement,
+        after=agreement,
+        created_at="2026-11-25T00:00:00Z",
+    )

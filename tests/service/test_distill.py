@@ -179,6 +179,25 @@ def test_adapter_round_trip_and_serving(tiny_model_dir: Path, tmp_path: Path) ->
     assert settings.for_model("HuggingFaceTB/SmolLM2-135M-Instruct").adapter is None
 
 
+def test_the_adapter_names_the_student_model_not_a_local_folder(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "named"
+    distill(
+        tiny_model_dir,
+        student_id="org/tiny-student",
+        student_template="qa_default",
+        meta=META,
+        train=PREFS[:1],
+        held_back=PREFS[1:],
+        out=out,
+        config=DistillConfig(epochs=1, batch_questions=1),
+    )
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "org/tiny-student"
+    assert str(tiny_model_dir) not in "".join(p.read_text() for p in out.glob("*.json"))
+
+
 def examples(n: int) -> list[Example]:
     return [
         Example(f"e{i}", f"question {i}?", ("a",), PASSAGES + PASSAGES[:1], (0,)) for i in range(n)

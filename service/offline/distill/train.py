@@ -325,6 +325,9 @@ def distill(
         after,
     )
     out.mkdir(parents=True, exist_ok=True)
+    # peft records the folder the base was loaded from (this machine's model cache); the
+    # model id travels with the adapter instead, so its files name what it applies to.
+    model.peft_config["default"].base_model_name_or_path = student_id
     model.save_pretrained(str(out))
     targets = getattr(model.peft_config["default"], "target_modules", None)
     manifest = AdapterManifest(

@@ -96,6 +96,48 @@ def write_manifest(folder: Path, manifest: AdapterManifest) -> Path:
     return path
 
 
+CARD = "README.md"
+"""The adapter folder's model card, written from the manifest in place of peft's template."""
+
+
+def model_card(m: AdapterManifest) -> str:
+    """A model card that says what the adapter is, how to serve it and how well it agreed with
+    its teacher: the folder is what gets shared (a hub, a release asset), and peft's own card
+    is an empty template."""
+    a, b = m.before, m.after
+    return f"""---
+base_model: {m.base_model}
+library_name: peft
+tags:
+- lora
+- rag-reorder
+- preference-distillation
+---
+
+# {m.name}: {m.base_model} distilled from {m.teacher}
+
+A LoRA adapter for rag-reorder's scorer (paper 000's preference
+distillation): on `{m.data}`, {m.base_model} (template `{m.template}`) was trained so that
+the softmax of its query log-likelihoods over {m.permutations_per_step} sampled orders of
+{m.passages} passages matches that of the teacher, {m.teacher} (template
+`{m.teacher_template}`), over {m.permutations} scored orders per question.
+
+Serve it with `RAG_REORDER_MODEL={m.base_model} RAG_REORDER_ADAPTER=<this folder>`; the
+service checks `distill.json` (the manifest) against its settings before loading.
+
+| held-back questions: {a.questions} | Kendall tau | same preferred order | KL(teacher ‖ student) |
+|---|---:|---:|---:|
+| before | {a.kendall_tau:.3f} | {a.top1:.2f} | {a.kl:.3f} |
+| after | {b.kendall_tau:.3f} | {b.top1:.2f} | {b.kl:.3f} |
+
+Training: {m.train_questions} questions, {m.epochs} epochs, {m.steps} steps of
+{m.batch_questions} questions, lr {m.learning_rate:g}, weight decay {m.weight_decay:g}, LoRA
+r {m.lora_r} / alpha {m.lora_alpha} / dropout {m.lora_dropout:g} on
+{", ".join(m.target_modules) or "peft's defaults"}; {m.train_prompt_tokens:,} prompt tokens
+in {m.train_seconds:g} s on {m.device}, {m.created_at}.
+"""
+
+
 def read_manifest(folder: Path) -> AdapterManifest:
     """The manifest of an adapter folder.
 

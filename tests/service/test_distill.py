@@ -179,7 +179,7 @@ def test_adapter_round_trip_and_serving(tiny_model_dir: Path, tmp_path: Path) ->
     assert settings.for_model("HuggingFaceTB/SmolLM2-135M-Instruct").adapter is None
 
 
-def test_the_adapter_names_the_student_model_not_a_local_folder(
+def test_the_adapter_names_the_student_model_and_has_a_model_card(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "named"
@@ -195,7 +195,14 @@ def test_the_adapter_names_the_student_model_not_a_local_folder(
     )
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "org/tiny-student"
-    assert str(tiny_model_dir) not in "".join(p.read_text() for p in out.glob("*.json"))
+    # The model card is the manifest's, not peft's empty template.
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nbase_model: org/tiny-student\n")
+    assert "distilled from teacher/fixed" in card and "More Information Needed" not in card
+    assert "RAG_REORDER_MODEL=org/tiny-student" in card
+    assert str(tiny_model_dir) not in "".join(
+        p.read_text() for p in out.glob("*.*") if p.suffix != ".safetensors"
+    )
 
 
 def examples(n: int) -> list[Example]:

@@ -33,7 +33,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.backends.transformers_backend import token_logprobs
 from service.errors import InvalidRequest
-from service.model_assets.adapter import AdapterManifest, Agreement, write_manifest
+from service.model_assets.adapter import (
+    CARD,
+    AdapterManifest,
+    Agreement,
+    model_card,
+    write_manifest,
+)
 from service.offline.distill.preferences import Preference, PreferenceMeta
 from service.prompts import BuiltPrompt, build_prompts
 
@@ -358,6 +364,7 @@ def distill(
         created_at=datetime.now(UTC).isoformat(timespec="seconds"),
     )
     write_manifest(out, manifest)
+    (out / CARD).write_text(model_card(manifest), encoding="utf-8")  # replaces peft's template
     return manifest
 
 

@@ -27,12 +27,12 @@ from service.strategies import ranking_strategy_names, strategy_names
 router = APIRouter(tags=["info"])
 
 
-def _model(ctx: AppContext) -> tuple[str, int | None]:
+def _model(ctx: AppContext, adapter: AdapterManifest | None) -> tuple[str, int | None]:
     backend = ctx.engine.backend
     if backend is None:
         # The id the backend will report once loaded, so a client reading it during the
         # load does not see the base model's id for a distilled scorer.
-        return adapted_model_id(ctx.settings.model, _adapter(ctx)), None
+        return adapted_model_id(ctx.settings.model, adapter), None
     return backend.model_id, backend.max_model_len
 
 
@@ -63,8 +63,8 @@ def _adapter_out(m: AdapterManifest) -> AdapterOut:
 async def models(ctx: Ctx) -> ModelList:
     """The scoring model (with its distilled adapter, if any) and its context length (null
     until loaded)."""
-    model, max_len = _model(ctx)
     adapter = _adapter(ctx)
+    model, max_len = _model(ctx, adapter)
     parent = adapter.base_model if adapter is not None else None
     return ModelList(data=[ModelCard(id=model, max_model_len=max_len, parent=parent)])
 
@@ -73,9 +73,9 @@ async def models(ctx: Ctx) -> ModelList:
 async def info(ctx: Ctx) -> InfoOut:
     """Version, model, limits and the accepted option values."""
     s = ctx.settings
-    model, max_len = _model(ctx)
-    backend = ctx.engine.backend
     adapter = _adapter(ctx)
+    model, max_len = _model(ctx, adapter)
+    backend = ctx.engine.backend
     return InfoOut(
         name="rag-reorder",
         version=ctx.version,

@@ -12,26 +12,16 @@ import pytest
 import app.main
 from app.main import create_app
 from service.model_assets.adapter import write_manifest
-from service.offline.distill.train import DistillConfig, distill
 from service.settings import Settings
 from tests.app.conftest import reorder_body, rerank_body, settings_for, wait_ready
-from tests.support.distill import META, PREFS, manifest
+from tests.support.distill import distill_tiny, manifest
 
 
 async def test_a_distilled_adapter_is_served_and_reported(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "tiny-distilled"
-    distill(
-        tiny_model_dir,
-        student_id=str(tiny_model_dir),
-        student_template="qa_default",
-        meta=META,
-        train=PREFS[:1],
-        held_back=PREFS[1:],
-        out=out,
-        config=DistillConfig(epochs=1, batch_questions=1),
-    )
+    distill_tiny(tiny_model_dir, out)
     settings = settings_for(
         tmp_path, model=str(tiny_model_dir), adapter=out, backend="transformers", device="cpu"
     )

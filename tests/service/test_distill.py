@@ -34,14 +34,13 @@ from service.offline.distill.train import (
     DistillConfig,
     StudentScorer,
     agreement,
-    distill,
     load_student,
     preference_kl,
     train_steps,
     with_lora,
 )
 from service.settings import Settings
-from tests.support.distill import META, PASSAGES, PREFS
+from tests.support.distill import PASSAGES, PREFS, distill_tiny
 from tests.support.pipeline import reorderer_in
 
 
@@ -113,16 +112,7 @@ def test_packed_student_scores_equal_one_prompt_per_forward(tiny_model_dir: Path
 def test_adapter_round_trip_and_serving(tiny_model_dir: Path, tmp_path: Path) -> None:
     config = DistillConfig(learning_rate=1e-2, epochs=2, batch_questions=1)
     out = tmp_path / "tiny-distilled"
-    manifest = distill(
-        tiny_model_dir,
-        student_id=str(tiny_model_dir),
-        student_template="qa_default",
-        meta=META,
-        train=PREFS[:1],
-        held_back=PREFS[1:],
-        out=out,
-        config=config,
-    )
+    manifest = distill_tiny(tiny_model_dir, out, config=config)
     assert (out / "adapter_config.json").exists() and (out / "adapter_model.safetensors").exists()
     assert read_manifest(out) == manifest
     assert manifest.name == "tiny-distilled" and manifest.teacher == "teacher/fixed"
@@ -183,16 +173,7 @@ def test_the_adapter_names_the_student_model_and_has_a_model_card(
     tiny_model_dir: Path, tmp_path: Path
 ) -> None:
     out = tmp_path / "named"
-    distill(
-        tiny_model_dir,
-        student_id="org/tiny-student",
-        student_template="qa_default",
-        meta=META,
-        train=PREFS[:1],
-        held_back=PREFS[1:],
-        out=out,
-        config=DistillConfig(epochs=1, batch_questions=1),
-    )
+    distill_tiny(tiny_model_dir, out, student_id="org/tiny-student")
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "org/tiny-student"
     # The model card is the manifest's, not peft's empty template.

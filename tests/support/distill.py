@@ -6,6 +6,7 @@ from pathlib import Path
 
 from service.model_assets.adapter import AdapterManifest, Agreement
 from service.offline.distill.preferences import Preference, PreferenceMeta, sample_orders
+from service.offline.distill.train import DistillConfig, distill
 from service.prompts import Passage
 
 PASSAGES = (
@@ -66,4 +67,25 @@ def manifest(base: Path, name: str, lora_r: int = 8) -> AdapterManifest:
         before=agreement,
         after=agreement,
         created_at="2026-11-25T00:00:00Z",
+    )
+
+
+def distill_tiny(
+    model_dir: Path,
+    out: Path,
+    *,
+    student_id: str | None = None,
+    config: DistillConfig | None = None,
+) -> AdapterManifest:
+    """Distil the fixed teacher's first question onto ``model_dir``, its second held back
+    (one step at the defaults); ``student_id`` is the folder's path unless given."""
+    return distill(
+        model_dir,
+        student_id=str(model_dir) if student_id is None else student_id,
+        student_template="qa_default",
+        meta=META,
+        train=PREFS[:1],
+        held_back=PREFS[1:],
+        out=out,
+        config=config or DistillConfig(epochs=1, batch_questions=1),
     )

@@ -1,14 +1,25 @@
-"""Admission control: concurrent requests and prompt tokens in flight (prompts x tokens).
+"""Admission control: concurrent requests, prompt tokens in flight, and each request's deadline.
 
 Scoring with prompt log-probs prefills every permutation in full and cannot share a prefix
 cache (RELIABILITY.md), so the cost of a request is the sum of its prompts' tokens, known only
-after tokenising. The per-request check (422) and the shared budget (503 + Retry-After) are
+after tokenising. The per-request check (422) and the shared checks (503 + Retry-After) are
 applied at that point, by wrapping the backend the request's ``Reorderer`` scores with.
+
+Deadline-aware (issue 44): once the engine's throughput is measured (``ThroughputMeter``, from
+the calls admitted here), a call is admitted only if the prompt tokens already admitted ahead
+of it plus its own, at that rate, fit in what is left of its request's deadline. Otherwise it
+is refused at once with 503 and a ``Retry-After`` from the same estimate, instead of queueing
+for a 504 after the engine has spent its time on it. Until the first call completes there is
+no rate and only the fixed limits apply; one call is always admitted when none is in flight
+(a wrong estimate cannot starve an idle engine). ``max_inflight_prompt_tokens``, when set,
+stays as a hard cap beside it.
 Everything here runs on the event loop thread: plain counters, no locks.
 """
 
 from __future__ import annotations
 
+import math
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -22,18 +33,21 @@ from service.backends.base import (
     ScoreResult,
     SpanRequest,
 )
+from service.capacity import ThroughputMeter
 from service.errors import LimitExceeded
 from service.settings import Settings
 
 
 class Admission:
-    """Counts admitted requests and their prompt tokens against the configured budgets."""
+    """Counts admitted requests and their prompt tokens against the budgets and deadlines."""
 
     def __init__(self, settings: Settings, metrics: ServiceMetrics) -> None:
         self._settings = settings
         self._metrics = metrics
         self._requests = 0
         self._tokens = 0
+        self.meter = ThroughputMeter()
+        """The engine's prompt tokens per second, measured from the calls admitted here."""
 
     @property
     def in_flight(self) -> int:
@@ -42,6 +56,12 @@ class Admission:
     @property
     def tokens_in_flight(self) -> int:
         return self._tokens
+
+    @property
+    def estimated_wait_s(self) -> float | None:
+        """Seconds the engine needs for the tokens admitted now (``None``: rate not yet
+        measured): what a new request would queue behind."""
+        return self.meter.seconds_for(self._tokens)
 
     @contextmanager
     def request(self) -> Iterator[None]:
@@ -59,26 +79,62 @@ class Admission:
             self._metrics.in_flight.set(self._requests)
 
     @contextmanager
-    def tokens(self, n: int) -> Iterator[None]:
+    def tokens(self, n: int, deadline: float | None = None) -> Iterator[None]:
         """Reserve ``n`` prompt tokens while they are scored, or raise ``Overloaded``.
 
-        A request is always admitted when nothing else is being scored: its own size is
-        bounded by ``max_prompt_tokens_x_prompts``, so a budget set below that cannot starve it.
+        Args:
+            n: the call's prompt tokens (generation: prefilled plus answer budget).
+            deadline: ``time.monotonic()`` by which the call's request must be answered;
+                ``None``: no deadline check.
+
+        A call is always admitted when nothing else is in flight: its own size is bounded by
+        ``max_prompt_tokens_x_prompts``, so no budget or estimate can starve it.
         """
-        budget = self._settings.max_inflight_prompt_tokens
-        if self._tokens and self._tokens + n > budget:
-            self._metrics.admission_rejections.labels("token_budget").inc()
-            raise Overloaded(
-                f"{n} prompt tokens do not fit the in-flight budget ({self._tokens} of {budget} "
-                "in use)"
-            )
+        now = time.monotonic()
+        if self._tokens:
+            self._check_deadline(n, deadline, now)
+            budget = self._settings.max_inflight_prompt_tokens
+            if budget is not None and self._tokens + n > budget:
+                self._metrics.admission_rejections.labels("token_budget").inc()
+                raise Overloaded(
+                    f"{n} prompt tokens do not fit the in-flight budget ({self._tokens} of "
+                    f"{budget} in use)"
+                )
         self._tokens += n
+        self.meter.begin(now)
         self._metrics.inflight_prompt_tokens.set(self._tokens)
+        done: int | None = None
         try:
             yield
+            done = n
         finally:
             self._tokens -= n
+            self.meter.end(time.monotonic(), done)
             self._metrics.inflight_prompt_tokens.set(self._tokens)
+
+    def _check_deadline(self, n: int, deadline: float | None, now: float) -> None:
+        """``Overloaded`` (reason ``deadline``) if the tokens ahead plus ``n`` cannot be done
+        by ``deadline`` at the measured rate; its Retry-After is when they could be."""
+        rate = self.meter.tokens_per_s
+        if deadline is None or rate is None:
+            return
+        wait_s = self._tokens / rate
+        own_s = n / rate
+        left_s = deadline - now
+        if wait_s + own_s <= left_s:
+            return
+        self._metrics.admission_rejections.labels("deadline").inc()
+        # Retried, it fits once the queue ahead has shrunk to what a fresh deadline leaves
+        # beside its own work; a call longer than a deadline only once the engine is idle.
+        timeout = self._settings.request_timeout_s
+        ahead_s = wait_s + own_s - timeout if own_s < timeout else wait_s
+        retry = max(1, math.ceil(ahead_s))
+        raise Overloaded(
+            f"the {self._tokens} prompt tokens queued ahead (about {wait_s:.1f} s at the "
+            f"measured {rate:.0f} tokens/s) and this request's {n} (about {own_s:.1f} s) "
+            f"would not finish within its deadline ({max(left_s, 0.0):.1f} s left)",
+            retry_after_s=retry,
+        )
 
 
 class AdmittedBackend:
@@ -87,10 +143,25 @@ class AdmittedBackend:
     Built per request (cheap); closing it does not close the shared backend.
     """
 
-    def __init__(self, inner: LogprobBackend, admission: Admission, settings: Settings) -> None:
+    def __init__(
+        self,
+        inner: LogprobBackend,
+        admission: Admission,
+        settings: Settings,
+        *,
+        deadline: float | None = None,
+    ) -> None:
+        """Args:
+        inner: the shared backend.
+        admission: the service's admission.
+        settings: the limits.
+        deadline: ``time.monotonic()`` by which the request must be answered (admission
+            refuses a call that would not finish by then); ``None``: not checked.
+        """
         self._inner = inner
         self._admission = admission
         self._settings = settings
+        self._deadline = deadline
         self._sent_tokens = 0  # prompt tokens this request sent so far, scored or generated
 
     @property
@@ -110,7 +181,8 @@ class AdmittedBackend:
 
         Raises:
             LimitExceeded: too many distinct prompts, or prompts x tokens over the limit.
-            Overloaded: the in-flight token budget is full.
+            Overloaded: the in-flight token budget is full, or the call would not finish
+                before the request's deadline.
         """
         n = len(requests)
         max_prompts = self._settings.max_prompts_per_request
@@ -120,7 +192,7 @@ class AdmittedBackend:
             )
         tokens = sum(len(r.token_ids) for r in requests)
         self._count_prompt_tokens(tokens, n)
-        with self._admission.tokens(tokens):
+        with self._admission.tokens(tokens, self._deadline):
             return await self._inner.score(requests)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
@@ -135,7 +207,7 @@ class AdmittedBackend:
         prefilled = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
         self._count_prompt_tokens(prefilled, len(requests))
         tokens = prefilled + sum(r.max_new_tokens for r in requests)
-        with self._admission.tokens(tokens):
+        with self._admission.tokens(tokens, self._deadline):
             return await self._inner.generate(requests)
 
     def _count_prompt_tokens(self, tokens: int, n: int) -> None:

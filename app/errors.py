@@ -90,7 +90,8 @@ _DESCRIPTIONS: Final[Mapping[int, str]] = {
     "design that cannot identify the fit.",
     500: "Internal error; the body carries the request id, never a traceback.",
     502: "Too many prompts failed to score for the rest to identify the fit.",
-    503: "Not ready, draining, or admission refused; retry after `Retry-After` seconds.",
+    503: "Not ready, draining, or admission refused (too many requests, or the queue ahead would "
+    "not let this one finish within its deadline); retry after `Retry-After` seconds.",
     504: "The request's deadline (`request_timeout_s`) passed; its scoring was cancelled.",
 }
 
@@ -141,7 +142,10 @@ def error_response(scope: Scope, exc: ReorderError) -> JSONResponse:
     if rid is not None:
         headers["X-Request-Id"] = rid
     if kind.retry_after:
-        headers["Retry-After"] = str(ctx.settings.retry_after_s if ctx is not None else 1)
+        retry = exc.retry_after_s if isinstance(exc, Overloaded) else None
+        if retry is None:
+            retry = ctx.settings.retry_after_s if ctx is not None else 1
+        headers["Retry-After"] = str(retry)
     if kind.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
     if ctx is not None:

@@ -40,9 +40,16 @@ class ClientDisconnected(ClientError):
 
 
 class Overloaded(ServerError):
-    """Admission refused the request (concurrency or in-flight token budget)."""
+    """Admission refused the request (concurrency, in-flight token budget, or a deadline the
+    queue ahead would not let it meet)."""
 
     code = "overloaded"
+
+    def __init__(self, message: str, *, retry_after_s: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        """Seconds until it would be admitted, when admission can estimate them (else the
+        configured ``retry_after_s``)."""
 
 
 class NotReady(ServerError):

@@ -42,7 +42,8 @@ async def execute(
 
     Raises:
         NotReady: loading, warming up, draining or unhealthy (503).
-        Overloaded: too many requests in flight (503), or the token budget is full.
+        Overloaded: too many requests in flight (503), the token budget is full, or the
+            queue ahead would not let it finish before its deadline.
         DeadlineExceeded: ``request_timeout_s`` passed; the work was cancelled (504).
         ClientDisconnected: the client went away; the work was cancelled.
         ReorderError: whatever the work raised.
@@ -55,6 +56,7 @@ async def execute(
         timeout_name="request_timeout_s",
     )
     ctx.metrics.observe(result)
+    ctx.metrics.within_deadline.inc()
     log.info(
         "request %s: %s, %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s",
         request_id_of(request.scope),
@@ -90,9 +92,11 @@ async def run_admitted(
     settings = ctx.settings
     rid = request_id_of(request.scope)
 
+    deadline = time.monotonic() + timeout_s
+
     def reorderer() -> Reorderer:
         return Reorderer(
-            AdmittedBackend(backend, ctx.admission, settings),
+            AdmittedBackend(backend, ctx.admission, settings, deadline=deadline),
             settings,
             ctx.engine.profiles,
             ctx.engine.traffic,

@@ -101,6 +101,9 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         redoc_url=None,
     )
     metrics.track_traffic(ctx.engine.traffic)
+    metrics.track_capacity(
+        lambda: ctx.admission.estimated_wait_s, lambda: ctx.admission.meter.tokens_per_s
+    )
     app.state.ctx = ctx
     install_error_handlers(app)
     for module in (reorder, rerank, profiles, info, probes):

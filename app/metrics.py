@@ -10,7 +10,7 @@ the fixed error vocabulary.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -30,6 +30,7 @@ _TOKEN_BUCKETS = tuple(float(4**k) for k in range(3, 11))  # 64 .. 1,048,576
 # Over 1: a lone prompt longer than the budget runs alone.
 _FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
 _WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 300)
 _SHARING_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
@@ -109,8 +110,27 @@ class ServiceMetrics:
         )
         self.admission_rejections = Counter(
             f"{p}_admission_rejections",
-            "Requests refused by admission with 503, by reason.",
+            "Requests refused by admission with 503, by reason (concurrency, token_budget, or "
+            "deadline: the queue ahead would not let it finish in time; shed at once).",
             ["reason"],
+            registry=r,
+        )
+        self.within_deadline = Counter(
+            f"{p}_requests_within_deadline",
+            "Reorder and rerank requests answered within their deadline (200): its rate is "
+            "the goodput.",
+            registry=r,
+        )
+        self.estimated_wait = Gauge(
+            f"{p}_estimated_wait_seconds",
+            "Seconds the engine needs for the prompt tokens admitted now, at its measured "
+            "rate: what a new request would queue behind (0 while the rate is unmeasured).",
+            registry=r,
+        )
+        self.engine_tokens_per_s = Gauge(
+            f"{p}_engine_prompt_tokens_per_second",
+            "The engine's prompt tokens per busy second, measured from completed calls, that "
+            "deadline-aware admission uses (0 until the first call completes).",
             registry=r,
         )
         self.prompts = Histogram(
@@ -199,6 +219,13 @@ class ServiceMetrics:
             buckets=_WAIT_BUCKETS,
             registry=r,
         )
+        self.queue_wait = Histogram(
+            f"{p}_queue_wait_seconds",
+            "Per scoring call, time from the call to the start of its first forward: the queue "
+            "ahead of it (transformers engine).",
+            buckets=_QUEUE_BUCKETS,
+            registry=r,
+        )
         self.batch_requests = Histogram(
             f"{p}_batch_requests",
             "Requests whose prompts share a forward (transformers engine).",
@@ -236,6 +263,15 @@ class ServiceMetrics:
         self.batch_requests.observe(stats.callers)
         for wait in stats.waits_s:
             self.batch_wait.observe(wait)
+        for wait in stats.queue_waits_s:
+            self.queue_wait.observe(wait)
+
+    def track_capacity(
+        self, wait_s: Callable[[], float | None], tokens_per_s: Callable[[], float | None]
+    ) -> None:
+        """Expose admission's estimates (read at scrape; unknown reads 0)."""
+        self.estimated_wait.set_function(lambda: wait_s() or 0.0)
+        self.engine_tokens_per_s.set_function(lambda: tokens_per_s() or 0.0)
 
     def track_traffic(self, sampler: TrafficSampler) -> None:
         """Expose the size of the live-traffic calibration sample."""

@@ -567,7 +567,8 @@ class LimitsOut(_Model):
     max_query_chars: int
     max_prompts_per_request: int
     max_prompt_tokens_x_prompts: int
-    max_inflight_prompt_tokens: int
+    max_inflight_prompt_tokens: int | None
+    """The hard cap on prompt tokens in flight (null: none; admission is deadline-aware)."""
     max_concurrent_requests: int
     request_timeout_s: float
     max_model_len: int | None

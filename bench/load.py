@@ -22,6 +22,8 @@ Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at con
 Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16]
            [--passages 10 20] [--queries 8] [--server-root .] [--no-ceiling]
            [--out bench/results/load.json] [--resume]
+       python bench/load.py --overload 1.5,3 [--baseline-root <old checkout>] [--duration 480]
+           (open-loop overload against the default deadline; bench/overload.py)
 Writes the JSON, a markdown table beside it (.md) and a plot (.png) after every level, so an
 interrupted run keeps what it measured; ``--resume`` continues it: the levels and ceilings
 already in ``--out`` (same requests) are kept, the missing levels run, one more ceiling after.
@@ -483,7 +485,21 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
     ap.add_argument("--server-log", default="/tmp/rag-reorder-load-server.log")
     ap.add_argument("--resume", action="store_true", help="continue the run in --out")
+    ap.add_argument(
+        "--overload",
+        metavar="MULTIPLIERS",
+        help="overload mode (bench/overload.py): open-loop arrivals at these multiples of the "
+        "engine's capacity, e.g. 1.5,3, with the shipped deadline and admission",
+    )
+    ap.add_argument("--baseline-root", help="overload mode: also run this checkout's server")
+    ap.add_argument("--duration", type=float, default=480.0, help="overload: arrival window, s")
+    ap.add_argument("--seed", type=int, default=0, help="overload: arrival times' seed")
     args = ap.parse_args()
+    if args.overload:
+        from bench.overload import run_overload
+
+        asyncio.run(run_overload(args))
+        return
     result = asyncio.run(run(args))
     out = Path(args.out)
     write(result, out)

@@ -145,9 +145,12 @@ class Settings(BaseSettings):
     max_prompt_tokens_x_prompts: int = Field(default=262_144, ge=64)
     """Most prompt tokens one request may send to the model, summed over its prompts
     (prompts x tokens; 422 above it, checked after tokenising and before any scoring)."""
-    max_inflight_prompt_tokens: int = Field(default=1_048_576, ge=64)
-    """Admission budget: prompt tokens of all requests being scored at once. A request that
-    does not fit gets 503 with Retry-After (one request is always admitted when none runs)."""
+    max_inflight_prompt_tokens: int | None = Field(default=None, ge=64)
+    """A hard cap on the prompt tokens of all requests being scored at once (503 with
+    Retry-After above it; one request is always admitted when none runs). Unset: no fixed cap;
+    admission then bounds the queue by the engine's measured rate and each request's deadline
+    (a request whose tokens, behind those admitted, would not finish in time gets 503 at once),
+    which keeps at most about `rate x request_timeout_s` tokens in flight."""
     max_concurrent_requests: int = Field(default=64, ge=1)
     """Most reorder/rerank requests in flight; the next one gets 503 with Retry-After."""
     retry_after_s: int = Field(default=2, ge=1, le=3600)

@@ -118,7 +118,9 @@ class FakeBackend:
     Failure injection, all settable after construction: ``fail_ids`` / ``fail_rule`` make a
     prompt come back as ``PromptFailure``; ``nan_ids`` / ``nan_rule`` put a NaN in its log-probs
     (breaking the port's contract on purpose, to test the caller's guard); ``delay_s`` sleeps
-    before answering each call; ``hang`` never answers (until cancelled).
+    before answering each call; ``hang`` never answers (until cancelled); ``s_per_token``
+    makes it an engine of fixed capacity: calls run one at a time, in arrival order, each for
+    its prompt tokens times ``s_per_token`` (overload and admission tests).
 
     Args:
         truth: passage text -> true utility. Every passage of a request must be a key; texts
@@ -160,6 +162,7 @@ class FakeBackend:
         nan_rule: PromptRule | None = None,
         delay_s: float = 0.0,
         hang: bool = False,
+        s_per_token: float = 0.0,
     ) -> None:
         if not all(math.isfinite(u) for u in truth.values()):
             raise ValueError("utilities must be finite")
@@ -184,6 +187,10 @@ class FakeBackend:
         self.nan_rule = nan_rule
         self.delay_s = delay_s
         self.hang = hang
+        self.s_per_token = s_per_token
+        # Made on first use (tests run one backend under several event loops); anyio's lock
+        # hands over in arrival order: a FIFO engine.
+        self._engine: anyio.Lock | None = None
         self.stats = FakeBackendStats()
         self.closed = False
         self._tokenizer = ByteTokenizer()
@@ -242,6 +249,7 @@ class FakeBackend:
             ValueError: a request's span is outside its tokens or starts at token 0.
         """
         await self._enter()
+        await self._occupy(sum(len(r.token_ids) for r in requests))
         self.stats.score_calls += 1
         results: list[ScoreResult] = []
         for request in requests:
@@ -269,6 +277,7 @@ class FakeBackend:
             ValueError: ``max_new_tokens < 1``.
         """
         await self._enter()
+        await self._occupy(sum(len(r.token_ids) + r.max_new_tokens for r in requests))
         self.stats.generate_calls += 1
         results: list[GenerateResult] = []
         for request in requests:
@@ -297,6 +306,14 @@ class FakeBackend:
             await anyio.sleep_forever()
         if self.delay_s > 0:
             await anyio.sleep(self.delay_s)
+
+    async def _occupy(self, tokens: int) -> None:
+        """Hold the one engine for ``tokens`` x ``s_per_token`` (nothing when that is 0)."""
+        if self.s_per_token > 0:
+            if self._engine is None:
+                self._engine = anyio.Lock()
+            async with self._engine:
+                await anyio.sleep(tokens * self.s_per_token)
 
     def _score_one(self, request: SpanRequest) -> ScoreResult:
         parsed = self._parse(request.request_id, request.token_ids[: request.span_end])

@@ -1,25 +1,32 @@
 """Continuous micro-batching: the prompts of every in-flight call share the engine's forwards.
 
-Callers ``await scheduler.score(requests)``; one worker task per event loop pulls the pending
-prompts of all callers, packs a forward under the token and row budgets (``BatchFill``, the
-rule ``plan_batches`` uses for one call), runs it through the backend's blocking batch
-function, and hands each caller its results. In the manner of TEI's queue and Infinity's batch
-handler, with no collection window: the next forward is packed from whatever is pending when
-the previous one ends, so a lone request never waits and concurrent ones fill the forwards.
+Callers ``await scheduler.score(requests)``; one worker task per event loop takes the engine,
+packs a forward from the prompts pending at that moment under the token and row budgets
+(``BatchFill``, the rule ``plan_batches`` uses for one call), runs it through the backend's
+blocking batch function, and hands each caller its results. In the manner of vLLM's and TEI's
+schedulers, with no collection window: a lone request never waits, concurrent ones fill the
+forwards.
 
-- Length-aware: each caller's prompts queue longest first (as ``plan_batches`` sorts them).
-  The forward's first prompt sets its width; every caller then offers its longest prompt
-  that does not widen the forward (else its shortest), and the offers that pad least go in
-  first. On the load bench's prompts (NQ-Open, 10 passages) this packs 8 and 32 concurrent
-  requests with 1.4% and 0.2% padding, against 5.1% and 5.7% when each caller offered its longest
-  prompt in round-robin order (one request alone: 2.3%).
-- Fair: every forward starts with the next caller in turn (round robin), then takes one
-  prompt per caller per pass, so a 100-passage request cannot starve a small one: both get
-  rows in every forward they fit in.
+- Oldest first, then fill: every forward takes the oldest caller's prompts first (longest
+  first, as ``plan_batches`` sorts them) while they fit, then fills what is left of the budgets
+  from the other callers, one prompt per caller per pass, the offers that pad least first
+  (each caller offers its longest prompt that does not widen the forward, else its shortest).
+  So calls complete in arrival order and a call's latency is its own work plus the queue ahead
+  of it: under overload the head of the queue still finishes within its deadline, where
+  round-robin turns (the rule before issue 44) made every caller finish together, late. A call
+  alone batches exactly as ``plan_batches``.
+- Packed at the engine: the worker takes the engine lock (shared with generation and
+  ``aclose``) before it packs, so a forward is never packed behind a generation batch and run
+  stale: a caller cancelled while the engine was busy never reaches a forward.
 - Cancellation: a caller cancelled (client gone, deadline) drops its prompts not yet in a
-  forward; the results of a forward already running for it are discarded.
-- Failures: the batch function isolates failed prompts itself (``PromptFailure`` per prompt);
-  an exception from it (backend closed) fails every caller with a prompt in that forward.
+  forward; the results of a forward already running for it are discarded. Its ``score`` returns
+  at once: the forward runs in the worker's task, not the caller's.
+- Failures: the batch function isolates failed prompts itself (``PromptFailure`` per prompt).
+  An exception from it for a shared forward is retried caller by caller, so only the call whose
+  prompts make the engine raise fails (with that exception) and its neighbours are served.
+- The worker cannot strand a caller: whatever ends it (an exception in the packing, a
+  cancellation, even one before it first ran), a done-callback fails every caller still waiting
+  with ``BackendUnavailable``, and the next call starts a new worker.
 
 No torch here: the backend passes the forward in, so the packing can be tested on its own.
 """
@@ -27,14 +34,17 @@ No torch here: the backend passes the forward in, so the packing can be tested o
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from service.backends.base import ScoreResult, SpanRequest
 from service.backends.batching import BatchFill, HeadMode, longest_first
+from service.errors import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +65,11 @@ class ForwardStats:
     """The budget ``padded_tokens`` is packed against (a lone prompt may exceed it)."""
     waits_s: tuple[float, ...]
     """Per prompt, seconds from its ``score`` call to the start of this forward."""
+    queue_waits_s: tuple[float, ...] = ()
+    """Per call whose first forward this is, seconds from its ``score`` call to this forward's
+    start: the time it queued behind other work."""
+    seconds: float = 0.0
+    """Wall time of the forward."""
 
 
 ForwardObserver = Callable[[ForwardStats], None]
@@ -69,9 +84,15 @@ class _Caller:
     enqueued: float
     done: asyncio.Future[None]
     remaining: int = field(init=False)
+    started: bool = False
 
     def __post_init__(self) -> None:
         self.remaining = len(self.pending)
+
+    def fail(self, exc: BaseException) -> None:
+        self.pending.clear()
+        if not self.done.done():
+            self.done.set_exception(exc)
 
 
 class ForwardScheduler:
@@ -84,20 +105,26 @@ class ForwardScheduler:
         token_budget: int,
         row_budget: int,
         head_mode: HeadMode,
+        engine_lock: contextlib.AbstractAsyncContextManager[Any] | None = None,
     ) -> None:
         """Args:
         run_batch: scores one packed forward, one result per request, in order; it runs the
-            blocking forward off the event loop and serialises forwards itself.
+            blocking forward off the event loop.
         token_budget: padded tokens per forward.
         row_budget: LM-head rows per forward, as ``head_mode`` counts them.
         head_mode: how ``BatchFill`` counts rows.
+        engine_lock: held from packing a forward to its end (the backend's lock that also
+            serialises generation and ``aclose``); ``run_batch`` must not take it itself.
         """
         self._run_batch = run_batch
         self._token_budget = token_budget
         self._row_budget = row_budget
         self._head_mode: HeadMode = head_mode
-        # Callers with prompts not yet in a forward, in round-robin order.
+        self._engine_lock = engine_lock or contextlib.nullcontext()
+        # Callers with prompts not yet in a forward, oldest first.
         self._queue: list[_Caller] = []
+        # Callers with a prompt in the forward now running (the worker's, for its exit).
+        self._running: list[_Caller] = []
         self._worker: asyncio.Task[None] | None = None
         self._observers: list[ForwardObserver] = []
 
@@ -105,6 +132,11 @@ class ForwardScheduler:
     def queue_depth(self) -> int:
         """Prompts waiting for a forward, across all callers."""
         return sum(len(c.pending) for c in self._queue)
+
+    @property
+    def worker(self) -> asyncio.Task[None] | None:
+        """The task running the forwards (``None`` before the first call); for tests."""
+        return self._worker
 
     def add_observer(self, observer: ForwardObserver) -> None:
         """Call ``observer`` after every forward (from the event loop; keep it cheap)."""
@@ -117,7 +149,8 @@ class ForwardScheduler:
             One result per request, in order.
 
         Raises:
-            Whatever the batch function raised for a forward holding one of these prompts.
+            Whatever the batch function raised for this call's prompts (tried without the
+            other callers' prompts); ``BackendUnavailable`` if the worker stopped.
         """
         reqs = list(requests)
         if not reqs:
@@ -146,50 +179,135 @@ class ForwardScheduler:
         # of tests and of a CLI run, so none is started at construction.
         worker = self._worker
         if worker is None or worker.done() or worker.get_loop() is not loop:
-            self._worker = loop.create_task(self._drain(), name="forward-scheduler")
+            worker = loop.create_task(self._drain(), name="forward-scheduler")
+            worker.add_done_callback(self._worker_exited)
+            self._worker = worker
+
+    def _worker_exited(self, task: asyncio.Task[None]) -> None:
+        """Fail every caller the worker leaves behind, whatever ended it.
+
+        Runs before a newer worker's first step (both are scheduled with ``call_soon``, this one
+        first), so ``_running`` is still the exited worker's forward.
+        """
+        if task.cancelled():
+            reason = "it was cancelled"
+        elif (exc := task.exception()) is not None:
+            logger.error("forward scheduler stopped", exc_info=exc)
+            reason = f"it failed ({type(exc).__name__})"
+        else:
+            reason = ""
+        stranded = list(self._running)
+        self._running = []
+        if task is self._worker:
+            # No newer worker owns the queue: nobody would serve it.
+            stranded += self._queue
+            self._queue = []
+        message = "the scoring worker stopped before this call finished" + (
+            f": {reason}" if reason else ""
+        )
+        for caller in stranded:
+            caller.fail(BackendUnavailable(message))
 
     async def _drain(self) -> None:
         while self._queue:
-            batch, callers = self._take()
-            started = time.perf_counter()
-            try:
-                results = await self._run_batch([req for _, req, _ in batch])
-            except Exception as exc:
-                for caller in callers:
-                    if not caller.done.done():
-                        caller.done.set_exception(exc)
-                continue
-            for (index, _, caller), result in zip(batch, results, strict=True):
+            async with self._engine_lock:
+                # Packed now, with the engine free: callers that left while it was busy (a
+                # generation batch, another scheduler's forward) are not in it.
+                if not self._queue:
+                    return
+                batch, callers = self._take()
+                if not batch:
+                    continue
+                self._running = callers
+                started = time.perf_counter()
+                outcome = await self._forward(batch, callers)
+                seconds = time.perf_counter() - started
+            self._running = []
+            # A caller failed by its part of the forward leaves the queue with its prompts.
+            self._queue = [c for c in self._queue if c.pending]
+            for (index, _, caller), result in zip(batch, outcome, strict=True):
+                if result is None:
+                    continue  # its caller's part of the forward raised; it has the error
                 caller.results[index] = result
                 caller.remaining -= 1
                 if caller.remaining == 0 and not caller.done.done():
                     caller.done.set_result(None)
-            stats = ForwardStats(
-                prompts=len(batch),
-                callers=len(callers),
-                padded_tokens=len(batch) * max(len(req.token_ids) for _, req, _ in batch),
-                token_budget=self._token_budget,
-                waits_s=tuple(started - c.enqueued for _, _, c in batch),
+            self._observe(batch, callers, started, seconds)
+
+    async def _forward(
+        self, batch: list[tuple[int, SpanRequest, _Caller]], callers: list[_Caller]
+    ) -> list[ScoreResult | None]:
+        """The forward's results in batch order; ``None`` for a caller whose prompts made the
+        batch function raise (that caller has been failed with the exception)."""
+        try:
+            return list(await self._run_batch([req for _, req, _ in batch]))
+        except Exception as exc:
+            if len(callers) == 1:
+                callers[0].fail(exc)
+                return [None] * len(batch)
+            logger.warning(
+                "a forward shared by %d calls failed (%s); retrying call by call",
+                len(callers),
+                type(exc).__name__,
             )
-            for observer in self._observers:
-                try:
-                    observer(stats)
-                except Exception:  # a metrics bug must not stop the engine
-                    logger.exception("forward observer failed")
+        out: list[ScoreResult | None] = [None] * len(batch)
+        for caller in callers:
+            at = [k for k, (_, _, c) in enumerate(batch) if c is caller]
+            try:
+                part = await self._run_batch([batch[k][1] for k in at])
+            except Exception as exc:
+                caller.fail(exc)
+                continue
+            for k, result in zip(at, part, strict=True):
+                out[k] = result
+        return out
+
+    def _observe(
+        self,
+        batch: list[tuple[int, SpanRequest, _Caller]],
+        callers: list[_Caller],
+        started: float,
+        seconds: float,
+    ) -> None:
+        first = [c for c in callers if not c.started]
+        for caller in first:
+            caller.started = True
+        stats = ForwardStats(
+            prompts=len(batch),
+            callers=len(callers),
+            padded_tokens=len(batch) * max(len(req.token_ids) for _, req, _ in batch),
+            token_budget=self._token_budget,
+            waits_s=tuple(started - c.enqueued for _, _, c in batch),
+            queue_waits_s=tuple(started - c.enqueued for c in first),
+            seconds=seconds,
+        )
+        for observer in self._observers:
+            try:
+                observer(stats)
+            except Exception:  # a metrics bug must not stop the engine
+                logger.exception("forward observer failed")
 
     def _take(self) -> tuple[list[tuple[int, SpanRequest, _Caller]], list[_Caller]]:
-        """The next forward: the first caller in turn anchors it with its longest prompt (so
-        every caller is in at least one forward of every round), then one prompt per caller
-        per pass (``_offer``), least padding first, while the budgets allow."""
+        """The next forward: the oldest caller's prompts while they fit, then one prompt per
+        other caller per pass (``_offer``), the offers that pad least first, while the budgets
+        allow."""
         fill = BatchFill(
             token_budget=self._token_budget, row_budget=self._row_budget, head_mode=self._head_mode
         )
         batch: list[tuple[int, SpanRequest, _Caller]] = []
-        anchor = self._queue[0]
-        index, req = anchor.pending.popleft()
-        fill.add(req)
-        batch.append((index, req, anchor))
-        active = [anchor, *self._queue[1:]] if anchor.pending else self._queue[1:]
+        self._queue = [c for c in self._queue if c.pending]
+        if not self._queue:
+            return batch, []
+        oldest = self._queue[0]
+        while oldest.pending:
+            at = _offer(oldest.pending, fill.width)
+            index, req = oldest.pending[at]
+            if not fill.fits(req):
+                break
+            fill.add(req)
+            del oldest.pending[at]
+            batch.append((index, req, oldest))
+        active = [c for c in self._queue[1:] if c.pending]
         while active:
             # Each pass: one prompt per caller, the offers that pad least first.
             width = fill.width
@@ -208,8 +326,8 @@ class ForwardScheduler:
                 if caller.pending:
                     active.append(caller)
         callers = list(dict.fromkeys(c for _, _, c in batch))
-        # Round robin: the anchor goes to the back; callers with nothing left leave the queue.
-        self._queue = [c for c in (*self._queue[1:], anchor) if c.pending]
+        # Arrival order is kept: callers with nothing left to pack leave the queue.
+        self._queue = [c for c in self._queue if c.pending]
         return batch, callers
 
 

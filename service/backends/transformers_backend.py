@@ -20,11 +20,13 @@ caller bug, not a broken backend. A forward that fails (out of memory, non-finit
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import gc
 import inspect
 import logging
 import math
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Literal, TypeVar, cast
@@ -137,7 +139,11 @@ class TransformersBackend:
             token_budget=batch_token_budget,
             row_budget=self._max_logit_rows,
             head_mode=self._head_mode,
+            engine_lock=self._lock,
         )
+        # Engine jobs whose caller was cancelled: they finish (or stop at their next decode
+        # step) in the background, holding the lock; kept here so they are not collected.
+        self._orphans: set[asyncio.Task[list[GenerateResult]]] = set()
 
     # --- construction ---------------------------------------------------------------------
 
@@ -343,11 +349,7 @@ class TransformersBackend:
             token_budget=self._batch_token_budget,
             scored=[len(r.score_ids) for r in reqs],
         ):
-            async with self._lock:
-                model = self._require_open()
-                done = await anyio.to_thread.run_sync(
-                    self._generate_batch, model, [reqs[i] for i in batch]
-                )
+            done = await self._run_generation([reqs[i] for i in batch])
             for i, result in zip(batch, done, strict=True):
                 results[i] = result
         return [results[i] for i in range(len(reqs))]
@@ -370,10 +372,37 @@ class TransformersBackend:
     # --- internals ------------------------------------------------------------------------
 
     async def _run_score_batch(self, batch: list[SpanRequest]) -> list[ScoreResult]:
-        # The lock still orders scoring forwards against generation batches and ``aclose``.
-        async with self._lock:
-            model = self._require_open()
-            return await anyio.to_thread.run_sync(self._score_batch, model, batch)
+        # The scheduler holds the lock (it packs the forward once the engine is free).
+        model = self._require_open()
+        return await anyio.to_thread.run_sync(self._score_batch, model, batch)
+
+    async def _run_generation(self, batch: list[GenerationRequest]) -> list[GenerateResult]:
+        """One lockstep generation batch, in a task of its own that holds the engine lock.
+
+        A blocking call in a worker thread cannot be interrupted, and awaiting it in the
+        caller's task made a cancelled caller (deadline, client gone) wait for the whole
+        generation: a 504 189 s after a 120 s deadline (issue 44). Here the caller awaits the
+        job shielded, so its cancellation returns at once; the job sees the cancel flag
+        between decode steps and stops, and until then it keeps the lock, so the engine still
+        runs one thing at a time.
+        """
+        cancelled = threading.Event()
+
+        async def job() -> list[GenerateResult]:
+            async with self._lock:
+                model = self._require_open()
+                if cancelled.is_set():
+                    return []  # the caller left while the engine was busy: nothing to run
+                return await anyio.to_thread.run_sync(self._generate_batch, model, batch, cancelled)
+
+        task = asyncio.get_running_loop().create_task(job(), name="generation-batch")
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            cancelled.set()
+            self._orphans.add(task)
+            task.add_done_callback(_forget_orphan(self._orphans))
+            raise
 
     def _require_open(self) -> PreTrainedModel:
         if self._model is None:
@@ -495,9 +524,14 @@ class TransformersBackend:
         return min(req.max_new_tokens, self._max_model_len - len(req.token_ids))
 
     def _generate_batch(
-        self, model: PreTrainedModel, batch: list[GenerationRequest]
+        self,
+        model: PreTrainedModel,
+        batch: list[GenerationRequest],
+        cancelled: threading.Event | None = None,
     ) -> list[GenerateResult]:
-        return self._isolating_failures(lambda part: self._greedy(model, part), batch, "generation")
+        return self._isolating_failures(
+            lambda part: self._greedy(model, part, cancelled), batch, "generation"
+        )
 
     def _isolating_failures(
         self,
@@ -527,7 +561,10 @@ class TransformersBackend:
             return [PromptFailure(rid, f"forward failed: {type(exc).__name__}")]
 
     def _greedy(
-        self, model: PreTrainedModel, batch: list[GenerationRequest]
+        self,
+        model: PreTrainedModel,
+        batch: list[GenerationRequest],
+        cancelled: threading.Event | None = None,
     ) -> list[GenerateResult]:
         """Greedy decoding of ``batch`` in lockstep: one prefill, then one forward per token.
 
@@ -537,6 +574,8 @@ class TransformersBackend:
         instead of one decode loop (and one sync per token) per request; a finished row
         leaves the batch and its KV cache. Rows with score ids
         get them scored from the same prefill (``_score_after_prefill``) before decoding.
+        Once ``cancelled`` is set (its caller left) decoding stops at the next step, and the
+        rows end as they are (``length``): nobody reads them.
         """
         rows = len(batch)
         width = max(len(r.token_ids) for r in batch)
@@ -610,6 +649,8 @@ class TransformersBackend:
                     finished[b] = generation(b, "length")
             keep = [i for i, b in enumerate(active) if finished[b] is None]
             if not keep or step + 1 >= max(steps):
+                break
+            if cancelled is not None and cancelled.is_set():
                 break
             cache = getattr(out, self._cache_name)
             if self.prune_finished and len(keep) < len(active):
@@ -706,6 +747,18 @@ class TransformersBackend:
             else:
                 out.append(checked.logprobs)
         return out
+
+
+def _forget_orphan(
+    orphans: set[asyncio.Task[list[GenerateResult]]],
+) -> Callable[[asyncio.Task[list[GenerateResult]]], None]:
+    def forget(task: asyncio.Task[list[GenerateResult]]) -> None:
+        orphans.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            # Nobody awaits it any more; its caller already left.
+            logger.warning("an abandoned generation batch failed: %r", task.exception())
+
+    return forget
 
 
 def _merged(model: _Model, adapter: Path) -> _Model:

@@ -16,7 +16,7 @@ from bench import report
 
 ROOT = Path(__file__).resolve().parents[2]
 # Helpers imported by the scripts, not scripts themselves.
-LIBRARIES = {"report", "server_process"}
+LIBRARIES = {"report", "server_process", "overload"}
 SCRIPTS = sorted(p for p in (ROOT / "bench").glob("*.py") if p.stem not in LIBRARIES)
 
 DOC = """Peak memory of each phase,

@@ -1,4 +1,4 @@
-"""ForwardScheduler on a fake forward: sharing, fairness, cancellation, failures, packing rule.
+"""ForwardScheduler on a fake forward: sharing, arrival order, cancellation, failures, packing.
 
 The forward here is a coroutine that records each batch and sleeps, so the tests see exactly
 which prompts shared a forward without a model (the model-backed equality check is in
@@ -68,9 +68,9 @@ def test_concurrent_callers_share_forwards_and_get_their_own_results_in_order() 
     for tag, reqs in work.items():
         assert [r.request_id for r in got[tag]] == [r.request_id for r in reqs]
         assert all(isinstance(r, SpanLogprobs) for r in got[tag])
-    # 24 prompts of 10-12 tokens under 60 padded tokens: 5 rows per forward at most.
+    # 24 prompts of 10-12 tokens under 60 padded tokens: 6 rows per forward at most.
     assert sum(len(b) for b in forward.batches) == 24
-    assert all(len(b) <= 5 for b in forward.batches)
+    assert all(len(b) <= 6 for b in forward.batches)
     shared = [b for b in forward.batches if len({rid[0] for rid in b}) > 1]
     assert len(shared) >= len(forward.batches) - 2
     assert len(forward.batches) < 4 * len(plan_batches(work["a"], token_budget=60, row_budget=99))
@@ -88,7 +88,9 @@ def test_alone_a_call_batches_exactly_as_plan_batches() -> None:
     assert forward.batches == [[reqs[i].request_id for i in b] for b in planned]
 
 
-def test_a_big_request_does_not_starve_a_small_one() -> None:
+def test_calls_complete_in_arrival_order_the_oldest_filling_each_forward_first() -> None:
+    # Four equal calls arriving together: round-robin turns made them all finish at the end
+    # (issue 44); oldest first, each finishes after its own work plus the queue ahead.
     forward = FakeForward()
     sched = scheduler(forward)
     finished: list[str] = []
@@ -99,16 +101,43 @@ def test_a_big_request_does_not_starve_a_small_one() -> None:
             finished.append(tag)
 
         async with anyio.create_task_group() as tg:
-            tg.start_soon(one, "big", 100)
-            await anyio.sleep(0.005)  # the big one is queued (and in its first forward) first
-            tg.start_soon(one, "small", 6)
+            for tag in "abcd":
+                tg.start_soon(one, tag, 15)
+                await anyio.sleep(0.001)
 
     anyio.run(main)
-    assert finished == ["small", "big"]
-    # The small request's prompts were spread over the next few forwards, not queued behind
-    # the big one's 20.
-    last_small = max(i for i, b in enumerate(forward.batches) if any("small" in r for r in b))
-    assert last_small <= 4
+    assert finished == list("abcd")
+    ends = {
+        t: 1 + max(i for i, b in enumerate(forward.batches) if t in b[0] + b[-1]) for t in "abcd"
+    }
+    # 15 prompts of 10-12 tokens are 3 forwards of 5 on their own: a done after its 3rd,
+    # b after the 6th, and so on (a forward's spare room goes to the next oldest).
+    assert ends["a"] <= 3 and ends["b"] <= 6 and ends["c"] <= 9
+    # The oldest caller's prompts always come first in a forward.
+    for batch in forward.batches:
+        tags = [rid[0] for rid in batch]
+        assert tags == sorted(tags), batch
+
+
+def test_a_forward_is_packed_only_once_the_engine_is_free() -> None:
+    # A generation batch holds the engine: a caller that leaves meanwhile never reaches a
+    # forward, and the forward packed afterwards holds only the callers still there.
+    lock = anyio.Lock()
+    forward = FakeForward(delay=0)
+    sched = ForwardScheduler(
+        forward, token_budget=60, row_budget=10**6, head_mode="mask", engine_lock=lock
+    )
+
+    async def main() -> None:
+        # The lock stands for a generation batch holding the engine.
+        async with anyio.create_task_group() as tg, lock:
+            tg.start_soon(sched.score, prompts("keep", 2))
+            with anyio.move_on_after(0.05):
+                await sched.score(prompts("gone", 4))
+            assert forward.batches == []
+
+    anyio.run(main)
+    assert forward.batches == [["keep1", "keep0"]]  # longest first
 
 
 def test_a_cancelled_caller_drops_its_pending_prompts() -> None:
@@ -168,10 +197,10 @@ def test_a_failing_observer_does_not_stop_the_engine() -> None:
     assert len(anyio.run(lambda: sched.score(prompts("a", 8)))) == 8
 
 
-def test_a_forward_takes_the_offers_that_pad_least() -> None:
-    # a's 30-token prompt anchors the first forward (budget 60: two rows of 30). Taken in
-    # turn, b's 12 would join it (18 tokens of padding); c's 29 pads 1, so it goes in
-    # instead, and b's short prompts share the next forward with a's short one.
+def test_the_fill_takes_the_offers_that_pad_least() -> None:
+    # a's 30-token prompt is the oldest call's and anchors the forward (budget 60: two rows of
+    # 30). Taken in arrival order, b's 12 would fill it (18 tokens of padding); c's 29 pads 1,
+    # so it goes in instead, and b's prompts make the next forward.
     forward = FakeForward(delay=0)
     sched = scheduler(forward, token_budget=60)
 
@@ -180,10 +209,100 @@ def test_a_forward_takes_the_offers_that_pad_least() -> None:
 
     async def main() -> None:
         await asyncio.gather(
-            sched.score(reqs("a", [30, 10])),
+            sched.score(reqs("a", [30])),
             sched.score(reqs("b", [12, 11])),
             sched.score(reqs("c", [29])),
         )
 
     anyio.run(main)
-    assert forward.batches == [["a30", "c29"], ["b12", "b11", "a10"]]
+    assert forward.batches == [["a30", "c29"], ["b12", "b11"]]
+
+
+def test_one_call_that_makes_the_engine_raise_fails_alone() -> None:
+    # Its prompt makes the shared forward raise (not a per-prompt PromptFailure): the forward
+    # is retried call by call, the neighbours get their scores, the culprit the exception.
+    class Raising(FakeForward):
+        async def __call__(self, batch: list[SpanRequest]) -> list[ScoreResult]:
+            if any(r.request_id.startswith("bad") for r in batch):
+                self.batches.append([r.request_id for r in batch])
+                raise ValueError("the engine chokes on this prompt")
+            return await super().__call__(batch)
+
+    forward = Raising(delay=0)
+    sched = scheduler(forward, token_budget=200)
+    outcome: dict[str, object] = {}
+
+    async def main() -> None:
+        async def one(tag: str) -> None:
+            try:
+                outcome[tag] = await sched.score(prompts(tag, 3))
+            except ValueError as exc:
+                outcome[tag] = exc
+
+        async with anyio.create_task_group() as tg:
+            for tag in ("a", "bad", "c"):
+                tg.start_soon(one, tag)
+
+    anyio.run(main)
+    assert isinstance(outcome["bad"], ValueError)
+    for tag in "ac":
+        got = outcome[tag]
+        assert isinstance(got, list) and all(isinstance(r, SpanLogprobs) for r in got)
+    assert sched.queue_depth == 0
+    # A later call is served as usual.
+    assert len(anyio.run(lambda: sched.score(prompts("later", 2)))) == 2
+
+
+@pytest.mark.parametrize("how", ["cancel", "packing_fails", "base_exception"])
+def test_no_caller_waits_forever_when_the_worker_stops(how: str) -> None:
+    # Callers queued behind a running forward, then the worker ends: cancelled, a bug in the
+    # packing step, or a BaseException from the forward. Every caller gets BackendUnavailable
+    # (none hangs: each await is bounded), and the next call starts a new worker.
+    class Stop(BaseException):
+        pass
+
+    forward = FakeForward(delay=0)
+    sched = scheduler(forward)
+    errors: list[BaseException] = []
+
+    async def main() -> None:
+        forward.gate = asyncio.Event()
+
+        async def one(tag: str) -> None:
+            try:
+                with anyio.fail_after(2):
+                    await sched.score(prompts(tag, 10))
+            except BackendUnavailable as exc:
+                errors.append(exc)
+
+        async with anyio.create_task_group() as tg:
+            for tag in "abc":
+                tg.start_soon(one, tag)
+            await anyio.sleep(0.02)  # a's first forward is running (gated), the rest queued
+            worker = sched.worker
+            assert worker is not None and not worker.done()
+            if how == "cancel":
+                worker.cancel()
+            elif how == "packing_fails":
+
+                def broken() -> None:
+                    raise KeyError("packing bug")
+
+                sched._take = broken  # type: ignore[method-assign,assignment]
+                forward.gate.set()
+            else:
+
+                async def stop(batch: list[SpanRequest]) -> list[ScoreResult]:
+                    raise Stop
+
+                sched._run_batch = stop
+                forward.gate.set()
+        assert worker.done()
+
+    anyio.run(main)
+    assert len(errors) == 3
+    assert sched.queue_depth == 0
+    forward.gate = None
+    sched._run_batch = forward
+    sched.__dict__.pop("_take", None)
+    assert len(anyio.run(lambda: sched.score(prompts("later", 2)))) == 2

@@ -36,6 +36,7 @@ from app.state import context_of, request_id_of
 from service.errors import (
     BackendUnavailable,
     ClientError,
+    EngineTimeout,
     InvalidRequest,
     LimitExceeded,
     NotFound,
@@ -75,6 +76,7 @@ ERROR_TABLE: Final[Mapping[type[ReorderError], ErrorKind]] = {
     NotReady: ErrorKind(503, "unavailable_error", retry_after=True),
     BackendUnavailable: ErrorKind(503, "unavailable_error", retry_after=True),
     DeadlineExceeded: ErrorKind(504, "timeout_error"),
+    EngineTimeout: ErrorKind(504, "timeout_error"),
     ScoringFailed: ErrorKind(502, "server_error"),
     ServerError: ErrorKind(500, "server_error"),
     ReorderError: ErrorKind(500, "server_error"),
@@ -92,7 +94,8 @@ _DESCRIPTIONS: Final[Mapping[int, str]] = {
     502: "Too many prompts failed to score for the rest to identify the fit.",
     503: "Not ready, draining, or admission refused (too many requests, or the queue ahead would "
     "not let this one finish within its deadline); retry after `Retry-After` seconds.",
-    504: "The request's deadline (`request_timeout_s`) passed; its scoring was cancelled.",
+    504: "The request's deadline (`request_timeout_s`) passed, or a remote engine did not answer "
+    "within `engine_timeout_s`; its scoring was cancelled.",
 }
 
 

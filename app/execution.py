@@ -24,7 +24,7 @@ from starlette.requests import Request
 from app.admission import AdmittedBackend
 from app.exceptions import ClientDisconnected, DeadlineExceeded
 from app.state import AppContext, request_id_of
-from service.errors import BackendUnavailable
+from service.errors import BackendUnavailable, EngineTimeout
 from service.pipeline import Reorderer, ReorderResult
 
 log = logging.getLogger(__name__)
@@ -119,7 +119,7 @@ async def run_admitted(
                 time.perf_counter() - t0,
             )
             raise
-        except BackendUnavailable:
+        except (BackendUnavailable, EngineTimeout):
             # Maybe the engine died: let the watchdog check now rather than at the next tick.
             ctx.lifecycle.suspect()
             raise

@@ -33,9 +33,17 @@ from app.routes import info, probes, profiles, reorder, rerank
 from app.schemas import ReorderOptions
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
+from service.backends.engine_client import EngineClient
 from service.backends.factory import create_backend
+from service.backends.remote_backend import RemoteBackend
 from service.backends.scheduler import ForwardScheduler
-from service.errors import BackendUnavailable, ClientError
+from service.errors import (
+    BackendUnavailable,
+    ClientError,
+    EngineMismatch,
+    EngineTimeout,
+    EngineUnavailable,
+)
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
 from service.prompts import Passage, get_template
@@ -43,6 +51,9 @@ from service.settings import Settings
 from service.traffic import TrafficSampler, TrafficSpool
 
 log = logging.getLogger(__name__)
+
+# Longest wait between two attempts to reach a remote engine that is down.
+_ENGINE_RETRY_MAX_S = 5.0
 
 # The warm-up and canary request: two short passages, the default design (two prompts of one
 # passage each), so it costs two tiny forwards and still runs tokenizer, model and solver.
@@ -189,9 +200,14 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
     scheduler = getattr(backend, "scheduler", None)
     if isinstance(scheduler, ForwardScheduler):
         ctx.metrics.track_scheduler(scheduler)
+    client = getattr(backend, "client", None)
+    if isinstance(client, EngineClient):
+        ctx.metrics.track_engine(client)
     ctx.metrics.build_info.labels(ctx.version, backend.model_id, type(backend).__name__).set(1)
     lc.mark(loaded=True)
     log.info("backend %s loaded: %s", type(backend).__name__, backend.model_id)
+    if isinstance(backend, RemoteBackend) and not await _connect(ctx, backend):
+        return
     if ctx.settings.warmup:
         error, _ = await _probe(ctx, backend, "warmup")
         if error is None and ctx.settings.strategy != "moi":
@@ -211,12 +227,35 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
     await _watch(ctx, backend)
 
 
+async def _connect(ctx: AppContext, backend: RemoteBackend) -> bool:
+    """Reach the remote engine, retrying while it is down (``/ready`` 503 meanwhile); ``False``
+    (and a fatal lifecycle) when it serves another model or tokenizer than configured."""
+    lc = ctx.lifecycle
+    delay = 0.5
+    while True:
+        try:
+            await backend.connect()
+        except EngineMismatch as exc:
+            lc.fail(f"the remote engine does not match the configuration: {exc.message}")
+            return False
+        except (EngineUnavailable, EngineTimeout) as exc:
+            lc.engine(exc.message)
+            await anyio.sleep(delay)
+            delay = min(2 * delay, _ENGINE_RETRY_MAX_S)
+            continue
+        lc.engine(None)
+        return True
+
+
 async def _watch(ctx: AppContext, backend: LogprobBackend) -> None:
     lc = ctx.lifecycle
-    interval = ctx.settings.canary_interval_s
     while lc.alive:
         wake = lc.wake
         assert wake is not None
+        # While a remote engine is down, look again every few seconds: it recovers on its own.
+        interval = ctx.settings.canary_interval_s
+        if lc.engine_down is not None:
+            interval = min(interval, _ENGINE_RETRY_MAX_S) if interval > 0 else _ENGINE_RETRY_MAX_S
         if interval > 0:
             with anyio.move_on_after(interval):
                 await wake.wait()
@@ -225,11 +264,11 @@ async def _watch(ctx: AppContext, backend: LogprobBackend) -> None:
         suspected = wake.is_set()
         lc.wake = anyio.Event()
         recent = lc.last_success is not None and time.monotonic() - lc.last_success < interval
-        if lc.draining or (recent and not suspected):
+        if lc.draining or (recent and not suspected and lc.engine_down is None):
             continue  # real traffic is proving the engine alive; don't compete with it
         error, dead = await _probe(ctx, backend, "canary")
-        if error is None:
-            continue
+        if error is None or lc.engine_down is not None:
+            continue  # a remote engine that is down is not a reason to restart this process
         lc.canary_failures += 1
         log.warning("canary failed (%d in a row): %s", lc.canary_failures, error)
         if dead or lc.canary_failures >= ctx.settings.canary_failures_fatal:
@@ -261,6 +300,10 @@ async def _probe(
             error = f"{result.usage.prompts_failed} of {result.usage.prompts} prompts failed"
     except TimeoutError:
         error = f"no answer within {ctx.settings.canary_timeout_s:g} s"
+    except (EngineUnavailable, EngineTimeout) as exc:
+        # A remote engine: down or slow now, not dead for good (readiness only).
+        error = f"remote engine: {exc.message}"
+        ctx.lifecycle.engine(exc.message)
     except BackendUnavailable as exc:
         error, dead = f"engine unavailable: {exc.message}", True
     except ClientError as exc:
@@ -271,6 +314,8 @@ async def _probe(
         error = f"{type(exc).__name__}"
     if error is None:
         ctx.lifecycle.succeeded()
+        if ctx.lifecycle.engine_down is not None:
+            ctx.lifecycle.engine(None)
     else:
         ctx.metrics.canary_failures.inc()
     return error, dead

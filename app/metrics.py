@@ -17,6 +17,7 @@ from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from service.backends.engine_client import EngineCall, EngineClient
 from service.backends.scheduler import ForwardScheduler, ForwardStats
 from service.pipeline import ReorderResult
 from service.traffic import TrafficSampler
@@ -232,6 +233,31 @@ class ServiceMetrics:
             buckets=_SHARING_BUCKETS,
             registry=r,
         )
+        # The remote engine (backend `remote`): its HTTP calls as this replica sees them.
+        self.engine_calls = Counter(
+            f"{p}_engine_calls",
+            "HTTP calls to the remote engine, by path and outcome (ok, http_<status>, timeout, "
+            "unavailable).",
+            ["path", "outcome"],
+            registry=r,
+        )
+        self.engine_call_duration = Histogram(
+            f"{p}_engine_call_duration_seconds",
+            "Time of one HTTP call to the remote engine, retries and waits included, by path.",
+            ["path"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.engine_retries = Counter(
+            f"{p}_engine_retries",
+            "Retries of refused calls to the remote engine (connection errors, 429, 502-504).",
+            registry=r,
+        )
+        self.engine_in_flight = Gauge(
+            f"{p}_engine_calls_in_flight",
+            "HTTP calls to the remote engine waiting for or holding an answer.",
+            registry=r,
+        )
         if include_default_registry:
             r.register(_DefaultRegistry())
 
@@ -265,6 +291,16 @@ class ServiceMetrics:
             self.batch_wait.observe(wait)
         for wait in stats.queue_waits_s:
             self.queue_wait.observe(wait)
+
+    def track_engine(self, client: EngineClient) -> None:
+        """Observe every call to a remote engine and expose its calls in flight."""
+        self.engine_in_flight.set_function(lambda: client.in_flight)
+        client.add_observer(self._observe_engine_call)
+
+    def _observe_engine_call(self, call: EngineCall) -> None:
+        self.engine_calls.labels(call.path, call.outcome).inc()
+        self.engine_call_duration.labels(call.path).observe(call.seconds)
+        self.engine_retries.inc(call.retries)
 
     def track_capacity(
         self, wait_s: Callable[[], float | None], tokens_per_s: Callable[[], float | None]

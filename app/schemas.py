@@ -614,6 +614,9 @@ class InfoOut(_Model):
     """The distilled adapter applied to the scoring model (null without one)."""
     backend: str | None
     ready: bool
+    engine: str | None = None
+    """A remote engine's state (`RAG_REORDER_BACKEND=remote`): `ok`, or `unavailable: <why>`;
+    null for an in-process engine."""
     auth: bool
     """Whether an API key is required."""
     admin_auth: bool

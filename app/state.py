@@ -16,13 +16,14 @@ from app.admission import Admission
 from app.exceptions import Draining, NotReady, Unhealthy
 from app.metrics import ServiceMetrics
 from service.backends.base import LogprobBackend
+from service.errors import EngineUnavailable
 from service.profile_store import ProfileStore
 from service.settings import Settings
 from service.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
 
-Phase = Literal["loading", "warming", "ready", "draining", "unhealthy"]
+Phase = Literal["loading", "engine_unavailable", "warming", "ready", "draining", "unhealthy"]
 
 
 class Lifecycle:
@@ -44,6 +45,10 @@ class Lifecycle:
         """Set by the server: stop the process (non-zero exit) once the engine is dead."""
         self.wake: anyio.Event | None = None
         """Set by the lifespan (an event needs a running loop): wakes the canary early."""
+        self.engine_down: str | None = None
+        """Why a remote engine cannot be used right now (``None``: it can, or the engine is
+        in-process). Readiness fails while it is set; liveness does not: the process is fine,
+        and it serves again as soon as the engine answers."""
 
     @property
     def alive(self) -> bool:
@@ -57,6 +62,8 @@ class Lifecycle:
             return "draining"
         if not self.loaded:
             return "loading"
+        if self.engine_down is not None:
+            return "engine_unavailable"
         if not self.warmed:
             return "warming"
         return "ready"
@@ -89,12 +96,24 @@ class Lifecycle:
             raise Draining("the server is shutting down; retry on another replica")
         if phase == "loading":
             raise NotReady("the model is still loading")
+        if phase == "engine_unavailable":
+            raise EngineUnavailable(f"the remote engine cannot be used now: {self.engine_down}")
         if phase == "warming":
             raise NotReady("the model is warming up")
 
     def mark(self, **changes: bool) -> None:
         for name, value in changes.items():
             setattr(self, name, value)
+        self._metrics.ready.set(1 if self.ready else 0)
+
+    def engine(self, down: str | None) -> None:
+        """Record whether the remote engine can be used (``down``: why not)."""
+        if down != self.engine_down:
+            if down is None:
+                log.info("remote engine usable again")
+            else:
+                log.warning("remote engine unusable: %s", down)
+        self.engine_down = down
         self._metrics.ready.set(1 if self.ready else 0)
 
     def fail(self, reason: str) -> None:

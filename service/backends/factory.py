@@ -17,7 +17,7 @@ from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-ResolvedBackend = Literal["vllm", "transformers"]
+ResolvedBackend = Literal["vllm", "transformers", "remote"]
 
 
 def gpu_visible() -> bool:
@@ -44,6 +44,10 @@ def create_backend(settings: Settings) -> LogprobBackend:
     """
     kind = resolve_backend(settings)
     log.info("loading backend %s for model %s", kind, settings.model)
+    if kind == "remote":
+        from service.backends.remote_backend import RemoteBackend
+
+        return RemoteBackend.from_settings(settings)
     if kind == "vllm":
         from service.backends.vllm_backend import VLLMBackend
 

@@ -25,16 +25,17 @@ def measured(rate: float, timeout_s: float = 10.0) -> Admission:
 
 
 def test_a_call_is_admitted_while_the_queue_ahead_and_its_own_work_fit_its_deadline() -> None:
+    # Within 90% of the time left: the margin for an engine slower under load than measured.
     admission = measured(1000.0)
     deadline = time.monotonic() + 10.0
-    with admission.tokens(4000, deadline), admission.tokens(5000, deadline):
-        assert admission.estimated_wait_s == pytest.approx(9.0)
-        # 9,000 ahead + 2,000 of its own = 11 s > 10 s left: refused, retry in about 1 s.
+    with admission.tokens(4000, deadline), admission.tokens(4000, deadline):
+        assert admission.estimated_wait_s == pytest.approx(8.0)
+        # 8,000 ahead + 2,000 of its own = 10 s > 9 s: refused, retry in about 1 s.
         with pytest.raises(Overloaded) as refused, admission.tokens(2000, deadline):
             pass
         assert refused.value.retry_after_s == 1
         assert "deadline" in refused.value.message
-        # 500 of its own still fits (9.5 s).
+        # 500 of its own still fits (8.5 s).
         with admission.tokens(500, deadline):
             pass
     assert admission.tokens_in_flight == 0
@@ -46,8 +47,8 @@ def test_retry_after_is_when_the_queue_will_have_shrunk_enough() -> None:
     with admission.tokens(3000, deadline):  # 30 s of work ahead (admitted: the engine idled)
         with pytest.raises(Overloaded) as refused, admission.tokens(200, deadline):
             pass
-        # Fits once 30 + 2 - 10 = 22 s of the queue are done.
-        assert refused.value.retry_after_s == 22
+        # Fits once 30 + 2 - 0.9 x 10 = 23 s of the queue are done.
+        assert refused.value.retry_after_s == 23
         # A call longer than a whole deadline fits only an idle engine: after the 30 s.
         with pytest.raises(Overloaded) as refused, admission.tokens(2000, deadline):
             pass

@@ -50,7 +50,7 @@ async def test_a_burst_is_served_up_to_what_fits_the_deadline_and_the_rest_shed_
         rate = h.metric("rag_reorder_engine_prompt_tokens_per_second")
         assert rate == pytest.approx(1 / S_PER_TOKEN, rel=0.25)
         own_s = tokens / rate
-        fits = math.floor(1.0 / own_s)  # requests whose queue plus own work fit in 1 s
+        fits = math.floor(0.9 / own_s)  # requests whose queue plus own work fit in 0.9 s
         assert 2 <= fits <= 6, (tokens, own_s)
 
         results: list[tuple[httpx.Response, float]] = []

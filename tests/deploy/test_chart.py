@@ -34,6 +34,7 @@ from tests.deploy.tools import (
 
 GPU = EXAMPLES / "values-gpu.yaml"
 HPA = EXAMPLES / "values-hpa.yaml"
+REMOTE = EXAMPLES / "values-remote-engine.yaml"
 # Every optional feature on the CPU image, with the chart creating the API-key Secret.
 ALL_FEATURES = (
     "apiKey.enabled=true",
@@ -60,6 +61,8 @@ RENDERS: dict[str, dict[str, Any]] = {
         "gpu": True,
     },
     "cpu-all-features": {"files": (), "sets": ALL_FEATURES, "gpu": False},
+    # CPU pods scoring with the team's own vLLM deployment (issue 39).
+    "remote-engine": {"files": (REMOTE,), "sets": (), "gpu": False},
     # Bias profiles on a shared claim (POST /v1/bias-profiles/calibrate writes there).
     "cpu-profile-volume": {
         "files": (),
@@ -73,6 +76,8 @@ MANAGED_SETTINGS = {
     "PORT",
     "MODEL",
     "BACKEND",
+    "ENGINE_URL",
+    "ENGINE_API_KEY",
     "API_KEY",
     "ADMIN_API_KEY",
     "DRAIN_TIMEOUT_S",
@@ -209,6 +214,24 @@ def test_example_model_claim_validates() -> None:
     assert schema_errors(claim) == []
     gpu_values = yaml.safe_load(GPU.read_text())
     assert gpu_values["model"]["volume"]["existingClaim"] == claim["metadata"]["name"]
+
+
+def test_the_remote_engine_example_points_cpu_pods_at_the_engine(
+    rendered: dict[str, list[Doc]],
+) -> None:
+    server = _server(rendered["remote-engine"])
+    env = {e["name"]: e for e in server["env"]}
+    assert env["RAG_REORDER_BACKEND"]["value"] == "remote"
+    assert env["RAG_REORDER_ENGINE_URL"]["value"].startswith("http://vllm.")
+    assert env["RAG_REORDER_ENGINE_API_KEY"]["valueFrom"]["secretKeyRef"] == {
+        "name": "vllm-api-key",
+        "key": "api-key",
+    }
+    assert "nvidia.com/gpu" not in str(server.get("resources", {}))
+    # Without an engine secret the variable is not set at all.
+    assert "RAG_REORDER_ENGINE_API_KEY" not in {
+        e["name"] for e in _server(rendered["default"])["env"]
+    }
 
 
 def test_settings_keys_in_the_values_schema_are_the_service_settings() -> None:

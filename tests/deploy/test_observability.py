@@ -41,11 +41,12 @@ def compose_errors(path: Path) -> str:
 # --- Compose ---------------------------------------------------------------------------------
 
 
-def test_there_are_the_four_compose_files() -> None:
+def test_there_are_the_five_compose_files() -> None:
     assert [p.name for p in COMPOSE_FILES] == [
         "compose.admin-key.yaml",
         "compose.api-key.yaml",
         "compose.gpu.yaml",
+        "compose.remote.yaml",
         "compose.yaml",
     ]
 
@@ -264,6 +265,17 @@ REQUIRED = {
         "rag_reorder_batch_queue_prompts",
         "rag_reorder_batch_fill_ratio_bucket",
         "rag_reorder_batch_wait_seconds_bucket",
+    },
+    "remote engine (issue 39)": {
+        "rag_reorder_engine_calls_total",
+        "rag_reorder_engine_call_duration_seconds_bucket",
+        "rag_reorder_engine_calls_in_flight",
+        "rag_reorder_engine_retries_total",
+    },
+    "overload (issue 44)": {
+        "rag_reorder_requests_within_deadline_total",
+        "rag_reorder_estimated_wait_seconds",
+        "rag_reorder_queue_wait_seconds_bucket",
     },
     "engine": {
         "vllm:num_requests_running",

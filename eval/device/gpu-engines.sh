@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Issue 41, Part 2: the production engine (vLLM) on the lent GPU, in one device call once both
+# bundles are staged (eval/device/stage.sh: MODELS=smollm2 DATA=nq_open_dev; gpu-stage.sh: vLLM).
+# Everything goes under $OUT as soon as each stage ends, so a call cut off at its limit still
+# returns what it finished; a stage that succeeded leaves a mark in $STATE (kept while the
+# machine is warm) and is skipped when the call is repeated.
+#
+#   STAGES (default "info tests scoring load remote"), each with its own time limit:
+#   info     pip list, glibc, nvidia-smi                               -> pip-list.txt, ...
+#   tests    tests/service/test_vllm_backend.py on CUDA, float32 then bfloat16
+#   scoring  bench/scoring.py, vLLM against transformers, same prompts -> scoring_*.json
+#   load     bench/load.py, vLLM at each max_num_batched_tokens of TOKENS (default 16384; the
+#            issue's sweep is TOKENS="8192 16384 32768"), then transformers
+#   remote   the same load through vLLM's OpenAI server (only once a remote backend exists)
+#
+# nvidia-smi samples memory and utilisation every 5 s into gpu-util.csv throughout.
+set -uo pipefail
+OUT=${OUT:?set by the device tool}
+STATE=${STATE:-/tmp/gpu-engines}
+VENV=${VENV:-/tmp/vllm-env}
+STAGES=${STAGES:-info tests scoring load remote}
+DATA=${DATA:-/tmp/data/nq_open_dev.jsonl}
+mkdir -p "$OUT" "$STATE"
+source eval/device/env.sh
+# bf16 on CUDA is the production setting (env.sh sets float32 for the evaluation's records).
+export RAG_REORDER_DTYPE=${GPU_DTYPE:-auto} RAG_REORDER_DEVICE=cuda
+export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-1}
+# Two engines share the GPU in bench/load.py (the ceiling's and the server's).
+export RAG_REORDER_GPU_MEMORY_UTILIZATION=${RAG_REORDER_GPU_MEMORY_UTILIZATION:-0.4}
+PY=$VENV/bin/python
+nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu --format=csv -l 5 \
+    > "$OUT/gpu-util.csv" 2>/dev/null &
+smi=$!
+trap 'kill $smi 2>/dev/null' EXIT
+
+stage() {  # stage NAME LIMIT_S COMMAND...: run it once, log it, record rc and seconds
+    local name=$1 limit=$2
+    shift 2
+    if [[ -f $STATE/$name.done ]]; then
+        echo "stage $name: done in an earlier call" | tee -a "$OUT/stages.tsv"
+        return 0
+    fi
+    local t0=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    local rc=$?
+    printf '%s\trc=%s\t%ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/stages.tsv"
+    [[ $rc == 0 ]] && touch "$STATE/$name.done"
+    return 0
+}
+
+for s in $STAGES; do
+    case $s in
+    info)
+        python3 -m pip list --format=freeze > "$OUT/pip-list.txt" 2>/dev/null
+        { ldd --version | head -1; python3 --version; nvidia-smi; } > "$OUT/machine.txt" 2>&1
+        "$PY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, \
+torch.version.cuda)" >> "$OUT/machine.txt" 2>&1
+        ;;
+    tests)
+        stage tests_float32 200 env RAG_REORDER_TEST_VLLM_DTYPE=float32 \
+            "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
+        stage tests_bfloat16 200 env RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 \
+            RAG_REORDER_TEST_VLLM_TOL=${BF16_TOL:-0.05} \
+            "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
+        ;;
+    scoring)
+        for backend in vllm transformers; do
+            stage "scoring_$backend" 150 env RAG_REORDER_BACKEND=$backend \
+                "$PY" bench/scoring.py --data "$DATA" --queries 8 --passages 10 \
+                --out "$OUT/scoring_$backend.json"
+        done
+        ;;
+    load)
+        for tokens in ${TOKENS:-16384}; do
+            stage "load_vllm_$tokens" 240 env RAG_REORDER_BACKEND=vllm \
+                RAG_REORDER_MAX_NUM_BATCHED_TOKENS=$tokens \
+                "$PY" bench/load.py --levels 1,4,8,16,32 --requests-per-level 32 --queries 8 \
+                --passages 10 --server-log "$OUT/load_vllm_$tokens.server.log" \
+                --out "$OUT/load_vllm_$tokens.json"
+        done
+        stage load_transformers 200 env RAG_REORDER_BACKEND=transformers \
+            "$PY" bench/load.py --levels 1,4,8,16,32 --requests-per-level 32 --queries 8 \
+            --passages 10 --server-log "$OUT/load_transformers.server.log" \
+            --out "$OUT/load_transformers.json"
+        ;;
+    remote)
+        if ! ls service/backends/remote*.py > /dev/null 2>&1; then
+            echo "remote: no remote backend in this checkout; skipped" | tee -a "$OUT/stages.tsv"
+            continue
+        fi
+        stage load_remote 240 env RAG_REORDER_BACKEND=remote \
+            "$PY" bench/load.py --levels 1,4,8,16,32 --requests-per-level 32 --queries 8 \
+            --passages 10 --out "$OUT/load_remote.json"
+        ;;
+    *) echo "unknown stage $s" >&2 ;;
+    esac
+done

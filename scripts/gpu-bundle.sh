@@ -1,0 +1,119 @@
+#!/usr/bin/env bash
+# Builds .gpucarry/ (git-ignored): every wheel the lent GPU machine lacks to run vLLM, for
+# issue 41. The machine has CPython 3.12, torch 2.11.0+cu130 and transformers 5.17 but no vLLM
+# and no network, and takes at most 64 MiB per call, so the wheels travel as one tar cut into
+# parts of PART_MIB (default 60) MiB, one part per `device` call (eval/device/gpu-stage.sh
+# stores them there and installs once all have arrived).
+#
+# Which vLLM: 0.26.0 is the newest release that pins torch==2.11.0 (0.27.0 on pin 2.13.0),
+# and it targets CUDA 13 (it requires nvidia-cutlass-dsl[cu13]; torch 2.11.0's own wheel
+# requires cuda-toolkit 13.0.2), the machine's cu130. Checked from the wheels' metadata
+# (PEP 658 `.metadata` files), which is also how this script resolves: nothing of torch or
+# CUDA is downloaded here.
+#
+# What is carried: vLLM's whole dependency closure for cp312 / manylinux (glibc <= GLIBC,
+# default 2.35) minus what the machine already has. Those are listed in DEVICE_PACKAGES
+# (default eval/device/gpu-device-packages.txt, `name==version` lines); the resolver sees them
+# as installed (stub dist-infos in a scratch venv), so it neither downloads nor replaces
+# them. Replace that file by the machine's own `pip list --format=freeze` (the first call of
+# eval/device/gpu-engines.sh writes it to $OUT) to carry less.
+#
+# Writes: .gpucarry/partNN_/ (a part and the tar's sha256, each a carry path),
+# .gpucarry/wheels.tsv, and the committed manifest eval/device/gpu-bundle.manifest.tsv
+# (wheel, size, sha256; then each part's). Timing of the split and of the reassembly below
+# (REHEARSE=1) is printed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VLLM=${VLLM:-0.26.0}
+# Beside vLLM, what the device script runs that the machine may lack: the test runner and its
+# plugins (tests/service/test_vllm_backend.py) and matplotlib (bench/load.py's plot).
+EXTRA=${EXTRA:-pytest==9.2.0 pytest-timeout==2.4.0 pytest-asyncio==1.5.0 matplotlib==3.11.2}
+PART_MIB=${PART_MIB:-60}
+GLIBC=${GLIBC:-2.35}
+DEVICE_PACKAGES=${DEVICE_PACKAGES:-eval/device/gpu-device-packages.txt}
+OUT=.gpucarry
+MANIFEST=eval/device/gpu-bundle.manifest.tsv
+HOST_PY=${HOST_PY:-python3}
+export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=
+
+mkdir -p "$OUT/wheels"
+rm -rf "$OUT/resolve" "$OUT"/part[0-9][0-9]_
+"$HOST_PY" -m venv "$OUT/resolve"
+# A pip recent enough to take --platform with --dry-run (the venv's own may predate it).
+"$OUT/resolve/bin/python" -m pip install -q --upgrade 'pip>=25' 2>&1 | grep -v 'is ignored' || true
+site=$("$OUT/resolve/bin/python" -c "import site; print(site.getsitepackages()[0])")
+# The machine's packages as installed stubs: name and version only, no dependencies (theirs
+# are on the machine already).
+grep -Ev '^\s*(#|$)' "$DEVICE_PACKAGES" | while IFS= read -r line; do
+    name=${line%%==*}
+    version=${line#*==}
+    d="$site/${name//-/_}-${version%%+*}.dist-info"
+    mkdir -p "$d"
+    printf 'Metadata-Version: 2.1\nName: %s\nVersion: %s\n' "$name" "${version%%+*}" > "$d/METADATA"
+    : > "$d/RECORD"
+done
+platforms=(--platform manylinux2014_x86_64)
+for minor in $(seq 17 "${GLIBC#2.}"); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
+"$OUT/resolve/bin/python" -m pip install -q --dry-run --report "$OUT/report.json" \
+    --python-version 3.12 --implementation cp --abi cp312 "${platforms[@]}" \
+    --only-binary=:all: "vllm==$VLLM" $EXTRA 2>&1 | grep -v 'is ignored' || true
+test -s "$OUT/report.json" || { echo "gpu-bundle: resolution failed" >&2; exit 1; }
+
+# Download what the report names (checking its sha256), keep nothing else.
+"$HOST_PY" - "$OUT" <<'PY'
+import hashlib, json, pathlib, sys, urllib.request
+out = pathlib.Path(sys.argv[1])
+report = json.loads((out / "report.json").read_text())
+wheels = out / "wheels"
+wanted = {}
+for item in report["install"]:
+    info = item["download_info"]
+    url = info["url"]
+    sha = info.get("archive_info", {}).get("hashes", {}).get("sha256")
+    wanted[url.rsplit("/", 1)[1]] = (url, sha)
+for stale in wheels.iterdir():
+    if stale.name not in wanted and stale.name != "requirements.txt":
+        stale.unlink()
+rows = []
+for name, (url, sha) in sorted(wanted.items()):
+    path = wheels / name
+    if not path.exists() or (sha and hashlib.sha256(path.read_bytes()).hexdigest() != sha):
+        tmp = path.with_suffix(".part")
+        with urllib.request.urlopen(url, timeout=300) as r, tmp.open("wb") as fh:
+            while chunk := r.read(1 << 20):
+                fh.write(chunk)
+        tmp.rename(path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if sha and digest != sha:
+        sys.exit(f"gpu-bundle: {name}: sha256 {digest} is not the index's {sha}")
+    rows.append(f"{name}\t{path.stat().st_size}\t{digest}")
+(out / "wheels.tsv").write_text("\n".join(rows) + "\n")
+total = sum(int(r.split("\t")[1]) for r in rows)
+print(f"gpu-bundle: {len(rows)} wheels, {total / 2**20:.0f} MiB")
+PY
+
+# What gpu-stage.sh installs from the wheels.
+printf '%s\n' "vllm==$VLLM" $EXTRA > "$OUT/wheels/requirements.txt"
+start=$(date +%s.%N)
+# Wheels are compressed already: a plain tar, cut into parts.
+tar cf "$OUT/bundle.tar" -C "$OUT" wheels
+sha256sum "$OUT/bundle.tar" | cut -d' ' -f1 > "$OUT/bundle.sha"
+split -b "${PART_MIB}M" -d -a 2 "$OUT/bundle.tar" "$OUT/part"
+rm "$OUT/bundle.tar"
+for f in "$OUT"/part[0-9][0-9]; do
+    mkdir "$f.d" && mv "$f" "$f.d/" && cp "$OUT/bundle.sha" "$f.d/" && mv "$f.d" "${f}_"
+done
+split_s=$(echo "$(date +%s.%N) - $start" | bc)
+{
+    printf '# vllm==%s for cp312 manylinux x86_64 (glibc <= %s), minus %s; scripts/gpu-bundle.sh\n' \
+        "$VLLM" "$GLIBC" "$DEVICE_PACKAGES"
+    printf '# wheel\tbytes\tsha256\n'
+    cat "$OUT/wheels.tsv"
+    printf '# part\tbytes\tsha256 (the tar: %s)\n' "$(cat "$OUT/bundle.sha")"
+    for d in "$OUT"/part[0-9][0-9]_; do
+        f=$(ls "$d"/part[0-9][0-9])
+        printf '%s\t%s\t%s\n' "$(basename "$f")" "$(stat -c %s "$f")" "$(sha256sum "$f" | cut -d' ' -f1)"
+    done
+} > "$MANIFEST"
+parts=$(ls -d "$OUT"/part[0-9][0-9]_ | wc -l)
+echo "gpu-bundle: $parts parts of <= $PART_MIB MiB in $OUT (tar + split ${split_s} s); manifest $MANIFEST"

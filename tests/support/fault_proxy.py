@@ -1,0 +1,95 @@
+"""A TCP proxy that can refuse, stall or cut connections, for fault tests against real servers.
+
+It runs its own event loop in a thread, so a synchronous test (or one whose loop drives a
+server process) can flip its mode at any moment:
+
+- ``pass``: bytes flow both ways untouched;
+- ``down``: the listening socket is closed, so connections are refused (an engine not yet up,
+  or gone);
+- ``stall``: connections are accepted and requests forwarded, but nothing comes back (an
+  engine that hangs);
+- ``cut``: open connections are closed as soon as the mode is set, and new ones are closed
+  when their first bytes arrive (an engine killed mid-request).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from typing import Literal
+
+Mode = Literal["pass", "down", "stall", "cut"]
+
+
+class FaultProxy:
+    def __init__(self, target_port: int, port: int) -> None:
+        self.target_port = target_port
+        self.port = port
+        self._mode: Mode = "down"
+        self._loop = asyncio.new_event_loop()
+        self._server: asyncio.Server | None = None
+        self._writers: set[asyncio.StreamWriter] = set()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+        self._thread.start()
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    def set(self, mode: Mode) -> None:
+        asyncio.run_coroutine_threadsafe(self._set(mode), self._loop).result(10)
+
+    def close(self) -> None:
+        self.set("down")
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _set(self, mode: Mode) -> None:
+        self._mode = mode
+        if mode == "down":
+            if self._server is not None:
+                self._server.close()
+                self._server = None
+            self._cut_all()
+            return
+        if mode == "cut":
+            self._cut_all()
+        if self._server is None:
+            self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
+
+    def _cut_all(self) -> None:
+        for writer in list(self._writers):
+            writer.transport.abort()
+        self._writers.clear()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self._writers.add(writer)
+        upstream: asyncio.StreamWriter | None = None
+        try:
+            first = await reader.read(65536)
+            if not first or self._mode == "cut":
+                return
+            up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
+            self._writers.add(upstream)
+            upstream.write(first)
+            await asyncio.gather(self._pump(reader, upstream), self._pump(up_reader, writer, True))
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            for w in (writer, upstream):
+                if w is not None:
+                    self._writers.discard(w)
+                    w.transport.abort()
+
+    async def _pump(
+        self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, answer: bool = False
+    ) -> None:
+        with contextlib.suppress(ConnectionError, OSError):
+            while data := await src.read(65536):
+                while answer and self._mode == "stall":
+                    await asyncio.sleep(0.05)  # hold the answer back
+                if self._mode in ("cut", "down"):
+                    return
+                dst.write(data)
+                await dst.drain()

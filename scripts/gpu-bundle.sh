@@ -33,7 +33,18 @@ GLIBC=${GLIBC:-2.35}
 DEVICE_PACKAGES=${DEVICE_PACKAGES:-eval/device/gpu-device-packages.txt}
 OUT=.gpucarry
 MANIFEST=eval/device/gpu-bundle.manifest.tsv
-HOST_PY=${HOST_PY:-python3}
+# Resolve with a CPython 3.12 (the machine's): pip evaluates the requirements' markers
+# (`six; python_version > "3.11"`) against the interpreter it runs on, not --python-version.
+HOST_PY=${HOST_PY:-}
+if [[ -z $HOST_PY ]]; then
+    for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do
+        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+            HOST_PY=$candidate
+            break
+        fi
+    done
+fi
+[[ -n $HOST_PY ]] || { echo "gpu-bundle: needs a CPython 3.12 to resolve (set HOST_PY)" >&2; exit 1; }
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=
 
 mkdir -p "$OUT/wheels"

@@ -8,7 +8,17 @@
 # need torch or CUDA cannot import and are listed apart. Prints the timings.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY312=${PY312:-python3.12}
+# The machine's interpreter is CPython 3.12: find one here (PATH, then pyenv's versions).
+PY312=${PY312:-}
+if [[ -z $PY312 ]]; then
+    for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do
+        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+            PY312=$candidate
+            break
+        fi
+    done
+fi
+[[ -n $PY312 ]] || { echo "rehearsal: needs a CPython 3.12 (set PY312)" >&2; exit 1; }
 WORK=${WORK:-/tmp/gpu-rehearse}
 DEVICE_PACKAGES=${DEVICE_PACKAGES:-eval/device/gpu-device-packages.txt}
 rm -rf "$WORK" && mkdir -p "$WORK"

@@ -11,7 +11,7 @@
 #   scoring  bench/scoring.py, vLLM against transformers, same prompts -> scoring_*.json
 #   load     bench/load.py, vLLM at each max_num_batched_tokens of TOKENS (default 16384; the
 #            issue's sweep is TOKENS="8192 16384 32768"), then transformers
-#   remote   the same load through vLLM's OpenAI server (only once a remote backend exists)
+#   remote   the same load through vLLM's OpenAI server on the same GPU (the remote backend)
 #
 # nvidia-smi samples memory and utilisation every 5 s into gpu-util.csv throughout.
 set -uo pipefail
@@ -84,13 +84,27 @@ torch.version.cuda)" >> "$OUT/machine.txt" 2>&1
             --out "$OUT/load_transformers.json"
         ;;
     remote)
-        if ! ls service/backends/remote*.py > /dev/null 2>&1; then
-            echo "remote: no remote backend in this checkout; skipped" | tee -a "$OUT/stages.tsv"
-            continue
-        fi
+        # vLLM's own OpenAI server on the same GPU, the service's remote backend pointed at it:
+        # the same load as `load`, remote against in-process.
+        folder=$("$PY" -c "from service.model_assets import resolve_model as r
+from service.settings import Settings as S
+print(r(S()))")
+        port=8011
+        "$PY" -m vllm.entrypoints.openai.api_server --model "$folder" \
+            --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct --port "$port" \
+            --gpu-memory-utilization 0.4 > "$OUT/vllm-serve.log" 2>&1 &
+        served=$!
+        for _ in $(seq 300); do
+            python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/v1/models', timeout=2)" \
+                2> /dev/null && break
+            sleep 1
+        done
         stage load_remote 240 env RAG_REORDER_BACKEND=remote \
+            RAG_REORDER_ENGINE_URL="http://127.0.0.1:$port" \
             "$PY" bench/load.py --levels 1,4,8,16,32 --requests-per-level 32 --queries 8 \
-            --passages 10 --out "$OUT/load_remote.json"
+            --passages 10 --no-ceiling --server-log "$OUT/load_remote.server.log" \
+            --out "$OUT/load_remote.json"
+        kill "$served" 2>/dev/null
         ;;
     *) echo "unknown stage $s" >&2 ;;
     esac

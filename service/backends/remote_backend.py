@@ -317,20 +317,12 @@ class RemoteBackend:
             "temperature": 0.0,
             "prompt_logprobs": 0,
         }
-        try:
-            answer = await self._client.post(
-                "/v1/completions",
-                body,
-                tokens=sum(len(p) for p in prompts),
-                request_id=chunk[0].request_id,
-            )
-        except EngineHTTPError as exc:
-            return [PromptFailure(r.request_id, f"engine refused: {exc.detail}") for r in chunk]
-        choices = _choices(answer, len(chunk))
-        if choices is None:
-            return [PromptFailure(r.request_id, "unreadable engine answer") for r in chunk]
+        ids = [r.request_id for r in chunk]
+        choices = await self._complete(ids, body, sum(len(p) for p in prompts))
         return [
-            span_from_rows(req, choice.get("prompt_logprobs"))
+            choice
+            if isinstance(choice, PromptFailure)
+            else span_from_rows(req, choice.get("prompt_logprobs"))
             for req, choice in zip(chunk, choices, strict=True)
         ]
 
@@ -349,21 +341,29 @@ class RemoteBackend:
             "skip_special_tokens": False,
             "return_token_ids": True,
         }
+        ids = [r.request_id for r in chunk]
+        choices = await self._complete(ids, body, sum(len(r.token_ids) + steps for r in chunk))
+        return [
+            c if isinstance(c, PromptFailure) else generation_from_choice(rid, c)
+            for rid, c in zip(ids, choices, strict=True)
+        ]
+
+    async def _complete(
+        self, request_ids: list[str], body: dict[str, Any], tokens: int
+    ) -> list[dict[str, Any] | PromptFailure]:
+        """One ``/v1/completions`` call for ``request_ids``' prompts: its choices in prompt
+        order, or a ``PromptFailure`` for each prompt when the engine refused the call or its
+        answer cannot be read (an unreachable or slow engine raises instead)."""
         try:
             answer = await self._client.post(
-                "/v1/completions",
-                body,
-                tokens=sum(len(r.token_ids) + steps for r in chunk),
-                request_id=chunk[0].request_id,
+                "/v1/completions", body, tokens=tokens, request_id=request_ids[0]
             )
         except EngineHTTPError as exc:
-            return [PromptFailure(r.request_id, f"engine refused: {exc.detail}") for r in chunk]
-        choices = _choices(answer, len(chunk))
+            return [PromptFailure(rid, f"engine refused: {exc.detail}") for rid in request_ids]
+        choices = _choices(answer, len(request_ids))
         if choices is None:
-            return [PromptFailure(r.request_id, "unreadable engine answer") for r in chunk]
-        return [
-            generation_from_choice(r.request_id, c) for r, c in zip(chunk, choices, strict=True)
-        ]
+            return [PromptFailure(rid, "unreadable engine answer") for rid in request_ids]
+        return list(choices)
 
     async def _check_tokenizer(self, served: str) -> None:
         ours = list(self._tokenizer.encode(PROBE_TEXT).ids)

@@ -35,16 +35,9 @@ OUT=.gpucarry
 MANIFEST=eval/device/gpu-bundle.manifest.tsv
 # Resolve with a CPython 3.12 (the machine's): pip evaluates the requirements' markers
 # (`six; python_version > "3.11"`) against the interpreter it runs on, not --python-version.
-HOST_PY=${HOST_PY:-}
-if [[ -z $HOST_PY ]]; then
-    for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do
-        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-            HOST_PY=$candidate
-            break
-        fi
-    done
-fi
-[[ -n $HOST_PY ]] || { echo "gpu-bundle: needs a CPython 3.12 to resolve (set HOST_PY)" >&2; exit 1; }
+source scripts/gpu-common.sh
+HOST_PY=${HOST_PY:-$(find_python312)} ||
+    { echo "gpu-bundle: needs a CPython 3.12 to resolve (set HOST_PY)" >&2; exit 1; }
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=
 
 mkdir -p "$OUT/wheels"
@@ -53,16 +46,7 @@ rm -rf "$OUT/resolve" "$OUT"/part[0-9][0-9]_
 # A pip recent enough to take --platform with --dry-run (the venv's own may predate it).
 "$OUT/resolve/bin/python" -m pip install -q --upgrade 'pip>=25' 2>&1 | grep -v 'is ignored' || true
 site=$("$OUT/resolve/bin/python" -c "import site; print(site.getsitepackages()[0])")
-# The machine's packages as installed stubs: name and version only, no dependencies (theirs
-# are on the machine already).
-grep -Ev '^\s*(#|$)' "$DEVICE_PACKAGES" | while IFS= read -r line; do
-    name=${line%%==*}
-    version=${line#*==}
-    d="$site/${name//-/_}-${version%%+*}.dist-info"
-    mkdir -p "$d"
-    printf 'Metadata-Version: 2.1\nName: %s\nVersion: %s\n' "$name" "${version%%+*}" > "$d/METADATA"
-    : > "$d/RECORD"
-done
+write_stub_packages "$site" "$DEVICE_PACKAGES"
 platforms=(--platform manylinux2014_x86_64)
 for minor in $(seq 17 "${GLIBC#2.}"); do platforms+=(--platform "manylinux_2_${minor}_x86_64"); done
 "$OUT/resolve/bin/python" -m pip install -q --dry-run --report "$OUT/report.json" \

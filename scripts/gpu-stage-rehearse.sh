@@ -9,30 +9,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # The machine's interpreter is CPython 3.12: find one here (PATH, then pyenv's versions).
-PY312=${PY312:-}
-if [[ -z $PY312 ]]; then
-    for candidate in python3.12 "$HOME"/.pyenv/versions/3.12*/bin/python3.12 /usr/bin/python3.12; do
-        if "$candidate" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
-            PY312=$candidate
-            break
-        fi
-    done
-fi
-[[ -n $PY312 ]] || { echo "rehearsal: needs a CPython 3.12 (set PY312)" >&2; exit 1; }
+source scripts/gpu-common.sh
+PY312=${PY312:-$(find_python312)} || { echo "rehearsal: needs a CPython 3.12 (set PY312)" >&2; exit 1; }
 WORK=${WORK:-/tmp/gpu-rehearse}
 DEVICE_PACKAGES=${DEVICE_PACKAGES:-eval/device/gpu-device-packages.txt}
 rm -rf "$WORK" && mkdir -p "$WORK"
 VENV=$WORK/vllm-env
 "$PY312" -m venv "$VENV"
 site=$("$VENV/bin/python" -c "import site; print(site.getsitepackages()[0])")
-grep -Ev '^\s*(#|$)' "$DEVICE_PACKAGES" | while IFS= read -r line; do
-    name=${line%%==*}
-    version=${line#*==}
-    d="$site/${name//-/_}-${version%%+*}.dist-info"
-    mkdir -p "$d"
-    printf 'Metadata-Version: 2.1\nName: %s\nVersion: %s\n' "$name" "${version%%+*}" > "$d/METADATA"
-    : > "$d/RECORD"
-done
+write_stub_packages "$site" "$DEVICE_PACKAGES"
 # One call per part, as on the device: each run sees only its own part folder.
 start=$(date +%s.%N)
 for part in .gpucarry/part[0-9][0-9]_; do

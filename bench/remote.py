@@ -36,13 +36,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import httpx
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from bench.report import provenance
-from bench.server_process import free_port, percentile
+from bench.server_process import free_port, percentile, wait_until_up
 from service.backends.base import SpanRequest
 from service.backends.remote_backend import RemoteBackend
 from service.dataset import load_examples
@@ -75,18 +73,8 @@ def start_vllm_server(folder: Path, port: int, log: Path, kv_bytes: int) -> subp
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 900
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"vLLM server exited {proc.returncode}; see {log}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=2).status_code == 200:
-                return proc
-        except httpx.TransportError:
-            pass
-        time.sleep(1)
-    proc.kill()
-    raise SystemExit(f"vLLM server not up in 900 s; see {log}")
+    wait_until_up(proc, f"http://127.0.0.1:{port}/v1/models", log, ready_s=900, poll_s=1)
+    return proc
 
 
 async def level(backend: Any, calls: list[list[SpanRequest]], concurrency: int) -> dict[str, Any]:

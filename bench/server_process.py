@@ -45,15 +45,28 @@ def start_server(
             stdout=fh,
             stderr=subprocess.STDOUT,
         )
+    wait_until_up(proc, f"http://127.0.0.1:{port}/ready", log, ready_s=ready_s)
+    return proc
+
+
+def wait_until_up(
+    proc: subprocess.Popen[bytes], url: str, log: Path, *, ready_s: float, poll_s: float = 0.2
+) -> None:
+    """Return once ``url`` answers 200 (a server process's readiness route).
+
+    Raises:
+        SystemExit: the process exited, or ``url`` did not answer 200 within ``ready_s`` (the
+            process is then killed).
+    """
     deadline = time.monotonic() + ready_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"server exited with {proc.returncode}; see {log}")
         try:
-            if httpx.get(f"http://127.0.0.1:{port}/ready", timeout=2).status_code == 200:
-                return proc
+            if httpx.get(url, timeout=2).status_code == 200:
+                return
         except httpx.TransportError:
             pass
-        time.sleep(0.2)
+        time.sleep(poll_s)
     proc.kill()
     raise SystemExit(f"server not ready in {ready_s:.0f} s; see {log}")

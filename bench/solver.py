@@ -1,7 +1,7 @@
 """Solver benchmark: our fit against SLSQP on the paper's formulation, side by side in one run.
 
 For N in 5, 10, 20, 50, 100 and each design it prints the median solve time of ``solver.fit``
-(without and with the uncertainty diagnostics) and of scipy SLSQP on paper 000's program
+(without and with the uncertainty diagnostics) and of scipy SLSQP on the MoI paper's program
 
     minimise sum_i (sum_j a_j u[pi_i(j)] - s_i)^2   s.t.  sum_j a_j = 1,  0 <= a_j <= 1
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import os
 
-# Small dense problems: one BLAS thread is faster (METHOD.md 3.2) and the timing is stable.
+# Small dense problems: one BLAS thread is faster (docs/method.md) and the timing is stable.
 for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
     os.environ.setdefault(_var, "1")
 

@@ -45,6 +45,8 @@ run_set() {  # test set, set the MoI bias profiles are calibrated on
     cp "$OUT/profiles/positional-nq_open_dev/positional/"*.json "$prof/positional/"
     # shellcheck disable=SC2086  # EVAL_ARGS is a list of flags
     $RR eval --data "$DATA/$test.jsonl" --max-passages "$K" --out "$OUT/$test" ${EVAL_ARGS:-}
+    # The form the repository keeps: the records packed (cache.jsonl.gz) beside run.json.
+    $RR eval-report --out "$OUT/$test" --pack
 }
 
 # The positional profiles, measured once and copied into each set's profile folder.

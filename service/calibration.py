@@ -2,10 +2,10 @@
 
 Each query's passages are scored under a random (or pruned-random) design; the runs are fitted
 with one shared bias (``solver.calibrate``) and the profile is stored per (model, template,
-slot count), where cyclic designs of that slot count will find it (METHOD.md 3.3).
+slot count), where cyclic designs of that slot count will find it (docs/method.md).
 
 Orientation. Full-length (random) runs fix the profile's shape but not its direction: the
-reversed profile with reversed utilities fits them equally well (METHOD.md 3.1). Taking the
+reversed profile with reversed utilities fits them equally well (docs/method.md). Taking the
 direction from a generic primacy prior is backwards for a model with recency bias (measured:
 SmolLM2-135M's 10-slot profile came out decreasing towards the question while its pruned
 5-slot profile and its positional accuracy both rise towards it). So a random calibration

@@ -1,4 +1,5 @@
-"""Measured positional profiles (paper 004 section 4) on disk, one per (model, template, slots).
+"""Measured positional profiles (Cuconasu et al., section 4) on disk, one per (model, template,
+slots).
 
 ``max_relevance`` and ``min_distraction`` place passages by them; ``rag-reorder
 calibrate-positions`` (``service.offline.positions.calibrate_positions``) measures and stores

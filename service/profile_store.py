@@ -1,6 +1,6 @@
 """Calibrated position-bias profiles on disk, one per (model, template, slot count).
 
-A profile is what makes cyclic designs usable (METHOD.md 3.1, 3.3): they cannot identify the
+A profile is what makes cyclic designs usable (docs/method.md): they cannot identify the
 bias, so they take it from here. Files are small JSON documents written atomically.
 
 Each profile records where its direction came from (``oriented_by``): ``data`` for profiles

@@ -2,7 +2,7 @@
 
 Prompts are built here and not in the backends, so every backend receives identical token ids
 and their log-probs can be cross-checked on the same requests. The rendered chat is tokenised
-ONCE with character offsets, and the query span is located by offsets: METHOD.md section 2
+ONCE with character offsets, and the query span is located by offsets: docs/method.md
 requires the query's token ids to be identical in every permutation, which only holds when the
 query starts and ends on token boundaries. Byte-level BPE merges a space into the next word
 (" what"), so every template puts the query right after a newline and the chat template's
@@ -196,7 +196,7 @@ register_template(
         completion=True,
     )
 )
-# The distracting-effect probe (paper 004 eq. 1, after Amiraz et al. 2025): answer from the
+# The distracting-effect probe (Cuconasu et al. eq. 1, after Amiraz et al. 2025): answer from the
 # documents or abstain with the literal NO-RESPONSE (service.strategies.distraction reads
 # P(NO-RESPONSE)).
 # 004 describes that instruction but does not print it; this wording is ours, in the style of
@@ -252,7 +252,7 @@ class BuiltPrompt:
 
         Args:
             request_id: id echoed back by the backend.
-            joint: also score the passages' own tokens (METHOD.md section 2, ``joint``).
+            joint: also score the passages' own tokens (docs/method.md, ``joint``).
 
         Returns:
             A ``SpanRequest`` over ``scored_span(joint=joint)``.

@@ -120,7 +120,7 @@ class Settings(BaseSettings):
     request names neither. `bias_matched`: the k-th best passage into
     the slot with the k-th largest fitted bias, so the best passages sit where the scoring
     model looks most (for a bias that falls from the first slot this is the descending order
-    itself). `descending_utility`: best first, as paper 000 does; choose it when the
+    itself). `descending_utility`: best first, as the MoI paper does; choose it when the
     generator's bias is not the scoring model's (e.g. a small scorer for a large generator of
     another family), or name the generator's profile in `placement_profile`. `litm`: best
     passages at both ends. On both development sets, with SmolLM2 scoring and answering, the default

@@ -1,6 +1,6 @@
 """Scored designs of sampled live MoI requests, kept to calibrate a bias profile from traffic.
 
-API.md lets a profile be calibrated "from sampled live traffic": the permutations a request
+docs/api.md lets a profile be calibrated "from sampled live traffic": the permutations a request
 already scored for its own fit are exactly the runs ``solver.calibrate`` pools, so a sampled
 request costs nothing extra. With ``traffic_sample_rate`` > 0, each MoI request whose design
 can identify the bias on its own (``random``, ``hybrid``: the shape at N slots;

@@ -4,7 +4,7 @@ The runs are stacked into one design over disjoint passage sets (each run keeps 
 utilities, and its own intercept when its prompts are ragged) and fitted jointly with one
 shared ``a``. Each run's scores are standardised on their own: a run's utilities absorb its
 scale, so this is exact. Cyclic runs carry no information about the bias and are refused
-(METHOD.md 3.3).
+(docs/method.md).
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ class Design:
     @cached_property
     def same_set(self) -> bool:
         """Every prompt shows the same passages: the fit is then symmetric under
-        ``(a~, u~) -> (lambda a~, u~ / lambda)``, reversal included (METHOD.md 3.1)."""
+        ``(a~, u~) -> (lambda a~, u~ / lambda)``, reversal included (docs/method.md)."""
         if self.ragged:
             return False
         srt = np.sort(self.perms, axis=1)

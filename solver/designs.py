@@ -1,9 +1,9 @@
-"""``plan``: seeded, reproducible permutation designs (METHOD.md 3.1 and paper 000 3.2-3.3).
+"""``plan``: seeded, reproducible permutation designs (docs/method.md and the MoI paper 3.2-3.3).
 
 Passage ``i`` is the retriever's ``i``-th passage; index order is the reference ordering
 ``phi`` of the paper's cyclic designs. Prompts are distinct rows (counted, not draws).
 
-Variable pruning (paper 000 3.3.1, Table 6) is defined here as follows. Retriever scores are
+Variable pruning (the MoI paper 3.3.1, Table 6) is defined here as follows. Retriever scores are
 standardised (``z = (r - mean) / std``; uniform scores give ``z = 0``) and turned into weights
 ``w = softmax(z)``, so the rule is invariant to the scores' shift and scale. Each prompt keeps
 the shortest prefix of its ordering whose weight reaches ``L / N`` (the share a uniform
@@ -125,7 +125,7 @@ def plan(
 
 
 def _rotations(n: int) -> IntArray:
-    """Row k is the reference order shifted left by k (paper 000 Eq. 9)."""
+    """Row k is the reference order shifted left by k (the MoI paper Eq. 9)."""
     idx = np.arange(n, dtype=np.int64)
     return (idx[None, :] + idx[:, None]) % n
 

@@ -1,4 +1,4 @@
-"""``fit``: utilities and position bias from permutation scores (paper 000, section 3.1).
+"""``fit``: utilities and position bias from permutation scores (the MoI paper, section 3.1).
 
 Model: ``s_i ~ b + sum_j a_j u[pi_i(j)]``, ``sum_j a_j = 1``, ``a >= 0``, least squares. How the
 design is solved depends on what it identifies (``solver.design.identifiability``):
@@ -158,7 +158,7 @@ def fit(
         warnings.append(
             f"{int((~design.shown).sum())} passage(s) were never shown and are placed last"
         )
-    # An exact cyclic design identifies nothing about the bias (METHOD.md 3.1): skip the
+    # An exact cyclic design identifies nothing about the bias (docs/method.md): skip the
     # rank test, which costs more than the deconvolution itself.
     ident = _CYCLIC if _cyclic_base(comp) is not None else identifiability(comp)
     z = (s - s.mean()) / std
@@ -627,7 +627,7 @@ def _adjacent_confidence(
 ) -> FloatArray:
     """P(u[order[k]] > u[order[k + 1]]) per adjacent pair: Student's t with the fit's residual
     degrees of freedom at delta / SE, since sigma is estimated from those residuals. The
-    normal CDF (METHOD.md's Phi) assumes sigma known and overstates certainty when few
+    normal CDF (docs/method.md's Phi) assumes sigma known and overstates certainty when few
     prompts are left over: on 150 synthetic pruned-random fits (N = 10, M = 20, 6 residual
     degrees of freedom, noise 0.3) the normal CDF predicted 0.765 on average for 0.741 of the
     pairs in the right order, t 0.753 (tests/solver/test_fit.py checks this). With many

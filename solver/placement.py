@@ -33,7 +33,7 @@ def place_ranking(
 ) -> list[int]:
     """Passage indices in prompt order (slot 0 first) for a ranking (best first).
 
-    ``descending_utility`` (paper 000): the ranking itself. ``litm`` (lost in the middle): rank
+    ``descending_utility`` (the MoI paper): the ranking itself. ``litm`` (lost in the middle): rank
     ``k`` goes to the front half when ``k`` is even, to the back half when odd, the back
     filled right to left: ``[r0, r2, r4, ..., r5, r3, r1]``. ``bias_matched``: the k-th best
     passage goes into the slot with the k-th largest bias coefficient (ties: earlier slot

@@ -16,7 +16,7 @@ _UNIFORM_TOL = 1e-9
 def primacy_profile(slots: int) -> FloatArray:
     """The generic primacy prior: ``a_j`` proportional to ``1 / (j + 1)``, summing to 1.
 
-    Paper 000 (Figure 6) reports monotonically decreasing coefficients for LLaMA-3 and Phi-3;
+    The MoI paper (Figure 6) reports monotonically decreasing coefficients for LLaMA-3 and Phi-3;
     only the sign of the centred profile is used to orient full-length designs, so any
     decreasing shape orients them the same way.
     """

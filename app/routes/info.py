@@ -11,7 +11,6 @@ from app.errors import GET_ERRORS
 from app.schemas import (
     AdapterOut,
     AgreementOut,
-    DesignKind,
     InfoOut,
     LimitsOut,
     ModelCard,
@@ -24,6 +23,7 @@ from service.errors import BackendUnavailable
 from service.model_assets.adapter import AdapterManifest, adapted_model_id, read_manifest
 from service.prompts import template_names
 from service.strategies import ranking_strategy_names, strategy_names
+from service.strategies.base import DesignKind
 
 router = APIRouter(tags=["info"])
 

@@ -1,6 +1,6 @@
 """``/health`` (liveness), ``/ready`` (readiness) and ``/metrics``.
 
-Liveness and readiness are separate (RELIABILITY.md): ``/health`` fails only when the engine is
+Liveness and readiness are separate (docs/operations.md): ``/health`` fails only when the engine is
 dead or its canary keeps failing (restart me); ``/ready`` also fails while loading, warming up
 and draining (send me no traffic). Neither needs the API key.
 """

@@ -1,6 +1,6 @@
-"""Bias profiles over HTTP (API.md, "Around them"): list, read, and calibrate from a query set.
+"""Bias profiles over HTTP (docs/api.md, "Around them"): list, read, and calibrate from a query set.
 
-A profile is what cyclic designs need and what orients full-length random ones (METHOD.md 3.3;
+A profile is what cyclic designs need and what orients full-length random ones (docs/method.md;
 docs/operations.md, "Bias profiles and calibration"). ``POST /v1/bias-profiles/calibrate`` runs
 the same calibration as ``rag-reorder calibrate`` on the serving engine: it takes a request
 slot, each query is held to the per-request limits and its prompts are admitted into the shared

@@ -1,4 +1,4 @@
-"""``POST /v1/reorder``: the native API, everything the fit knows (API.md)."""
+"""``POST /v1/reorder``: the native API, everything the fit knows (docs/api.md)."""
 
 from __future__ import annotations
 

@@ -27,6 +27,7 @@ Usage (on the device, after eval/device/stage.sh; see eval/device/README.md):
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import shlex
@@ -197,9 +198,9 @@ def start(
     folder = job.folder(work)
     if not folder.is_dir():  # first time: the run's finished records
         folder.mkdir(parents=True)
-        cache = out / job.run.folder / "cache.jsonl"
-        if cache.is_file():
-            shutil.copy(cache, folder / "cache.jsonl")
+        lines = cache_lines(out / job.run.folder)
+        if lines:
+            (folder / "cache.jsonl").write_text("".join(ln + "\n" for ln in lines), "utf-8")
     cmd = [
         *rr,
         "eval",
@@ -221,12 +222,23 @@ def start(
     )
 
 
+def cache_lines(folder: Path) -> list[str]:
+    """A run folder's record lines: its packed ``cache.jsonl.gz`` (what the repository keeps),
+    then its plain ``cache.jsonl`` (what runs append to), as ``RecordCache`` reads them."""
+    lines: list[str] = []
+    packed = folder / "cache.jsonl.gz"
+    if packed.is_file():
+        with gzip.open(packed, "rt", encoding="utf-8") as fh:
+            lines += fh.read().splitlines()
+    plain = folder / "cache.jsonl"
+    if plain.is_file():
+        lines += plain.read_text(encoding="utf-8").splitlines()
+    return lines
+
+
 def cached_variants(out: Path, folder: str) -> dict[str, set[str]]:
-    """Question id -> the variants OUT/<folder>/cache.jsonl (a set's committed cache) holds."""
-    cache = out / folder / "cache.jsonl"
-    if not cache.is_file():
-        return {}
-    lines = cache.read_text(encoding="utf-8").splitlines()
+    """Question id -> the variants OUT/<folder>'s records (a set's committed cache) hold."""
+    lines = cache_lines(out / folder)
     records = (rec for rec in map(_finished_record, lines) if rec is not None)
     return variants_by_question(rec["key"] for rec in records)
 
@@ -282,11 +294,15 @@ def merge(out: Path, work: Path, runs: list[Run] | None = None, all_variants: bo
     for run in same_model_runs() if runs is None else runs:
         target = out / run.folder / "cache.jsonl"
         seen: dict[str, str] = {}
-        sources = [target, *sorted(work.glob(f"{run.folder}-[0-9][0-9]/cache.jsonl"))]
-        for src in sources:
-            if not src.is_file():
-                continue
-            for line in src.read_text(encoding="utf-8").splitlines():
+        sources = [
+            cache_lines(target.parent),
+            *(
+                src.read_text(encoding="utf-8").splitlines()
+                for src in sorted(work.glob(f"{run.folder}-[0-9][0-9]/cache.jsonl"))
+            ),
+        ]
+        for lines in sources:
+            for line in lines:
                 rec = _finished_record(line)
                 if rec is not None:
                     seen.setdefault(json.dumps(rec["key"], sort_keys=True), line)

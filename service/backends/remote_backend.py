@@ -23,7 +23,7 @@ silently wrong scores.
 
 Servers that give no prompt log-probs (llama.cpp, Ollama, OpenAI, Anthropic: log-probs of
 generated tokens only) cannot score; TGI is archived. SGLang's native ``/generate`` is not
-spoken yet.
+spoken: no SGLang server runs where this is tested (docs/remote-engine.md).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ Scoring packs the requests of every concurrent call into shared padded batches u
 ``service.backends.batching``) and runs the vocabulary-sized LM head only on the rows whose
 log-probs are asked for: on SmolLM2 the head is ~20% of a forward and the full-vocabulary
 log-softmax over every prompt row is what makes prompt-log-prob serving run out of memory (see
-design/RELIABILITY.md).
+docs/operations.md).
 
 Errors: a malformed request (span out of range, unknown token id, prompt over the context)
 raises ``InvalidRequest``/``LimitExceeded`` for the whole call before any forward runs -- a

@@ -39,7 +39,7 @@ Errors. A request that vLLM rejects or that fails, and a result that does not pa
 (empty prompt, span out of range, unknown token id, prompt over the context) is also a
 ``PromptFailure`` and never reaches the engine. Only a dead or closed engine raises
 (``BackendUnavailable``): vLLM cannot recover a dead EngineCore, so the process should exit
-and be restarted (see design/RELIABILITY.md).
+and be restarted (see docs/operations.md).
 """
 
 from __future__ import annotations
@@ -270,7 +270,7 @@ class VLLMBackend:
             # vLLM's neutral sampling defaults: the model's generation_config.json must not slip
             # a temperature or repetition penalty into greedy decoding.
             generation_config="vllm",
-            # Prompts are user passages: never log them (design/RELIABILITY.md).
+            # Prompts are user passages: never log them (docs/operations.md).
             enable_log_requests=False,
             **sizing,
         )
@@ -422,7 +422,7 @@ class VLLMBackend:
         """Raise ``BackendUnavailable`` unless ``is_healthy()``.
 
         Only checks vLLM's dead flag; a probe that must prove the model runs should score a
-        tiny prompt (design/RELIABILITY.md: the canary).
+        tiny prompt (docs/operations.md: the canary).
         """
         self._require_alive()
 

@@ -116,7 +116,7 @@ tags:
 
 # {m.name}: {m.base_model} distilled from {m.teacher}
 
-A LoRA adapter for rag-reorder's scorer (paper 000's preference
+A LoRA adapter for rag-reorder's scorer (the MoI paper's preference
 distillation): on `{m.data}`, {m.base_model} (template `{m.template}`) was trained so that
 the softmax of its query log-likelihoods over {m.permutations_per_step} sampled orders of
 {m.passages} passages matches that of the teacher, {m.teacher} (template

@@ -1,7 +1,7 @@
 """What only the offline commands run: never imported by the server (an import-linter contract).
 
 ``evaluation`` (``rag-reorder eval``: every strategy against the generator, with paired
-statistics), ``positions`` (``rag-reorder calibrate-positions``: paper 004's measured
+statistics), ``positions`` (``rag-reorder calibrate-positions``: Cuconasu et al.'s measured
 positional profiles) and ``distill`` (``rag-reorder distill`` and ``distill-eval``: paper
 000's preference distillation of a smaller scorer, and its measurement). They drive the
 serving pipeline (``service.pipeline``) like a client would; nothing on a request's path

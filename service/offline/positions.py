@@ -1,4 +1,4 @@
-"""Positional profiles: the controlled measurement of paper 004 section 4, offline.
+"""Positional profiles: the controlled measurement of Cuconasu et al. section 4, offline.
 
 ``rag-reorder calibrate-positions`` runs it; the distracting effect it reads is defined and
 computed in ``service.strategies.distraction`` (the strategies that use the profiles).

@@ -39,6 +39,11 @@ from service.prompts import (
 from service.settings import Settings
 from service.strategy_names import StrategyName
 
+# The design and placement names live once, with the solver that implements them; the wire
+# models and the CLI read them from here.
+from solver import designs as _designs
+from solver import placement as _placement
+
 if TYPE_CHECKING:
     import solver
     from service.profile_store import ProfileStore, StoredProfile
@@ -46,10 +51,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-T = TypeVar("T")
+DesignKind = _designs.DesignKind
+Placement = _placement.Placement
 
-DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
-Placement = Literal["descending_utility", "bias_matched", "litm"]
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -159,7 +164,7 @@ class VotedAnswer:
 
 @dataclass(frozen=True)
 class PositionalProfile:
-    """A model's measured positional profile (paper 004): a value per prompt slot."""
+    """A model's measured positional profile (Cuconasu et al.): a value per prompt slot."""
 
     kind: Literal["accuracy", "distracting_effect"]
     model: str

@@ -1,5 +1,5 @@
 """``max_relevance`` and ``min_distraction``: placements by a measured positional profile
-(paper 004 section 5, strategies (iv) and (v)).
+(Cuconasu et al. section 5, strategies (iv) and (v)).
 
 Both read the profile stored for (model, the request's template, N slots) by ``rag-reorder
 calibrate-positions`` (``service.offline.positions``); without one the request is refused

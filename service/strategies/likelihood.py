@@ -1,10 +1,10 @@
-"""``query_likelihood``, ``convex_score``: question likelihood as a gauge (paper 002, METHOD.md 5).
+"""``query_likelihood``, ``convex_score``: question likelihood as a gauge (Liu et al.).
 
 Both read only prompt log-probs (no generation) with the request's scoring template: the
 passages in some order, then the question, whose per-token log-probs are summed. The
 question's token ids are identical in every prompt of a request (``service.prompts``), so a
 per-token mean is the sum over a constant count: it changes no comparison within a request,
-and it makes the numbers comparable across questions of different lengths, the unit paper 002
+and it makes the numbers comparable across questions of different lengths, the unit Liu et al.
 reports throughout ("log p(question) per token", its 4.1 and Figure 2). Both strategies use it.
 
 Both draw their random orders from ``rng_for`` (``options.seed``, else the configured seed,
@@ -81,7 +81,7 @@ def position_orders(n: int, rng: np.random.Generator) -> list[tuple[int, ...]]:
 
 
 def convex_score(loglik: np.ndarray) -> np.ndarray:
-    """Paper 002 eq. 3 per passage: ``2 (l[d, 1] + l[d, k] - sum_{i=2..k-1} l[d, i])``.
+    """Liu et al. eq. 3 per passage: ``2 (l[d, 1] + l[d, k] - sum_{i=2..k-1} l[d, i])``.
 
     Args:
         loglik: ``(n, k)``: l~ of passage ``d`` at 1-based position ``i`` in ``[d, i - 1]``;
@@ -103,7 +103,7 @@ def _per_token(scores: Sequence[PromptScore | None]) -> np.ndarray:
 
 
 class QueryLikelihood:
-    """``query_likelihood`` (paper 002, method 1): the shuffle with the most likely question.
+    """``query_likelihood`` (Liu et al., method 1): the shuffle with the most likely question.
 
     Rules, including those the paper leaves loose:
 
@@ -176,7 +176,7 @@ class QueryLikelihood:
 
 
 class ConvexScore:
-    """``convex_score`` (paper 002, method 2, eq. 3): find the most relevant passage, put it first.
+    """``convex_score`` (Liu et al., method 2, eq. 3): find the most relevant passage, put it first.
 
     Rules, including those the paper leaves loose:
 
@@ -185,11 +185,11 @@ class ConvexScore:
       question length; the mean keeps scores comparable across questions).
     - "The rest in random order": one random order of the other passages per passage d, shared
       by d's k prompts (``position_orders``), so d's curve over positions compares prompts that
-      differ only in where d sits (the gold-document sweep behind paper 002's Figure 2 moves
+      differ only in where d sits (the gold-document sweep behind Liu et al.'s Figure 2 moves
       one document through fixed distractors), not k independent draws of the others' order.
     - ConvexScore_d = 2 (l~(d,1) + l~(d,k) - sum_{i=2..k-1} l~(d,i)), eq. 3 as written. (Its eq.
       2 derives it as InitScore + the summed second differences, but the second differences
-      telescope to l~(d,1) - l~(d,2) - l~(d,k-1) + l~(d,k); eq. 3, the one METHOD.md names,
+      telescope to l~(d,1) - l~(d,2) - l~(d,k-1) + l~(d,k); eq. 3, the one implemented here,
       is what is computed.) Only differences between passages of one request mean anything:
       a part of l~ common to all prompts enters with weight 2 (4 - k) for k >= 2.
     - N = 1: positions 1 and k coincide; one prompt and ConvexScore = 4 l~(d, 1). N = 2: the

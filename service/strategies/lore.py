@@ -1,4 +1,4 @@
-"""``lore``: Logit-Ranked Retriever Ensemble (paper 003, METHOD.md 5).
+"""``lore``: Logit-Ranked Retriever Ensemble (the LoRE paper, docs/method.md).
 
 One greedy answer per passage, generated from the query and that passage alone (the request's
 template, ``max_answer_tokens`` budget), then per passage ``d``::
@@ -19,7 +19,7 @@ Rules, including those the paper leaves loose:
   it (the paper's rank infinity), so one absent from all has RRF 0. ``context_rank(d)`` is
   d's 1-based position when passages are sorted by descending RRF, ties by retriever order;
   RRF is compared exactly (as fractions), so equal sums tie whatever the float rounding.
-  (Paper 003's worked example, Table 5, mis-adds its sums; the formula is what counts:
+  (The LoRE paper's worked example, Table 5, mis-adds its sums; the formula is what counts:
   [D1, D2, D3, D4] and [D3, D1, D5, D2] fuse to D1, D3, D2, D5, D4.)
 - order = ranking = passages by descending LoR, ties by context rank. ``scores`` are the LoR
   values (``score_name="lor"``).
@@ -114,7 +114,7 @@ def context_ranks(rrf: Sequence[Fraction], tiebreak: Sequence[int]) -> list[int]
 
 
 class Lore:
-    """``lore`` (paper 003): the rules and the cost are in the module docstring."""
+    """``lore`` (the LoRE paper): the rules and the cost are in the module docstring."""
 
     name: StrategyName = "lore"
     options = frozenset(

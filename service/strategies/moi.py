@@ -1,4 +1,4 @@
-"""``moi``: Mixture-of-Intervention (paper 000), the service's default strategy.
+"""``moi``: Mixture-of-Intervention (the MoI paper), the service's default strategy.
 
 plan a design -> score every row's query log-likelihood -> fit utilities and position bias
 (``solver.fit``, in a worker thread) -> place by ``placement``. Failed prompts are dropped and
@@ -22,7 +22,7 @@ from service.strategy_names import StrategyName
 
 # The default design: pruned random identifies bias, utilities and orientation from the data
 # at about M * L = N^2 passage-tokens, against 3 N^2 for the paper's random design
-# (METHOD.md 3.1): the best identifiability per scored token.
+# (docs/method.md): the best identifiability per scored token.
 DEFAULT_DESIGN: DesignKind = "pruned_random"
 CYCLIC_KINDS: frozenset[str] = frozenset({"cyclic", "pruned_cyclic"})
 # Designs that show every passage in every prompt: the data fix the bias up to direction.

@@ -1,7 +1,7 @@
 """Orders that need no model: ``retriever``, ``inverse``, ``shuffle``, ``litm``.
 
 They cost nothing (no prompt is scored or generated) and are the baselines every evaluation
-compares against (paper 004: Sequential, Inverse, Shuffle; the lost-in-the-middle reorder as
+compares against (Cuconasu et al.: Sequential, Inverse, Shuffle; the lost-in-the-middle reorder as
 libraries ship it). "Retriever order" is ``retriever_ranking``: descending ``score`` when every
 passage has one, else the input order.
 """
@@ -39,7 +39,7 @@ class _Placement:
 
 
 class Retriever(_Placement):
-    """The retriever's order (paper 004's Sequential)."""
+    """The retriever's order (Cuconasu et al.'s Sequential)."""
 
     name: StrategyName = "retriever"
     ranks = True

@@ -1,11 +1,11 @@
-"""Pointwise baselines of paper 000 (Table 1, section 4.1): ``query_generation``,
+"""Pointwise baselines of the MoI paper (Table 1, section 4.1): ``query_generation``,
 ``bayes_saliency``, ``longllmlingua``.
 
 Each scores one prompt per passage, built with the request's scoring template showing that
 passage alone (order ``[i]``), and reads the query's per-token log-probs
 ``log P(q_l | p, q_<l)`` (``Work.score_prompts``). The passage's utility ``u_p`` is a function of
 those alone (plus, for Bayes saliency, the passage's own tokens in the same prompt); no passage
-sees another, so no position bias enters and none is measured. That is what paper 000 argues
+sees another, so no position bias enters and none is measured. That is what the MoI paper argues
 against: pointwise scores cannot see how passages work together or where they sit.
 
 Shared rules:
@@ -74,7 +74,7 @@ class _Pointwise:
 
 
 class QueryGeneration(_Pointwise):
-    """``query_generation`` (QG; Sachan et al., paper 000 section 4.1):
+    """``query_generation`` (QG; Sachan et al., the MoI paper section 4.1):
     ``u_p = log P(q | p)``, the sum of the query tokens' log-probs given the passage alone.
 
     The sum, not a per-token mean: the query's tokens are the same in every prompt, so both rank
@@ -89,7 +89,7 @@ class QueryGeneration(_Pointwise):
 
 
 class BayesSaliency(_Pointwise):
-    """``bayes_saliency`` (Merth et al., paper 000 eq. 1): ``u_p = log P(q | p) + log P(p)``.
+    """``bayes_saliency`` (Merth et al., the MoI paper eq. 1): ``u_p = log P(q | p) + log P(p)``.
 
     ``log P(p)`` is the sum of the log-probs of the passage text's own tokens in the same prompt
     (``joint`` scoring), so it is conditioned on what precedes it there: the chat template, the
@@ -108,7 +108,7 @@ class BayesSaliency(_Pointwise):
 
 
 class LongLLMLingua(_Pointwise):
-    """``longllmlingua`` as paper 000 writes it (section 4.1)::
+    """``longllmlingua`` as the MoI paper writes it (section 4.1)::
 
         u_p = sum_l P(q_l | p, q_<l) log P(q_l | p, q_<l)
 
@@ -120,7 +120,7 @@ class LongLLMLingua(_Pointwise):
     answer to this question in the given documents.", and its released code ranks documents by
     ascending ``r_k``: lowest question perplexity first, i.e. QG per token. Its *contrastive*
     perplexity, ``ppl(x_i | x_<i) - ppl(x_i | x_que, x_<i)``, scores the context's tokens for
-    the fine-grained token-level compression, not documents, and is not used here. Paper 000's
+    the fine-grained token-level compression, not documents, and is not used here. The MoI paper's
     formula weights each token's log-prob by its probability and drops the restrictive
     statement; it is implemented exactly as written.
 

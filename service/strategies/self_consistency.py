@@ -1,4 +1,4 @@
-"""``self_consistency``: majority vote over answers to random permutations (paper 000's
+"""``self_consistency``: majority vote over answers to random permutations (the MoI paper's
 black-box inference-scaling baseline, section 4.1: 30 permutations, the most frequent answer).
 
 K = ``samples`` (default 30) seeded uniform permutations of all passages (``rng_for``: the
@@ -48,7 +48,7 @@ from service.strategies.base import (
 from service.strategies.lore import answer_budget
 from service.strategy_names import StrategyName
 
-DEFAULT_SAMPLES = 30  # paper 000, section 4.1
+DEFAULT_SAMPLES = 30  # the MoI paper, section 4.1
 TOP_VOTES = 5  # distinct answers listed in details
 
 

@@ -54,17 +54,22 @@ class ServerProcess:
 
 @contextmanager
 def server_process(
-    args: Sequence[str], log_path: Path, env: dict[str, str] | None = None
+    args: Sequence[str],
+    log_path: Path,
+    env: dict[str, str] | None = None,
+    python: str | None = None,
 ) -> Iterator[ServerProcess]:
     """Run ``python <args>`` from the repository root; killed on exit if still running.
 
-    ``args`` must contain ``{port}``, replaced by a free loopback port.
+    ``args`` must contain ``{port}``, replaced by a free loopback port. ``python``: the
+    interpreter (default: this one); the client's tests, which run where the server is not
+    installed, pass the server's virtualenv's.
     """
     port = free_port()
     full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, *(a.replace("{port}", str(port)) for a in args)],
+            [python or sys.executable, *(a.replace("{port}", str(port)) for a in args)],
             cwd=ROOT,
             env=full_env,
             stdout=log,

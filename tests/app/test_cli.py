@@ -120,3 +120,38 @@ def test_reorder_takes_the_configured_default_strategy_and_its_placement(
     # Naming the strategy: its own order, the server's placement not applied.
     out = _run([*args, "--strategy", "bm25"], tmp_path, strategy="bm25", placement="litm")
     assert json.loads(out.stdout)["order"] == [1, 2, 0, 3]
+
+
+# --- the command line explains itself ---------------------------------------------------
+
+
+def _subcommands() -> dict[str, object]:
+    import argparse
+
+    from app.cli import _parser
+
+    (action,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(action.choices)
+
+
+def test_every_command_has_an_example_that_parses() -> None:
+    from app.cli import EXAMPLES, _parser
+
+    commands = _subcommands()
+    assert set(EXAMPLES) == set(commands)
+    for name, parser in commands.items():
+        assert "example:\n  rag-reorder " + name in parser.format_help()  # type: ignore[attr-defined]
+        assert _parser().parse_args(EXAMPLES[name]).command == name
+    assert "example:\n  rag-reorder serve" in _parser().format_help()
+
+
+def test_eval_help_lists_the_names_the_server_accepts() -> None:
+    from typing import get_args
+
+    from service.strategies import strategy_names
+    from service.strategies.base import DesignKind, Placement
+
+    text = " ".join(_subcommands()["eval"].format_help().split())  # type: ignore[attr-defined]
+    for name in (*strategy_names(), *get_args(DesignKind), *get_args(Placement)):
+        assert name in text, name
+    assert "--fresh" in text

@@ -18,6 +18,7 @@ from service.backends.base import GenerateResult, GenerationRequest
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.fake import FakeBackend
 from service.dataset import Example, load_examples
+from service.errors import InvalidRequest
 from service.offline.evaluation import EvalConfig, all_variants, run_evaluation, select_variants
 from service.offline.evaluation.metrics import gold_ranks, rouge_l, score_answer
 from service.offline.evaluation.records import CACHE_FILE, AnyRecord, PositionalRecord, Record
@@ -573,6 +574,7 @@ async def test_report_files_summary_table_and_plots(tmp_path: Path) -> None:
         "positional_by_slot.png",
         "quality_vs_tokens.png",
         "results.json",
+        "run.json",
         "summary.md",
     ]
     for p in out.files:
@@ -661,3 +663,71 @@ def test_cli_eval_on_the_fake_backend(tmp_path: Path, monkeypatch: pytest.Monkey
     assert len(placed) == 2 and all(r["status"] == "skipped" for r in placed)
     assert {r["key"]["generator"] for r in doc["records"]} == {"fake/generator"}
     assert main([*argv[:-2], "--limit", "0", "--out", str(tmp_path / "x")]) == 2
+
+
+async def test_a_resume_says_how_much_and_a_folder_of_another_run_is_refused(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    examples, _, reorderer = _setup(tmp_path)
+    variants = tuple(select_variants(["retriever"]))
+    config = _config(tmp_path, variants=variants, positional=False)
+    await run_evaluation(examples[:2], reorderer, config)
+    with caplog.at_level("INFO", logger="service.offline.evaluation.runner"):
+        await run_evaluation(examples[:3], reorderer, config)
+    cache = tmp_path / "out" / CACHE_FILE
+    assert f"resuming 2 of 3 questions from {cache}" in caplog.text
+
+    # Another passage count (or model, template, seed) in the same folder: refused, named.
+    other = _config(tmp_path, variants=variants, positional=False, max_passages=2)
+    with pytest.raises(InvalidRequest) as err:
+        await run_evaluation(examples[:3], reorderer, other)
+    assert err.value.param == "out"
+    assert "max_passages None there, 2 here" in err.value.message
+    assert "--fresh" in err.value.message
+    lines = cache.read_text().splitlines()
+
+    # --fresh: the old records move aside (nothing deleted) and the run starts afresh.
+    fresh = _config(tmp_path, variants=variants, positional=False, max_passages=2, fresh=True)
+    await run_evaluation(examples[:3], reorderer, fresh)
+    (aside,) = (tmp_path / "out").glob("cache.replaced-*.jsonl")
+    assert aside.name.startswith("cache.replaced-") and aside.name.endswith("Z.jsonl")
+    assert aside.read_text().splitlines() == lines
+    assert len(cache.read_text().splitlines()) == 3  # the 3 questions, computed anew
+
+
+async def test_the_report_rebuilds_from_its_records_alone_and_packed_records_resume(
+    tmp_path: Path,
+) -> None:
+    from service.offline.evaluation.rebuild import MANIFEST_FILE, rebuild_report
+
+    examples, backend, reorderer = _setup(tmp_path)
+    config = _config(tmp_path, positional_limit=1)
+    await run_evaluation(examples, reorderer, config)
+    out = tmp_path / "out"
+    assert (out / MANIFEST_FILE).is_file()
+    rebuilt = ("results.json", "summary.md", "bias_by_slot.png", "quality_vs_tokens.png")
+    before = {name: (out / name).read_bytes() for name in rebuilt}
+    for name in rebuilt:
+        (out / name).unlink()
+
+    rebuild_report(out, pack=True)  # no model: the manifest and the records only
+    assert {name: (out / name).read_bytes() for name in rebuilt} == before
+    assert not (out / CACHE_FILE).exists() and (out / "cache.jsonl.gz").is_file()
+    packed = (out / "cache.jsonl.gz").read_bytes()
+    rebuild_report(out, pack=True)
+    assert (out / "cache.jsonl.gz").read_bytes() == packed  # deterministic bytes
+
+    # A run over the packed records resumes from them: nothing is computed again.
+    calls = backend.stats.score_calls + backend.stats.generate_calls
+    again: list[AnyRecord] = []
+    await run_evaluation(examples, reorderer, config, on_record=again.append)
+    assert again == [] and backend.stats.score_calls + backend.stats.generate_calls == calls
+
+    # A manifest naming a record the cache lacks is a clear error, not a shorter report.
+    manifest = json.loads((out / MANIFEST_FILE).read_text())
+    manifest["records"].append(["no-such-question", ["retriever"]])
+    (out / MANIFEST_FILE).write_text(json.dumps(manifest))
+    with pytest.raises(InvalidRequest, match="'no-such-question', variant 'retriever'"):
+        rebuild_report(out)
+    with pytest.raises(InvalidRequest, match=r"no run\.json"):
+        rebuild_report(tmp_path / "elsewhere")

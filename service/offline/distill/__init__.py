@@ -1,4 +1,4 @@
-"""Preference distillation (paper 000, section 3.3.2 and appendix): a small scorer that keeps
+"""Preference distillation (the MoI paper, section 3.3.2 and appendix): a small scorer that keeps
 the generator's preferences over passage orders.
 
 ``rag-reorder distill`` runs it in two steps:

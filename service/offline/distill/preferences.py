@@ -3,7 +3,7 @@
 Each question's passages are cut as the evaluation cuts them (``prepare``: N passages, gold
 kept), so the student learns on the inputs it is judged on. The teacher scores the permutations
 through the serving pipeline (``Work.scoring_prompts`` and ``Work.score_prompts``): the score of
-a permutation is the query's log-likelihood after the passages in that order (METHOD.md section
+a permutation is the query's log-likelihood after the passages in that order (docs/method.md section
 2), exactly what the service would read from the same model.
 
 The set is a JSONL file: a first line ``{"meta": ...}`` (teacher, template, N, K, seed, data)

@@ -4,7 +4,7 @@ The one offline module that imports torch, transformers and peft (an import-lint
 names it beside the transformers backend): it needs gradients, which the serving backend never
 computes.
 
-Objective (paper 000, Figure 5): for a question with teacher scores ``s`` over K permutations,
+Objective (the MoI paper, Figure 5): for a question with teacher scores ``s`` over K permutations,
 each step samples K' of them, scores them with the student (``s~``: the query's log-likelihood
 after the passages in that order, built with the student's own tokenizer and template by
 ``service.prompts.build_prompts``, the serving prompt builder), and minimises
@@ -48,7 +48,7 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class DistillConfig:
-    """Hyperparameters; the defaults are paper 000's (appendix), K' excepted (unstated)."""
+    """Hyperparameters; the defaults are the MoI paper's (appendix), K' excepted (unstated)."""
 
     lora_r: int = 8
     lora_alpha: int = 32

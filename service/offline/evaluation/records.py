@@ -7,9 +7,12 @@ imports this, and none of the three imports another's internals.
 
 from __future__ import annotations
 
+import gzip
 import json
 import logging
 import math
+import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -72,6 +75,23 @@ class RunKey:
     generator_template: str | None = None
     """Set only when the generator's template differs from the scorer's (a base generator):
     records from before it existed keep their keys."""
+
+
+RUN_SETTINGS = (
+    "scorer",
+    "generator",
+    "template",
+    "generator_template",
+    "max_passages",
+    "max_answer_tokens",
+    "seed",
+)
+"""The fields of a ``RunKey`` that one run shares across its questions and variants."""
+
+
+def run_settings(key: RunKey) -> tuple[object, ...]:
+    """``key``'s ``RUN_SETTINGS``, in that order."""
+    return tuple(getattr(key, name) for name in RUN_SETTINGS)
 
 
 @dataclass(frozen=True)
@@ -173,36 +193,64 @@ class RecordCache:
     """Finished records, one JSON object a line in ``cache.jsonl``, appended as they finish.
 
     A line that does not parse (the run died while writing it) is ignored and recomputed; the
-    next record starts on a new line.
+    next record starts on a new line. A packed cache (``cache.jsonl.gz``, what the repository
+    keeps: ``pack``) is read first, transparently; new records still go to ``cache.jsonl``.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.packed = path.with_name(path.name + ".gz")
         self._records: dict[RunKey, AnyRecord] = {}
+        self._all: dict[RunKey, AnyRecord] = {}
+        """Every record read, those a resume recomputes (failed generations) included: what
+        the report of the run that wrote them held, and what ``pack`` keeps."""
         self._torn = False
         retry = 0
+        if self.packed.is_file():
+            with gzip.open(self.packed, "rt", encoding="utf-8") as fh:
+                retry += self._read(fh, self.packed)
         if path.is_file():
             data = path.read_bytes()
             self._torn = bool(data) and not data.endswith(b"\n")
             with path.open(encoding="utf-8") as fh:
-                for line in fh:
-                    try:
-                        rec = record_from_json(json.loads(line))
-                    except (ValueError, KeyError, TypeError):
-                        log.warning("ignoring an unreadable line in %s", path)
-                        continue
-                    if isinstance(rec, Record) and rec.retryable:
-                        retry += 1
-                        continue
-                    self._records[rec.key] = rec
-            if retry:
-                log.warning("%d records in %s had a failed generation: recomputed", retry, path)
+                retry += self._read(fh, path)
+        if retry:
+            log.warning("%d records in %s had a failed generation: recomputed", retry, path)
+
+    def _read(self, lines: Iterable[str], source: Path) -> int:
+        retry = 0
+        for line in lines:
+            try:
+                rec = record_from_json(json.loads(line))
+            except (ValueError, KeyError, TypeError):
+                log.warning("ignoring an unreadable line in %s", source)
+                continue
+            self._all[rec.key] = rec
+            if isinstance(rec, Record) and rec.retryable:
+                retry += 1
+                self._records.pop(rec.key, None)
+                continue
+            self._records[rec.key] = rec
+        return retry
 
     def get(self, key: RunKey) -> AnyRecord | None:
+        """The record to resume with (a failed generation is not: it is recomputed)."""
         return self._records.get(key)
+
+    def get_written(self, key: RunKey) -> AnyRecord | None:
+        """The record as the run wrote it, a failed generation included (for its report)."""
+        return self._all.get(key)
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def run_settings(self) -> set[tuple[object, ...]]:
+        """The settings (``RUN_SETTINGS``) of the runs whose records this cache holds."""
+        return {run_settings(key) for key in self._all}
 
     def add(self, record: AnyRecord) -> None:
         self._records[record.key] = record
+        self._all[record.key] = record
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("a", encoding="utf-8") as fh:
             if self._torn:  # end the torn line first, or this record would join it
@@ -210,6 +258,40 @@ class RecordCache:
                 self._torn = False
             fh.write(json.dumps(record_to_json(record), allow_nan=False) + "\n")
             fh.flush()
+
+    def pack(self) -> Path:
+        """Fold everything into ``cache.jsonl.gz`` (one line a record, the latest of each key,
+        unreadable lines dropped) and remove ``cache.jsonl``. Deterministic bytes: no time
+        stamp or file name in the gzip header, so an unchanged cache packs to the same file."""
+        tmp = self.packed.with_name(self.packed.name + ".tmp")
+        with (
+            tmp.open("wb") as raw,
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz,
+        ):
+            for record in self._all.values():
+                line = json.dumps(record_to_json(record), allow_nan=False) + "\n"
+                gz.write(line.encode("utf-8"))
+        tmp.replace(self.packed)
+        self.path.unlink(missing_ok=True)
+        self._torn = False
+        return self.packed
+
+    def set_aside(self) -> list[Path]:
+        """Move the cache's files aside (``cache.replaced-<UTC time>.jsonl[.gz]``, nothing
+        deleted) and start empty; returns where they went."""
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        moved = []
+        for current in (self.packed, self.path):
+            if current.is_file():
+                target = current.with_name(
+                    current.name.replace("cache.", f"cache.replaced-{stamp}.", 1)
+                )
+                current.rename(target)
+                moved.append(target)
+        self._records.clear()
+        self._all.clear()
+        self._torn = False
+        return moved
 
 
 def record_to_json(record: AnyRecord) -> dict[str, Any]:

@@ -74,6 +74,7 @@ from service.offline.evaluation.records import (
     GENERATION_FAILED,
     GOLD_SCORING_FAILED,
     POSITIONAL,
+    RUN_SETTINGS,
     AnyRecord,
     Cost,
     PositionalRecord,
@@ -82,6 +83,7 @@ from service.offline.evaluation.records import (
     RunKey,
     SlotResult,
     Status,
+    run_settings,
 )
 from service.offline.evaluation.variants import Variant, all_variants
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
@@ -155,6 +157,8 @@ class EvalConfig:
     bias_profile: str | None = None
     """The stored profile ``bias_matched`` ranker variants place by (the generator's); None:
     the generator's own stored profile (this slot count, else its data-oriented one)."""
+    fresh: bool = False
+    """Start afresh: the output folder's earlier records are moved aside, not resumed."""
     cached_only: bool = False
     """Compute nothing: report the questions whose every variant (and positional run, where
     asked) the cache already holds, and leave the others out. The report of a run that is
@@ -238,6 +242,7 @@ class Evaluator:
             ServerError: the backend failed beyond one question (e.g. it is unavailable).
         """
         from service.offline.evaluation.plots import write_plots
+        from service.offline.evaluation.rebuild import write_manifest
         from service.offline.evaluation.report import build_summary, write_report
 
         cfg = self.config
@@ -250,6 +255,7 @@ class Evaluator:
                     param="bias_profile",
                 )
         questions = [prepare(e, cfg.max_passages) for e in examples]
+        self._resume_or_refuse(questions)
         if cfg.cached_only:
             questions = [q for q in questions if self._all_cached(q)]
             log.info(
@@ -299,7 +305,43 @@ class Evaluator:
         }
         files = write_report(cfg.out_dir, meta, records, pos_records, summary)
         files += write_plots(cfg.out_dir, summary)
+        files.append(write_manifest(cfg.out_dir, meta, records, pos_records, cfg.seed, self.cache))
         return EvalOutcome(tuple(records), tuple(pos_records), metric, tuple(files))
+
+    def _resume_or_refuse(self, questions: Sequence[EvalQuestion]) -> None:
+        """Resume only a run with this run's settings: say how much it resumes, or refuse a
+        folder that holds another run's records (their settings named), or with ``fresh``
+        move those records aside.
+
+        Raises:
+            InvalidRequest: the folder holds records of a run with other settings.
+        """
+        cfg = self.config
+        ours = run_settings(self.key("", ""))
+        others = self.cache.run_settings() - {ours}
+        if self.cache and (cfg.fresh or others):
+            if not cfg.fresh:
+                theirs = sorted(others, key=repr)[0]
+                differ = ", ".join(
+                    f"{name} {old!r} there, {new!r} here"
+                    for name, old, new in zip(RUN_SETTINGS, theirs, ours, strict=True)
+                    if old != new
+                )
+                raise InvalidRequest(
+                    f"{cfg.out_dir} holds the records of another run ({differ}): choose another "
+                    "--out, or pass --fresh to start afresh (the old records are moved aside)",
+                    param="out",
+                )
+            moved = self.cache.set_aside()
+            log.warning(
+                "--fresh: the earlier records of %s moved to %s",
+                cfg.out_dir,
+                ", ".join(str(m) for m in moved),
+            )
+            return
+        done = sum(self._all_cached(q) for q in questions)
+        if done:
+            log.info("resuming %d of %d questions from %s", done, len(questions), self.cache.path)
 
     def _all_cached(self, q: EvalQuestion) -> bool:
         return all(

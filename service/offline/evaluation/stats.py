@@ -1,6 +1,6 @@
 """Paired statistics of the evaluation: bootstrap intervals, Wilcoxon tests, per-slot bands.
 
-Every comparison is paired by question (METHOD.md 6): the unit of resampling is the question,
+Every comparison is paired by question (docs/method.md): the unit of resampling is the question,
 and a strategy is only compared on the questions where both it and the baseline have a value.
 
 Rules the papers leave loose, decided here:

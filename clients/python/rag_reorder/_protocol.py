@@ -1,0 +1,307 @@
+"""What both clients share, free of I/O: the request bodies, the response parsers and the
+retry policy. ``Client`` and ``AsyncClient`` (``client.py``) are two thin transports over it,
+the way httpx-based SDKs split one request builder and parser from their sync and async
+halves, so the two cannot behave differently.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from rag_reorder._version import __version__
+from rag_reorder.types import (
+    Passage,
+    Placement,
+    PositionBias,
+    RagReorderError,
+    Reordering,
+    Reranking,
+    RerankResult,
+    ResultsOrder,
+    ScoredPassage,
+    Strategy,
+    retry_after,
+)
+
+SERVER_DEADLINE_S = 120.0
+"""The service's default deadline per request (``RAG_REORDER_REQUEST_TIMEOUT_S``): it answers
+504 ``deadline_exceeded`` by then."""
+DEFAULT_TIMEOUT_S = SERVER_DEADLINE_S + 15.0
+"""Seconds to wait for an answer: the service's deadline plus a margin for the response to
+travel, so its own 504 (with a request id) arrives before the client gives up."""
+CONNECT_TIMEOUT_S = 5.0
+RETRY_STATUSES = frozenset({429, 503})
+# Errors raised before the request left this process: the service cannot have started the
+# work, so a retry costs nothing. A read timeout or a dropped connection after the request was
+# sent is not among them: the service may be scoring it, and a retry would score it again.
+NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+
+def _passage_json(p: str | Passage) -> str | dict[str, object]:
+    if isinstance(p, str):
+        return p
+    out: dict[str, object] = {"text": p.text}
+    for key in ("title", "id", "score"):
+        value = getattr(p, key)
+        if value is not None:
+            out[key] = value
+    return out
+
+
+def _options(
+    *,
+    strategy: Strategy | str | None,
+    placement: Placement | None,
+    design: Mapping[str, object] | None,
+    options: Mapping[str, object] | None,
+) -> dict[str, object]:
+    # Only what the caller set: everything else takes the server's configured default.
+    out: dict[str, object] = dict(options or {})
+    if strategy is not None:
+        out["strategy"] = strategy
+    if placement is not None:
+        out["placement"] = placement
+    if design is not None:
+        out["design"] = dict(design)
+    return out
+
+
+def reorder_body(
+    query: str,
+    passages: Sequence[str | Passage],
+    *,
+    strategy: Strategy | str | None = None,
+    placement: Placement | None = None,
+    design: Mapping[str, object] | None = None,
+    top_n: int | None = None,
+    options: Mapping[str, object] | None = None,
+) -> dict[str, object]:
+    """The JSON body of ``POST /v1/reorder`` (see ``Client.reorder``)."""
+    body: dict[str, object] = {
+        "query": query,
+        "passages": [_passage_json(p) for p in passages],
+        **_options(strategy=strategy, placement=placement, design=design, options=options),
+    }
+    if top_n is not None:
+        body["top_n"] = top_n
+    return body
+
+
+def rerank_body(
+    query: str,
+    documents: Sequence[str],
+    *,
+    top_n: int | None = None,
+    results_order: ResultsOrder | None = None,
+    return_documents: bool = True,
+    strategy: Strategy | str | None = None,
+    placement: Placement | None = None,
+    design: Mapping[str, object] | None = None,
+    options: Mapping[str, object] | None = None,
+) -> dict[str, object]:
+    """The JSON body of ``POST /v1/rerank`` (see ``Client.rerank``)."""
+    reorder = _options(strategy=strategy, placement=placement, design=design, options=options)
+    if results_order is not None:
+        reorder["results_order"] = results_order
+    body: dict[str, object] = {
+        "query": query,
+        "documents": list(documents),
+        "return_documents": return_documents,
+    }
+    if top_n is not None:
+        body["top_n"] = top_n
+    if reorder:
+        body["reorder"] = reorder
+    return body
+
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+def parse_reordering(body: Mapping[str, Any]) -> Reordering:
+    """A ``Reordering`` from the JSON of ``POST /v1/reorder``."""
+    try:
+        bias = body.get("position_bias")
+        diagnostics = body.get("diagnostics") or {}
+        return Reordering(
+            id=str(body["id"]),
+            model=str(body["model"]),
+            strategy=str(body["strategy"]),
+            order=tuple(int(i) for i in body["order"]),
+            ranking=tuple(int(i) for i in body["ranking"]),
+            passages=tuple(
+                ScoredPassage(
+                    index=int(p["index"]),
+                    id=p.get("id"),
+                    utility=_opt_float(p.get("utility")),
+                    score=_opt_float(p.get("score")),
+                    stderr=_opt_float(p.get("stderr")),
+                    confidence_above_next=_opt_float(p.get("confidence_above_next")),
+                    shown=bool(p.get("shown", True)),
+                )
+                for p in body["passages"]
+            ),
+            position_bias=(
+                PositionBias(
+                    coefficients=tuple(float(c) for c in bias["coefficients"]),
+                    identified=bool(bias["identified"]),
+                    identification=str(bias.get("identification", "")),
+                    orientation=str(bias.get("orientation", "")),
+                )
+                if bias
+                else None
+            ),
+            placement=diagnostics.get("placement"),
+            warnings=tuple(str(w) for w in diagnostics.get("warnings", ())),
+            raw=body,
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RagReorderError(
+            f"unexpected /v1/reorder response: {exc!r}", code="invalid_response"
+        ) from exc
+
+
+def parse_reranking(body: Mapping[str, Any]) -> Reranking:
+    """A ``Reranking`` from the JSON of a rerank route."""
+    try:
+        meta = body.get("meta") or {}
+        reorder = meta.get("reorder") or {}
+        return Reranking(
+            id=str(body["id"]),
+            model=str(body["model"]),
+            results=tuple(
+                RerankResult(
+                    index=int(r["index"]),
+                    relevance_score=float(r["relevance_score"]),
+                    text=(r.get("document") or {}).get("text"),
+                )
+                for r in body["results"]
+            ),
+            # A server older than `results_order` always answered in ranking order.
+            results_order="placement" if meta.get("results_order") == "placement" else "ranking",
+            order=tuple(int(i) for i in reorder.get("order", ())),
+            ranking=tuple(int(i) for i in reorder.get("ranking", ())),
+            total_tokens=int((body.get("usage") or {}).get("total_tokens", 0)),
+            raw=body,
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise RagReorderError(
+            f"unexpected rerank response: {exc!r}", code="invalid_response"
+        ) from exc
+
+
+def parse_json(response: httpx.Response) -> Mapping[str, Any]:
+    """The JSON object of a 2xx response; any other response is the service's error."""
+    if response.is_success:
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise RagReorderError(
+                "the response is not JSON", status=response.status_code, code="invalid_response"
+            ) from exc
+        if not isinstance(body, dict):
+            raise RagReorderError(
+                "the response is not a JSON object",
+                status=response.status_code,
+                code="invalid_response",
+            )
+        return body
+    raise RagReorderError.from_response(response)
+
+
+def transport_error(exc: httpx.TransportError) -> RagReorderError:
+    code = "timeout" if isinstance(exc, httpx.TimeoutException) else "connection_error"
+    sent = "" if isinstance(exc, NOT_SENT) else " (the request was sent: not retried)"
+    return RagReorderError(f"{type(exc).__name__}: {exc}{sent}", code=code)
+
+
+def timeout_of(timeout: float | httpx.Timeout) -> httpx.Timeout:
+    """A number is the read (and write) timeout; connecting gets at most ``CONNECT_TIMEOUT_S``."""
+    if isinstance(timeout, httpx.Timeout):
+        return timeout
+    return httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S))
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """One call ready to send: the same on every attempt (the request id included)."""
+
+    path: str
+    body: Mapping[str, object]
+    headers: dict[str, str]
+
+
+class Policy:
+    """The connection settings and the retry policy of both clients.
+
+    An attempt's outcome is retried when it is a 429 or a 503 (after ``Retry-After`` when the
+    service sent one, else exponential backoff with full jitter) or a connection error raised
+    before the request was sent (``NOT_SENT``), at most ``max_retries`` times. Anything else is
+    final: a read timeout is not retried (the service may still be working on the request).
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        api_key: str | None,
+        timeout: float | httpx.Timeout,
+        max_retries: int,
+        backoff_s: float,
+        max_backoff_s: float,
+        headers: Mapping[str, str] | None,
+    ) -> None:
+        if max_retries < 0 or backoff_s < 0 or max_backoff_s < 0:
+            raise ValueError("max_retries, backoff_s and max_backoff_s must be >= 0")
+        self.base_url = base_url.rstrip("/")
+        self.timeout = timeout_of(timeout)
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        # Sent with every request rather than set on the httpx client, so that they also go
+        # out through an ``http_client`` the caller supplies.
+        self.headers = {"user-agent": f"rag-reorder-python/{__version__}", **(headers or {})}
+        if api_key:
+            self.headers["authorization"] = f"Bearer {api_key}"
+
+    def prepare(self, path: str, body: Mapping[str, object], request_id: str | None) -> Prepared:
+        headers = dict(self.headers)
+        if request_id:
+            headers["x-request-id"] = request_id
+        return Prepared(path, body, headers)
+
+    def attempts(self) -> range:
+        return range(self.max_retries + 1)
+
+    def after_response(self, attempt: int, response: httpx.Response) -> float | None:
+        """Seconds to wait before retrying, or None: this response is the answer."""
+        if response.status_code in RETRY_STATUSES and attempt < self.max_retries:
+            return self.delay(attempt, retry_after(response.headers))
+        return None
+
+    def after_error(self, attempt: int, exc: httpx.TransportError) -> float:
+        """Seconds to wait before retrying a request that got no response.
+
+        Raises:
+            RagReorderError: the error is final (sent already, or the last attempt).
+        """
+        if isinstance(exc, NOT_SENT) and attempt < self.max_retries:
+            return self.delay(attempt, None)
+        raise transport_error(exc) from exc
+
+    def delay(self, attempt: int, wait: float | None) -> float:
+        """Seconds to wait before retry ``attempt`` (0-based).
+
+        The service's ``Retry-After`` wins (capped at ``max_backoff_s``), with up to 10% added
+        so that clients it turned away together do not all come back in the same instant;
+        without one, exponential backoff with full jitter (AWS architecture blog, "Exponential
+        Backoff And Jitter").
+        """
+        if wait is not None:
+            return min(wait, self.max_backoff_s) * (1.0 + 0.1 * random.random())
+        return random.uniform(0.0, min(self.max_backoff_s, self.backoff_s * 2.0**attempt))

@@ -1,0 +1,13 @@
+"""What the client distribution (clients/python) assumes about the server, checked against the
+server's own settings: its default timeout outlasts the server's default deadline."""
+
+from __future__ import annotations
+
+from rag_reorder._protocol import DEFAULT_TIMEOUT_S, SERVER_DEADLINE_S
+
+from service.settings import Settings
+
+
+def test_the_clients_timeout_outlasts_the_servers_deadline() -> None:
+    assert Settings().request_timeout_s == SERVER_DEADLINE_S
+    assert DEFAULT_TIMEOUT_S >= SERVER_DEADLINE_S + 10

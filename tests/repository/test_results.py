@@ -1,0 +1,61 @@
+"""The committed results stay lean and reproducible: no tracked file under eval/results or
+bench/results grows past a stated size, an evaluation keeps its records compressed and its
+manifest, not what they rebuild, and a committed report is rebuilt byte for byte from them by
+`rag-reorder eval-report` (checked here on one small folder)."""
+
+from __future__ import annotations
+
+import filecmp
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from service.offline.evaluation.rebuild import MANIFEST_FILE, rebuild_report
+
+ROOT = Path(__file__).resolve().parents[2]
+MAX_TRACKED_BYTES = 2 * 1024 * 1024
+"""The largest file a results folder may commit (today's largest: a 1.9 MB LoRA adapter)."""
+REBUILT = ("summary.md", "bias_by_slot.png", "positional_by_slot.png", "quality_vs_tokens.png")
+SMALL_RUN = ROOT / "eval" / "results" / "hotpot_dev__gemma-3-270m__gemma-3-270m"
+
+
+def tracked(*folders: str) -> list[Path]:
+    out = subprocess.run(
+        ["git", "ls-files", "--", *folders], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout
+    return [ROOT / line for line in out.splitlines()]
+
+
+def test_no_tracked_result_file_is_larger_than_the_limit() -> None:
+    files = tracked("eval/results", "bench/results")
+    assert files, "git ls-files found no results: not a checkout?"
+    big = [
+        f"{f.relative_to(ROOT)}: {f.stat().st_size} bytes"
+        for f in files
+        if f.stat().st_size > MAX_TRACKED_BYTES
+    ]
+    assert not big, f"over {MAX_TRACKED_BYTES} bytes:\n" + "\n".join(big)
+
+
+def test_evaluations_commit_their_records_packed_and_nothing_they_rebuild() -> None:
+    files = tracked("eval/results")
+    names = {f.name for f in files}
+    assert "results.json" not in names and "cache.jsonl" not in names
+    runs = {f.parent for f in files if f.name == MANIFEST_FILE}
+    assert SMALL_RUN in runs
+    for run in runs:
+        assert (run / "cache.jsonl.gz") in files, run
+
+
+@pytest.mark.slow
+def test_a_committed_report_is_rebuilt_byte_for_byte_from_its_records(tmp_path: Path) -> None:
+    copy = tmp_path / SMALL_RUN.name
+    shutil.copytree(SMALL_RUN, copy)
+    for name in REBUILT:
+        (copy / name).unlink()
+    rebuild_report(copy)
+    for name in REBUILT:
+        assert filecmp.cmp(SMALL_RUN / name, copy / name, shallow=False), name
+    assert (copy / "results.json").is_file()  # rebuilt too, not committed

@@ -18,7 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 # `paper 000`, `(003)`: the source papers' numbers in the team's notes.
-PAPER_NUMBER = re.compile(r"\b[Pp]apers? 00\d\b|\(00\d\)")
+PAPER_NUMBER = re.compile(r"\b[Pp]apers? 00\d\b|\(00\d[),]|\b00\d's\b")
 # `issue 44`, `issue #44`: the team's tracker.
 ISSUE_NUMBER = re.compile(r"\b[Ii]ssues? #?\d+\b")
 # `METHOD.md`, `RELIABILITY.md`: a capitalised Markdown file name, which must exist here.
@@ -90,6 +90,8 @@ def test_relative_links_outside_the_docs_site_resolve() -> None:
     [
         ("as paper 000 does", 1),
         ("`lore` (003)", 1),
+        ("(000's baselines)", 1),
+        ("`max_relevance` (004, iv)", 1),
         ("see issue 44 and issue #7", 2),
         ("the design notes' METHOD.md", 1),
         ("README.md and the MoI paper (arXiv:2412.10684)", 0),

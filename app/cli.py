@@ -75,6 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             files = rebuild_report(args.out, pack=args.pack)
             print(json.dumps({"out": str(args.out), "files": [str(f) for f in files]}, indent=2))
             return 0
+        if args.command == "profile-generator":
+            return asyncio.run(_profile_generator(settings, args))
         if args.command == "distill":
             return asyncio.run(_distill(settings, args))
         if args.command == "distill-eval":
@@ -133,6 +135,12 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         *("--adapter", "models/smollm2-from-gemma", "--out", "eval/results/distill"),
     ),
     "eval-report": ("eval-report", "--out", "eval/results/nq_open_dev", "--pack"),
+    "profile-generator": (
+        "profile-generator",
+        *("--base-url", "https://api.openai.com/v1", "--model", "gpt-4o-mini"),
+        *("--data", _TRAIN, "--limit", "50", "--slots", "10", "--max-calls", "500"),
+        *("--out", "profiles/gpt-4o-mini"),
+    ),
     "profiles": ("profiles",),
 }
 
@@ -308,6 +316,65 @@ def _parser() -> argparse.ArgumentParser:
     )
     er.add_argument("--out", required=True, type=Path, help="the run's output folder")
     er.add_argument("--pack", action="store_true", help="compress its records first")
+
+    pg = sub.add_parser(
+        "profile-generator",
+        epilog=_example("profile-generator"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="measure a generator's position profile by asking it questions through its "
+        "OpenAI-compatible API (no prompt log-probs needed: OpenAI, Azure, vLLM, SGLang, "
+        "Ollama, LiteLLM): the gold passage in each slot, accuracy per slot with intervals; "
+        "stores it as a bias profile for bias_matched (resumable, budgeted)",
+    )
+    pg.add_argument("--base-url", required=True, help="the API's root, up to /v1")
+    pg.add_argument("--model", required=True, help="the model name the API serves")
+    pg.add_argument(
+        "--api",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/chat/completions (chat models) or /completions (base models, with a completion "
+        "template such as qa_completion)",
+    )
+    pg.add_argument(
+        "--api-key-env",
+        default="OPENAI_API_KEY",
+        help="environment variable holding the API key (unset: no key sent)",
+    )
+    pg.add_argument(
+        "--data",
+        type=Path,
+        default=Path("../shared/data/nq_open_train.jsonl"),
+        help="labelled questions with passages (JSONL in the shared/data schema)",
+    )
+    pg.add_argument("--limit", type=int, default=50, help="questions to use")
+    pg.add_argument("--slots", type=int, default=10, help="N: passages per prompt")
+    pg.add_argument(
+        "--template",
+        default="qa_default",
+        help="registered prompt template (the prompt shape the profile is for): "
+        "qa_default, qa_plain, qa_system, qa_completion",
+    )
+    pg.add_argument(
+        "--template-file",
+        type=Path,
+        help="your own prompt shape: a JSON object with name, instruction, document, "
+        "untitled_document and optionally question_prefix, separator, system, completion, "
+        "answer_prefix (service/prompts.py PromptTemplate)",
+    )
+    pg.add_argument("--max-calls", type=int, help="most calls this invocation makes")
+    pg.add_argument("--concurrency", type=int, default=4, help="calls in flight")
+    pg.add_argument("--max-tokens", type=int, default=32, help="answer tokens per call")
+    pg.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
+    pg.add_argument("--retries", type=int, default=5, help="retries of 429/502-504 and refusals")
+    pg.add_argument("--no-logprobs", action="store_true", help="do not ask for output log-probs")
+    pg.add_argument("--seed", type=int, default=0, help="the distractors' arrangement")
+    pg.add_argument("--alpha", type=float, default=0.05, help="level of the flatness test")
+    pg.add_argument("--force", action="store_true", help="store a profile that looks flat")
+    pg.add_argument(
+        "--profile-model", help="the model name to store the profile under (default: --model)"
+    )
+    pg.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    pg.add_argument("--out", required=True, type=Path, help="answers, report and plot (resumes)")
 
     d = sub.add_parser(
         "distill",
@@ -572,6 +639,90 @@ async def _eval(settings: Settings, args: argparse.Namespace) -> int:
             indent=2,
         )
     )
+    return 0
+
+
+async def _profile_generator(settings: Settings, args: argparse.Namespace) -> int:
+    from service.offline.answer_profile import (
+        Estimate,
+        GeneratorEndpoint,
+        ProfileJob,
+        run_profile,
+    )
+    from service.profile_store import ProfileStore
+    from service.prompts import PromptTemplate, get_template
+
+    for name in ("limit", "slots", "max_calls", "concurrency", "max_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < (2 if name == "slots" else 1):
+            least = 2 if name == "slots" else 1
+            raise ClientError(
+                f"--{name.replace('_', '-')} must be >= {least}, got {value}", param=name
+            )
+    if args.template_file is not None:
+        try:
+            template = PromptTemplate(**json.loads(args.template_file.read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ClientError(
+                f"--template-file {args.template_file}: {exc}", param="template_file"
+            ) from None
+    else:
+        template = get_template(args.template)
+    job = ProfileJob(
+        endpoint=GeneratorEndpoint(
+            base_url=args.base_url,
+            model=args.model,
+            api=args.api,
+            api_key=os.environ.get(args.api_key_env) or None,
+            max_tokens=args.max_tokens,
+            logprobs=not args.no_logprobs,
+            timeout_s=args.timeout,
+            retries=args.retries,
+            concurrency=args.concurrency,
+        ),
+        examples=_load_examples(args),
+        data_name=args.data.name,
+        slots=args.slots,
+        template=template,
+        out=args.out,
+        max_calls=args.max_calls,
+        seed=args.seed,
+        alpha=args.alpha,
+        force=args.force,
+        progress=not args.no_progress,
+        profile_model=args.profile_model,
+    )
+
+    def announce(est: Estimate) -> None:
+        print(
+            f"profile-generator: {est.questions} questions x {args.slots} slots = {est.calls} "
+            f"calls ({est.skipped} questions skipped: no gold passage or too few others); "
+            f"{est.done} answered in {args.out}; this run: {est.todo} calls, about "
+            f"{est.approx_prompt_tokens} prompt tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    outcome = await run_profile(job, ProfileStore(settings.profiles_path), on_estimate=announce)
+    fit = outcome.fit
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "calls_this_run": outcome.calls_made,
+                "questions_measured": outcome.complete_questions,
+                "accuracy_by_slot": list(fit.accuracy) if fit else None,
+                "p_flat": fit.p_flat if fit else None,
+                "stored": outcome.stored.id if outcome.stored else None,
+                "refused": outcome.refused,
+                "files": [str(f) for f in outcome.files],
+            },
+            indent=2,
+        )
+    )
+    if outcome.refused is not None:
+        print(f"profile not stored: {outcome.refused}", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -489,15 +489,10 @@ def _build(
     return _finish(tokenizer, template, rendered, encoding, max_tokens)
 
 
-def _render(
-    tokenizer: PromptTokenizer,
-    template: PromptTemplate,
-    query: str,
-    passages: Sequence[Passage],
-    order: tuple[int, ...],
-    add_generation_prompt: bool,
-) -> _Rendered:
-    # Assemble the user message, remembering where each passage text and the query sit in it.
+def _user_content(
+    template: PromptTemplate, query: str, passages: Sequence[Passage], order: Sequence[int]
+) -> tuple[str, list[tuple[int, int]], int]:
+    """The user message, where each passage's text sits in it, and where the query starts."""
     parts: list[str] = []
     length = 0
     passage_chars: list[tuple[int, int]] = []
@@ -519,7 +514,42 @@ def _render(
         add(template.separator)
     query_start = add(template.question_prefix) + len(template.question_prefix)
     add(query)
-    content = "".join(parts)
+    return "".join(parts), passage_chars, query_start
+
+
+@dataclass(frozen=True, slots=True)
+class ApiPrompt:
+    """A prompt for a generator behind an API that applies its own chat template: the chat
+    messages (a chat template) or the completion text (a ``completion`` template)."""
+
+    messages: tuple[ChatMessage, ...] | None
+    text: str | None
+
+
+def api_prompt(
+    template: PromptTemplate, query: str, passages: Sequence[Passage], order: Sequence[int]
+) -> ApiPrompt:
+    """``template``'s prompt for ``passages`` in ``order`` as an API takes it: the same user
+    message ``build_prompt`` renders inside the model's chat template, without that template
+    (the server applies its own), or a completion template's text with its answer prefix."""
+    content, _, _ = _user_content(template, query, passages, order)
+    if template.completion:
+        return ApiPrompt(messages=None, text=content + template.answer_prefix)
+    messages = [ChatMessage(role="user", content=content)]
+    if template.system is not None:
+        messages.insert(0, ChatMessage(role="system", content=template.system))
+    return ApiPrompt(messages=tuple(messages), text=None)
+
+
+def _render(
+    tokenizer: PromptTokenizer,
+    template: PromptTemplate,
+    query: str,
+    passages: Sequence[Passage],
+    order: tuple[int, ...],
+    add_generation_prompt: bool,
+) -> _Rendered:
+    content, passage_chars, query_start = _user_content(template, query, passages, order)
 
     if template.completion:
         suffix = template.answer_prefix if add_generation_prompt else ""

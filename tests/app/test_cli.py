@@ -155,3 +155,21 @@ def test_eval_help_lists_the_names_the_server_accepts() -> None:
     for name in (*strategy_names(), *get_args(DesignKind), *get_args(Placement)):
         assert name in text, name
     assert "--fresh" in text
+
+
+def test_profile_generator_refuses_bad_settings_before_any_call(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from app.cli import main
+
+    base = ["profile-generator", "--base-url", "http://127.0.0.1:9/v1", "--model", "m"]
+    out = ["--data", str(DATA), "--out", str(tmp_path / "p")]
+    assert main([*base, *out, "--slots", "1"]) == 2
+    assert "--slots must be >= 2, got 1" in capsys.readouterr().err
+    assert main([*base, *out, "--template", "nope"]) == 2
+    assert "unknown prompt template 'nope'" in capsys.readouterr().err
+    bad = tmp_path / "t.json"
+    bad.write_text('{"name": "mine", "instruction": "x"}')
+    assert main([*base, *out, "--template-file", str(bad)]) == 2
+    assert "--template-file" in capsys.readouterr().err
+    assert not (tmp_path / "p").exists()

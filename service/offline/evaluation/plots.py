@@ -8,7 +8,8 @@
 
 ``write_distill_plot`` draws ``rag-reorder distill-eval``'s summary: ``distill.png``, the
 generator's accuracy and gold log-likelihood per scorer's order (95% intervals) and each
-scorer's prompt tokens per question.
+scorer's prompt tokens per question. ``write_position_curve`` draws ``rag-reorder
+profile-generator``'s accuracy by the gold passage's slot.
 
 A plot with nothing to show still gets written, with a note saying why, so the set of files
 is the same for every run.
@@ -29,6 +30,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from service.offline.evaluation.report import LABELS, Summary
+from solver.answer_profile import AnswerProfileFit
 
 _DPI = 110
 _MARKERS = ("o", "s", "^", "D", "v", "P")
@@ -169,6 +171,36 @@ def write_distill_plot(out_dir: Path, summary: Mapping[str, Any]) -> Path:
     fig.suptitle(f"preference distillation, {summary.get('questions', 0)} held-out questions")
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / "distill.png"
+    try:
+        fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return path
+
+
+def write_position_curve(path: Path, fit: AnswerProfileFit, *, title: str) -> Path:
+    """``rag-reorder profile-generator``'s curve: accuracy by the gold passage's slot with its
+    95% bootstrap interval, the smoothed curve the placement weights follow, and the flatness
+    test in the title."""
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    slots = list(range(1, fit.slots + 1))
+    err = [
+        [a - lo for a, lo in zip(fit.accuracy, fit.low, strict=True)],
+        [hi - a for a, hi in zip(fit.accuracy, fit.high, strict=True)],
+    ]
+    ax.errorbar(slots, fit.accuracy, yerr=err, fmt="o", capsize=3, label="accuracy (95% CI)")
+    ax.plot(slots, fit.smoothed, "-", label="smoothed (placement weights)")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("slot of the gold passage")
+    ax.set_ylabel("answered correctly")
+    verdict = "differs from flat" if fit.distinguishable else "not distinguishable from flat"
+    ax.set_title(
+        f"{title}: {fit.questions} questions, Cochran's Q p = {fit.p_flat:.2g} ({verdict})",
+        fontsize="small",
+    )
+    ax.legend(fontsize="small")
+    ax.grid(alpha=0.3)
     try:
         fig.savefig(path, dpi=_DPI, bbox_inches="tight")
     finally:

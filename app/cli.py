@@ -50,6 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    # One INFO line per HTTP call (profile-generator makes hundreds) would bury the progress.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     try:
         settings = _settings(args)
     except ValidationError as exc:

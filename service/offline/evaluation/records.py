@@ -244,6 +244,10 @@ class RecordCache:
     def __len__(self) -> int:
         return len(self._all)
 
+    def written(self) -> list[AnyRecord]:
+        """Every record as written (the latest of each key), in the order first written."""
+        return list(self._all.values())
+
     def run_settings(self) -> set[tuple[object, ...]]:
         """The settings (``RUN_SETTINGS``) of the runs whose records this cache holds."""
         return {run_settings(key) for key in self._all}

@@ -85,7 +85,8 @@ def test_the_service_drains_before_compose_kills_it() -> None:
 
 def test_compose_builds_the_dockerfile_targets() -> None:
     stages = set(re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", (ROOT / "Dockerfile").read_text(), re.M))
-    version = re.search(r'^version = "(.+)"$', (ROOT / "pyproject.toml").read_text(), re.M)
+    # One version for server and client: the client package's VERSION file (pyproject.toml).
+    version = re.search(r"^(\S+)$", (ROOT / "clients/python/rag_reorder/VERSION").read_text(), re.M)
     assert version
     cpu = load(COMPOSE)["services"][SERVICE]
     gpu = load(DOCKER / "compose.gpu.yaml")["services"][SERVICE]

@@ -106,6 +106,27 @@ def test_merge_keeps_one_line_per_key_old_lines_first_and_skips_torn_ones(
     assert lines == [old, other]
 
 
+def test_a_packed_committed_cache_is_read_like_a_plain_one(
+    parallel: ModuleType, tmp_path: Path
+) -> None:
+    # The repository keeps a set's records as cache.jsonl.gz (rag-reorder eval-report --pack):
+    # the pool must resume from them and merge new chunks after them.
+    import gzip
+
+    out, work = tmp_path / "out", tmp_path / "work"
+    old = {"key": {"question_id": "a", "variant": "v"}, "value": "old"}
+    (out / "nq_open_dev").mkdir(parents=True)
+    with gzip.open(out / "nq_open_dev" / "cache.jsonl.gz", "wt") as fh:
+        fh.write(json.dumps(old) + "\n")
+    assert parallel.cached_variants(out, "nq_open_dev") == {"a": {"v"}}
+    (work / "nq_open_dev-00").mkdir(parents=True)
+    other = {"key": {"question_id": "b", "variant": "v"}}
+    (work / "nq_open_dev-00" / "cache.jsonl").write_text(json.dumps(other) + "\n")
+    parallel.merge(out, work)
+    lines = [json.loads(x) for x in (out / "nq_open_dev" / "cache.jsonl").read_text().splitlines()]
+    assert lines == [old, other]
+
+
 def test_a_failed_chunk_runs_again_and_everything_is_merged(tmp_path: Path) -> None:
     data = _data(tmp_path / "data", {"hotpot_dev": 3, "nq_open_dev": 7})
     out, work = tmp_path / "out", tmp_path / "work"

@@ -8,6 +8,7 @@ and ``self_consistency``, made votes compare run-on text.
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from pathlib import Path
@@ -187,13 +188,23 @@ def test_one_line_migration_refuses_a_record_whose_first_line_metric_would_chang
         migration.migrate(tmp_path, {"q1": ("Paris",)})
 
 
-@pytest.mark.parametrize(
-    "folder",
-    sorted(p.parent.name for p in (ROOT / "eval" / "results").glob("*/cache.jsonl")),
-)
+# The committed evaluations keep their records packed (cache.jsonl.gz).
+COMMITTED = sorted(p.parent.name for p in (ROOT / "eval" / "results").glob("*/cache.jsonl.gz"))
+
+
+def committed_lines(folder: str) -> list[str]:
+    with gzip.open(ROOT / "eval" / "results" / folder / "cache.jsonl.gz", "rt") as fh:
+        return fh.read().splitlines()
+
+
+def test_the_committed_caches_are_found() -> None:
+    assert len(COMMITTED) >= 6, COMMITTED  # an empty parameter list would skip silently
+
+
+@pytest.mark.parametrize("folder", COMMITTED)
 def test_every_committed_answer_of_a_completion_generator_is_one_line(folder: str) -> None:
     migration = load_script(ROOT / "eval" / "one_line_answers.py", "one_line_answers")
-    lines = (ROOT / "eval" / "results" / folder / "cache.jsonl").read_text().splitlines()
+    lines = committed_lines(folder)
     for line in lines:
         record = json.loads(line)
         key = record.get("key", {})

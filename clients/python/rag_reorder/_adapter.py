@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Sequence
+from typing import Any, Final, Protocol
 
-from rag_reorder.types import Reordering
+from rag_reorder.client import AsyncClient
+from rag_reorder.types import Passage, Reordering
 
 METADATA_PREFIX: Final = "rag_reorder_"
 """Every key the adapters add starts with it, so none clobbers a retriever's own metadata."""
@@ -54,3 +56,53 @@ def placed(result: Reordering) -> list[tuple[int, dict[str, MetadataValue]]]:
         }
         out.append((index, {METADATA_PREFIX + k: v for k, v in meta.items()}))
     return out
+
+
+class AdapterSettings(Protocol):
+    """The connection and request fields every adapter has (its own pydantic fields or
+    attributes), read by the helpers below so that the adapters share one way to call."""
+
+    base_url: str
+    timeout: float
+    max_retries: int
+    strategy: Any
+    placement: Any
+    design: dict[str, Any] | None
+    top_n: int | None
+    options: dict[str, Any] | None
+
+
+def client_kwargs(adapter: AdapterSettings, api_key: str | None) -> dict[str, Any]:
+    """The ``Client``/``AsyncClient`` arguments of an adapter (its key already resolved)."""
+    return {
+        "base_url": adapter.base_url,
+        "api_key": api_key or None,
+        "timeout": adapter.timeout,
+        "max_retries": adapter.max_retries,
+    }
+
+
+def request_options(adapter: AdapterSettings, top_n: int | None = None) -> dict[str, Any]:
+    """The ``reorder`` options of an adapter; ``top_n`` overrides its own for one call."""
+    return {
+        "strategy": adapter.strategy,
+        "placement": adapter.placement,
+        "design": adapter.design,
+        "top_n": top_n if top_n is not None else adapter.top_n,
+        "options": adapter.options,
+    }
+
+
+async def reorder_async(
+    async_client: AsyncClient | None,
+    kwargs: dict[str, Any],
+    query: str,
+    passages: Sequence[Passage],
+    options: dict[str, Any],
+) -> Reordering:
+    """``AsyncClient.reorder`` through the adapter's client, else a client for this call
+    only: its connections would otherwise outlive the caller's event loop."""
+    if async_client is not None:
+        return await async_client.reorder(query, passages, **options)
+    async with AsyncClient(**kwargs) as client:
+        return await client.reorder(query, passages, **options)

@@ -23,8 +23,8 @@ from typing import Any
 from haystack import Document, component, default_from_dict, default_to_dict
 from haystack.utils import Secret, deserialize_secrets_inplace
 
-from rag_reorder._adapter import placed
-from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S, AsyncClient, Client
+from rag_reorder._adapter import client_kwargs, placed, reorder_async, request_options
+from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S, Client
 from rag_reorder.types import Passage, Placement, Reordering, Strategy
 
 __all__ = ["RagReorderRanker"]
@@ -137,7 +137,9 @@ class RagReorderRanker:
             return {"documents": []}
         self.warm_up()
         assert self._client is not None
-        result = self._client.reorder(query, self._passages(documents), **self._kwargs(top_n))
+        result = self._client.reorder(
+            query, self._passages(documents), **request_options(self, top_n)
+        )
         return {"documents": _reordered(documents, result)}
 
     @component.output_types(documents=list[Document])
@@ -147,28 +149,17 @@ class RagReorderRanker:
         """``run``, asynchronously (``AsyncPipeline``)."""
         if not documents:
             return {"documents": []}
-        # A client per call: its connections would otherwise outlive the caller's event loop.
-        async with AsyncClient(**self._client_kwargs()) as client:
-            result = await client.reorder(query, self._passages(documents), **self._kwargs(top_n))
+        result = await reorder_async(
+            None,
+            self._client_kwargs(),
+            query,
+            self._passages(documents),
+            request_options(self, top_n),
+        )
         return {"documents": _reordered(documents, result)}
 
     def _client_kwargs(self) -> dict[str, Any]:
-        key = self.api_key.resolve_value() if self.api_key else None
-        return {
-            "base_url": self.base_url,
-            "api_key": key or None,
-            "timeout": self.timeout,
-            "max_retries": self.max_retries,
-        }
-
-    def _kwargs(self, top_n: int | None) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy,
-            "placement": self.placement,
-            "design": self.design,
-            "top_n": top_n if top_n is not None else self.top_n,
-            "options": self.options,
-        }
+        return client_kwargs(self, self.api_key.resolve_value() if self.api_key else None)
 
     def _passages(self, documents: list[Document]) -> list[Passage]:
         out = []

@@ -24,7 +24,7 @@ from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from rag_reorder._adapter import placed
+from rag_reorder._adapter import client_kwargs, placed, reorder_async, request_options
 from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S, AsyncClient, Client
 from rag_reorder.types import Passage, Placement, Reordering, Strategy
 
@@ -78,12 +78,7 @@ class RagReorderCompressor(BaseDocumentCompressor):
     _own_client: Client | None = PrivateAttr(default=None)
 
     def _client_kwargs(self) -> dict[str, Any]:
-        return {
-            "base_url": self.base_url,
-            "api_key": self.api_key.get_secret_value() if self.api_key else None,
-            "timeout": self.timeout,
-            "max_retries": self.max_retries,
-        }
+        return client_kwargs(self, self.api_key.get_secret_value() if self.api_key else None)
 
     def reorder(self, documents: Sequence[Document], query: str) -> Reordering:
         """The service's whole answer for these documents (what ``compress_documents`` uses)."""
@@ -92,16 +87,17 @@ class RagReorderCompressor(BaseDocumentCompressor):
             if self._own_client is None:
                 self._own_client = Client(**self._client_kwargs())
             client = self._own_client
-        return client.reorder(query, self._passages(documents), **self._kwargs())
+        return client.reorder(query, self._passages(documents), **request_options(self))
 
     async def areorder(self, documents: Sequence[Document], query: str) -> Reordering:
         """``reorder``, asynchronously."""
-        passages = self._passages(documents)
-        if self.async_client is not None:
-            return await self.async_client.reorder(query, passages, **self._kwargs())
-        # A client per call: its connections would otherwise outlive the caller's event loop.
-        async with AsyncClient(**self._client_kwargs()) as client:
-            return await client.reorder(query, passages, **self._kwargs())
+        return await reorder_async(
+            self.async_client,
+            self._client_kwargs(),
+            query,
+            self._passages(documents),
+            request_options(self),
+        )
 
     def _passages(self, documents: Sequence[Document]) -> list[Passage]:
         """The documents' texts, each with its retriever score where its metadata has one.
@@ -122,15 +118,6 @@ class RagReorderCompressor(BaseDocumentCompressor):
             score = float(value) if value is not None and math.isfinite(value) else None
             out.append(Passage(text=doc.page_content, score=score))
         return out
-
-    def _kwargs(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy,
-            "placement": self.placement,
-            "design": self.design,
-            "top_n": self.top_n,
-            "options": self.options,
-        }
 
     def compress_documents(
         self,

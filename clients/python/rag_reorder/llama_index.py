@@ -20,7 +20,13 @@ from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, Sec
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
 from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
-from rag_reorder._adapter import METADATA_KEYS, placed
+from rag_reorder._adapter import (
+    METADATA_KEYS,
+    client_kwargs,
+    placed,
+    reorder_async,
+    request_options,
+)
 from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S, AsyncClient, Client
 from rag_reorder.types import Passage, Placement, Reordering, Strategy
 
@@ -80,21 +86,7 @@ class RagReorderPostprocessor(BaseNodePostprocessor):
         return "RagReorderPostprocessor"
 
     def _client_kwargs(self) -> dict[str, Any]:
-        return {
-            "base_url": self.base_url,
-            "api_key": self.api_key.get_secret_value() if self.api_key else None,
-            "timeout": self.timeout,
-            "max_retries": self.max_retries,
-        }
-
-    def _kwargs(self) -> dict[str, Any]:
-        return {
-            "strategy": self.strategy,
-            "placement": self.placement,
-            "design": self.design,
-            "top_n": self.top_n,
-            "options": self.options,
-        }
+        return client_kwargs(self, self.api_key.get_secret_value() if self.api_key else None)
 
     def _passages(self, nodes: list[NodeWithScore]) -> list[Passage]:
         out = []
@@ -115,16 +107,17 @@ class RagReorderPostprocessor(BaseNodePostprocessor):
             if self._own_client is None:
                 self._own_client = Client(**self._client_kwargs())
             client = self._own_client
-        return client.reorder(query, self._passages(nodes), **self._kwargs())
+        return client.reorder(query, self._passages(nodes), **request_options(self))
 
     async def areorder(self, nodes: list[NodeWithScore], query: str) -> Reordering:
         """``reorder``, asynchronously."""
-        passages = self._passages(nodes)
-        if self.async_client is not None:
-            return await self.async_client.reorder(query, passages, **self._kwargs())
-        # A client per call: its connections would otherwise outlive the caller's event loop.
-        async with AsyncClient(**self._client_kwargs()) as client:
-            return await client.reorder(query, passages, **self._kwargs())
+        return await reorder_async(
+            self.async_client,
+            self._client_kwargs(),
+            query,
+            self._passages(nodes),
+            request_options(self),
+        )
 
     def _postprocess_nodes(
         self,

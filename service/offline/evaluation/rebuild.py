@@ -72,19 +72,16 @@ def _record_keys(manifest: Mapping[str, Any]) -> list[tuple[str, str]]:
 
 
 def _key(meta: Mapping[str, Any], question_id: str, variant: str) -> RunKey:
-    template = str(meta["template"])
-    generator_template = meta.get("generator_template")
-    return RunKey(
-        question_id=question_id,
-        variant=variant,
+    return RunKey.for_run(
+        question_id,
+        variant,
         scorer=str(meta["scorer"]),
         generator=str(meta["generator"]),
         max_passages=meta.get("max_passages"),
-        template=template,
+        template=str(meta["template"]),
         max_answer_tokens=int(meta["max_answer_tokens"]),
         seed=int(meta["seed"]),
-        # As the runner keys it: set only when the generator's template is another.
-        generator_template=None if generator_template in (None, template) else generator_template,
+        generator_template=meta.get("generator_template"),
     )
 
 

@@ -76,6 +76,34 @@ class RunKey:
     """Set only when the generator's template differs from the scorer's (a base generator):
     records from before it existed keep their keys."""
 
+    @classmethod
+    def for_run(
+        cls,
+        question_id: str,
+        variant: str,
+        *,
+        scorer: str,
+        generator: str,
+        max_passages: int | None,
+        template: str,
+        max_answer_tokens: int,
+        seed: int,
+        generator_template: str | None,
+    ) -> RunKey:
+        """A run's key, ``generator_template`` kept only when it differs from ``template``:
+        the one rule the runner and the report's rebuild both key records by."""
+        return cls(
+            question_id=question_id,
+            variant=variant,
+            scorer=scorer,
+            generator=generator,
+            max_passages=max_passages,
+            template=template,
+            max_answer_tokens=max_answer_tokens,
+            seed=seed,
+            generator_template=None if generator_template == template else generator_template,
+        )
+
 
 RUN_SETTINGS = (
     "scorer",

@@ -220,18 +220,16 @@ class Evaluator:
         """``config.bias_profile``'s stored profile, resolved by ``run``."""
 
     def key(self, question_id: str, variant: str) -> RunKey:
-        return RunKey(
-            question_id=question_id,
-            variant=variant,
+        return RunKey.for_run(
+            question_id,
+            variant,
             scorer=self.scorer.backend.model_id,
             generator=self.generator.backend.model_id,
             max_passages=self.config.max_passages,
             template=self.template,
             max_answer_tokens=self.config.max_answer_tokens,
             seed=self.scorer.settings.seed,
-            generator_template=(
-                None if self.generator_template == self.template else self.generator_template
-            ),
+            generator_template=self.generator_template,
         )
 
     async def run(self, examples: Sequence[Example]) -> EvalOutcome:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from service.offline.evaluation.rebuild import MANIFEST_FILE, rebuild_report
+from tests.support.committed import COMMITTED
 
 ROOT = Path(__file__).resolve().parents[2]
 MAX_TRACKED_BYTES = 2 * 1024 * 1024
@@ -37,6 +38,11 @@ def test_no_tracked_result_file_is_larger_than_the_limit() -> None:
         if f.stat().st_size > MAX_TRACKED_BYTES
     ]
     assert not big, f"over {MAX_TRACKED_BYTES} bytes:\n" + "\n".join(big)
+
+
+def test_the_committed_evaluations_are_found() -> None:
+    # Tests parametrised by COMMITTED (tests/service) would skip silently on an empty list.
+    assert len(COMMITTED) >= 6, COMMITTED
 
 
 def test_evaluations_commit_their_records_packed_and_nothing_they_rebuild() -> None:

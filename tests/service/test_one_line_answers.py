@@ -8,7 +8,6 @@ and ``self_consistency``, made votes compare run-on text.
 
 from __future__ import annotations
 
-import gzip
 import json
 import math
 from pathlib import Path
@@ -27,6 +26,7 @@ from service.profile_store import ProfileStore
 from service.prompts import Passage
 from service.settings import Settings
 from service.strategies.base import Work, _answer
+from tests.support.committed import COMMITTED, committed_lines
 from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -186,19 +186,6 @@ def test_one_line_migration_refuses_a_record_whose_first_line_metric_would_chang
     (tmp_path / "cache.jsonl").write_text(json.dumps(bad) + "\n")
     with pytest.raises(ValueError, match=r"accuracy would change from 1\.0 to 0\.0"):
         migration.migrate(tmp_path, {"q1": ("Paris",)})
-
-
-# The committed evaluations keep their records packed (cache.jsonl.gz).
-COMMITTED = sorted(p.parent.name for p in (ROOT / "eval" / "results").glob("*/cache.jsonl.gz"))
-
-
-def committed_lines(folder: str) -> list[str]:
-    with gzip.open(ROOT / "eval" / "results" / folder / "cache.jsonl.gz", "rt") as fh:
-        return fh.read().splitlines()
-
-
-def test_the_committed_caches_are_found() -> None:
-    assert len(COMMITTED) >= 6, COMMITTED  # an empty parameter list would skip silently
 
 
 @pytest.mark.parametrize("folder", COMMITTED)

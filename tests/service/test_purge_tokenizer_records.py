@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import gzip
 import json
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests.support.committed import COMMITTED, committed_lines
 from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,19 +55,6 @@ def test_drops_only_the_records_with_too_many_tokens_per_character(
 def dev_chars(purge: ModuleType) -> dict[tuple[str, int], int]:
     chars: dict[tuple[str, int], int] = purge.prompt_chars(DATA)
     return chars
-
-
-# The committed evaluations keep their records packed (cache.jsonl.gz).
-COMMITTED = sorted(p.parent.name for p in (ROOT / "eval" / "results").glob("*/cache.jsonl.gz"))
-
-
-def committed_lines(folder: str) -> list[str]:
-    with gzip.open(ROOT / "eval" / "results" / folder / "cache.jsonl.gz", "rt") as fh:
-        return fh.read().splitlines()
-
-
-def test_the_committed_caches_are_found() -> None:
-    assert len(COMMITTED) >= 6, COMMITTED  # an empty parameter list would skip silently
 
 
 @pytest.mark.parametrize("folder", COMMITTED)

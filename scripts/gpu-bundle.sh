@@ -29,6 +29,14 @@ VLLM=${VLLM:-0.26.0}
 # plugins (tests/service/test_vllm_backend.py) and matplotlib (bench/load.py's plot).
 EXTRA=${EXTRA:-pytest==9.2.0 pytest-timeout==2.4.0 pytest-asyncio==1.5.0 matplotlib==3.11.2}
 PART_MIB=${PART_MIB:-60}
+# Requirements of vLLM that a text model's prompt log-probs never import, left behind to save
+# device calls (266 MiB, 4 of 19 parts): video decoding (cv2 and PyNvVideoCodec, imported in
+# try/except in vllm/multimodal/video.py; torchcodec, checked before use), tilelang and its z3
+# (imported inside functions of vllm/model_executor/kernels/mhc/tilelang.py) and
+# tokenspeed-triton (tokenspeed-mla's DeepSeek MLA kernels, imported inside functions).
+# Read from vllm 0.26.0's sources on 2026-11-26. The install is then --no-deps over exact pins
+# (the closure is resolved here), so pip does not ask for them; `LEAVE=` carries everything.
+LEAVE=${LEAVE-opencv-python-headless pynvvideocodec torchcodec tilelang z3-solver tokenspeed-triton}
 GLIBC=${GLIBC:-2.35}
 DEVICE_PACKAGES=${DEVICE_PACKAGES:-eval/device/gpu-device-packages.txt}
 OUT=.gpucarry
@@ -55,13 +63,20 @@ for minor in $(seq 17 "${GLIBC#2.}"); do platforms+=(--platform "manylinux_2_${m
 test -s "$OUT/report.json" || { echo "gpu-bundle: resolution failed" >&2; exit 1; }
 
 # Download what the report names (checking its sha256), keep nothing else.
-"$HOST_PY" - "$OUT" <<'PY'
-import hashlib, json, pathlib, sys, urllib.request
+"$HOST_PY" - "$OUT" "$LEAVE" <<'PY'
+import hashlib, json, pathlib, re, sys, urllib.request
 out = pathlib.Path(sys.argv[1])
+leave = {re.sub(r"[-_.]+", "-", n).lower() for n in sys.argv[2].split()}
 report = json.loads((out / "report.json").read_text())
 wheels = out / "wheels"
-wanted = {}
+wanted, pins = {}, []
 for item in report["install"]:
+    meta = item["metadata"]
+    name = re.sub(r"[-_.]+", "-", meta["name"]).lower()
+    if name in leave:
+        print(f"gpu-bundle: leaving {name}=={meta['version']} behind")
+        continue
+    pins.append(f"{name}=={meta['version']}")
     info = item["download_info"]
     url = info["url"]
     sha = info.get("archive_info", {}).get("hashes", {}).get("sha256")
@@ -83,12 +98,12 @@ for name, (url, sha) in sorted(wanted.items()):
         sys.exit(f"gpu-bundle: {name}: sha256 {digest} is not the index's {sha}")
     rows.append(f"{name}\t{path.stat().st_size}\t{digest}")
 (out / "wheels.tsv").write_text("\n".join(rows) + "\n")
+# What gpu-stage.sh installs (--no-deps): every carried wheel, pinned.
+(wheels / "requirements.txt").write_text("\n".join(sorted(pins)) + "\n")
 total = sum(int(r.split("\t")[1]) for r in rows)
 print(f"gpu-bundle: {len(rows)} wheels, {total / 2**20:.0f} MiB")
 PY
 
-# What gpu-stage.sh installs from the wheels.
-printf '%s\n' "vllm==$VLLM" $EXTRA > "$OUT/wheels/requirements.txt"
 start=$(date +%s.%N)
 # Wheels are compressed already: a plain tar, cut into parts.
 tar cf "$OUT/bundle.tar" -C "$OUT" wheels
@@ -100,8 +115,8 @@ for f in "$OUT"/part[0-9][0-9]; do
 done
 split_s=$(echo "$(date +%s.%N) - $start" | bc)
 {
-    printf '# vllm==%s for cp312 manylinux x86_64 (glibc <= %s), minus %s; scripts/gpu-bundle.sh\n' \
-        "$VLLM" "$GLIBC" "$DEVICE_PACKAGES"
+    printf '# vllm==%s for cp312 manylinux x86_64 (glibc <= %s), minus %s and LEAVE (%s); scripts/gpu-bundle.sh\n' \
+        "$VLLM" "$GLIBC" "$DEVICE_PACKAGES" "$LEAVE"
     printf '# wheel\tbytes\tsha256\n'
     cat "$OUT/wheels.tsv"
     printf '# part\tbytes\tsha256 (the tar: %s)\n' "$(cat "$OUT/bundle.sha")"

@@ -7,7 +7,7 @@
 #
 #   STAGES (default "info tests scoring load remote"), each with its own time limit:
 #   info     pip list, glibc, nvidia-smi                               -> pip-list.txt, ...
-#   tests    tests/service/test_vllm_backend.py on CUDA, float32 then bfloat16
+#   tests    tests/service/test_vllm_backend.py on CUDA, each dtype of TEST_DTYPES (float32 bfloat16)
 #   scoring  bench/scoring.py, vLLM against transformers, same prompts -> scoring_*.json
 #   load     bench/load.py, vLLM at each max_num_batched_tokens of TOKENS (default 16384; the
 #            issue's sweep is TOKENS="8192 16384 32768"), then transformers
@@ -57,11 +57,14 @@ for s in $STAGES; do
 torch.version.cuda)" >> "$OUT/machine.txt" 2>&1
         ;;
     tests)
-        stage tests_float32 200 env RAG_REORDER_TEST_VLLM_DTYPE=float32 \
-            "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
-        stage tests_bfloat16 200 env RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 \
-            RAG_REORDER_TEST_VLLM_TOL=${BF16_TOL:-0.05} \
-            "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
+        # TEST_DTYPES picks and orders them (bfloat16 first when time is short: production's).
+        for dtype in ${TEST_DTYPES:-float32 bfloat16}; do
+            tol=1e-3
+            [[ $dtype == bfloat16 ]] && tol=${BF16_TOL:-0.05}
+            stage "tests_$dtype" 200 env RAG_REORDER_TEST_VLLM_DTYPE="$dtype" \
+                RAG_REORDER_TEST_VLLM_TOL="$tol" \
+                "$PY" -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
+        done
         ;;
     scoring)
         for backend in vllm transformers; do

@@ -34,9 +34,11 @@ rm -rf "$WHEELS_DIR" && mkdir -p "$WHEELS_DIR"
 cat "$CARRY_DIR"/part[0-9][0-9] | tar xf - -C "$WHEELS_DIR" --strip-components=1
 joined=$(date +%s.%N)
 [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv --system-site-packages "$VENV"
-PIP_CONSTRAINT= PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/python" -m pip install -q \
+# --no-deps: requirements.txt pins the whole closure resolved by scripts/gpu-bundle.sh, less
+# the wheels it leaves behind (LEAVE there), which pip would otherwise ask for.
+PIP_CONSTRAINT= PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/python" -m pip install -q --no-deps \
     --no-index --find-links "$WHEELS_DIR" --no-compile -r "$WHEELS_DIR/requirements.txt"
-"$VENV/bin/python" -m pip check || echo "gpu bundle: pip check found the conflicts above"
+"$VENV/bin/python" -m pip check || echo "gpu bundle: pip check found the conflicts above (LEAVE's wheels expected)"
 installed=$(date +%s.%N)
 printf 'gpu bundle: joined and unpacked in %.1f s, installed in %.1f s\n' \
     "$(echo "$joined - $start" | bc)" "$(echo "$installed - $joined" | bc)"

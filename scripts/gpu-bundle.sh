@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds .gpucarry/ (git-ignored): every wheel the lent GPU machine lacks to run vLLM, for
-# issue 41. The machine has CPython 3.12, torch 2.11.0+cu130 and transformers 5.17 but no vLLM
-# and no network, and takes at most 64 MiB per call, so the wheels travel as one tar cut into
+# issue 41. The machine has CPython 3.12 and torch 2.11.0+cu130 (in /opt/torch/.venv, with
+# about 200 more packages) but no vLLM and no network, and takes at most 64 MiB per call, so the wheels travel as one tar cut into
 # parts of PART_MIB (default 60) MiB, one part per `device` call (eval/device/gpu-stage.sh
 # stores them there and installs once all have arrived).
 #
@@ -14,9 +14,10 @@
 # What is carried: vLLM's whole dependency closure for cp312 / manylinux (glibc <= GLIBC,
 # default 2.35) minus what the machine already has. Those are listed in DEVICE_PACKAGES
 # (default eval/device/gpu-device-packages.txt, `name==version` lines); the resolver sees them
-# as installed (stub dist-infos in a scratch venv), so it neither downloads nor replaces
-# them. Replace that file by the machine's own `pip list --format=freeze` (the first call of
-# eval/device/gpu-engines.sh writes it to $OUT) to carry less.
+# as installed (stub dist-infos in a scratch venv), so it downloads only those it must replace
+# (a version vLLM's pins exclude). The file is the H200's `pip list --format=freeze` of
+# 2026-11-26 (eval/device/gpu-engines.sh's info stage writes a fresh one to $OUT): 739 MiB in
+# 13 parts, against 1,137 MiB in 19 with only torch, triton and transformers listed.
 #
 # Writes: .gpucarry/partNN_/ (a part and the tar's sha256, each a carry path),
 # .gpucarry/wheels.tsv, and the committed manifest eval/device/gpu-bundle.manifest.tsv
@@ -27,10 +28,10 @@ cd "$(dirname "$0")/.."
 VLLM=${VLLM:-0.26.0}
 # Beside vLLM, what the device script runs that the machine may lack: the test runner and its
 # plugins (tests/service/test_vllm_backend.py) and matplotlib (bench/load.py's plot).
-EXTRA=${EXTRA:-pytest==9.2.0 pytest-timeout==2.4.0 pytest-asyncio==1.5.0 matplotlib==3.11.2}
+EXTRA=${EXTRA:-pytest pytest-timeout pytest-asyncio==1.5.0 matplotlib}
 PART_MIB=${PART_MIB:-60}
 # Requirements of vLLM that a text model's prompt log-probs never import, left behind to save
-# device calls (266 MiB, 4 of 19 parts): video decoding (cv2 and PyNvVideoCodec, imported in
+# device calls (266 MiB, 4 parts when the bundle was 19): video decoding (cv2 and PyNvVideoCodec, imported in
 # try/except in vllm/multimodal/video.py; torchcodec, checked before use), tilelang and its z3
 # (imported inside functions of vllm/model_executor/kernels/mhc/tilelang.py) and
 # tokenspeed-triton (tokenspeed-mla's DeepSeek MLA kernels, imported inside functions).

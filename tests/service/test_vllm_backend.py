@@ -54,8 +54,11 @@ from service.backends.base import (
 )
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.backends.vllm_backend import (
+    TOKEN_ID_PARAMS,
     VLLMBackend,
+    apply_vllm_env_defaults,
     generation_from_output,
+    resolve_score_mode,
     span_from_prompt_logprobs,
     span_from_token_id_scores,
     with_score_logprobs,
@@ -178,8 +181,12 @@ def test_is_a_logprob_backend(backend: VLLMBackend) -> None:
     assert isinstance(backend, LogprobBackend)
     assert isinstance(backend.tokenizer, HFPromptTokenizer)
     assert backend.max_model_len == CONTEXT - 1
-    # Model Runner V2 (the token-id fast path) needs Triton, which the CPU build lacks.
-    assert backend.score_mode == "prompt_logprobs"
+    # Model Runner V2 (the token-id fast path) needs Triton, which the CPU build lacks; on CUDA
+    # it also needs vLLM >= 0.32's SamplingParams fields (vLLM 0.26 has the runner, not them).
+    v2 = bool(backend._engine.vllm_config.use_v2_model_runner)
+    assert v2 == torch.cuda.is_available()
+    expected = "token_ids" if v2 and TOKEN_ID_PARAMS else "prompt_logprobs"
+    assert backend.score_mode == expected
     assert backend.is_healthy() and not backend.errored
 
 
@@ -472,6 +479,44 @@ def test_output_checks_on_synthetic_outputs() -> None:
         assert isinstance(generation_from_output("g", out), PromptFailure)
 
 
+def test_score_mode_follows_what_the_engine_can_run() -> None:
+    """``auto`` takes the fast path only where both the runner and the fields exist; asking for
+    it elsewhere names what is missing (vLLM 0.26 on CUDA has the runner and not the fields)."""
+    table = {
+        (True, True): "token_ids",
+        (True, False): "prompt_logprobs",
+        (False, True): "prompt_logprobs",
+        (False, False): "prompt_logprobs",
+    }
+    for (v2, fields), mode in table.items():
+        assert resolve_score_mode("auto", v2_runner=v2, token_id_params=fields) == mode
+        assert (
+            resolve_score_mode("prompt_logprobs", v2_runner=v2, token_id_params=fields)
+            == "prompt_logprobs"
+        )
+    assert resolve_score_mode("token_ids", v2_runner=True, token_id_params=True) == "token_ids"
+    with pytest.raises(ValueError, match="Model Runner V2"):
+        resolve_score_mode("token_ids", v2_runner=False, token_id_params=True)
+    with pytest.raises(ValueError, match=r"prompt_logprob_token_ids \(vLLM >= 0.32\)"):
+        resolve_score_mode("token_ids", v2_runner=True, token_id_params=False)
+
+
+def test_flashinfer_sampler_off_unless_the_operator_says(backend: VLLMBackend) -> None:
+    """Greedy requests never use FlashInfer's top-k/top-p sampler; its start-up JIT must not run
+    (eval/device/README.md, 2026-11-26). An operator's own setting wins."""
+    environ: dict[str, str] = {}
+    apply_vllm_env_defaults(environ)
+    assert environ == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
+    environ = {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    apply_vllm_env_defaults(environ)
+    assert environ == {"VLLM_USE_FLASHINFER_SAMPLER": "1"}
+    # The module's engine was started through load(), which applied it to this process.
+    assert os.environ.get("VLLM_USE_FLASHINFER_SAMPLER") is not None
+
+
+@pytest.mark.skipif(
+    not TOKEN_ID_PARAMS, reason="this vLLM has no prompt_logprob_token_ids (vLLM < 0.32)"
+)
 def test_token_id_fast_path_requests(backend: VLLMBackend, monkeypatch: pytest.MonkeyPatch) -> None:
     """The GPU-only fast path, as far as CPU can check it: vLLM accepts the request we build and
     we read its documented output layout back (row i scores prompt token start + i + 1)."""

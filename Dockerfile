@@ -33,6 +33,7 @@ COPY pyproject.toml README.md ./
 COPY clients/python/rag_reorder/VERSION ./clients/python/rag_reorder/VERSION
 COPY app ./app
 COPY service ./service
+COPY offline ./offline
 COPY solver ./solver
 COPY docker/constraints-cpu.txt /tmp/constraints-cpu.txt
 # Every runtime dependency at the version `make test` ran with (docker/constraints-cpu.txt);
@@ -88,6 +89,7 @@ COPY pyproject.toml README.md ./
 COPY clients/python/rag_reorder/VERSION ./clients/python/rag_reorder/VERSION
 COPY app ./app
 COPY service ./service
+COPY offline ./offline
 COPY solver ./solver
 COPY docker/constraints-cpu.txt docker/merge_constraints.py /tmp/
 # The image's own packages (torch, transformers, vLLM, ...) stay exactly as they are: they are

@@ -52,10 +52,10 @@ BINS = [(0.5, 0.6), (0.6, 0.75), (0.75, 0.9), (0.9, 0.97), (0.97, 1.01)]
 
 async def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Score ``--seeds`` default designs per question with the embedded model."""
+    from offline.evaluation.runner import prepare
     from service.backends.base import SpanLogprobs
     from service.backends.transformers_backend import TransformersBackend
     from service.dataset import load_examples
-    from service.offline.evaluation.runner import prepare
     from service.prompts import build_prompts
     from service.settings import Settings
 

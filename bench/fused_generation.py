@@ -41,9 +41,9 @@ import torch
 
 from bench import report
 from bench.report import provenance
+from offline.evaluation.runner import prepare
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
-from service.offline.evaluation.runner import prepare
 from service.pipeline import Reorderer
 from service.prompts import BuiltPrompt
 from service.settings import GEMMA_MODEL, Settings

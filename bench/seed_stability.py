@@ -41,10 +41,10 @@ import solver
 from bench import report
 from bench.dtype_fidelity import agreement
 from bench.report import provenance
+from offline.evaluation.runner import prepare
 from service.backends.base import SpanLogprobs
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
-from service.offline.evaluation.runner import prepare
 from service.prompts import build_prompts
 from service.settings import Settings
 

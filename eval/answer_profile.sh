@@ -1,24 +1,41 @@
 #!/usr/bin/env bash
-# The answer-calibrated profile measured on this machine: SmolLM2's position profile from its
-# answers (vLLM's OpenAI server, the chat API, the qa_default prompt), then NQ-Open dev with
-# `dense` placed by that profile and, as a same-machine control, by the log-prob profile, paired
-# against each other and the committed variants of eval/results/nq_open_dev. Every step
-# resumes: run it again after an interruption (~50 min on a 2-core CPU).
+# The answer-calibrated profile measured on this machine: a generator's position profile from
+# its answers (vLLM's OpenAI server on the CPU, the generator's prompt shape), then NQ-Open dev
+# with `dense` placed by that profile, paired against the committed variants of the generator's
+# run in eval/results (and, with CONTROL=1, against `dense` placed by the log-prob profile
+# re-run here). Every step resumes: run it again after an interruption.
 #
 #   eval/answer_profile.sh [DATA_DIR] [OUT]     # defaults ../shared/data, eval/results/answer_profile
+#
+# SmolLM2 (the default; ~50 min on a 2-core CPU):   eval/answer_profile.sh
+# Gemma-3-270m, a base model answering through /completions (~55 min):
+#   MODEL=google/gemma-3-270m NAME=gemma-3-270m API=completions TEMPLATE=qa_completion \
+#     LOGPROB=eval/results/profiles/nq_open_dev__gemma-3-270m__gemma-3-270m \
+#     COMMITTED=eval/results/nq_open_dev__gemma-3-270m__gemma-3-270m CONTROL=0 eval/answer_profile.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
 OUT=${2:-eval/results/answer_profile}
 RR=${RR:-.venv/bin/rag-reorder}
-MODEL=HuggingFaceTB/SmolLM2-135M-Instruct
+MODEL=${MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}
+NAME=${NAME:-smollm2}
+API=${API:-chat}
+TEMPLATE=${TEMPLATE:-qa_default}
+LOGPROB=${LOGPROB:-eval/results/profiles/nq_open_dev}
+COMMITTED=${COMMITTED:-eval/results/nq_open_dev}
+CONTROL=${CONTROL:-1}
 PORT=${PORT:-8765}
+# The SmolLM2 run's folders keep their first names (nq_open_dev, nq_open_dev_logprob).
+RUN=nq_open_dev
+[[ $NAME == smollm2 ]] || RUN=nq_open_dev__$NAME
 export HF_HUB_OFFLINE=1 RAG_REORDER_BIAS_PROFILE_DIR=$OUT/profiles
 mkdir -p "$OUT"
 
-if [[ ! -f $OUT/smollm2/profile.json ]] || ! grep -q '"stored": "' "$OUT/smollm2/profile.json"; then
-    folder=$(.venv/bin/python -c 'from service.model_assets import resolve_model; from service.settings import Settings; print(resolve_model(Settings()))')
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
+if [[ ! -f $OUT/$NAME/profile.json ]] || ! grep -q '"stored": "' "$OUT/$NAME/profile.json"; then
+    folder=$(RAG_REORDER_MODEL=$MODEL .venv/bin/python -c 'from service.model_assets import resolve_model; from service.settings import Settings; print(resolve_model(Settings()))')
+    # A fixed KV cache: by default vLLM on the CPU asks for 0.92 of the memory free, and refuses.
+    VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+        .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
         --model "$folder" --served-model-name "$MODEL" --dtype float32 --max-model-len 4096 \
         --host 127.0.0.1 --port "$PORT" >"${TMPDIR:-/tmp}/answer-profile-vllm.log" 2>&1 &
     server=$!
@@ -28,22 +45,29 @@ if [[ ! -f $OUT/smollm2/profile.json ]] || ! grep -q '"stored": "' "$OUT/smollm2
         sleep 2
     done
     $RR profile-generator --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL" \
+        --api "$API" --template "$TEMPLATE" \
         --data "$DATA/nq_open_train.jsonl" --limit "${QUESTIONS:-50}" --slots 10 \
-        --concurrency 8 --no-progress --out "$OUT/smollm2" || true  # a refusal is a result
+        --concurrency 8 --no-progress --out "$OUT/$NAME" || true  # a refusal is a result
     kill $server; wait $server 2>/dev/null || true
     trap - EXIT
 fi
-# `dense` placed by the stored answer profile (the only profile in $RAG_REORDER_BIAS_PROFILE_DIR),
-# and by the committed log-prob profile, both on this machine.
-LOGPROB=eval/results/profiles/nq_open_dev
-$RR eval --data "$DATA/nq_open_dev.jsonl" --max-passages 10 --strategies dense:bias_matched \
-    --no-positional --no-progress --out "$OUT/nq_open_dev"
-RAG_REORDER_BIAS_PROFILE_DIR=$LOGPROB $RR eval --data "$DATA/nq_open_dev.jsonl" \
-    --max-passages 10 --strategies dense:bias_matched --no-positional --no-progress \
-    --out "$OUT/nq_open_dev_logprob"
-for run in nq_open_dev nq_open_dev_logprob; do $RR eval-report --out "$OUT/$run" --pack; done
-.venv/bin/python eval/compare_answer_profile.py --answers "$OUT" \
-    --logprob-profile "$LOGPROB/HuggingFaceTB_SmolLM2-135M-Instruct__qa_default__L10.json" \
-    --control "$OUT/nq_open_dev_logprob" --committed eval/results/nq_open_dev \
-    > "$OUT/comparison.md"
-cat "$OUT/comparison.md"
+# `dense` placed by the stored answer profile (the generator's in $RAG_REORDER_BIAS_PROFILE_DIR),
+# and, with CONTROL=1, by the committed log-prob profile, both on this machine.
+$RR eval --data "$DATA/nq_open_dev.jsonl" --max-passages 10 --scorer "$MODEL" \
+    --generator "$MODEL" --strategies dense:bias_matched --no-positional --no-progress \
+    --out "$OUT/$RUN"
+$RR eval-report --out "$OUT/$RUN" --pack
+control=()
+if [[ $CONTROL == 1 ]]; then
+    RAG_REORDER_BIAS_PROFILE_DIR=$LOGPROB $RR eval --data "$DATA/nq_open_dev.jsonl" \
+        --max-passages 10 --scorer "$MODEL" --generator "$MODEL" --strategies dense:bias_matched \
+        --no-positional --no-progress --out "$OUT/${RUN}_logprob"
+    $RR eval-report --out "$OUT/${RUN}_logprob" --pack
+    control=(--control "$OUT/${RUN}_logprob")
+fi
+id=$(echo "$MODEL" | tr '/' '_')__${TEMPLATE}__L10
+report=$OUT/comparison.md
+[[ $NAME == smollm2 ]] || report=$OUT/comparison-$NAME.md
+.venv/bin/python eval/compare_answer_profile.py --answers "$OUT" --name "$NAME" --eval "$RUN" \
+    --logprob-profile "$LOGPROB/$id.json" "${control[@]}" --committed "$COMMITTED" > "$report"
+cat "$report"

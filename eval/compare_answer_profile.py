@@ -23,8 +23,8 @@ from scipy import stats
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.offline.evaluation.records import CACHE_FILE, Record, RecordCache
-from service.offline.evaluation.stats import paired_comparison
+from offline.evaluation.records import CACHE_FILE, Record, RecordCache
+from offline.evaluation.stats import paired_comparison
 
 NEW = "dense:bias_matched"
 BASELINES = (
@@ -53,14 +53,16 @@ def main() -> int:
     ap.add_argument("--logprob-profile", type=Path, required=True)
     ap.add_argument("--committed", type=Path, required=True)
     ap.add_argument("--control", type=Path, help="dense:bias_matched by the log-prob profile, here")
+    ap.add_argument("--name", default="smollm2", help="the run's folders: NAME/ and EVAL")
+    ap.add_argument("--eval", default="nq_open_dev", help="the eval folder under --answers")
     args = ap.parse_args()
-    report = json.loads((args.answers / "smollm2" / "profile.json").read_text())
+    report = json.loads((args.answers / args.name / "profile.json").read_text())
     fit = report["fit"]
     logprob = json.loads(args.logprob_profile.read_text())["coefficients"]
     answers = fit["coefficients"]
     rho, rho_p = stats.spearmanr(answers, logprob)
     verdict = "distinguishable" if report["distinguishable"] else "not distinguishable"
-    print("# Answer-calibrated profile of SmolLM2-135M-Instruct\n")
+    print(f"# Answer-calibrated profile of {report['model'].split('/')[-1]}\n")
     print(
         f"{report['questions_measured']} NQ-Open training questions x {report['slots']} slots, "
         f"{report['calls']} calls, {report['prompt_tokens']} prompt tokens, "
@@ -79,7 +81,7 @@ def main() -> int:
         f"\nSlot-rank agreement with the log-prob profile: Spearman rho = {rho:.2f} (p = "
         f"{rho_p:.2g}); best slot {top_a} (answers) and {top_l} (log-probs).\n"
     )
-    new = records(args.answers / "nq_open_dev")
+    new = records(args.answers / args.eval)
     old = records(args.committed)
     sources: list[tuple[dict[tuple[str, str], Record], str, str]] = []
     if args.control is not None:

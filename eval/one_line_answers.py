@@ -3,7 +3,7 @@
 Until 2026-11-26 a base model prompted with a completion template (Gemma-3-270m with
 ``qa_completion``) generated all ``max_answer_tokens`` tokens: its answer line, then run-on
 text (the next "Question:", the documents again). Generation now stops at the first line
-break (``service.strategies.base.Work``). Accuracy, EM and F1 always read the first line, so
+break (``service.strategies.work.Work``). Accuracy, EM and F1 always read the first line, so
 they do not change; the stored ``answer`` and ROUGE-L (scored on the whole response) do. This
 rewrites each such record's answer to its first line and recomputes its answer metrics from it,
 checking that accuracy, EM and F1 come out as stored, so that old and new records of one
@@ -26,9 +26,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from offline.evaluation.metrics import score_answer
 from service.answers import first_line
 from service.dataset import load_examples
-from service.offline.evaluation.metrics import score_answer
 from service.prompts import get_template
 from service.settings import DEFAULT_TEMPLATE, MODEL_TEMPLATES
 

@@ -24,7 +24,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from service.offline.evaluation.stats import PairedComparison, paired_comparison
+from offline.evaluation.stats import PairedComparison, paired_comparison
 
 METRICS = ("accuracy", "gold_logprob_per_token")
 LABELS = {"accuracy": "accuracy", "gold_logprob_per_token": "gold LL/token"}

@@ -38,7 +38,7 @@ from service.strategies.base import (
     Work,
     check_options,
 )
-from service.strategies.placing import apply_placement
+from service.strategies.placement import apply_placement
 from service.strategy_names import StrategyName
 from service.traffic import TrafficSampler
 

@@ -2,7 +2,7 @@
 slots).
 
 ``max_relevance`` and ``min_distraction`` place passages by them; ``rag-reorder
-calibrate-positions`` (``service.offline.positions.calibrate_positions``) measures and stores
+calibrate-positions`` (``offline.positions.calibrate_positions``) measures and stores
 them. A profile is never hard-coded: a strategy without a stored one refuses the request.
 
 One JSON document per key, ``<profiles root>/positional/<model>__<template>__L<slots>.json``
@@ -55,7 +55,7 @@ class PositionalRecord:
 
     ``accuracy`` and ``answer_logprob`` rotate the gold passage through every slot among
     ``slots - 1`` fixed weak distractors; ``distracting_effect`` rotates the hardest
-    distractor among the same weak distractors (``service.offline.positions`` has the rules).
+    distractor among the same weak distractors (``offline.positions`` has the rules).
     """
 
     model: str

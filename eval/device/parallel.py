@@ -43,7 +43,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 # The evaluation's own rule for an unfinished record (this import loads no model library).
-from service.offline.evaluation.records import RETRYABLE_GENERATOR_ERRORS
+from offline.evaluation.records import RETRYABLE_GENERATOR_ERRORS
 
 K = 10  # passages per question, as eval/run.sh
 CALIBRATION_QUESTIONS = 50
@@ -278,7 +278,7 @@ def expected_variants(run: Run, all_variants: bool = False) -> set[str]:
     ``--strategies``; with ``all_variants`` a same-model run's whole default set), else none."""
     if not run.pairing and not all_variants:
         return set()
-    from service.offline.evaluation.variants import select_variants
+    from offline.evaluation.variants import select_variants
 
     spec = run.strategies.split(",") if run.pairing and run.strategies else None
     cross = run.pairing and run.scorer != run.generator

@@ -36,7 +36,7 @@ class PromptTokenizer(Protocol):
     @property
     def line_break_ids(self) -> frozenset[int]:
         """Ids whose text contains a line break: a completion template's answer is one line,
-        so its generation stops at the first of them (``service.strategies.base.Work``)."""
+        so its generation stops at the first of them (``service.strategies.work.Work``)."""
         ...
 
     def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:

@@ -1,7 +1,7 @@
 """``LogprobBackend`` on a transformers causal LM, on CPU or one CUDA device.
 
 With ``service.model_assets.gguf`` (the GGUF conversion) and the distillation's training
-(``service.offline.distill.train``), the only module of the project that imports torch and
+(``offline.distill.train``), the only module of the project that imports torch and
 transformers (an import-linter contract keeps it so); it also imports peft, to apply a distilled
 scorer's LoRA adapter (``RAG_REORDER_ADAPTER``), merged into the weights once at load.
 

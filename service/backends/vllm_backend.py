@@ -461,14 +461,6 @@ class VLLMBackend:
         """Open and the engine alive: what liveness and readiness probes need from us."""
         return not self._closed and not self.errored
 
-    async def check_health(self) -> None:
-        """Raise ``BackendUnavailable`` unless ``is_healthy()``.
-
-        Only checks vLLM's dead flag; a probe that must prove the model runs should score a
-        tiny prompt (docs/operations.md: the canary).
-        """
-        self._require_alive()
-
     @property
     def num_unfinished_requests(self) -> int:
         """Engine requests submitted and not yet finished (for metrics and admission)."""

@@ -1,6 +1,6 @@
 """A distilled scorer's folder: a LoRA adapter (peft's files) and its manifest.
 
-``rag-reorder distill`` writes it (``service.offline.distill``); ``RAG_REORDER_ADAPTER`` names
+``rag-reorder distill`` writes it (``offline.distill``); ``RAG_REORDER_ADAPTER`` names
 it, and both backends serve the base model with the adapter applied. The manifest says what the
 adapter was distilled from and how well it agreed with its teacher on held-back questions; the
 service checks it against its settings before loading any weight (an adapter trained on another

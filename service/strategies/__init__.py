@@ -12,8 +12,8 @@ from service.strategies.base import Strategy, register_option_users
 from service.strategies.distraction import MaxRelevance, MinDistraction
 from service.strategies.likelihood import ConvexScore, QueryLikelihood
 from service.strategies.lore import Lore
+from service.strategies.model_free import Inverse, Litm, Retriever, Shuffle
 from service.strategies.moi import MoI
-from service.strategies.placements import Inverse, Litm, Retriever, Shuffle
 from service.strategies.pointwise import BayesSaliency, LongLLMLingua, QueryGeneration
 from service.strategies.retrieval import Bm25, Dense
 from service.strategies.self_consistency import SelfConsistency

@@ -2,7 +2,7 @@
 (Cuconasu et al. section 5, strategies (iv) and (v)).
 
 Both read the profile stored for (model, the request's template, N slots) by ``rag-reorder
-calibrate-positions`` (``service.offline.positions``); without one the request is refused
+calibrate-positions`` (``offline.positions``); without one the request is refused
 (``UnidentifiableRequest``, 422) before any model call. A profile is measured, never assumed.
 With a single passage there is nothing to place: no profile is needed (it is reported when
 stored).

@@ -17,7 +17,7 @@ from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.prompts import Passage
 from service.settings import Settings
 from service.strategies.base import DesignKind, DesignSpec, Outcome, ReorderRequest, Work
-from service.strategies.placing import named_profile, placed_by
+from service.strategies.placement import named_profile, placed_by
 from service.strategy_names import StrategyName
 
 # The default design: pruned random identifies bias, utilities and orientation from the data

@@ -69,8 +69,8 @@ def _check_shape(body: dict[str, Any], name: str, n: int) -> None:
 
 async def _calibrate_positions(harness: Any, texts: list[str] = PASSAGES) -> None:
     """Measure and store the positional profiles the two positional strategies need."""
+    from offline.positions import calibrate_positions
     from service.dataset import Example
-    from service.offline.positions import calibrate_positions
     from service.pipeline import Reorderer
     from service.prompts import Passage
 

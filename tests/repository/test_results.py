@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from service.offline.evaluation.rebuild import MANIFEST_FILE, rebuild_report
+from offline.evaluation.rebuild import MANIFEST_FILE, rebuild_report
 from tests.support.committed import COMMITTED
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from offline.positions import calibrate_positions, rotations
 from service.backends.fake import FakeBackend
 from service.dataset import Example
 from service.errors import InvalidRequest
-from service.offline.positions import calibrate_positions, rotations
 from service.positional_store import (
     CorruptPositionalProfile,
     PositionalRecord,

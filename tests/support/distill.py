@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from offline.distill.preferences import Preference, PreferenceMeta, sample_orders
+from offline.distill.train import DistillConfig, distill
 from service.model_assets.adapter import AdapterManifest, Agreement
-from service.offline.distill.preferences import Preference, PreferenceMeta, sample_orders
-from service.offline.distill.train import DistillConfig, distill
 from service.prompts import Passage
 
 PASSAGES = (

@@ -59,17 +59,14 @@ from typing import Any
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 import solver
-from service.answers import DEFAULT_MAX_ANSWER_TOKENS
-from service.dataset import Example
-from service.errors import ClientError, InvalidRequest, ScoringFailed, UnidentifiableRequest
-from service.offline.evaluation.metrics import (
+from offline.evaluation.metrics import (
     AnswerScores,
     MetricName,
     default_metric,
     gold_ranks,
     score_answer,
 )
-from service.offline.evaluation.records import (
+from offline.evaluation.records import (
     CACHE_FILE,
     GENERATION_FAILED,
     GOLD_SCORING_FAILED,
@@ -85,7 +82,10 @@ from service.offline.evaluation.records import (
     Status,
     run_settings,
 )
-from service.offline.evaluation.variants import Variant, all_variants
+from offline.evaluation.variants import Variant, all_variants
+from service.answers import DEFAULT_MAX_ANSWER_TOKENS
+from service.dataset import Example
+from service.errors import ClientError, InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
 from service.profile_store import StoredProfile
 from service.prompts import BuiltPrompt, Passage
@@ -239,9 +239,9 @@ class Evaluator:
             InvalidRequest: ``bias_profile`` names no stored profile.
             ServerError: the backend failed beyond one question (e.g. it is unavailable).
         """
-        from service.offline.evaluation.plots import write_plots
-        from service.offline.evaluation.rebuild import write_manifest
-        from service.offline.evaluation.report import build_summary, write_report
+        from offline.evaluation.plots import write_plots
+        from offline.evaluation.rebuild import write_manifest
+        from offline.evaluation.report import build_summary, write_report
 
         cfg = self.config
         if cfg.bias_profile is not None:

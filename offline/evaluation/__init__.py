@@ -7,8 +7,8 @@ gold passages' slots and the cost, resuming from the per-question cache of ``rec
 ``report`` writes ``results.json`` and ``summary.md``; ``plots`` the PNGs.
 """
 
-from service.offline.evaluation.runner import EvalConfig, EvalOutcome, Evaluator, run_evaluation
-from service.offline.evaluation.variants import Variant, all_variants, select_variants
+from offline.evaluation.runner import EvalConfig, EvalOutcome, Evaluator, run_evaluation
+from offline.evaluation.variants import Variant, all_variants, select_variants
 
 __all__ = [
     "EvalConfig",

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from service.offline.evaluation.metrics import METRICS, MetricName
-from service.offline.evaluation.records import (
+from offline.evaluation.metrics import METRICS, MetricName
+from offline.evaluation.records import (
     Cost,
     PositionalRecord,
     Record,
@@ -26,14 +26,14 @@ from service.offline.evaluation.records import (
     json_safe,
     record_to_json,
 )
-from service.offline.evaluation.stats import (
+from offline.evaluation.stats import (
     DEFAULT_RESAMPLES,
     PairedComparison,
     bootstrap_mean_band,
     mean_stderr,
     paired_comparison,
 )
-from service.offline.evaluation.variants import GENERATOR_BIAS
+from offline.evaluation.variants import GENERATOR_BIAS
 
 BASELINES = ("shuffle", "retriever")
 PLACEMENT_PAIR = ("bias_matched", "descending_utility")

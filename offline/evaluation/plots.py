@@ -29,7 +29,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from service.offline.evaluation.report import LABELS, Summary
+from offline.evaluation.report import LABELS, Summary
 from solver.answer_profile import AnswerProfileFit
 
 _DPI = 110

@@ -27,9 +27,9 @@ from pathlib import Path
 import anyio
 import numpy as np
 
+from offline.evaluation.runner import prepare
 from service.dataset import Example
 from service.errors import InvalidRequest, LimitExceeded
-from service.offline.evaluation.runner import prepare
 from service.pipeline import Reorderer
 from service.prompts import Passage
 

@@ -15,9 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from service.dataset import Example
-from service.errors import EngineUnavailable, InvalidRequest
-from service.offline.answer_profile import (
+from offline.answer_profile import (
     ANSWERS_FILE,
     PLOT_FILE,
     REPORT_FILE,
@@ -26,6 +24,8 @@ from service.offline.answer_profile import (
     plan_trials,
     run_profile,
 )
+from service.dataset import Example
+from service.errors import EngineUnavailable, InvalidRequest
 from service.profile_store import ProfileStore
 from service.prompts import Passage, get_template
 from service.settings import EMBEDDED_MODEL

@@ -27,10 +27,10 @@ import anyio
 import numpy as np
 from scipy.stats import kendalltau
 
+from offline.evaluation.runner import EvalQuestion, prepare
+from offline.evaluation.stats import bootstrap_mean_ci, paired_comparison
 from service.answers import nq_accuracy
 from service.dataset import Example
-from service.offline.evaluation.runner import EvalQuestion, prepare
-from service.offline.evaluation.stats import bootstrap_mean_ci, paired_comparison
 from service.pipeline import Reorderer
 from service.strategies.base import DesignSpec, ReorderRequest
 

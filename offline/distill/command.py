@@ -12,13 +12,13 @@ import anyio.to_thread
 import numpy as np
 from tqdm import tqdm  # type: ignore[import-untyped]
 
+from offline.distill.preferences import Preference, PreferenceReport, build_preferences
+from offline.distill.train import DistillConfig, distill
 from service.backends.factory import create_backend
 from service.dataset import Example
 from service.errors import InvalidRequest
 from service.model_assets import resolve_model
 from service.model_assets.adapter import AdapterManifest
-from service.offline.distill.preferences import Preference, PreferenceReport, build_preferences
-from service.offline.distill.train import DistillConfig, distill
 from service.pipeline import Reorderer
 from service.settings import Settings
 

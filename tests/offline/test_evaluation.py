@@ -14,22 +14,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.backends.base import GenerateResult, GenerationRequest
-from service.backends.byte_tokenizer import ByteTokenizer
-from service.backends.fake import FakeBackend
-from service.dataset import Example, load_examples
-from service.errors import InvalidRequest
-from service.offline.evaluation import EvalConfig, all_variants, run_evaluation, select_variants
-from service.offline.evaluation.metrics import gold_ranks, rouge_l, score_answer
-from service.offline.evaluation.records import CACHE_FILE, AnyRecord, PositionalRecord, Record
-from service.offline.evaluation.report import build_summary, markdown
-from service.offline.evaluation.runner import prepare
-from service.offline.evaluation.stats import (
+from offline.evaluation import EvalConfig, all_variants, run_evaluation, select_variants
+from offline.evaluation.metrics import gold_ranks, rouge_l, score_answer
+from offline.evaluation.records import CACHE_FILE, AnyRecord, PositionalRecord, Record
+from offline.evaluation.report import build_summary, markdown
+from offline.evaluation.runner import prepare
+from offline.evaluation.stats import (
     bootstrap_mean_band,
     bootstrap_mean_ci,
     paired_comparison,
     wilcoxon_p,
 )
+from service.backends.base import GenerateResult, GenerationRequest
+from service.backends.byte_tokenizer import ByteTokenizer
+from service.backends.fake import FakeBackend
+from service.dataset import Example, load_examples
+from service.errors import InvalidRequest
 from service.pipeline import Reorderer
 from service.profile_store import ProfileStore
 from service.prompts import Passage, build_generation_prompt
@@ -672,7 +672,7 @@ async def test_a_resume_says_how_much_and_a_folder_of_another_run_is_refused(
     variants = tuple(select_variants(["retriever"]))
     config = _config(tmp_path, variants=variants, positional=False)
     await run_evaluation(examples[:2], reorderer, config)
-    with caplog.at_level("INFO", logger="service.offline.evaluation.runner"):
+    with caplog.at_level("INFO", logger="offline.evaluation.runner"):
         await run_evaluation(examples[:3], reorderer, config)
     cache = tmp_path / "out" / CACHE_FILE
     assert f"resuming 2 of 3 questions from {cache}" in caplog.text
@@ -698,7 +698,7 @@ async def test_a_resume_says_how_much_and_a_folder_of_another_run_is_refused(
 async def test_the_report_rebuilds_from_its_records_alone_and_packed_records_resume(
     tmp_path: Path,
 ) -> None:
-    from service.offline.evaluation.rebuild import MANIFEST_FILE, rebuild_report
+    from offline.evaluation.rebuild import MANIFEST_FILE, rebuild_report
 
     examples, backend, reorderer = _setup(tmp_path)
     config = _config(tmp_path, positional_limit=1)

@@ -14,6 +14,21 @@ import numpy as np
 import pytest
 import torch
 
+from offline.distill.command import split
+from offline.distill.preferences import (
+    build_preferences,
+    read_preferences,
+    sample_orders,
+)
+from offline.distill.train import (
+    DistillConfig,
+    StudentScorer,
+    agreement,
+    load_student,
+    preference_kl,
+    train_steps,
+    with_lora,
+)
 from service.backends.fake import FakeBackend
 from service.backends.transformers_backend import TransformersBackend
 from service.dataset import Example
@@ -24,21 +39,6 @@ from service.model_assets.adapter import (
     read_manifest,
 )
 from service.model_assets.merge import merged_model
-from service.offline.distill.command import split
-from service.offline.distill.preferences import (
-    build_preferences,
-    read_preferences,
-    sample_orders,
-)
-from service.offline.distill.train import (
-    DistillConfig,
-    StudentScorer,
-    agreement,
-    load_student,
-    preference_kl,
-    train_steps,
-    with_lora,
-)
 from service.settings import Settings
 from tests.support.distill import PASSAGES, PREFS, distill_tiny
 from tests.support.pipeline import reorderer_in
@@ -249,8 +249,8 @@ def test_split_holds_back_a_seeded_subset() -> None:
 
 
 def test_distill_eval_measures_agreement_quality_and_cost_and_resumes(tmp_path: Path) -> None:
+    from offline.distill.measure import MeasureConfig, measure
     from service.dataset import load_examples
-    from service.offline.distill.measure import MeasureConfig, measure
     from tests.support.positional import FILLERS, TOPICS, write_qa_file
 
     qa = load_examples(write_qa_file(tmp_path / "qa.jsonl"))
@@ -282,6 +282,6 @@ def test_distill_eval_measures_agreement_quality_and_cost_and_resumes(tmp_path: 
     anyio.run(lambda: measure(qa, scorers, teacher, config))
     assert (tmp_path / "out" / "records.jsonl").read_text(encoding="utf-8").splitlines() == lines
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["questions"] == 2
-    from service.offline.evaluation.plots import write_distill_plot
+    from offline.evaluation.plots import write_distill_plot
 
     assert write_distill_plot(tmp_path / "out", summary).stat().st_size > 0

@@ -30,6 +30,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from scipy.stats import kendalltau
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from offline.distill.preferences import Preference, PreferenceMeta
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.backends.transformers_backend import token_logprobs
 from service.errors import InvalidRequest
@@ -40,7 +41,6 @@ from service.model_assets.adapter import (
     model_card,
     write_manifest,
 )
-from service.offline.distill.preferences import Preference, PreferenceMeta
 from service.prompts import BuiltPrompt, build_prompts
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
-from service.errors import InvalidRequest
-from service.offline.evaluation.metrics import MetricName
-from service.offline.evaluation.records import (
+from offline.evaluation.metrics import MetricName
+from offline.evaluation.records import (
     CACHE_FILE,
     POSITIONAL,
     AnyRecord,
@@ -24,6 +23,7 @@ from service.offline.evaluation.records import (
     record_from_json,
     record_to_json,
 )
+from service.errors import InvalidRequest
 
 MANIFEST_FILE = "run.json"
 
@@ -92,8 +92,8 @@ def rebuild_report(out_dir: Path, *, pack: bool = False) -> list[Path]:
     Raises:
         InvalidRequest: no manifest, or a record it names is not in the cache.
     """
-    from service.offline.evaluation.plots import write_plots
-    from service.offline.evaluation.report import build_summary, write_report
+    from offline.evaluation.plots import write_plots
+    from offline.evaluation.report import build_summary, write_report
 
     manifest_path = out_dir / MANIFEST_FILE
     if not manifest_path.is_file():

@@ -14,7 +14,7 @@ from service.profile_store import ProfileStore
 from service.prompts import Passage
 from service.settings import Settings
 from service.strategies import STRATEGIES, get_strategy, strategy_names
-from service.strategies.placements import litm_order
+from service.strategies.model_free import litm_order
 
 TEXTS = ["alpha one", "bravo two", "charlie three", "delta four", "echo five"]
 

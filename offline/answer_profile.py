@@ -40,10 +40,10 @@ from typing import Any, Literal
 import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]
 
+from offline.evaluation.metrics import score_answer
 from service.backends.engine_client import EngineClient, EngineHTTPError
 from service.dataset import Example
 from service.errors import InvalidRequest
-from service.offline.evaluation.metrics import score_answer
 from service.profile_store import ProfileStore, StoredProfile
 from service.prompts import ApiPrompt, PromptTemplate, api_prompt
 from solver.answer_profile import AnswerProfileFit, fit_answer_profile
@@ -365,7 +365,7 @@ def _finish(
     made: int,
     done: dict[tuple[str, int], dict[str, Any]],
 ) -> ProfileOutcome:
-    from service.offline.evaluation.plots import write_position_curve
+    from offline.evaluation.plots import write_position_curve
 
     ids = list(dict.fromkeys(q for q, _ in done))
     complete = [q for q in ids if all((q, k) in done for k in range(job.slots))]

@@ -4,7 +4,7 @@ torn by a stopped process), and a chunk that failed must run again on the next c
 
 The orchestration is tested against a stand-in for the CLI (``--rr``) that appends one record
 per question, so these tests run in a second; the CLI's own ``eval`` and its resume are
-tested in tests/service/test_evaluation.py."""
+tested in tests/offline/test_evaluation.py."""
 
 from __future__ import annotations
 

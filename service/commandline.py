@@ -1,0 +1,59 @@
+"""What the two command lines share: ``app.cli`` (serving: serve, reorder, calibrate, profiles)
+and ``offline.cli`` (evaluation, distillation, positional and generator profiles).
+
+A pipeline opened on a model for one command, the ``--data`` file read with a clear error,
+and the one-line progress counter on stderr.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from service.errors import ClientError
+from service.settings import Settings
+
+if TYPE_CHECKING:
+    from service.dataset import Example
+    from service.pipeline import Reorderer
+
+
+@asynccontextmanager
+async def open_pipeline(settings: Settings) -> AsyncIterator[Reorderer]:
+    """The configured backend, loaded off the event loop, in a pipeline; closed on exit."""
+    import anyio.to_thread
+
+    from service.backends.factory import create_backend
+    from service.pipeline import Reorderer
+
+    backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
+    try:
+        yield Reorderer(backend, settings)
+    finally:
+        await backend.aclose()
+
+
+def read_examples(path: Path, limit: int | None) -> list[Example]:
+    """``--data`` (JSONL in the shared/data schema), at most ``limit`` questions.
+
+    Raises:
+        ClientError: the file cannot be read (``param="data"``).
+    """
+    from service.dataset import load_examples
+
+    try:
+        return list(load_examples(path, limit=limit))
+    except OSError as exc:
+        raise ClientError(f"cannot read {path}: {exc}", param="data") from None
+
+
+def progress_line(label: str, unit: str) -> Callable[[int, int], None]:
+    """A ``(done, total)`` callback that redraws one progress line on stderr."""
+
+    def progress(done: int, total: int) -> None:
+        print(f"\r{label}: {done}/{total} {unit}", end="", file=sys.stderr, flush=True)
+
+    return progress

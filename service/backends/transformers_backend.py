@@ -1,9 +1,11 @@
 """``LogprobBackend`` on a transformers causal LM, on CPU or one CUDA device.
 
-With ``service.model_assets.gguf`` (the GGUF conversion) and the distillation's training
-(``offline.distill.train``), the only module of the project that imports torch and
-transformers (an import-linter contract keeps it so); it also imports peft, to apply a distilled
-scorer's LoRA adapter (``RAG_REORDER_ADAPTER``), merged into the weights once at load.
+Three modules beside this one hold its halves: ``transformers_loading`` (device, dtype, the
+adapter merge, the head probe), ``transformers_forward`` (span scoring) and
+``transformers_generation`` (greedy generation); with the GGUF conversion, the adapter merge,
+the embedding encoder and the distillation's training, they are the only modules that import
+torch and transformers (an import-linter contract keeps it so). peft is imported to apply a
+distilled scorer's LoRA adapter (``RAG_REORDER_ADAPTER``), merged into the weights once at load.
 
 Scoring packs the requests of every concurrent call into shared padded batches under
 ``batch_token_budget`` (``service.backends.scheduler``, with the packing rule of
@@ -21,60 +23,63 @@ caller bug, not a broken backend. A forward that fails (out of memory, non-finit
 from __future__ import annotations
 
 import asyncio
-import copy
 import gc
 import inspect
 import logging
-import math
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal, TypeVar, cast
 
 import anyio
 import anyio.to_thread
 import torch
-from peft import PeftModel
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from service.backends.base import (
     GenerateResult,
-    Generation,
     GenerationRequest,
-    PromptFailure,
     ScoreResult,
     SpanRequest,
-    checked_span,
     out_of_vocab,
 )
 from service.backends.batching import HeadMode, plan_generation_batches
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.backends.scheduler import ForwardScheduler
+from service.backends.transformers_forward import token_logprobs, validate_span
+from service.backends.transformers_generation import GreedyGeneration
+from service.backends.transformers_loading import (
+    DeviceName,
+    DtypeName,
+    context_length,
+    default_batch_token_budget,
+    generation_eos_ids,
+    merged,
+    probe_head,
+    resolve_device,
+    resolve_dtype,
+    weight_rows,
+)
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
 from service.model_assets import resolve_model
 from service.model_assets.adapter import adapted_model_id, configured_adapter
 from service.settings import Settings
 
-logger = logging.getLogger(__name__)
+__all__ = [
+    "DeviceName",
+    "DtypeName",
+    "TransformersBackend",
+    "default_batch_token_budget",
+    "token_logprobs",
+]
 
-DeviceName = Literal["auto", "cpu", "cuda"]
-Req = TypeVar("Req", SpanRequest, GenerationRequest)
-Res = TypeVar("Res", ScoreResult, GenerateResult)
-_Model = TypeVar("_Model", bound=torch.nn.Module)
-DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
+logger = logging.getLogger(__name__)
 
 # Head output plus its float32 copy for the log-softmax, per batch: the planner keeps
 # rows x vocab x 8 bytes under this, because that tensor, not the KV state, is what blows up.
 _LOGITS_BYTES_BUDGET = 1 << 30
-# Padded prompt tokens per forward batch when the settings leave it open. A GPU needs large
-# batches to stay busy; a CPU does not, and there a large padded batch is slower
-# (bench/results/batch_budget.json: SmolLM2 on 2 cores, 4096 against 16384).
-_CUDA_BATCH_TOKENS = 16384
-_CPU_BATCH_TOKENS = 4096
-_DEFAULT_CONTEXT = 2048
 
 
-class TransformersBackend:
+class TransformersBackend(GreedyGeneration):
     """Scores spans and generates greedily with a local transformers model.
 
     Forwards are blocking, so they run in a worker thread, one at a time (an ``anyio.Lock``
@@ -84,10 +89,6 @@ class TransformersBackend:
     in a forward. Generation keeps its own lockstep batches per call, taking the same lock
     per batch, so it interleaves with the shared scoring forwards.
     """
-
-    # Finished rows leave a lockstep generation batch (``_greedy``). Only
-    # ``bench/generation.py`` turns it off, to measure what it saves side by side.
-    prune_finished: bool = True
 
     def __init__(
         self,
@@ -119,14 +120,14 @@ class TransformersBackend:
         self._max_model_len = max_model_len
         self._batch_token_budget = batch_token_budget
         self._device = next(model.parameters()).device
-        self._vocab_size = _weight_rows(model.get_input_embeddings())
+        self._vocab_size = weight_rows(model.get_input_embeddings())
         forward_params = inspect.signature(model.forward).parameters
         self._accepts_logits_to_keep = "logits_to_keep" in forward_params
         # transformers 5.2x renamed the KV cache's argument and output field from
         # ``past_key_values`` to ``cache`` (the old name warns, and goes in 5.40); older
         # releases know only the old one. The same name serves both directions.
         self._cache_name = "cache" if "cache" in forward_params else "past_key_values"
-        supported, head_vocab = _probe_head(model, self._device, self._accepts_logits_to_keep)
+        supported, head_vocab = probe_head(model, self._device, self._accepts_logits_to_keep)
         if head_mode == "auto":
             head_mode = supported[0]
         elif head_mode not in supported:
@@ -205,8 +206,8 @@ class TransformersBackend:
             BackendUnavailable: the folder or the adapter cannot be loaded, or the device is
                 missing.
         """
-        torch_device = _resolve_device(device)
-        torch_dtype = _resolve_dtype(dtype, torch_device)
+        torch_device = resolve_device(device)
+        torch_dtype = resolve_dtype(dtype, torch_device)
         try:
             # device_map puts the weights straight on the device, without a CPU copy first.
             model = AutoModelForCausalLM.from_pretrained(
@@ -218,11 +219,11 @@ class TransformersBackend:
                 f"cannot load model {model_id or folder.name!r}: {type(exc).__name__}"
             ) from exc
         if adapter is not None:
-            model = _merged(model, adapter)
+            model = merged(model, adapter)
         model.train(False)  # eval mode; PreTrainedModel.eval() is untyped
         model.requires_grad_(False)
-        tokenizer = HFPromptTokenizer(hf_tokenizer, extra_eos_token_ids=_generation_eos_ids(model))
-        context = _context_length(model, max_model_len)
+        tokenizer = HFPromptTokenizer(hf_tokenizer, extra_eos_token_ids=generation_eos_ids(model))
+        context = context_length(model, max_model_len)
         budget = batch_token_budget or default_batch_token_budget(torch_device)
         logger.info(
             "loaded %s on %s (%s), context %d, %d padded tokens per forward batch",
@@ -306,7 +307,7 @@ class TransformersBackend:
         reqs = list(requests)
         for req in reqs:
             self._validate_prompt(req.request_id, req.token_ids, reserve=0)
-            _validate_span(req)
+            validate_span(req)
         return await self._scheduler.score(reqs)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
@@ -442,312 +443,6 @@ class TransformersBackend:
                 param="score_ids",
             )
 
-    def _score_batch(self, model: PreTrainedModel, batch: list[SpanRequest]) -> list[ScoreResult]:
-        def forward(part: list[SpanRequest]) -> list[ScoreResult]:
-            flat = self._forward_span_logprobs(model, part)
-            results: list[ScoreResult] = []
-            start = 0
-            for req in part:
-                end = start + req.span_end - req.span_start
-                results.append(checked_span(req.request_id, flat[start:end]))
-                start = end
-            return results
-
-        return self._isolating_failures(forward, batch, "prompt")
-
-    def _forward_span_logprobs(
-        self, model: PreTrainedModel, batch: list[SpanRequest]
-    ) -> list[float]:
-        """Span log-probs of ``batch``, concatenated in batch order."""
-        width = max(len(req.token_ids) for req in batch)
-        # Right padding: causal attention keeps real rows blind to the pad tail, so positions
-        # and values match an unpadded forward. Pad id 0 is any valid id; it is masked out.
-        input_ids = torch.zeros((len(batch), width), dtype=torch.long)
-        attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
-        rows_b: list[int] = []
-        rows_t: list[int] = []
-        targets: list[int] = []
-        for b, req in enumerate(batch):
-            n = len(req.token_ids)
-            input_ids[b, :n] = torch.tensor(req.token_ids, dtype=torch.long)
-            attention_mask[b, :n] = 1
-            # The logits at position t predict token t + 1.
-            rows_b.extend([b] * (req.span_end - req.span_start))
-            rows_t.extend(range(req.span_start - 1, req.span_end - 1))
-            targets.extend(req.token_ids[req.span_start : req.span_end])
-        kwargs: dict[str, object] = {
-            "input_ids": input_ids.to(self._device),
-            "attention_mask": attention_mask.to(self._device),
-            # No KV cache: scoring never continues a prompt, so the cache would be pure waste.
-            "use_cache": False,
-        }
-        rows = self._head_rows(model, kwargs, (len(batch), width), rows_b, rows_t)
-        target = torch.tensor(targets, dtype=torch.long, device=self._device)
-        values: list[float] = token_logprobs(rows, target).cpu().tolist()
-        return values
-
-    def _head_rows(
-        self,
-        model: PreTrainedModel,
-        kwargs: dict[str, object],
-        shape: tuple[int, int],
-        rows_b: list[int],
-        rows_t: list[int],
-    ) -> torch.Tensor:
-        """Logits of ``model(**kwargs)`` at the positions ``(rows_b[k], rows_t[k])``, as a
-        ``(len(rows_b), vocab)`` tensor, with no more rows through the LM head than the head
-        mode needs. ``shape`` is the input's ``(batch, positions)``; the pairs must come in
-        (batch, position) order."""
-        b_idx = torch.tensor(rows_b, dtype=torch.long)
-        t_idx = torch.tensor(rows_t, dtype=torch.long)
-        if self._head_mode == "mask":
-            keep = torch.zeros(shape, dtype=torch.bool)
-            keep[b_idx, t_idx] = True
-            # Boolean logits_to_keep flattens kept rows in (batch, position) order, the order
-            # the pairs come in.
-            rows: torch.Tensor = model(**kwargs, logits_to_keep=keep.to(self._device)).logits
-            return rows
-        if self._head_mode == "positions":
-            positions = sorted(set(rows_t))
-            column = {t: k for k, t in enumerate(positions)}
-            keep_at = torch.tensor(positions, dtype=torch.long).to(self._device)
-            logits = model(**kwargs, logits_to_keep=keep_at).logits
-            u_idx = torch.tensor([column[t] for t in rows_t], dtype=torch.long)
-            rows = logits[b_idx.to(self._device), u_idx.to(self._device)]
-            return rows
-        logits = model(**kwargs).logits
-        rows = logits[b_idx.to(self._device), t_idx.to(self._device)]
-        return rows
-
-    def _steps(self, req: GenerationRequest) -> int:
-        """Tokens ``req`` may generate: its budget, cut where the context ends."""
-        return min(req.max_new_tokens, self._max_model_len - len(req.token_ids))
-
-    def _generate_batch(
-        self,
-        model: PreTrainedModel,
-        batch: list[GenerationRequest],
-        cancelled: threading.Event | None = None,
-    ) -> list[GenerateResult]:
-        return self._isolating_failures(
-            lambda part: self._greedy(model, part, cancelled), batch, "generation"
-        )
-
-    def _isolating_failures(
-        self,
-        run: Callable[[list[Req]], list[Res]],
-        batch: list[Req],
-        what: str,
-    ) -> list[Res | PromptFailure]:
-        """``run(batch)`` under inference mode; a failed forward (out of memory, a kernel
-        error) is retried request by request, so only the request that fails alone gets a
-        ``PromptFailure`` and the others are still served."""
-        try:
-            with torch.inference_mode():
-                return list(run(batch))
-        except RuntimeError as exc:  # torch.OutOfMemoryError is a RuntimeError
-            if self._device.type == "cuda":
-                torch.cuda.empty_cache()
-            if len(batch) > 1:
-                logger.warning(
-                    "%s batch of %d failed (%s); retrying one by one",
-                    what,
-                    len(batch),
-                    type(exc).__name__,
-                )
-                return [self._isolating_failures(run, [req], what)[0] for req in batch]
-            rid = batch[0].request_id
-            logger.warning("%s %s failed: %s", what, rid, type(exc).__name__)
-            return [PromptFailure(rid, f"forward failed: {type(exc).__name__}")]
-
-    def _greedy(
-        self,
-        model: PreTrainedModel,
-        batch: list[GenerationRequest],
-        cancelled: threading.Event | None = None,
-    ) -> list[GenerateResult]:
-        """Greedy decoding of ``batch`` in lockstep: one prefill, then one forward per token.
-
-        Prompts are left-padded so every row's next token sits in the last column; the
-        attention mask hides the pads and explicit position ids start each row at 0, so a row
-        decodes as it would alone. One host sync per step reads every row's token at once,
-        instead of one decode loop (and one sync per token) per request; a finished row
-        leaves the batch and its KV cache. Rows with score ids
-        get them scored from the same prefill (``_score_after_prefill``) before decoding.
-        Once ``cancelled`` is set (its caller left) decoding stops at the next step, and the
-        rows end as they are (``length``): nobody reads them.
-        """
-        rows = len(batch)
-        width = max(len(r.token_ids) for r in batch)
-        steps = [self._steps(r) for r in batch]
-        stops = [r.stop_token_ids | self._tokenizer.eos_token_ids for r in batch]
-        input_ids = torch.zeros((rows, width), dtype=torch.long)
-        mask = torch.zeros((rows, width), dtype=torch.long)
-        for b, req in enumerate(batch):
-            n = len(req.token_ids)
-            input_ids[b, width - n :] = torch.tensor(req.token_ids, dtype=torch.long)
-            mask[b, width - n :] = 1
-        input_ids, mask = input_ids.to(self._device), mask.to(self._device)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        kwargs: dict[str, object] = {
-            "input_ids": input_ids,
-            "attention_mask": mask,
-            "position_ids": positions,
-            "use_cache": True,
-        }
-        if self._accepts_logits_to_keep:
-            kwargs["logits_to_keep"] = 1
-        out = model(**kwargs)
-        scored: list[tuple[float, ...] | PromptFailure | None] = [None] * rows
-        if any(r.score_ids for r in batch):
-            # Under logits_to_keep=1 the prefill's logits are (rows, 1, vocab), else (rows,
-            # width, vocab): the last column is each prompt's last position either way.
-            scored = self._score_after_prefill(
-                model, batch, out.logits[:, -1], getattr(out, self._cache_name), mask, positions
-            )
-        tokens: list[list[int]] = [[] for _ in batch]
-        values: list[list[float]] = [[] for _ in batch]
-        # A row whose score ids failed is finished before it starts: the request fails whole.
-        finished: list[GenerateResult | None] = [
-            s if isinstance(s, PromptFailure) else None for s in scored
-        ]
-
-        def generation(b: int, reason: str) -> Generation:
-            score = scored[b]
-            return Generation(
-                batch[b].request_id,
-                tuple(tokens[b]),
-                tuple(values[b]),
-                reason,
-                score_logprobs=score if isinstance(score, tuple) else None,
-            )
-
-        # ``active[i]``: the request of the batch's row i. A row leaves the batch (and its
-        # KV cache) once it is finished: one answer that runs to the token budget would
-        # otherwise keep every finished row of its batch in each decode forward. On
-        # Gemma-3's 262k-token head, that row's LM head alone costs as much as its layers.
-        active = list(range(rows))
-        last = positions[:, -1:]
-        for step in range(max(steps)):
-            logp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-            best = torch.argmax(logp, dim=-1)
-            picked = logp.gather(1, best[:, None]).squeeze(1)
-            best_host, picked_host = best.tolist(), picked.tolist()
-            for i, b in enumerate(active):
-                if finished[b] is not None:
-                    continue
-                req = batch[b]
-                token, value = int(best_host[i]), float(picked_host[i])
-                if not math.isfinite(value):
-                    finished[b] = PromptFailure(req.request_id, "non-finite log-prob in generation")
-                    continue
-                tokens[b].append(token)
-                values[b].append(value)
-                if token in stops[b]:
-                    finished[b] = generation(b, "stop")
-                elif len(tokens[b]) >= steps[b]:
-                    finished[b] = generation(b, "length")
-            keep = [i for i, b in enumerate(active) if finished[b] is None]
-            if not keep or step + 1 >= max(steps):
-                break
-            if cancelled is not None and cancelled.is_set():
-                break
-            cache = getattr(out, self._cache_name)
-            if self.prune_finished and len(keep) < len(active):
-                kept = torch.tensor(keep, dtype=torch.long, device=mask.device)
-                cache.batch_select_indices(kept)
-                mask, last, best = mask[kept], last[kept], best[kept]
-                active = [active[i] for i in keep]
-            mask = torch.cat(
-                [mask, torch.ones((len(active), 1), dtype=mask.dtype, device=mask.device)], 1
-            )
-            last = last + 1
-            out = model(
-                input_ids=best[:, None],
-                attention_mask=mask,
-                position_ids=last,
-                use_cache=True,
-                **{self._cache_name: cache},
-            )
-        return [f if f is not None else generation(b, "length") for b, f in enumerate(finished)]
-
-    def _score_after_prefill(
-        self,
-        model: PreTrainedModel,
-        batch: list[GenerationRequest],
-        last_logits: torch.Tensor,
-        cache: object,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-    ) -> list[tuple[float, ...] | PromptFailure | None]:
-        """Log-probs of each row's ``score_ids`` after its prompt, from ``_greedy``'s prefill
-        (its ``(rows, vocab)`` logits at the last position, its KV ``cache``, the left-padded
-        ``mask`` and ``positions``) and at most one more forward.
-
-        The first score id is predicted by the prompt's last position, which the prefill
-        already ran through the LM head. The others are predicted by the score ids before
-        them: those are fed as one right-padded block after the prompts (mask 0 on the pads,
-        positions continuing each row's), on a copy of the prefill's KV cache, so each row
-        sees its own prompt and score ids only and decoding goes on from the untouched cache.
-        The last score id is never fed: nothing reads what it predicts.
-
-        Returns:
-            Per row: the checked log-probs, ``PromptFailure`` when one is not finite (or is
-            positive), or ``None`` for a row without score ids.
-        """
-        device = self._device
-        rows = len(batch)
-        wanted = [b for b, r in enumerate(batch) if r.score_ids]
-        found: list[list[float]] = [[] for _ in batch]
-        first_ids = torch.tensor([batch[b].score_ids[0] for b in wanted], device=device)
-        first = token_logprobs(last_logits[torch.tensor(wanted, device=device)], first_ids)
-        for b, value in zip(wanted, first.cpu().tolist(), strict=True):
-            found[b].append(value)
-        fed = max(len(r.score_ids) for r in batch) - 1
-        if fed > 0:
-            ids = torch.zeros((rows, fed), dtype=torch.long)
-            tail = torch.zeros((rows, fed), dtype=torch.long)
-            rows_b: list[int] = []
-            rows_t: list[int] = []
-            targets: list[int] = []
-            for b, req in enumerate(batch):
-                k = len(req.score_ids) - 1
-                if k <= 0:
-                    continue
-                ids[b, :k] = torch.tensor(req.score_ids[:-1], dtype=torch.long)
-                tail[b, :k] = 1
-                # The logits at block position j predict score id j + 1.
-                rows_b.extend([b] * k)
-                rows_t.extend(range(k))
-                targets.extend(req.score_ids[1:])
-            kwargs: dict[str, object] = {
-                "input_ids": ids.to(device),
-                "attention_mask": torch.cat([mask, tail.to(device)], dim=1),
-                "position_ids": positions[:, -1:] + 1 + torch.arange(fed, device=device),
-                # A copy, because the forward appends to the cache it is given. deepcopy works
-                # for every cache class; cropping back does not (Gemma-3's sliding-window
-                # layers have already dropped the tokens a crop would need).
-                self._cache_name: copy.deepcopy(cache),
-                "use_cache": True,
-            }
-            logits = self._head_rows(model, kwargs, (rows, fed), rows_b, rows_t)
-            target = torch.tensor(targets, dtype=torch.long, device=device)
-            rest: list[float] = token_logprobs(logits, target).cpu().tolist()
-            del kwargs, logits  # the copied cache: freed before decoding grows the original
-            for b, value in zip(rows_b, rest, strict=True):
-                found[b].append(value)
-        out: list[tuple[float, ...] | PromptFailure | None] = []
-        for b, req in enumerate(batch):
-            if not req.score_ids:
-                out.append(None)
-                continue
-            checked = checked_span(req.request_id, found[b])
-            if isinstance(checked, PromptFailure):
-                out.append(PromptFailure(req.request_id, f"score_ids: {checked.reason}"))
-            else:
-                out.append(checked.logprobs)
-        return out
-
 
 def _forget_orphan(
     orphans: set[asyncio.Task[list[GenerateResult]]],
@@ -759,123 +454,3 @@ def _forget_orphan(
             logger.warning("an abandoned generation batch failed: %r", task.exception())
 
     return forget
-
-
-def _merged(model: _Model, adapter: Path) -> _Model:
-    """``model`` with a LoRA adapter folded into its weights: a merged model runs at the base
-    model's speed (no extra low-rank matmuls per layer) and keeps every forward path
-    (``logits_to_keep``, the KV cache) of the base class."""
-    try:
-        peft_model = PeftModel.from_pretrained(model, str(adapter))
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise BackendUnavailable(
-            f"cannot load adapter {adapter.name!r}: {type(exc).__name__}"
-        ) from exc
-    # merge_and_unload returns the base model object itself, its LoRA layers folded in.
-    return cast(_Model, peft_model.merge_and_unload())
-
-
-def default_batch_token_budget(device: torch.device) -> int:
-    """The forward-batch budget for ``device`` when the settings leave it open."""
-    return _CUDA_BATCH_TOKENS if device.type == "cuda" else _CPU_BATCH_TOKENS
-
-
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """``log_softmax(logits)[k, targets[k]]`` per row, in float32, without the full softmax.
-
-    Args:
-        logits: ``(rows, vocab)`` in any float dtype.
-        targets: ``(rows,)`` token ids.
-
-    Returns:
-        ``(rows,)`` float32 log-probs in nats.
-    """
-    logits = logits.float()
-    picked = logits.gather(1, targets[:, None]).squeeze(1)
-    return picked - torch.logsumexp(logits, dim=-1)
-
-
-def _validate_span(req: SpanRequest) -> None:
-    n = len(req.token_ids)
-    if not 1 <= req.span_start < req.span_end <= n:
-        raise InvalidRequest(
-            f"request {req.request_id!r}: span [{req.span_start}, {req.span_end}) must satisfy "
-            f"1 <= span_start < span_end <= {n} (the first token has no log-prob)",
-            param="span_start",
-        )
-
-
-def _probe_head(
-    model: PreTrainedModel, device: torch.device, accepts_logits_to_keep: bool
-) -> tuple[list[HeadMode], int]:
-    """Head modes this model supports (best first) and the head's width, by tiny forwards."""
-    ids = torch.zeros((2, 3), dtype=torch.long, device=device)
-    with torch.inference_mode():
-        head_vocab = int(model(input_ids=ids, use_cache=False).logits.shape[-1])
-    if not accepts_logits_to_keep:
-        return ["full"], head_vocab
-    modes: list[HeadMode] = []
-    # Three kept rows in a batch of two: a flattened (3, vocab) output proves per-row selection.
-    keep = torch.tensor([[False, True, False], [True, False, True]], device=device)
-    with torch.inference_mode():
-        try:
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=keep).logits
-            if logits.ndim == 2 and logits.shape[0] == 3:
-                modes.append("mask")
-        except (RuntimeError, IndexError, TypeError, ValueError):
-            pass
-        try:
-            positions = torch.tensor([0, 2], device=device)
-            logits = model(input_ids=ids, use_cache=False, logits_to_keep=positions).logits
-            if logits.ndim == 3 and tuple(logits.shape[:2]) == (2, 2):
-                modes.append("positions")
-        except (RuntimeError, IndexError, TypeError, ValueError):
-            pass
-    modes.append("full")
-    return modes, head_vocab
-
-
-def _weight_rows(module: torch.nn.Module) -> int:
-    weight = getattr(module, "weight", None)
-    if not isinstance(weight, torch.Tensor):
-        raise BackendUnavailable("the model's input embeddings have no weight matrix")
-    return int(weight.shape[0])
-
-
-def _resolve_device(device: DeviceName) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise BackendUnavailable("device 'cuda' requested but no CUDA device is visible")
-    return torch.device(device)
-
-
-def _resolve_dtype(dtype: DtypeName, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        # CPU kernels are fastest and exact in float32; bfloat16 halves GPU memory and time.
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
-
-
-def _generation_eos_ids(model: PreTrainedModel) -> list[int]:
-    config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    if eos is None:
-        return []
-    return [int(eos)] if isinstance(eos, int) else [int(i) for i in eos]
-
-
-def _context_length(model: PreTrainedModel, requested: int | None) -> int:
-    native = getattr(model.config, "max_position_embeddings", None)
-    if not isinstance(native, int):
-        native = None
-    if requested is None:
-        if native is None:
-            logger.warning("model declares no context length; using %d", _DEFAULT_CONTEXT)
-        return native or _DEFAULT_CONTEXT
-    if native is not None and requested > native:
-        logger.warning(
-            "max_model_len %d is over the model's context %d; using %d", requested, native, native
-        )
-        return native
-    return requested

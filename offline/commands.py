@@ -1,0 +1,288 @@
+"""The offline commands' handlers (``offline/cli.py`` parses their arguments and calls them).
+
+Each imports its own code, and with it its libraries (matplotlib, peft, rouge-score, ...),
+only when it runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from contextlib import AsyncExitStack
+from dataclasses import asdict
+from typing import Any
+
+from service.commandline import open_pipeline, progress_line, read_examples
+from service.errors import ClientError
+from service.settings import Settings
+
+
+async def calibrate_positions(settings: Settings, args: argparse.Namespace) -> int:
+    from offline.positions import calibrate_positions
+
+    examples = read_examples(args.data, args.limit)
+    async with open_pipeline(settings) as reorderer:
+        report = await calibrate_positions(
+            reorderer,
+            examples,
+            max_passages=args.max_passages,
+            template=args.template,
+            source=args.data.name,
+            progress=progress_line("calibrating positions", "questions"),
+        )
+    print(file=sys.stderr)
+    out: dict[str, Any] = asdict(report.record)
+    out.update(
+        prompts=report.prompts,
+        prompts_failed=report.prompts_failed,
+        generated_tokens=report.generated_tokens,
+    )
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+async def eval(settings: Settings, args: argparse.Namespace) -> int:
+    from offline.evaluation import EvalConfig, run_evaluation, select_variants
+
+    for name in ("limit", "max_passages", "positional_limit", "resamples", "max_answer_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
+    # for_model: a base model (Gemma-3-270m) gets its completion template unless one is set.
+    scorer_settings = settings.for_model(args.scorer or settings.model)
+    generator_settings = scorer_settings.for_model(args.generator or scorer_settings.model)
+    variants = select_variants(
+        args.strategies.split(",") if args.strategies else None,
+        cross_model=generator_settings.model != scorer_settings.model,
+    )
+    examples = read_examples(args.data, args.limit)
+    async with AsyncExitStack() as stack:
+        scorer = await stack.enter_async_context(open_pipeline(scorer_settings))
+        generator = None
+        if generator_settings.model != scorer_settings.model:
+            generator = await stack.enter_async_context(open_pipeline(generator_settings))
+        config = EvalConfig(
+            out_dir=args.out,
+            variants=tuple(variants),
+            max_passages=args.max_passages,
+            template=args.template,
+            generator_template=args.generator_template,
+            max_answer_tokens=args.max_answer_tokens,
+            positional=args.positional,
+            positional_limit=args.positional_limit,
+            metric=args.metric,
+            resamples=args.resamples,
+            progress=not args.no_progress,
+            data_name=args.data.name,
+            bias_profile=args.bias_profile,
+            cached_only=args.cached_only,
+            fresh=args.fresh,
+        )
+        outcome = await run_evaluation(examples, scorer, config, generator=generator)
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                # With --cached-only, the finished questions the report holds.
+                "questions": len({r.question_id for r in outcome.records}),
+                "variants": len(variants),
+                "metric": outcome.metric,
+                "files": [str(f) for f in outcome.files],
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+async def profile_generator(settings: Settings, args: argparse.Namespace) -> int:
+    from offline.answer_profile import (
+        Estimate,
+        GeneratorEndpoint,
+        ProfileJob,
+        run_profile,
+    )
+    from service.profile_store import ProfileStore
+    from service.prompts import PromptTemplate, get_template
+
+    for name in ("limit", "slots", "max_calls", "concurrency", "max_tokens"):
+        value = getattr(args, name)
+        if value is not None and value < (2 if name == "slots" else 1):
+            least = 2 if name == "slots" else 1
+            raise ClientError(
+                f"--{name.replace('_', '-')} must be >= {least}, got {value}", param=name
+            )
+    if args.template_file is not None:
+        try:
+            template = PromptTemplate(**json.loads(args.template_file.read_text()))
+        except (OSError, ValueError, TypeError) as exc:
+            raise ClientError(
+                f"--template-file {args.template_file}: {exc}", param="template_file"
+            ) from None
+    else:
+        template = get_template(args.template)
+    job = ProfileJob(
+        endpoint=GeneratorEndpoint(
+            base_url=args.base_url,
+            model=args.model,
+            api=args.api,
+            api_key=os.environ.get(args.api_key_env) or None,
+            max_tokens=args.max_tokens,
+            logprobs=not args.no_logprobs,
+            timeout_s=args.timeout,
+            retries=args.retries,
+            concurrency=args.concurrency,
+        ),
+        examples=read_examples(args.data, args.limit),
+        data_name=args.data.name,
+        slots=args.slots,
+        template=template,
+        out=args.out,
+        max_calls=args.max_calls,
+        seed=args.seed,
+        alpha=args.alpha,
+        force=args.force,
+        progress=not args.no_progress,
+        profile_model=args.profile_model,
+    )
+
+    def announce(est: Estimate) -> None:
+        print(
+            f"profile-generator: {est.questions} questions x {args.slots} slots = {est.calls} "
+            f"calls ({est.skipped} questions skipped: no gold passage or too few others); "
+            f"{est.done} answered in {args.out}; this run: {est.todo} calls, about "
+            f"{est.approx_prompt_tokens} prompt tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    outcome = await run_profile(job, ProfileStore(settings.profiles_path), on_estimate=announce)
+    fit = outcome.fit
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "calls_this_run": outcome.calls_made,
+                "questions_measured": outcome.complete_questions,
+                "accuracy_by_slot": list(fit.accuracy) if fit else None,
+                "p_flat": fit.p_flat if fit else None,
+                "stored": outcome.stored.id if outcome.stored else None,
+                "refused": outcome.refused,
+                "files": [str(f) for f in outcome.files],
+            },
+            indent=2,
+        )
+    )
+    if outcome.refused is not None:
+        print(f"profile not stored: {outcome.refused}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def distill(settings: Settings, args: argparse.Namespace) -> int:
+    from offline.distill.command import DistillJob, run_distill
+    from offline.distill.train import DistillConfig
+
+    for name in (
+        "limit",
+        "passages",
+        "permutations",
+        "epochs",
+        "batch_questions",
+        "lora_r",
+        "concurrency",
+    ):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
+    # Neither model runs with an adapter: the teacher is the generator itself, and the student
+    # is trained from its base weights.
+    base = settings.model_copy(update={"adapter": None})
+    teacher = base.for_model(args.teacher or settings.model)
+    if args.teacher_template:
+        teacher = teacher.model_copy(update={"chat_template": args.teacher_template})
+    student = base.for_model(args.student)
+    if args.student_template:
+        student = student.model_copy(update={"chat_template": args.student_template})
+    job = DistillJob(
+        teacher=teacher,
+        student=student,
+        out=args.out,
+        preferences=args.preferences or args.out / "preferences.jsonl",
+        data_name=args.data.name,
+        passages=args.passages,
+        permutations=args.permutations,
+        held_back=args.held_back,
+        seed=args.seed,
+        name=args.name,
+        progress=not args.no_progress,
+        score_only=args.score_only,
+        concurrency=args.concurrency,
+    )
+    config = DistillConfig(
+        lora_r=args.lora_r,
+        lora_alpha=args.lora_alpha,
+        lora_dropout=args.lora_dropout,
+        learning_rate=args.lr,
+        weight_decay=args.weight_decay,
+        epochs=args.epochs,
+        batch_questions=args.batch_questions,
+        permutations_per_step=args.permutations_per_step,
+        seed=args.seed,
+        device=settings.device,
+    )
+    outcome = await run_distill(read_examples(args.data, args.limit), job, config)
+    out: dict[str, Any] = {
+        "preferences": str(job.preferences),
+        "questions": len(outcome.preferences.preferences),
+        "scored_now": outcome.preferences.scored,
+        "skipped": outcome.preferences.skipped,
+    }
+    if outcome.manifest is not None:
+        out["adapter"] = str(args.out)
+        out["manifest"] = outcome.manifest.to_json()
+    print(json.dumps(out, indent=2))
+    return 0
+
+
+async def distill_eval(settings: Settings, args: argparse.Namespace) -> int:
+    from offline.distill.measure import TEACHER, MeasureConfig, measure
+    from offline.evaluation.plots import write_distill_plot
+
+    base = settings.model_copy(update={"adapter": None})
+    teacher = base.for_model(args.teacher or settings.model)
+    student = base.for_model(args.student)
+    if args.concurrency < 1:
+        raise ClientError("--concurrency must be >= 1", param="concurrency")
+    config = MeasureConfig(
+        out=args.out,
+        passages=args.passages,
+        design=args.design,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        max_answer_tokens=args.max_answer_tokens,
+        concurrency=args.concurrency,
+    )
+    examples = read_examples(args.data, args.limit)
+    async with AsyncExitStack() as stack:
+        # The teacher scores and, as the generator, answers: one pipeline for both.
+        scorers = {
+            TEACHER: await stack.enter_async_context(open_pipeline(teacher)),
+            "student": await stack.enter_async_context(open_pipeline(student)),
+        }
+        if args.adapter is not None:
+            distilled = student.model_copy(update={"adapter": args.adapter})
+            scorers["distilled"] = await stack.enter_async_context(open_pipeline(distilled))
+        summary = await measure(
+            examples,
+            scorers,
+            scorers[TEACHER],
+            config,
+            progress=None if args.no_progress else progress_line("distill-eval", "questions"),
+        )
+    print(file=sys.stderr)
+    write_distill_plot(args.out, summary)
+    print(json.dumps(summary, indent=2))
+    return 0

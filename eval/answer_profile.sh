@@ -8,8 +8,9 @@
 #   eval/answer_profile.sh [DATA_DIR] [OUT]     # defaults ../shared/data, eval/results/answer_profile
 #
 # SmolLM2 (the default; ~50 min on a 2-core CPU):   eval/answer_profile.sh
-# Gemma-3-270m, a base model answering through /completions (~55 min):
-#   MODEL=google/gemma-3-270m NAME=gemma-3-270m API=completions TEMPLATE=qa_completion \
+# Gemma-3-270m, a base model answering through /completions (~51 min: its curve needs 100
+# questions to be told from flat, 1,000 calls in ~33 min, then the evaluation ~18 min):
+#   QUESTIONS=100 MODEL=google/gemma-3-270m NAME=gemma-3-270m API=completions TEMPLATE=qa_completion \
 #     LOGPROB=eval/results/profiles/nq_open_dev__gemma-3-270m__gemma-3-270m \
 #     COMMITTED=eval/results/nq_open_dev__gemma-3-270m__gemma-3-270m CONTROL=0 eval/answer_profile.sh
 set -euo pipefail

@@ -41,7 +41,7 @@ def test_no_tracked_result_file_is_larger_than_the_limit() -> None:
 
 
 def test_the_committed_evaluations_are_found() -> None:
-    # Tests parametrised by COMMITTED (tests/service) would skip silently on an empty list.
+    # Tests parametrised by COMMITTED (tests/offline) would skip silently on an empty list.
     assert len(COMMITTED) >= 6, COMMITTED
 
 

@@ -23,11 +23,14 @@ DATA=${DATA:-/tmp/data/nq_open_dev.jsonl}
 mkdir -p "$OUT" "$STATE"
 source eval/device/env.sh
 # bf16 on CUDA is the production setting (env.sh sets float32 for the evaluation's records).
-export RAG_REORDER_DTYPE=${GPU_DTYPE:-auto} RAG_REORDER_DEVICE=cuda
+export RAG_REORDER_DTYPE=${GPU_DTYPE:-auto} RAG_REORDER_DEVICE=${DEVICE:-cuda}
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-1}
 # Two engines share the GPU in bench/load.py (the ceiling's and the server's).
 export RAG_REORDER_GPU_MEMORY_UTILIZATION=${RAG_REORDER_GPU_MEMORY_UTILIZATION:-0.4}
 PY=$VENV/bin/python
+# The load's size; a CPU rehearsal of the stages' mechanics (eval/device/README.md) passes
+# small ones: DEVICE=cpu LOAD_ARGS="--levels 1,2 --requests-per-level 2 --queries 1 --passages 4".
+LOAD_ARGS=${LOAD_ARGS:---levels 1,4,8,16,32 --requests-per-level 32 --queries 8 --passages 10}
 nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu --format=csv -l 5 \
     > "$OUT/gpu-util.csv" 2>/dev/null &
 smi=$!
@@ -80,13 +83,11 @@ torch.version.cuda)" >> "$OUT/machine.txt" 2>&1
         for tokens in ${TOKENS:-16384}; do
             stage "load_vllm_$tokens" 240 env RAG_REORDER_BACKEND=vllm \
                 RAG_REORDER_MAX_NUM_BATCHED_TOKENS=$tokens \
-                "$PY" bench/load.py --levels 1,4,8,16,32 --requests-per-level 32 --queries 8 \
-                --passages 10 --server-log "$OUT/load_vllm_$tokens.server.log" \
+                "$PY" bench/load.py $LOAD_ARGS --server-log "$OUT/load_vllm_$tokens.server.log" \
                 --out "$OUT/load_vllm_$tokens.json"
         done
         stage load_transformers 200 env RAG_REORDER_BACKEND=transformers \
-            "$PY" bench/load.py --levels 1,4,8,16,32 --requests-per-level 32 --queries 8 \
-            --passages 10 --server-log "$OUT/load_transformers.server.log" \
+            "$PY" bench/load.py $LOAD_ARGS --server-log "$OUT/load_transformers.server.log" \
             --out "$OUT/load_transformers.json"
         ;;
     remote)
@@ -111,8 +112,7 @@ print(r(S()))")
         done
         stage load_remote 240 env RAG_REORDER_BACKEND=remote \
             RAG_REORDER_ENGINE_URL="http://127.0.0.1:$port" \
-            "$PY" bench/load.py --levels 1,4,8,16,32 --requests-per-level 32 --queries 8 \
-            --passages 10 --no-ceiling --server-log "$OUT/load_remote.server.log" \
+            "$PY" bench/load.py $LOAD_ARGS --no-ceiling --server-log "$OUT/load_remote.server.log" \
             --out "$OUT/load_remote.json"
         kill "$served" 2>/dev/null
         ;;

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict
 from typing import Any
@@ -17,6 +18,24 @@ from typing import Any
 from service.commandline import open_pipeline, progress_line, read_examples
 from service.errors import ClientError
 from service.settings import Settings
+
+
+def _require_at_least(
+    args: argparse.Namespace, names: Sequence[str], bounds: Mapping[str, int] | None = None
+) -> None:
+    """Refuse a numeric flag below its bound (``bounds``, else 1), checked in ``names``' order;
+    unset flags pass (their defaults apply).
+
+    Raises:
+        ClientError: naming the first flag out of bounds, the bound and the value given.
+    """
+    for name in names:
+        value = getattr(args, name)
+        least = (bounds or {}).get(name, 1)
+        if value is not None and value < least:
+            raise ClientError(
+                f"--{name.replace('_', '-')} must be >= {least}, got {value}", param=name
+            )
 
 
 async def calibrate_positions(settings: Settings, args: argparse.Namespace) -> int:
@@ -46,10 +65,9 @@ async def calibrate_positions(settings: Settings, args: argparse.Namespace) -> i
 async def eval(settings: Settings, args: argparse.Namespace) -> int:
     from offline.evaluation import EvalConfig, run_evaluation, select_variants
 
-    for name in ("limit", "max_passages", "positional_limit", "resamples", "max_answer_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
+    _require_at_least(
+        args, ("limit", "max_passages", "positional_limit", "resamples", "max_answer_tokens")
+    )
     # for_model: a base model (Gemma-3-270m) gets its completion template unless one is set.
     scorer_settings = settings.for_model(args.scorer or settings.model)
     generator_settings = scorer_settings.for_model(args.generator or scorer_settings.model)
@@ -107,13 +125,9 @@ async def profile_generator(settings: Settings, args: argparse.Namespace) -> int
     from service.profile_store import ProfileStore
     from service.prompts import PromptTemplate, get_template
 
-    for name in ("limit", "slots", "max_calls", "concurrency", "max_tokens"):
-        value = getattr(args, name)
-        if value is not None and value < (2 if name == "slots" else 1):
-            least = 2 if name == "slots" else 1
-            raise ClientError(
-                f"--{name.replace('_', '-')} must be >= {least}, got {value}", param=name
-            )
+    _require_at_least(
+        args, ("limit", "slots", "max_calls", "concurrency", "max_tokens"), {"slots": 2}
+    )
     if args.template_file is not None:
         try:
             template = PromptTemplate(**json.loads(args.template_file.read_text()))
@@ -185,18 +199,10 @@ async def distill(settings: Settings, args: argparse.Namespace) -> int:
     from offline.distill.command import DistillJob, run_distill
     from offline.distill.train import DistillConfig
 
-    for name in (
-        "limit",
-        "passages",
-        "permutations",
-        "epochs",
-        "batch_questions",
-        "lora_r",
-        "concurrency",
-    ):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ClientError(f"--{name.replace('_', '-')} must be >= 1", param=name)
+    _require_at_least(
+        args,
+        ("limit", "passages", "permutations", "epochs", "batch_questions", "lora_r", "concurrency"),
+    )
     # Neither model runs with an adapter: the teacher is the generator itself, and the student
     # is trained from its base weights.
     base = settings.model_copy(update={"adapter": None})
@@ -254,8 +260,7 @@ async def distill_eval(settings: Settings, args: argparse.Namespace) -> int:
     base = settings.model_copy(update={"adapter": None})
     teacher = base.for_model(args.teacher or settings.model)
     student = base.for_model(args.student)
-    if args.concurrency < 1:
-        raise ClientError("--concurrency must be >= 1", param="concurrency")
+    _require_at_least(args, ("concurrency",))
     config = MeasureConfig(
         out=args.out,
         passages=args.passages,

@@ -157,6 +157,21 @@ def test_eval_help_lists_the_names_the_server_accepts() -> None:
     assert "--fresh" in text
 
 
+def test_offline_commands_refuse_a_flag_below_its_bound_naming_it_and_the_value(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One rule for every offline command (offline/commands.py), before any model loads."""
+    from app.cli import main
+
+    out = ["--data", str(DATA), "--out", str(tmp_path / "o")]
+    assert main(["eval", *out, "--limit", "0"]) == 2
+    assert "--limit must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["distill", *out, "--student", "s", "--lora-r", "0"]) == 2
+    assert "--lora-r must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["distill-eval", *out, "--student", "s", "--concurrency", "0"]) == 2
+    assert "--concurrency must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_profile_generator_refuses_bad_settings_before_any_call(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

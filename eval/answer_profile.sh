@@ -66,9 +66,8 @@ if [[ $CONTROL == 1 ]]; then
     $RR eval-report --out "$OUT/${RUN}_logprob" --pack
     control=(--control "$OUT/${RUN}_logprob")
 fi
-id=$(echo "$MODEL" | tr '/' '_')__${TEMPLATE}__L10
 report=$OUT/comparison.md
 [[ $NAME == smollm2 ]] || report=$OUT/comparison-$NAME.md
 .venv/bin/python eval/compare_answer_profile.py --answers "$OUT" --name "$NAME" --eval "$RUN" \
-    --logprob-profile "$LOGPROB/$id.json" "${control[@]}" --committed "$COMMITTED" > "$report"
+    --logprob-profiles "$LOGPROB" "${control[@]}" --committed "$COMMITTED" > "$report"
 cat "$report"

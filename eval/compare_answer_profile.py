@@ -2,7 +2,7 @@
 dev paired against the committed variants (eval/answer_profile.sh runs it; Markdown on stdout).
 
     python eval/compare_answer_profile.py --answers eval/results/answer_profile \\
-        --logprob-profile eval/results/profiles/nq_open_dev/<id>.json \\
+        --logprob-profiles eval/results/profiles/nq_open_dev \\
         --control eval/results/answer_profile/nq_open_dev_logprob \\
         --committed eval/results/nq_open_dev
 
@@ -50,7 +50,13 @@ def records(folder: Path) -> dict[tuple[str, str], Record]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--answers", type=Path, required=True)
-    ap.add_argument("--logprob-profile", type=Path, required=True)
+    ap.add_argument(
+        "--logprob-profiles",
+        type=Path,
+        required=True,
+        help="the profile store holding the generator's log-prob profile under the id the "
+        "answer profile was stored with (same model, template and slots)",
+    )
     ap.add_argument("--committed", type=Path, required=True)
     ap.add_argument("--control", type=Path, help="dense:bias_matched by the log-prob profile, here")
     ap.add_argument("--name", default="smollm2", help="the run's folders: NAME/ and EVAL")
@@ -58,7 +64,10 @@ def main() -> int:
     args = ap.parse_args()
     report = json.loads((args.answers / args.name / "profile.json").read_text())
     fit = report["fit"]
-    logprob = json.loads(args.logprob_profile.read_text())["coefficients"]
+    if not report["stored"]:
+        sys.exit(f"no answer profile stored in {args.answers / args.name}: {report['refused']}")
+    logprob_file = args.logprob_profiles / f"{report['stored']}.json"
+    logprob = json.loads(logprob_file.read_text())["coefficients"]
     answers = fit["coefficients"]
     rho, rho_p = stats.spearmanr(answers, logprob)
     verdict = "distinguishable" if report["distinguishable"] else "not distinguishable"

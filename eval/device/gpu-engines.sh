@@ -10,7 +10,8 @@
 #   tests    tests/service/test_vllm_backend.py on CUDA, each dtype of TEST_DTYPES (float32 bfloat16)
 #   scoring  bench/scoring.py, vLLM against transformers, same prompts -> scoring_*.json
 #   load     bench/load.py, vLLM at each max_num_batched_tokens of TOKENS (default 16384; the
-#            issue's sweep is TOKENS="8192 16384 32768"), then transformers
+#            issue's sweep is TOKENS="8192 16384 32768")
+#   load_transformers  the same load on transformers (its own stage: it can wait its turn)
 #   remote   the same load through vLLM's OpenAI server on the same GPU (the remote backend)
 #
 # nvidia-smi samples memory and utilisation every 5 s into gpu-util.csv throughout.
@@ -18,9 +19,11 @@ set -uo pipefail
 OUT=${OUT:?set by the device tool}
 STATE=${STATE:-/tmp/gpu-engines}
 VENV=${VENV:-/tmp/vllm-env}
-STAGES=${STAGES:-info tests scoring load remote}
+STAGES=${STAGES:-info tests scoring load load_transformers remote}
 DATA=${DATA:-/tmp/data/nq_open_dev.jsonl}
 mkdir -p "$OUT" "$STATE"
+# The V1-runner fallback below, kept for this machine's later calls.
+[[ -f $STATE/fallback.env ]] && source "$STATE/fallback.env"
 source eval/device/env.sh
 # bf16 on CUDA is the production setting (env.sh sets float32 for the evaluation's records).
 export RAG_REORDER_DTYPE=${GPU_DTYPE:-auto} RAG_REORDER_DEVICE=${DEVICE:-cuda}
@@ -31,6 +34,10 @@ PY=$VENV/bin/python
 # The load's size; a CPU rehearsal of the stages' mechanics (eval/device/README.md) passes
 # small ones: DEVICE=cpu LOAD_ARGS="--levels 1,2 --requests-per-level 2 --queries 1 --passages 4".
 LOAD_ARGS=${LOAD_ARGS:---levels 1,4,8,16,32 --requests-per-level 32 --queries 8 --passages 10}
+# A call cut off by the device tool can leave vLLM's server or an engine core holding its share
+# of the GPU; the next call's engines would not fit beside them.
+pkill -f vllm.entrypoints.openai.api_server 2> /dev/null
+pkill -f EngineCore 2> /dev/null
 nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu --format=csv -l 5 \
     > "$OUT/gpu-util.csv" 2>/dev/null &
 smi=$!
@@ -74,10 +81,22 @@ torch.version.cuda)" >> "$OUT/machine.txt" 2>&1
         ;;
     scoring)
         for backend in vllm transformers; do
+            [[ $backend == vllm && -f $STATE/fallback.env ]] && continue
             stage "scoring_$backend" 150 env RAG_REORDER_BACKEND=$backend \
                 "$PY" bench/scoring.py --data "$DATA" --queries 8 --passages 10 \
                 --out "$OUT/scoring_$backend.json"
         done
+        # 2026-11-26 the engine went quiet after its CUDA graphs, in Model Runner V2's kernel
+        # warm-up. Should vLLM's scoring fail again, the rest of this machine's stages run on
+        # the V1 runner (the prompt_logprobs score mode) rather than lose the session to it.
+        if [[ ! -f $STATE/scoring_vllm.done && -z ${VLLM_USE_V2_MODEL_RUNNER:-} ]]; then
+            echo "export VLLM_USE_V2_MODEL_RUNNER=0" > "$STATE/fallback.env"
+            export VLLM_USE_V2_MODEL_RUNNER=0
+            echo "scoring_vllm failed: VLLM_USE_V2_MODEL_RUNNER=0 from here on" | tee -a "$OUT/stages.tsv"
+            stage scoring_vllm_v1 150 env RAG_REORDER_BACKEND=vllm \
+                "$PY" bench/scoring.py --data "$DATA" --queries 8 --passages 10 \
+                --out "$OUT/scoring_vllm_v1.json"
+        fi
         ;;
     load)
         for tokens in ${TOKENS:-16384}; do
@@ -86,6 +105,8 @@ torch.version.cuda)" >> "$OUT/machine.txt" 2>&1
                 "$PY" bench/load.py $LOAD_ARGS --server-log "$OUT/load_vllm_$tokens.server.log" \
                 --out "$OUT/load_vllm_$tokens.json"
         done
+        ;;
+    load_transformers)
         stage load_transformers 200 env RAG_REORDER_BACKEND=transformers \
             "$PY" bench/load.py $LOAD_ARGS --server-log "$OUT/load_transformers.server.log" \
             --out "$OUT/load_transformers.json"

@@ -49,6 +49,10 @@ docs: install
 test: lint docs
 	scripts/vllm-venv.sh
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm
+	# bfloat16 too, production's dtype on a GPU: its near-ties and tolerance are what the H200
+	# showed the float32 checks alone miss (2026-11-27, bench/results/gpu_h200_20261127).
+	RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
+		.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
 	# helm and the PromQL grammar for tests/deploy (chart, Compose, dashboard, Dockerfile checks).
 	scripts/deploy-tools.sh $(VENV)
 	# The client's wheel in a fresh virtualenv without the server; its tests call real server

@@ -20,7 +20,8 @@ Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at con
 ``--server-root /work/main --no-ceiling`` for that baseline).
 
 Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16]
-           [--passages 10 20] [--queries 8] [--server-root .] [--no-ceiling]
+           [--passages 10 20] [--queries 8] [--data <questions.jsonl>] [--server-root .]
+           [--no-ceiling]
            [--out bench/results/load.json] [--resume]
        python bench/load.py --overload 1.5,3 [--baseline-root <old checkout>] [--duration 480]
            (open-loop overload against the default deadline; bench/overload.py)
@@ -85,9 +86,9 @@ SERVER_ENV = {
 }
 
 
-def load_requests(queries: int, passages: Sequence[int]) -> list[dict[str, Any]]:
+def load_requests(data: Path, queries: int, passages: Sequence[int]) -> list[dict[str, Any]]:
     """Request bodies: each of the first ``queries`` questions with each passage count."""
-    rows = [json.loads(line) for line in DATA.read_text().splitlines()[:queries]]
+    rows = [json.loads(line) for line in data.read_text().splitlines()[:queries]]
     return [
         {
             "query": row["question"],
@@ -362,7 +363,7 @@ def write(result: dict[str, Any], out: Path) -> None:
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    bodies = load_requests(args.queries, args.passages)
+    bodies = load_requests(Path(args.data), args.queries, args.passages)
     levels_wanted = [int(x) for x in args.levels.split(",")]
     load_before = os.getloadavg()
     backend = None
@@ -457,7 +458,7 @@ def report(
             "load_average_after": os.getloadavg(),
         },
         "requests": {
-            "data": DATA.name,
+            "data": Path(args.data).name,
             "queries": args.queries,
             "passages": args.passages,
             "design": "default",
@@ -477,6 +478,8 @@ def report(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    # The lent GPU has no ../shared: eval/device/gpu-engines.sh passes the carried copy.
+    ap.add_argument("--data", default=str(DATA), help="JSONL of questions with passages")
     ap.add_argument("--levels", default="1,2,4,8,16,32")
     ap.add_argument("--requests-per-level", type=int, default=16)
     ap.add_argument("--passages", type=int, nargs="+", default=[10, 20])

@@ -166,7 +166,7 @@ async def run_overload(args: argparse.Namespace) -> None:
     multipliers = [float(x) for x in args.overload.split(",")]
     servers = [("baseline", Path(args.baseline_root).resolve())] if args.baseline_root else []
     servers.append(("this", Path(args.server_root).resolve()))
-    bodies = load_requests(args.queries, args.passages)
+    bodies = load_requests(Path(args.data), args.queries, args.passages)
     old: dict[str, Any] = json.loads(out.read_text()) if args.resume and out.exists() else {}
     result: dict[str, Any] = {
         "command": shlex.join(["python", "bench/load.py", *sys.argv[1:]]),

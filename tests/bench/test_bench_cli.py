@@ -74,3 +74,7 @@ def test_every_benchmark_script_starts(script: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "--out" in proc.stdout
+    # A script that reads the development questions takes their path: the lent GPU has no
+    # ../shared (2026-11-27: bench/load.py read it unconditionally and every load stage failed).
+    if "DATA" in script.read_text():
+        assert "--data" in proc.stdout

@@ -60,7 +60,8 @@ test: lint docs
 	scripts/client-venv.sh
 	cd clients/python && RAG_REORDER_SERVER_PYTHON=$(abspath $(BIN))/python ../../.venv-client/bin/pytest -q
 	# The vLLM modules ran above in .venv-vllm; here they could only skip, so they are left out.
-	$(BIN)/python -m pytest -q --ignore=tests/service/test_vllm_backend.py --ignore=tests/service/test_vllm_lora.py
+	$(BIN)/python -m pytest -q --ignore=tests/service/test_vllm_backend.py \
+		--ignore=tests/service/test_vllm_lora.py --ignore=tests/service/test_gpu_engines_script.py
 
 serve: install
 	$(BIN)/rag-reorder serve --host 0.0.0.0 --port 8000

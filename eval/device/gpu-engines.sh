@@ -58,12 +58,17 @@ export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-1}
 export RAG_REORDER_GPU_MEMORY_UTILIZATION=${RAG_REORDER_GPU_MEMORY_UTILIZATION:-0.4}
 PY=$VENV/bin/python
 # The load's size; a CPU rehearsal of the stages' mechanics (eval/device/README.md) passes
-# small ones: DEVICE=cpu LOAD_ARGS="--levels 1,2 --requests-per-level 2 --queries 1 --passages 4".
+# small ones (tests/service/test_gpu_engines_script.py runs them in CI).
 LOAD_ARGS=${LOAD_ARGS:---levels 1,4,8,16,32 --requests-per-level 32 --queries 8 --passages 10}
-# A call cut off by the device tool can leave vLLM's server or an engine core holding its share
-# of the GPU; the next call's engines would not fit beside them.
-pkill -f vllm.entrypoints.openai.api_server 2> /dev/null
-pkill -f EngineCore 2> /dev/null
+SCORING_ARGS=${SCORING_ARGS:---queries 8 --passages 10 --warm-each}
+REMOTE_PORT=${REMOTE_PORT:-8011}
+# A call cut off by the device tool can leave the vLLM server it started holding its share of
+# the GPU; the next call's engines would not fit beside it. Only that server (its pid in
+# $STATE): a pattern would also hit servers this script did not start.
+if [[ -f $STATE/serve.pid ]]; then
+    kill "$(cat "$STATE/serve.pid")" 2> /dev/null
+    rm -f "$STATE/serve.pid"
+fi
 nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu --format=csv -l 5 \
     > "$RES/gpu-util-$(date +%H%M%S).csv" 2>/dev/null &
 smi=$!
@@ -108,7 +113,7 @@ torch.version.cuda)" >> "$RES/machine.txt" 2>&1
         for backend in vllm transformers; do
             [[ $backend == vllm && -f $STATE/fallback.env ]] && continue
             stage "scoring_$backend" 150 env RAG_REORDER_BACKEND=$backend \
-                "$PY" bench/scoring.py --data "$DATA" --queries 8 --passages 10 \
+                "$PY" bench/scoring.py --data "$DATA" $SCORING_ARGS \
                 --out "$RES/scoring_$backend.json"
         done
         # 2026-11-26 the engine went quiet after its CUDA graphs, in Model Runner V2's kernel
@@ -119,7 +124,7 @@ torch.version.cuda)" >> "$RES/machine.txt" 2>&1
             export VLLM_USE_V2_MODEL_RUNNER=0
             echo "scoring_vllm failed: VLLM_USE_V2_MODEL_RUNNER=0 from here on" | tee -a "$RES/stages.tsv"
             stage scoring_vllm_v1 150 env RAG_REORDER_BACKEND=vllm \
-                "$PY" bench/scoring.py --data "$DATA" --queries 8 --passages 10 \
+                "$PY" bench/scoring.py --data "$DATA" $SCORING_ARGS \
                 --out "$RES/scoring_vllm_v1.json"
         fi
         ;;
@@ -146,13 +151,14 @@ torch.version.cuda)" >> "$RES/machine.txt" 2>&1
         folder=$("$PY" -c "from service.model_assets import resolve_model as r
 from service.settings import Settings as S
 print(r(S()))")
-        port=8011
+        port=$REMOTE_PORT
         # The backend's own default (service/backends/vllm_backend.py): no FlashInfer sampler JIT.
         VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} \
             "$PY" -m vllm.entrypoints.openai.api_server --model "$folder" \
             --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct --port "$port" \
             --gpu-memory-utilization 0.4 > "$RES/vllm-serve.log" 2>&1 &
         served=$!
+        echo "$served" > "$STATE/serve.pid"
         for _ in $(seq 300); do
             # A server that died (2026-11-26: no torch) must not cost the 300 s of this wait.
             kill -0 "$served" 2> /dev/null || break
@@ -164,7 +170,10 @@ print(r(S()))")
             RAG_REORDER_ENGINE_URL="http://127.0.0.1:$port" \
             "$PY" bench/load.py --data "$DATA" $LOAD_ARGS --no-ceiling --server-log "$RES/load_remote.server.log" \
             --out "$RES/load_remote.json"
-        kill "$served" 2>/dev/null
+        # Gone before the next stage's engines ask for the GPU.
+        kill "$served" 2> /dev/null
+        wait "$served" 2> /dev/null
+        rm -f "$STATE/serve.pid"
         ;;
     *) echo "unknown stage $s" >&2 ;;
     esac

@@ -1,0 +1,112 @@
+"""eval/device/gpu-engines.sh, the GPU session's one script, run end to end on the CPU.
+
+Device time is 15 minutes a session, in some sessions only, and both H200 sessions lost
+most of theirs to the script's mechanics, not to vLLM: no torch in the virtualenv, the
+questions read from ``../shared`` (absent there), 13 result files where the device tool
+returns 8. So CI runs the script as the device would, with vLLM's CPU build and tiny loads:
+the questions from a copy elsewhere, every stage but ``tests`` (this module's neighbour
+runs those), and checks what the device would send back: two files, every stage's results
+inside the tarball, the headline figures printed, and a repeated call skipping what is done.
+
+Runs in ``.venv-vllm`` (``-m vllm``), about 6 minutes: four vLLM engine starts on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from bench.report import DATA
+from bench.server_process import free_port
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+STAGES = ["scoring_vllm", "scoring_transformers", "load_vllm_2048", "load_remote"]
+STAGES += ["load_transformers"]
+
+
+def run_script(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        ["bash", "eval/device/gpu-engines.sh"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1500,
+        check=False,
+    )
+
+
+def stage_rows(stages_tsv: str) -> dict[str, str]:
+    rows = [line.split("\t") for line in stages_tsv.splitlines() if "\trc=" in line]
+    return {name: rc for name, rc, _ in rows}
+
+
+def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_dir: Path) -> None:
+    data = tmp_path / "data" / "nq_open_dev.jsonl"  # not ../shared: the device has none
+    data.parent.mkdir()
+    data.write_text("".join(DATA.read_text().splitlines(keepends=True)[:2]))
+    out = tmp_path / "out"
+    env = {
+        **os.environ,
+        "OUT": str(out),
+        "STATE": str(tmp_path / "state"),
+        "DATA": str(data),
+        "DEVICE": "cpu",
+        "VENV": sys.prefix,  # this interpreter's virtualenv: vLLM's CPU build
+        "STAGES": "info scoring load remote load_transformers",
+        "TOKENS": "2048",
+        "SCORING_ARGS": "--queries 1 --passages 4",
+        "LOAD_ARGS": "--levels 1,2 --requests-per-level 2 --queries 1 --passages 4",
+        "REMOTE_PORT": str(free_port()),
+        # The embedded model already converted (the model cache above its folder).
+        "RAG_REORDER_CACHE_DIR": str(smollm2_dir.parents[1]),
+        "RAG_REORDER_VLLM_KV_CACHE_BYTES": str(1 << 30),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+    }
+    env.pop("PYTHONPATH", None)
+    first = run_script(env)
+    assert first.returncode == 0, first.stderr[-3000:]
+
+    # What the device tool would return: two files, well under its 8.
+    assert sorted(p.name for p in out.iterdir()) == ["results.tgz", "stages.tsv"]
+    rows = stage_rows((out / "stages.tsv").read_text())
+    assert rows == {name: "rc=0" for name in STAGES}, first.stdout[-3000:]
+    with tarfile.open(out / "results.tgz") as tar:
+        names = {Path(n).name for n in tar.getnames()}
+        results = {
+            Path(m.name).stem: json.loads(tar.extractfile(m).read())  # type: ignore[union-attr]
+            for m in tar.getmembers()
+            if m.name.endswith(".json")
+        }
+    assert {"machine.txt", "pip-list.txt", "vllm-serve.log", "stages.tsv"} <= names
+    assert {f"{name}.log" for name in STAGES} <= names
+    assert set(results) == set(STAGES)
+    for name in ("scoring_vllm", "scoring_transformers"):
+        summary = results[name]["summary"]
+        assert summary["tokens_per_s"] > 0 and summary["pipeline_s"] > 0, name
+    for name in ("load_vllm_2048", "load_remote", "load_transformers"):
+        assert results[name]["targets"]["errors"] == 0, name
+        assert [lv["concurrency"] for lv in results[name]["levels"]] == [1, 2], name
+        assert results[name]["requests"]["data"] == data.name
+    # The headline figures are in the output too (the tool returns its last 12,000 chars).
+    for name in results:
+        assert f"{name}.json " in first.stdout
+
+    # Called again on the same machine: every stage done, no vLLM server started for nothing.
+    serve_log = tmp_path / "state" / "results" / "vllm-serve.log"
+    before = serve_log.stat().st_mtime_ns
+    again = run_script(env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    for name in STAGES:
+        assert f"stage {name}: done in an earlier call" in again.stdout
+    assert serve_log.stat().st_mtime_ns == before
+    assert sorted(p.name for p in out.iterdir()) == ["results.tgz", "stages.tsv"]

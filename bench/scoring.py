@@ -43,6 +43,17 @@ from service.prompts import build_prompts
 from service.settings import Settings
 
 
+def cuda_peak_bytes() -> int | None:
+    """Peak CUDA memory allocated in this process: the transformers backend's whole use. vLLM's
+    engine core runs in a process of its own (eval/device/gpu-engines.sh samples nvidia-smi
+    for it, where the KV cache's reserved share dominates by design)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return None
+    return int(torch.cuda.max_memory_allocated())
+
+
 async def run(args: argparse.Namespace) -> dict[str, Any]:
     settings = Settings()
     t0 = time.perf_counter()
@@ -109,6 +120,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "pipeline_s": pipe,
         "direct_s": direct,
         "model_load_s": load_s,
+        "cuda_peak_allocated_bytes": cuda_peak_bytes(),
     }
     print(
         f"\nratio direct/pipeline: total {summary['ratio_total']:.3f}, median "

@@ -56,7 +56,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.report import DATA
+from bench.report import parser as bench_parser
 from bench.server_process import free_port, percentile, start_server
 from service.backends.base import (
     GenerateResult,
@@ -477,9 +477,9 @@ def report(
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    # The lent GPU has no ../shared: eval/device/gpu-engines.sh passes the carried copy.
-    ap.add_argument("--data", default=str(DATA), help="JSONL of questions with passages")
+    # --data (the lent GPU has no ../shared: eval/device/gpu-engines.sh passes the carried
+    # copy) and --out (bench/results/load.json) as every benchmark has them.
+    ap = bench_parser("load", __doc__, data=True)
     ap.add_argument("--levels", default="1,2,4,8,16,32")
     ap.add_argument("--requests-per-level", type=int, default=16)
     ap.add_argument("--passages", type=int, nargs="+", default=[10, 20])
@@ -487,7 +487,6 @@ def main() -> None:
     ap.add_argument("--ceiling-repeat", type=int, default=1)
     ap.add_argument("--server-root", default=str(ROOT))
     ap.add_argument("--no-ceiling", action="store_true")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "load.json"))
     ap.add_argument("--server-log", default="/tmp/rag-reorder-load-server.log")
     ap.add_argument("--resume", action="store_true", help="continue the run in --out")
     ap.add_argument(

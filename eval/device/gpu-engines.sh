@@ -74,13 +74,15 @@ nvidia-smi --query-gpu=timestamp,memory.used,memory.total,utilization.gpu --form
 smi=$!
 trap 'kill $smi 2>/dev/null; pack; digest' EXIT
 
+done_before() {  # done_before NAME: true (and said) if stage NAME succeeded in an earlier call
+    [[ -f $STATE/$1.done ]] || return 1
+    echo "stage $1: done in an earlier call" | tee -a "$RES/stages.tsv"
+}
+
 stage() {  # stage NAME LIMIT_S COMMAND...: run it once, log it, record rc and seconds
     local name=$1 limit=$2
     shift 2
-    if [[ -f $STATE/$name.done ]]; then
-        echo "stage $name: done in an earlier call" | tee -a "$RES/stages.tsv"
-        return 0
-    fi
+    done_before "$name" && return 0
     local t0=$SECONDS
     # SIGABRT at the limit, with the fault handler on: a stage that hangs leaves every thread's
     # stack in its log (the EngineCore's too: timeout signals the whole process group).
@@ -90,6 +92,18 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run it once, log it, record rc and s
     printf '%s\trc=%s\t%ss\n' "$name" "$rc" "$((SECONDS - t0))" | tee -a "$RES/stages.tsv"
     [[ $rc == 0 ]] && touch "$STATE/$name.done"
     pack
+}
+
+score() {  # score NAME BACKEND: bench/scoring.py as stage NAME
+    stage "$1" 150 env RAG_REORDER_BACKEND="$2" \
+        "$PY" bench/scoring.py --data "$DATA" $SCORING_ARGS --out "$RES/$1.json"
+}
+
+load() {  # load NAME LIMIT_S VAR=VALUE...: bench/load.py with that environment as stage NAME
+    local name=$1 limit=$2
+    shift 2
+    stage "$name" "$limit" env "$@" "$PY" bench/load.py --data "$DATA" $LOAD_ARGS ${LOAD_FLAGS:-} \
+        --server-log "$RES/$name.server.log" --out "$RES/$name.json"
 }
 
 for s in $STAGES; do
@@ -110,12 +124,8 @@ torch.version.cuda)" >> "$RES/machine.txt" 2>&1
         done
         ;;
     scoring)
-        for backend in vllm transformers; do
-            [[ $backend == vllm && -f $STATE/fallback.env ]] && continue
-            stage "scoring_$backend" 150 env RAG_REORDER_BACKEND=$backend \
-                "$PY" bench/scoring.py --data "$DATA" $SCORING_ARGS \
-                --out "$RES/scoring_$backend.json"
-        done
+        [[ -f $STATE/fallback.env ]] || score scoring_vllm vllm
+        score scoring_transformers transformers
         # 2026-11-26 the engine went quiet after its CUDA graphs, in Model Runner V2's kernel
         # warm-up. Should vLLM's scoring fail again, the rest of this machine's stages run on
         # the V1 runner (the prompt_logprobs score mode) rather than lose the session to it.
@@ -123,29 +133,20 @@ torch.version.cuda)" >> "$RES/machine.txt" 2>&1
             echo "export VLLM_USE_V2_MODEL_RUNNER=0" > "$STATE/fallback.env"
             export VLLM_USE_V2_MODEL_RUNNER=0
             echo "scoring_vllm failed: VLLM_USE_V2_MODEL_RUNNER=0 from here on" | tee -a "$RES/stages.tsv"
-            stage scoring_vllm_v1 150 env RAG_REORDER_BACKEND=vllm \
-                "$PY" bench/scoring.py --data "$DATA" $SCORING_ARGS \
-                --out "$RES/scoring_vllm_v1.json"
+            score scoring_vllm_v1 vllm
         fi
         ;;
     load)
         for tokens in ${TOKENS:-16384}; do
-            stage "load_vllm_$tokens" 240 env RAG_REORDER_BACKEND=vllm \
-                RAG_REORDER_MAX_NUM_BATCHED_TOKENS=$tokens \
-                "$PY" bench/load.py --data "$DATA" $LOAD_ARGS --server-log "$RES/load_vllm_$tokens.server.log" \
-                --out "$RES/load_vllm_$tokens.json"
+            load "load_vllm_$tokens" 240 RAG_REORDER_BACKEND=vllm \
+                RAG_REORDER_MAX_NUM_BATCHED_TOKENS="$tokens"
         done
         ;;
     load_transformers)
-        stage load_transformers 200 env RAG_REORDER_BACKEND=transformers \
-            "$PY" bench/load.py --data "$DATA" $LOAD_ARGS --server-log "$RES/load_transformers.server.log" \
-            --out "$RES/load_transformers.json"
+        load load_transformers 200 RAG_REORDER_BACKEND=transformers
         ;;
     remote)
-        if [[ -f $STATE/load_remote.done ]]; then
-            stage load_remote 0 true  # records it as done; no server started for nothing
-            continue
-        fi
+        done_before load_remote && continue  # no server started for nothing
         # vLLM's own OpenAI server on the same GPU, the service's remote backend pointed at it:
         # the same load as `load`, remote against in-process.
         folder=$("$PY" -c "from service.model_assets import resolve_model as r
@@ -166,10 +167,9 @@ print(r(S()))")
                 2> /dev/null && break
             sleep 1
         done
-        stage load_remote 240 env RAG_REORDER_BACKEND=remote \
-            RAG_REORDER_ENGINE_URL="http://127.0.0.1:$port" \
-            "$PY" bench/load.py --data "$DATA" $LOAD_ARGS --no-ceiling --server-log "$RES/load_remote.server.log" \
-            --out "$RES/load_remote.json"
+        # No ceiling: the engine is not in this process.
+        LOAD_FLAGS=--no-ceiling load load_remote 240 RAG_REORDER_BACKEND=remote \
+            RAG_REORDER_ENGINE_URL="http://127.0.0.1:$port"
         # Gone before the next stage's engines ask for the GPU.
         kill "$served" 2> /dev/null
         wait "$served" 2> /dev/null

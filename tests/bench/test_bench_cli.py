@@ -76,5 +76,6 @@ def test_every_benchmark_script_starts(script: Path) -> None:
     assert "--out" in proc.stdout
     # A script that reads the development questions takes their path: the lent GPU has no
     # ../shared (2026-11-27: bench/load.py read it unconditionally and every load stage failed).
-    if "DATA" in script.read_text():
+    source = script.read_text()
+    if "DATA" in source or "data=True" in source:
         assert "--data" in proc.stdout

@@ -28,8 +28,13 @@ from bench.server_process import free_port
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-STAGES = ["scoring_vllm", "scoring_transformers", "load_vllm_2048", "load_remote"]
-STAGES += ["load_transformers"]
+STAGES = [
+    "scoring_vllm",
+    "scoring_transformers",
+    "load_vllm_2048",
+    "load_remote",
+    "load_transformers",
+]
 
 
 def run_script(env: dict[str, str]) -> subprocess.CompletedProcess[str]:

@@ -27,6 +27,17 @@ def percentile(xs: Sequence[float], q: float) -> float:
     return s[max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))]
 
 
+def child_env(root: Path, env: dict[str, str]) -> dict[str, str]:
+    """The server's environment: this one's, then ``env``, with ``root`` first on PYTHONPATH.
+
+    Entries already on PYTHONPATH are kept after ``root``: on the lent GPU machine the
+    service's own packages live there (eval/device/env.sh puts /tmp/site on it), and a server
+    started with ``PYTHONPATH=root`` alone died on ``import pydantic`` (2026-11-27, H200).
+    """
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return {**os.environ, **env, "PYTHONPATH": os.pathsep.join([str(root), *inherited])}
+
+
 def start_server(
     root: Path, port: int, env: dict[str, str], log: Path, *, ready_s: float
 ) -> subprocess.Popen[bytes]:
@@ -41,7 +52,7 @@ def start_server(
         proc = subprocess.Popen(
             cmd,
             cwd=root,
-            env={**os.environ, "PYTHONPATH": str(root), **env},
+            env=child_env(root, env),
             stdout=fh,
             stderr=subprocess.STDOUT,
         )

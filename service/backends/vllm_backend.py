@@ -63,6 +63,7 @@ from vllm.inputs import tokens_input
 from vllm.logprobs import FlatLogprobs
 from vllm.platforms import current_platform
 from vllm.sampling_params import RequestOutputKind
+from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -112,6 +113,20 @@ def apply_vllm_env_defaults(environ: MutableMapping[str, str]) -> None:
     """Set vLLM's environment settings this backend needs where the operator has not."""
     for name, value in _VLLM_ENV_DEFAULTS.items():
         environ.setdefault(name, value)
+
+
+def engine_usage_context(*, on_cpu: bool) -> UsageContext:
+    """The usage context the engine is started with: it picks vLLM's default step budget.
+
+    ``AsyncLLM``'s own context (``ENGINE_CONTEXT``) has no entry in vLLM's table of defaults
+    and falls back to 2048 tokens per step; its ``LLM`` class, offline throughput work like
+    this backend's (prefill only), gets 16384 on an H100/H200 and 8192 on other GPUs. On an
+    H200 (2026-11-27, vLLM 0.26, bench/results/gpu_h200_20261127_2) the scoring benchmark ran
+    at 2048 tokens per step, 8 steps for a query's 20 prompts. The CPU keeps 2048 (the LLM
+    class would take 4096), which every CPU measurement and bench/remote.py were made with.
+    ``max_num_batched_tokens`` (RAG_REORDER_MAX_NUM_BATCHED_TOKENS) overrides either.
+    """
+    return UsageContext.ENGINE_CONTEXT if on_cpu else UsageContext.LLM_CLASS
 
 
 def resolve_score_mode(
@@ -275,7 +290,8 @@ class VLLMBackend:
                 and bfloat16 on GPU, as in the transformers backend.
             max_model_len: context length; default the model's own.
             max_num_batched_tokens: tokens per engine step (prefill chunk budget); it also
-                bounds the prompt-log-prob rows computed at once.
+                bounds the prompt-log-prob rows computed at once. Default: vLLM's for the
+                device (``engine_usage_context``): 16384 on an H100/H200, 2048 on CPU.
             max_num_seqs: sequences per engine step.
             gpu_memory_utilization: share of device memory for weights and KV cache (on CPU:
                 share of all RAM).
@@ -318,7 +334,9 @@ class VLLMBackend:
             **sizing,
         )
         try:
-            engine = AsyncLLM.from_engine_args(args)
+            engine = AsyncLLM.from_engine_args(
+                args, usage_context=engine_usage_context(on_cpu=on_cpu)
+            )
         except Exception as exc:
             # vLLM reports start failures as RuntimeError/ValueError/pydantic errors; the
             # message names paths and sizes, so it goes to the log and not to clients.

@@ -46,6 +46,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from vllm.logprobs import FlatLogprobs, Logprob
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
+from service.backends import vllm_backend
 from service.backends.base import (
     POSITIVE_TOLERANCE,
     ChatMessage,
@@ -601,3 +602,51 @@ def test_token_id_fast_path_requests(backend: VLLMBackend, monkeypatch: pytest.M
     assert np.allclose(parsed.logprobs, values[:, 0])
     other = SimpleNamespace(prompt_token_ids=[1, 2, 3], prompt_token_id_logprobs=values)
     assert isinstance(job.parse(other), PromptFailure)
+
+
+@pytest.mark.parametrize(
+    ("memory_gib", "name", "tokens"),
+    [(141, "NVIDIA H200", 16384), (80, "NVIDIA H100 80GB HBM3", 16384), (24, "NVIDIA L4", 8192)],
+)
+def test_gpu_engines_get_the_llm_class_step_budget(
+    memory_gib: int, name: str, tokens: int, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a GPU the engine starts in the ``LLM`` class's usage context, whose step budget vLLM
+    sizes for the device; ``AsyncLLM``'s own context has none and ran the H200 of 2026-11-27 at
+    2048 tokens per step. vLLM's own table, read as on that GPU."""
+    from vllm.config import SchedulerConfig
+    from vllm.engine import arg_utils
+    from vllm.usage.usage_lib import UsageContext
+
+    platform = arg_utils.current_platform
+    monkeypatch.setattr(platform, "get_device_total_memory", lambda *_a, **_k: memory_gib << 30)
+    monkeypatch.setattr(platform, "get_device_name", lambda *_a, **_k: name)
+    monkeypatch.setattr(platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(platform, "is_tpu", lambda: False)
+    budgets, _ = arg_utils.EngineArgs.get_batch_defaults(1)
+    assert budgets[vllm_backend.engine_usage_context(on_cpu=False)] == tokens
+    assert UsageContext.ENGINE_CONTEXT not in budgets
+    assert SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048
+    # The CPU keeps AsyncLLM's context: its measurements were made at 2048.
+    assert vllm_backend.engine_usage_context(on_cpu=True) == UsageContext.ENGINE_CONTEXT
+    # And load() starts the engine with it (the start itself stubbed: this is about the call).
+    seen: dict[str, Any] = {}
+
+    def start(_args: Any, **kwargs: Any) -> Any:
+        seen.update(kwargs)
+        raise RuntimeError("not started in this test")
+
+    monkeypatch.setattr(vllm_backend.current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(vllm_backend.AsyncLLM, "from_engine_args", start)
+    with pytest.raises(BackendUnavailable):
+        VLLMBackend.load(tiny_model_dir)
+    assert seen == {"usage_context": UsageContext.LLM_CLASS}
+
+
+def test_the_cpu_engine_steps_2048_tokens_by_default(tiny_model_dir: Path) -> None:
+    """The step budget load() leaves to vLLM on the CPU, read from the config it would build."""
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    args = AsyncEngineArgs(model=str(tiny_model_dir), dtype="float32", enforce_eager=True)
+    config = args.create_engine_config(usage_context=vllm_backend.engine_usage_context(on_cpu=True))
+    assert config.scheduler_config.max_num_batched_tokens == 2048

@@ -96,7 +96,7 @@ class Settings(BaseSettings):
     """Context length the engine is built for (default: the model's own)."""
     max_num_batched_tokens: int | None = Field(default=None, ge=64)
     """vLLM: tokens per engine step (prefill chunking budget). Default: vLLM's own for the
-    device (its ``LLM`` class's): 16384 on an H100/H200, 8192 on other GPUs, 2048 on CPU."""
+    device (its `LLM` class's): 16384 on an H100/H200, 8192 on other GPUs, 2048 on CPU."""
     max_num_seqs: int = Field(default=256, ge=1)
     """vLLM: sequences scheduled per engine step."""
     gpu_memory_utilization: float = Field(default=0.85, gt=0.0, le=0.98)

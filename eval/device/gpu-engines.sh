@@ -102,8 +102,8 @@ score() {  # score NAME BACKEND: bench/scoring.py as stage NAME
 load() {  # load NAME LIMIT_S VAR=VALUE...: bench/load.py with that environment as stage NAME
     local name=$1 limit=$2
     shift 2
-    stage "$name" "$limit" env "$@" "$PY" bench/load.py --data "$DATA" $LOAD_ARGS --warm-ceiling ${LOAD_FLAGS:-} \
-        --server-log "$RES/$name.server.log" --out "$RES/$name.json"
+    stage "$name" "$limit" env "$@" "$PY" bench/load.py --data "$DATA" $LOAD_ARGS \
+        --warm-ceiling ${LOAD_FLAGS:-} --server-log "$RES/$name.server.log" --out "$RES/$name.json"
 }
 
 for s in $STAGES; do

@@ -43,7 +43,11 @@ pytest.importorskip(
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
+from vllm.config import SchedulerConfig
+from vllm.engine import arg_utils
+from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.logprobs import FlatLogprobs, Logprob
+from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
 from service.backends import vllm_backend
@@ -609,15 +613,11 @@ def test_token_id_fast_path_requests(backend: VLLMBackend, monkeypatch: pytest.M
     [(141, "NVIDIA H200", 16384), (80, "NVIDIA H100 80GB HBM3", 16384), (24, "NVIDIA L4", 8192)],
 )
 def test_gpu_engines_get_the_llm_class_step_budget(
-    memory_gib: int, name: str, tokens: int, tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+    memory_gib: int, name: str, tokens: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """On a GPU the engine starts in the ``LLM`` class's usage context, whose step budget vLLM
     sizes for the device; ``AsyncLLM``'s own context has none and ran the H200 of 2026-11-27 at
     2048 tokens per step. vLLM's own table, read as on that GPU."""
-    from vllm.config import SchedulerConfig
-    from vllm.engine import arg_utils
-    from vllm.usage.usage_lib import UsageContext
-
     platform = arg_utils.current_platform
     monkeypatch.setattr(platform, "get_device_total_memory", lambda *_a, **_k: memory_gib << 30)
     monkeypatch.setattr(platform, "get_device_name", lambda *_a, **_k: name)
@@ -629,7 +629,12 @@ def test_gpu_engines_get_the_llm_class_step_budget(
     assert SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048
     # The CPU keeps AsyncLLM's context: its measurements were made at 2048.
     assert vllm_backend.engine_usage_context(on_cpu=True) == UsageContext.ENGINE_CONTEXT
-    # And load() starts the engine with it (the start itself stubbed: this is about the call).
+
+
+def test_load_starts_a_gpu_engine_in_the_llm_class_context(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """load() passes that context (the start itself stubbed: this is about the call)."""
     seen: dict[str, Any] = {}
 
     def start(_args: Any, **kwargs: Any) -> Any:
@@ -645,8 +650,6 @@ def test_gpu_engines_get_the_llm_class_step_budget(
 
 def test_the_cpu_engine_steps_2048_tokens_by_default(tiny_model_dir: Path) -> None:
     """The step budget load() leaves to vLLM on the CPU, read from the config it would build."""
-    from vllm.engine.arg_utils import AsyncEngineArgs
-
     args = AsyncEngineArgs(model=str(tiny_model_dir), dtype="float32", enforce_eager=True)
     config = args.create_engine_config(usage_context=vllm_backend.engine_usage_context(on_cpu=True))
     assert config.scheduler_config.max_num_batched_tokens == 2048

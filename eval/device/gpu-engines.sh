@@ -12,7 +12,8 @@
 #   load     bench/load.py, vLLM at each max_num_batched_tokens of TOKENS (default 16384; the
 #            issue's sweep is TOKENS="8192 16384 32768")
 #   load_transformers  the same load on transformers (its own stage: it can wait its turn)
-#   remote   the same load through vLLM's OpenAI server on the same GPU (the remote backend)
+#   remote   the same load through vLLM's OpenAI server on the same GPU (the remote backend), at
+#            the in-process engine's step budget (the first of TOKENS)
 #
 # nvidia-smi samples memory and utilisation every 5 s into gpu-util-<HHMMSS>.csv, one per call.
 set -uo pipefail
@@ -157,11 +158,16 @@ for s in $STAGES; do
 from service.settings import Settings as S
 print(r(S()))")
         port=$REMOTE_PORT
-        # The backend's own default (service/backends/vllm_backend.py): no FlashInfer sampler JIT.
+        # The in-process engine's step budget (the first of TOKENS): vLLM's OpenAI server takes
+        # its own usage context's, 8192 on an H100/H200 where the in-process engine gets 16384
+        # (vllm/engine/arg_utils.py), and remote against in-process compares the two paths only
+        # at one budget. The backend's own default (vllm_backend.py): no FlashInfer sampler JIT.
+        tokens=${TOKENS:-16384}
         VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} \
             "$PY" -m vllm.entrypoints.openai.api_server --model "$folder" \
             --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct --port "$port" \
-            --gpu-memory-utilization 0.4 > "$RES/vllm-serve.log" 2>&1 &
+            --max-num-batched-tokens "${tokens%% *}" --gpu-memory-utilization 0.4 \
+            > "$RES/vllm-serve.log" 2>&1 &
         served=$!
         echo "$served" > "$STATE/serve.pid"
         for _ in $(seq 300); do

@@ -1,12 +1,14 @@
 """eval/device/gpu-engines.sh, the GPU session's one script, run end to end on the CPU.
 
-Device time is 15 minutes a session, in some sessions only, and both H200 sessions lost
+Device time is 15 minutes a session, in some sessions only, and three H200 sessions lost
 most of theirs to the script's mechanics, not to vLLM: no torch in the virtualenv, the
 questions read from ``../shared`` (absent there), 13 result files where the device tool
-returns 8. So CI runs the script as the device would, with vLLM's CPU build and tiny loads:
-the questions from a copy elsewhere, every stage but ``tests`` (this module's neighbour
-runs those), and checks what the device would send back: two files, every stage's results
-inside the tarball, the headline figures printed, and a repeated call skipping what is done.
+returns 8, a server that lost ``PYTHONPATH``. So CI runs the script as the device would, with
+vLLM's CPU build and tiny loads: the questions from a copy elsewhere, every stage but ``tests``
+(this module's neighbour runs those), the service's packages' folder on ``PYTHONPATH`` as
+there (each process that reaches it says so), and checks what the device would send back:
+two files, every stage's results inside the tarball, the headline figures printed, and a
+repeated call skipping what is done.
 
 Runs in ``.venv-vllm`` (``-m vllm``), about 6 minutes: four vLLM engine starts on the CPU.
 """
@@ -31,7 +33,7 @@ ROOT = Path(__file__).resolve().parents[2]
 STAGES = [
     "scoring_vllm",
     "scoring_transformers",
-    "load_vllm_2048",
+    "load_vllm_3072",
     "load_remote",
     "load_transformers",
 ]
@@ -58,6 +60,17 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
     data = tmp_path / "data" / "nq_open_dev.jsonl"  # not ../shared: the device has none
     data.parent.mkdir()
     data.write_text("".join(DATA.read_text().splitlines(keepends=True)[:2]))
+    # The device's /tmp/site stand-in: there the service's own packages are reachable only
+    # through PYTHONPATH, and a server started without it died on `import pydantic`
+    # (2026-11-27, H200). Every Python process that reaches this folder says so.
+    site = tmp_path / "site"
+    site.mkdir()
+    probe = tmp_path / "site-probe.txt"
+    (site / "sitecustomize.py").write_text(
+        "import sys\n"
+        f"with open({str(probe)!r}, 'a') as fh:\n"
+        "    fh.write(' '.join(sys.orig_argv) + '\\n')\n"
+    )
     out = tmp_path / "out"
     env = {
         **os.environ,
@@ -66,8 +79,11 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         "DATA": str(data),
         "DEVICE": "cpu",
         "VENV": sys.prefix,  # this interpreter's virtualenv: vLLM's CPU build
+        "SITE": str(site),
         "STAGES": "info scoring load remote load_transformers",
-        "TOKENS": "2048",
+        # None of vLLM's CPU defaults (2048 and 4096, by usage context): the remote
+        # server must run at the in-process engine's budget, not its own default.
+        "TOKENS": "3072",
         "SCORING_ARGS": "--queries 1 --passages 4",
         "LOAD_ARGS": "--levels 1,2 --requests-per-level 2 --queries 1 --passages 4",
         "REMOTE_PORT": str(free_port()),
@@ -102,12 +118,21 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
     for name in ("scoring_vllm", "scoring_transformers"):
         summary = results[name]["summary"]
         assert summary["tokens_per_s"] > 0 and summary["pipeline_s"] > 0, name
-    for name in ("load_vllm_2048", "load_remote", "load_transformers"):
+    for name in ("load_vllm_3072", "load_remote", "load_transformers"):
         assert results[name]["targets"]["errors"] == 0, name
         # A warm ceiling: a cut-off run must not keep a cold first pass as its denominator.
         assert "--warm-ceiling" in results[name]["command"], name
         assert [lv["concurrency"] for lv in results[name]["levels"]] == [1, 2], name
         assert results[name]["requests"]["data"] == data.name
+    with tarfile.open(out / "results.tgz") as tar:
+        serve_log = tar.extractfile("./vllm-serve.log").read().decode()  # type: ignore[union-attr]
+    assert "max_num_batched_tokens=3072" in serve_log, serve_log[-3000:]
+    # Every Python process of the run reached the site folder: the scripts, each service
+    # server bench/load.py started (three), vLLM's OpenAI server.
+    started = probe.read_text().splitlines()
+    assert sum("-m app serve" in line for line in started) == 3, started
+    assert any("vllm.entrypoints.openai.api_server" in line for line in started), started
+    assert sum("bench/load.py" in line for line in started) == 3, started
     # The headline figures are in the output too (the tool returns its last 12,000 chars).
     for name in results:
         assert f"{name}.json " in first.stdout

@@ -17,7 +17,8 @@
 # as installed (stub dist-infos in a scratch venv), so it downloads only those it must replace
 # (a version vLLM's pins exclude). The file is the H200's `pip list --format=freeze` of
 # 2026-11-26 (eval/device/gpu-engines.sh's info stage writes a fresh one to $OUT): 739 MiB in
-# 13 parts, against 1,137 MiB in 19 with only torch, triton and transformers listed.
+# 13 parts, against 1,137 MiB in 19 with only torch, triton and transformers listed; 561 MiB
+# in 10 with the CuTe DSL left behind too (LEAVE below).
 #
 # Writes: .gpucarry/partNN_/ (a part and the tar's sha256, each a carry path),
 # .gpucarry/wheels.tsv, and the committed manifest eval/device/gpu-bundle.manifest.tsv
@@ -35,9 +36,21 @@ PART_MIB=${PART_MIB:-60}
 # try/except in vllm/multimodal/video.py; torchcodec, checked before use), tilelang and its z3
 # (imported inside functions of vllm/model_executor/kernels/mhc/tilelang.py) and
 # tokenspeed-triton (tokenspeed-mla's DeepSeek MLA kernels, imported inside functions).
-# Read from vllm 0.26.0's sources on 2026-11-26. The install is then --no-deps over exact pins
-# (the closure is resolved here), so pip does not ask for them; `LEAVE=` carries everything.
-LEAVE=${LEAVE-opencv-python-headless pynvvideocodec torchcodec tilelang z3-solver tokenspeed-triton}
+# Read from vllm 0.26.0's sources on 2026-11-26. And CUTLASS's CuTe DSL (nvidia-cutlass-dsl
+# and its libraries, 178 MiB, the cu12 build among them; quack-kernels and tokenspeed-mla,
+# which import it): on an H100/H200 (SM 9.0, FlashAttention 3) a dense model's path imports
+# it only in try/except (ll_bf16.is_available, jit_monitor, flashinfer) or inside functions
+# of FA4 (SM 10.0), MLA, MoE and model-specific kernels; checked 2026-11-27 by walking the
+# module-level imports from the engine, worker, runner, warm-up, Llama and FlashAttention
+# modules (none reaches it) and listing every function-level import of it. Absent, the
+# warm-up skips the MoE router GEMM kernels, 14-18 s of every engine start on the H200
+# (kernel_warmup.py, bench/results/gpu_h200_20261127_2/*.log). The install is then --no-deps
+# over exact pins (the closure is resolved here), so pip does not ask for them; `LEAVE=`
+# carries everything.
+LEAVE=${LEAVE-opencv-python-headless pynvvideocodec torchcodec tilelang z3-solver tokenspeed-triton \
+nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core \
+nvidia-cutlass-dsl-libs-cu12 nvidia-cutlass-dsl-libs-cu13 nvidia-cuda-nvdisasm quack-kernels \
+tokenspeed-mla}
 GLIBC=${GLIBC:-2.35}
 DEVICE_PACKAGES=${DEVICE_PACKAGES:-eval/device/gpu-device-packages.txt}
 OUT=.gpucarry

@@ -40,9 +40,10 @@ PART_MIB=${PART_MIB:-60}
 # and its libraries, 178 MiB, the cu12 build among them; quack-kernels and tokenspeed-mla,
 # which import it): on an H100/H200 (SM 9.0, FlashAttention 3) a dense model's path imports
 # it only in try/except (ll_bf16.is_available, jit_monitor, flashinfer) or inside functions
-# of FA4 (SM 10.0), MLA, MoE and model-specific kernels; checked 2026-11-27 by walking the
-# module-level imports from the engine, worker, runner, warm-up, Llama and FlashAttention
-# modules (none reaches it) and listing every function-level import of it. Absent, the
+# of FA4 (SM 10.0), MLA, MoE and model-specific kernels: scripts/gpu_leave_check.py walks
+# the carried wheels' imports from the engine, worker, runner, warm-up, Llama and
+# FlashAttention modules (none reaches a left-behind package) and lists those inside
+# functions; run it after any change of LEAVE or of vLLM's version. Absent, the
 # warm-up skips the MoE router GEMM kernels, 14-18 s of every engine start on the H200
 # (kernel_warmup.py, bench/results/gpu_h200_20261127_2/*.log). The install is then --no-deps
 # over exact pins (the closure is resolved here), so pip does not ask for them; `LEAVE=`

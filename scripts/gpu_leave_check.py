@@ -50,6 +50,10 @@ ENTRIES = (
     "vllm.model_executor.warmup.minimax_m3_msa_warmup",
     "vllm.model_executor.models.llama",
     "vllm.v1.attention.backends.flash_attn",
+    # Imported when the engine runs on an SM 9.0 GPU (kernel_warmup's FlashInfer autotune:
+    # "flashinfer.jit: [Autotuner]" in every H200 engine log), not when vLLM is imported.
+    "vllm.utils.flashinfer",
+    "flashinfer",
 )
 GUARDS = ("ImportError", "ModuleNotFoundError", "Exception", "BaseException")
 

@@ -192,18 +192,18 @@ def walk(
     left = set(leave)
     imports = _Imports(sources)
     reached, unguarded = _module_level(imports, entries, left)
-    listed = tuple(f"{p}." for p in packages) + tuple(packages)
+    listed = set(packages)
     in_functions: list[tuple[str, Import, tuple[str, ...]]] = []
     needs: dict[str, tuple[str, ...] | None] = {}  # lazily imported module -> its path to one
     for module in sorted(sources):
-        if not module.startswith(listed):
+        if module.split(".")[0] not in listed:
             continue
         for imp in imports(module):
             if imp.function is None:
                 continue
             if imp.module.split(".")[0] in left:
                 in_functions.append((module, imp, ()))
-            elif imp.module in sources and imp.module.startswith(listed):
+            elif imp.module in sources and imp.module.split(".")[0] in listed:
                 if imp.module not in needs:
                     _, hits = _module_level(imports, [imp.module], left)
                     needs[imp.module] = (*hits[0][2], hits[0][1].module) if hits else None

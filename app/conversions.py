@@ -14,6 +14,7 @@ from typing import Any, Literal, cast
 
 from app.schemas import (
     AnswerOut,
+    AutoOut,
     DiagnosticsOut,
     PassageIn,
     PassageOut,
@@ -24,11 +25,13 @@ from app.schemas import (
     ReorderResponse,
     RerankDocument,
     TimingOut,
+    TrustOut,
     UsageOut,
 )
 from service.pipeline import ReorderResult
-from service.profile_store import StoredProfile
+from service.profile_store import ProfileTrust, StoredProfile
 from service.prompts import Passage
+from service.strategies.base import AutoReport
 
 
 def to_passages(items: Sequence[PassageIn | RerankDocument]) -> list[Passage]:
@@ -68,6 +71,42 @@ def profile_out(p: StoredProfile) -> ProfileOut:
         source=p.source,
         created_at=p.created_at,
         oriented_by=cast(Literal["data", "profile", "prior"], p.oriented_by),
+        trust=trust_out(p.trust),
+    )
+
+
+def trust_out(t: ProfileTrust | None) -> TrustOut | None:
+    if t is None:
+        return None
+    return TrustOut(
+        verdict=t.verdict,
+        reason=t.reason,
+        runs=t.runs,
+        flat_p=_finite(t.flat_p) or 0.0,
+        spread=_finite(t.spread) or 0.0,
+        spread_upper=_finite(t.spread_upper) or 0.0,
+        stability=_finite(t.stability) or 0.0,
+        top_slots=list(t.top_slots),
+        placement_slots=t.placement_slots,
+        resamples=t.resamples,
+        source=cast(Literal["traffic", "calibration"], t.source),
+        assessed_at=t.assessed_at,
+        trusted_since=t.trusted_since,
+    )
+
+
+def auto_out(a: AutoReport | None) -> AutoOut | None:
+    if a is None:
+        return None
+    return AutoOut(
+        path=a.path,
+        reason=a.reason,
+        ranker=cast(Literal["request_scores", "dense", "bm25", "moi"], a.ranker),
+        profile=a.profile.id if a.profile is not None else None,
+        operator=a.operator,
+        trust=trust_out(a.profile.trust) if a.profile is not None else None,
+        learning_runs=a.learning_runs,
+        recorded=a.recorded,
     )
 
 
@@ -169,6 +208,7 @@ def reorder_meta(
             if answer is not None
             else None
         ),
+        auto=auto_out(result.auto),
         diagnostics=DiagnosticsOut(
             strategy=result.strategy,
             design=result.design,

@@ -57,10 +57,13 @@ async def execute(
     )
     ctx.metrics.observe(result)
     ctx.metrics.within_deadline.inc()
+    if result.auto is not None:
+        ctx.engine.learner.count(result.auto.path)
     log.info(
-        "request %s: %s, %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s",
+        "request %s: %s%s, %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s",
         request_id_of(request.scope),
         result.strategy,
+        f" ({result.auto.path})" if result.auto is not None else "",
         result.n_passages,
         result.prompts,
         result.usage.prompts_failed,
@@ -100,6 +103,7 @@ async def run_admitted(
             settings,
             ctx.engine.profiles,
             ctx.engine.traffic,
+            ctx.engine.learner,
         )
 
     t0 = time.perf_counter()

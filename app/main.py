@@ -44,6 +44,7 @@ from service.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from service.learning import ProfileLearner, allowed_to_learn
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
 from service.prompts import Passage, get_template
@@ -87,12 +88,13 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         ValueError: ``api_key`` or ``admin_api_key`` is set but blank.
     """
     metrics = ServiceMetrics()
+    store = ProfileStore(settings.profiles_path)
     ctx = AppContext(
         settings=settings,
         version=_version(),
         lifecycle=Lifecycle(metrics),
         engine=Engine(
-            ProfileStore(settings.profiles_path),
+            store,
             TrafficSampler(
                 settings.traffic_sample_rate,
                 settings.traffic_sample_max_runs,
@@ -100,6 +102,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
                 if settings.traffic_sample_dir is not None and settings.traffic_sample_rate > 0
                 else None,
             ),
+            ProfileLearner(settings, store, allowed=allowed_to_learn(settings)),
         ),
         admission=Admission(settings, metrics),
         metrics=metrics,
@@ -112,6 +115,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         redoc_url=None,
     )
     metrics.track_traffic(ctx.engine.traffic)
+    metrics.track_auto(ctx.engine.learner)
     metrics.track_capacity(
         lambda: ctx.admission.estimated_wait_s, lambda: ctx.admission.meter.tokens_per_s
     )
@@ -162,12 +166,17 @@ def _lifespan(
         ctx.lifecycle.wake = anyio.Event()
         # A plain task rather than a task group held across the yield: a task group would wrap
         # every exception thrown into the lifespan (test failures, shutdown) in a group.
-        supervisor = asyncio.get_running_loop().create_task(_supervise(ctx, given))
+        loop = asyncio.get_running_loop()
+        supervisor = loop.create_task(_supervise(ctx, given))
+        # auto's learning and drift checks: beside the requests, never in their path.
+        learner = loop.create_task(ctx.engine.learner.run_forever())
+        _say_who_places(ctx.settings)
         try:
             yield
         finally:
             supervisor.cancel()
-            await asyncio.wait({supervisor})
+            learner.cancel()
+            await asyncio.wait({supervisor, learner})
         backend = ctx.engine.backend
         ctx.engine.backend = None
         if backend is not None:
@@ -177,8 +186,34 @@ def _lifespan(
             log.info("backend closed")
         # The last sampled runs still on their way to the shared traffic folder.
         await anyio.to_thread.run_sync(ctx.engine.traffic.close)
+        await anyio.to_thread.run_sync(ctx.engine.learner.close)
 
     return lifespan
+
+
+def _say_who_places(settings: Settings) -> None:
+    """Log, at start, whose position profile ``auto`` will place by (the scoring model's
+    learned one describes the generator only when they are the same model)."""
+    gen = settings.generator_model
+    if gen is None or gen == settings.model:
+        return
+    if settings.placement_profile is not None:
+        log.info(
+            "the scoring model %s is not the generator %s: auto places by the named profile %s",
+            settings.model, gen, settings.placement_profile,
+        )  # fmt: skip
+    elif settings.auto_learn_from_scorer:
+        log.warning(
+            "the scoring model %s is not the generator %s: auto places by the profile it "
+            "learns from the scorer (RAG_REORDER_AUTO_LEARN_FROM_SCORER)", settings.model, gen,
+        )  # fmt: skip
+    else:
+        log.warning(
+            "the scoring model %s is not the generator %s and no generator profile is named: "
+            "auto runs MoI on every request; name the generator's profile "
+            "(RAG_REORDER_PLACEMENT_PROFILE, from `rag-reorder profile-generator`) or allow "
+            "the scorer's (RAG_REORDER_AUTO_LEARN_FROM_SCORER)", settings.model, gen,
+        )  # fmt: skip
 
 
 async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
@@ -218,6 +253,16 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
         if error is not None:
             lc.fail(f"warm-up failed: {error}")
             return
+        if (
+            error is None
+            and ctx.settings.strategy == "auto"
+            and ctx.settings.auto_ranker == "dense"
+        ):
+            # auto's cheap path ranks with the dense encoder: load it before ready, not in the
+            # first request that finds a trusted profile.
+            from service.strategies.retrieval import cosine_scores
+
+            await anyio.to_thread.run_sync(lambda: cosine_scores("warm-up", ["warm-up"]))
         if get_template(ctx.settings.chat_template).completion:
             # Its answers stop at line breaks, found by decoding the whole vocabulary (2.4 s
             # for Gemma-3's 262k ids): here, not in the first request that answers.

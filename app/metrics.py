@@ -10,15 +10,17 @@ the fixed error vocabulary.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
-from prometheus_client.metrics_core import GaugeMetricFamily, Metric
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from service.backends.engine_client import EngineCall, EngineClient
 from service.backends.scheduler import ForwardScheduler, ForwardStats
+from service.learning import ProfileLearner
 from service.pipeline import ReorderResult
 from service.traffic import TrafficSampler
 
@@ -65,6 +67,78 @@ class _TrafficSample(Collector):
         for design, runs in held.items():
             family.add_metric([design], runs)
         yield family
+
+
+class _Auto(Collector):
+    """``auto``'s paths, recalibrations, drift events and each profile's trust (at scrape)."""
+
+    def __init__(self, learner: ProfileLearner) -> None:
+        self._learner = learner
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._learner.counters
+        paths = CounterMetricFamily(
+            f"{PREFIX}_auto_requests",
+            "Requests answered by the auto strategy, by path: profile (placed by a trusted "
+            "profile, no model call), flat (trusted flat profile: best first), moi (no "
+            "trusted profile: MoI, run kept for learning), explore (MoI to check the profile).",
+            labels=["path"],
+        )
+        for path, n in c.paths.items():
+            paths.add_metric([path], n)
+        yield paths
+        recal = CounterMetricFamily(
+            f"{PREFIX}_auto_recalibrations",
+            "Background assessments of a learned profile, by outcome (trusted, undecided, failed).",
+            labels=["outcome"],
+        )
+        for outcome, n in c.recalibrations.items():
+            recal.add_metric([outcome], n)
+        yield recal
+        yield CounterMetricFamily(
+            f"{PREFIX}_auto_drift_events",
+            "Trusted profiles that explore runs contradicted (auto went back to MoI).",
+            value=c.drift_events,
+        )
+        labels = ["template", "slots"]
+        trusted = GaugeMetricFamily(
+            f"{PREFIX}_auto_profile_trusted",
+            "1 while auto places by a trusted profile of this template and slot count.",
+            labels=labels,
+        )
+        runs = GaugeMetricFamily(
+            f"{PREFIX}_auto_learning_runs",
+            "MoI runs pooled at the last assessment of this profile.",
+            labels=labels,
+        )
+        age = GaugeMetricFamily(
+            f"{PREFIX}_auto_profile_age_seconds",
+            "Seconds since this profile became trusted (absent while it is not).",
+            labels=labels,
+        )
+        flat_p = GaugeMetricFamily(
+            f"{PREFIX}_auto_profile_flat_p",
+            "p-value of the test of this profile against flat, at its last assessment.",
+            labels=labels,
+        )
+        stability = GaugeMetricFamily(
+            f"{PREFIX}_auto_profile_stability",
+            "Share of bootstrap refits placing the same top slots, at its last assessment.",
+            labels=labels,
+        )
+        now = time.time()
+        for st in self._learner.status():
+            lv = [st.key.template, str(st.key.slots)]
+            trusted.add_metric(lv, 1 if st.trusted else 0)
+            runs.add_metric(lv, st.pooled_runs)
+            t = st.last or (st.stored.trust if st.stored is not None else None)
+            if t is not None:
+                flat_p.add_metric(lv, t.flat_p)
+                stability.add_metric(lv, t.stability)
+            held = st.stored.trust if st.stored is not None else None
+            if st.trusted and held is not None and held.trusted_since is not None:
+                age.add_metric(lv, max(0.0, now - held.trusted_since))
+        yield from (trusted, runs, age, flat_p, stability)
 
 
 class ServiceMetrics:
@@ -308,6 +382,10 @@ class ServiceMetrics:
         """Expose admission's estimates (read at scrape; unknown reads 0)."""
         self.estimated_wait.set_function(lambda: wait_s() or 0.0)
         self.engine_tokens_per_s.set_function(lambda: tokens_per_s() or 0.0)
+
+    def track_auto(self, learner: ProfileLearner) -> None:
+        """Expose what the auto strategy does and how far it trusts its profiles."""
+        self.registry.register(_Auto(learner))
 
     def track_traffic(self, sampler: TrafficSampler) -> None:
         """Expose the size of the live-traffic calibration sample."""

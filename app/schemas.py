@@ -120,7 +120,7 @@ class ReorderOptions(_Strict):
     strategy: Strategy | None = None
     """`moi` (mixture of interventions) or another published method: see the strategies page
     of the documentation (docs/strategies.md). Default: the server's `RAG_REORDER_STRATEGY`
-    (`moi` unless configured; `/info`'s `default_strategy`)."""
+    (`auto` unless configured; `/info`'s `default_strategy`)."""
     design: DesignIn = Field(default_factory=DesignIn)
     placement: PlacementName | None = None
     """How the ranking goes into the prompt, for every strategy that ranks: `bias_matched`
@@ -205,7 +205,11 @@ def with_defaults(
     if strategy is not None:
         return strategy, placement
     strategy = settings.strategy
-    if placement is None and strategy != "moi" and strategy in ranking_strategy_names():
+    if (
+        placement is None
+        and strategy not in ("moi", "auto")
+        and strategy in ranking_strategy_names()
+    ):
         placement = settings.placement
     return strategy, placement
 
@@ -326,6 +330,37 @@ class PassageOut(_Model):
     """`lore`: the answer generated from this passage alone."""
 
 
+class TrustOut(_Model):
+    """How far a profile can be trusted: the figures of its assessment (docs/operations.md,
+    "The profile-first strategy")."""
+
+    verdict: Literal["shaped", "flat", "undecided"]
+    """`shaped`: distinguishable from flat with a stable placement; `flat`: shown flat;
+    `undecided`: neither yet. The first two are trusted."""
+    reason: str
+    runs: int
+    """MoI runs it was assessed on."""
+    flat_p: float
+    """p-value of the test against a flat profile (bootstrap Wald)."""
+    spread: float
+    """`L (max a - min a)`: how much more the strongest slot weighs than the weakest, as a
+    share of the mean slot's weight."""
+    spread_upper: float
+    """Its bootstrap upper bound (1 - alpha)."""
+    stability: float
+    """Share of bootstrap refits that place the same two strongest slots first."""
+    top_slots: list[int]
+    """The strongest slots (0-based), strongest first, when placing `placement_slots`."""
+    placement_slots: int
+    resamples: int
+    source: Literal["traffic", "calibration"]
+    """`traffic`: learned by `auto` from live MoI runs; `calibration`: a calibration."""
+    assessed_at: float
+    """Unix time of the assessment."""
+    trusted_since: float | None
+    """Unix time this key's profile became trusted (null while not trusted)."""
+
+
 class ProfileOut(_Model):
     id: str
     """`<model>__<template>__L<slots>`, characters outside `[A-Za-z0-9._-]` as `_`: the key
@@ -344,6 +379,9 @@ class ProfileOut(_Model):
     oriented_by: Literal["data", "profile", "prior"]
     """Where its direction came from: `data` (a pruned fit), `profile` (a full-length fit
     oriented by a data profile) or `prior` (the generic primacy shape; can be backwards)."""
+    trust: TrustOut | None = None
+    """Whether `auto` may place by it without measuring, and why (null: stored without the
+    figures, e.g. a full-length calibration: not trusted by `auto`)."""
 
 
 class TrafficSampleOut(_Model):
@@ -404,6 +442,30 @@ class AnswerOut(_Model):
     """`self_consistency`: answers counted."""
     probability: float | None
     """Mean token probability of the answer."""
+
+
+class AutoOut(_Model):
+    """What `auto` did with this request (docs/operations.md, "The profile-first strategy")."""
+
+    path: Literal["profile", "flat", "moi", "explore"]
+    """`profile`: ranked cheaply and placed by a trusted profile, no model call; `flat`: the
+    trusted profile is flat, so best first; `moi`: no trusted profile yet (this run is kept
+    for learning); `explore`: a trusted profile, and this request ran MoI to check it."""
+    reason: str
+    ranker: Literal["request_scores", "dense", "bm25", "moi"]
+    """What ranked the passages: the caller's `score`s (every passage had one), the
+    configured ranker (`RAG_REORDER_AUTO_RANKER`), or MoI's fit."""
+    profile: str | None
+    """Id of the profile placed by, shown flat, or checked (`GET /v1/bias-profiles/{id}`)."""
+    operator: bool
+    """The profile was named (`bias_profile` or `RAG_REORDER_PLACEMENT_PROFILE`) and taken as
+    given."""
+    trust: TrustOut | None
+    """The profile's trust figures (null without a profile or figures)."""
+    learning_runs: int
+    """MoI runs pooled for learning this profile (this request's included when kept)."""
+    recorded: bool
+    """Whether this request's MoI run was kept (learning, or the drift test)."""
 
 
 class DiagnosticsOut(_Model):
@@ -468,6 +530,8 @@ class ReorderMeta(_Model):
     """`max_relevance`, `min_distraction`: the measured profile the placement used."""
     answer: AnswerOut | None
     """`lore`, `self_consistency`: the strategy's answer."""
+    auto: AutoOut | None = None
+    """`auto`: the path it took, why, and the profile's trust figures."""
     diagnostics: DiagnosticsOut
     usage: UsageOut
     timing: TimingOut
@@ -607,6 +671,36 @@ class AdapterOut(_Model):
     """Agreement after distillation."""
 
 
+class AutoProfileOut(_Model):
+    """One profile `auto` learns or places by (this replica's view)."""
+
+    template: str
+    slots: int
+    """Prompt slots of the learning design (ceil(N / 2) for N passages)."""
+    trusted: bool
+    profile: str | None
+    """Id of the stored profile (null until one is trusted)."""
+    learning_runs: int
+    """Runs pooled at the last assessment."""
+    last: TrustOut | None
+    """The last assessment, stored or not."""
+
+
+class AutoInfoOut(_Model):
+    """The profile-first strategy's configuration and state."""
+
+    scorer: str
+    generator: str
+    """`RAG_REORDER_GENERATOR_MODEL`, else the scoring model."""
+    scorer_is_generator: bool
+    learned_profile_allowed: bool
+    """Whether `auto` places by a profile learned from the scorer (false when the generator
+    is another model and `RAG_REORDER_AUTO_LEARN_FROM_SCORER` is not set)."""
+    ranker: str
+    explore_rate: float
+    profiles: list[AutoProfileOut]
+
+
 class InfoOut(_Model):
     name: str
     version: str
@@ -640,3 +734,5 @@ class InfoOut(_Model):
     """Order of rerank `results` when a request names none
     (`RAG_REORDER_RERANK_RESULTS_ORDER`)."""
     templates: list[str]
+    auto: AutoInfoOut
+    """The `auto` strategy: whose profile it places by, and what it has learned."""

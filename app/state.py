@@ -17,6 +17,7 @@ from app.exceptions import Draining, NotReady, Unhealthy
 from app.metrics import ServiceMetrics
 from service.backends.base import LogprobBackend
 from service.errors import EngineUnavailable
+from service.learning import ProfileLearner
 from service.profile_store import ProfileStore
 from service.settings import Settings
 from service.traffic import TrafficSampler
@@ -128,13 +129,16 @@ class Lifecycle:
 
 
 class Engine:
-    """The scoring backend once the lifespan has loaded it, the bias-profile store and the
-    sample of live MoI runs kept for calibration from traffic."""
+    """The scoring backend once the lifespan has loaded it, the bias-profile store, the
+    sample of live MoI runs kept for calibration from traffic, and what ``auto`` learns."""
 
-    def __init__(self, profiles: ProfileStore, traffic: TrafficSampler) -> None:
+    def __init__(
+        self, profiles: ProfileStore, traffic: TrafficSampler, learner: ProfileLearner
+    ) -> None:
         self.backend: LogprobBackend | None = None
         self.profiles = profiles
         self.traffic = traffic
+        self.learner = learner
 
     def require(self) -> LogprobBackend:
         if self.backend is None:

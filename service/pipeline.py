@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -25,6 +26,7 @@ from service.settings import Settings
 from service.strategies import get_strategy
 from service.strategies import moi as _moi
 from service.strategies.base import (
+    AutoReport,
     DesignKind,
     DesignSpec,
     Outcome,
@@ -41,6 +43,9 @@ from service.strategies.base import (
 from service.strategies.placement import apply_placement
 from service.strategy_names import StrategyName
 from service.traffic import TrafficSampler
+
+if TYPE_CHECKING:
+    from service.learning import ProfileLearner
 
 __all__ = [
     "CYCLIC_KINDS",
@@ -78,6 +83,7 @@ class ReorderResult:
     profile: StoredProfile | None  # the calibrated bias profile used, if any
     positional_profile: PositionalProfile | None
     answer: VotedAnswer | None
+    auto: AutoReport | None  # what `auto` did (path, reason, profile and its trust)
     passage_answers: tuple[str | None, ...] | None
     distracting_effect: np.ndarray | None
     details: dict[str, object]
@@ -99,12 +105,15 @@ class Reorderer:
         settings: Settings,
         profiles: ProfileStore | None = None,
         traffic: TrafficSampler | None = None,
+        learner: ProfileLearner | None = None,
     ) -> None:
         self.backend = backend
         self.settings = settings
         self.profiles = profiles or ProfileStore(settings.profiles_path)
         self.traffic = traffic
         """Where MoI runs of live requests are sampled for calibration (the server's only)."""
+        self.learner = learner
+        """What ``auto`` learns from and decides by (the server's; ``None``: read-only)."""
 
     def plan(self, spec: DesignSpec, passages: Sequence[Passage]) -> tuple[DesignKind, np.ndarray]:
         """MoI's design for a request, before any scoring.
@@ -133,6 +142,7 @@ class Reorderer:
             template or self.settings.chat_template,
             self.profiles,
             self.traffic,
+            self.learner,
         )
 
     async def reorder(self, req: ReorderRequest) -> ReorderResult:
@@ -166,7 +176,7 @@ class Reorderer:
             )
         work = self.work(rid, req.template)
         outcome = await strategy.run(work, req)
-        if strategy.name != "moi":
+        if strategy.name not in ("moi", "auto"):  # both place by themselves
             outcome = apply_placement(work, req, outcome)
         _check_outcome(outcome, len(req.passages))
         usage = work.usage()
@@ -187,6 +197,7 @@ class Reorderer:
             profile=outcome.profile,
             positional_profile=outcome.positional_profile,
             answer=outcome.answer,
+            auto=outcome.auto,
             passage_answers=outcome.passage_answers,
             distracting_effect=outcome.distracting_effect,
             details=dict(outcome.details),

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any, Literal
 
 from service.errors import InvalidRequest
 
@@ -31,6 +32,54 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 _PROFILE_FILE = re.compile(r"[A-Za-z0-9._-]+__[A-Za-z0-9._-]+__L[0-9]+\.json")
 
 logger = logging.getLogger(__name__)
+
+
+TrustVerdict = Literal["shaped", "flat", "undecided"]
+
+
+@dataclass(frozen=True)
+class ProfileTrust:
+    """Why a profile may (or may not) be placed by without measuring: ``solver.trust``'s
+    figures on the runs it was fitted from, kept with the profile (docs/operations.md)."""
+
+    verdict: TrustVerdict
+    """``shaped`` (distinguishable from flat, stable placement), ``flat`` (shown flat) or
+    ``undecided``; the first two are trusted."""
+    reason: str
+    runs: int
+    flat_p: float
+    """p-value of the test against a flat profile."""
+    spread: float
+    """``L (max a - min a)``, the relative weight difference of the strongest and weakest slot."""
+    spread_upper: float
+    """Its bootstrap upper bound (1 - alpha)."""
+    stability: float
+    """Share of bootstrap fits that place the same top slots."""
+    top_slots: tuple[int, ...]
+    """The strongest slots (0-based) when placing ``placement_slots`` passages."""
+    placement_slots: int
+    resamples: int
+    covariance: tuple[tuple[float, ...], ...]
+    """Bootstrap covariance of the coefficients (the drift test compares against it)."""
+    assessed_at: float
+    source: str
+    """``traffic`` (learned by ``auto``) or ``calibration`` (``POST /v1/bias-profiles/calibrate``
+    or ``rag-reorder calibrate``)."""
+    learning_since: float | None = None
+    """After a drift: only runs from this time (``time.time()``) on are pooled."""
+    trusted_since: float | None = None
+    """When the profile of this key became trusted (refits keep it; the profile's age)."""
+
+    @property
+    def trusted(self) -> bool:
+        return self.verdict != "undecided"
+
+
+def _trust_from(data: dict[str, Any]) -> ProfileTrust:
+    data = dict(data)
+    data["top_slots"] = tuple(int(s) for s in data["top_slots"])
+    data["covariance"] = tuple(tuple(float(v) for v in row) for row in data["covariance"])
+    return ProfileTrust(**data)
 
 
 @dataclass(frozen=True)
@@ -49,6 +98,9 @@ class StoredProfile:
     created_at: float
     oriented_by: str = "prior"
     """``data``, ``profile`` or ``prior`` (module docstring)."""
+    trust: ProfileTrust | None = None
+    """How far it can be placed by without measuring; ``None`` for profiles stored without
+    the figures (full-length calibrations, older files): not trusted by ``auto``."""
 
     @property
     def id(self) -> str:
@@ -90,6 +142,7 @@ class ProfileStore:
         r2: float,
         source: str,
         oriented_by: str | None = None,
+        trust: ProfileTrust | None = None,
     ) -> StoredProfile:
         """Store a profile (atomic replace). Raises ``InvalidRequest`` for a bad profile.
 
@@ -110,6 +163,7 @@ class ProfileStore:
             source,
             time.time(),
             oriented_by or _default_orientation(identification),
+            trust,
         )
         self.root.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
@@ -170,4 +224,6 @@ def _load(path: Path) -> StoredProfile:
     data = json.loads(path.read_text())
     data["coefficients"] = tuple(float(c) for c in data["coefficients"])
     data.setdefault("oriented_by", _default_orientation(str(data.get("identification"))))
+    if data.get("trust") is not None:
+        data["trust"] = _trust_from(data["trust"])
     return StoredProfile(**data)

@@ -110,12 +110,47 @@ class Settings(BaseSettings):
     """Folder of calibrated bias profiles (default: `<cache_dir>/profiles`)."""
     seed: int = 0
     """Default seed for permutation designs (a request may override it)."""
-    strategy: StrategyName = "moi"
-    """The strategy of a request that names none. A ranker other than `moi` gets `placement`
-    there too (a request that names the strategy keeps the ranker's own order unless it names a
-    placement). `dense` with `bias_matched` and `placement_profile` set to the generator's
-    calibrated profile scores nothing per request and, on NQ-Open, answered as well as MoI's
-    default or better for Gemma-3-270m (docs/evaluation.md, "Pairings")."""
+    strategy: StrategyName = "auto"
+    """The strategy of a request that names none. `auto`: MoI until the scoring model's
+    position profile is learned from those MoI runs and trusted, then a cheap ranker placed by
+    it with no model call (docs/operations.md, "The profile-first strategy"). A ranker other
+    than `moi` and `auto` gets `placement` there too (a request that names the strategy keeps
+    the ranker's own order unless it names a placement)."""
+    generator_model: str | None = Field(default=None, min_length=1, max_length=512)
+    """The model that answers from the order, when it is not `model` (a smaller scorer stands
+    in for it). Then `auto` places only by a profile of the generator
+    (`placement_profile`, e.g. from `rag-reorder profile-generator`), unless
+    `auto_learn_from_scorer` allows the scorer's learned one. Unset: the scoring model is the
+    generator (also with `backend=remote`, which scores on the generator itself)."""
+    auto_learn_from_scorer: bool = False
+    """Let `auto` place by a profile learned from the scoring model's log-probs when
+    `generator_model` names another model (the scorer's bias then stands in for the
+    generator's)."""
+    auto_ranker: Literal["dense", "bm25"] = "dense"
+    """`auto`'s ranker on the profile and flat paths when not every passage carries the
+    caller's `score` (with scores, they rank)."""
+    auto_explore_rate: float = Field(default=0.05, ge=0.0, le=1.0)
+    """Share of `auto`'s requests that still run MoI once a profile is trusted; their runs
+    test the profile for drift (a changed generator or template). 0: never re-checked."""
+    auto_min_runs: int = Field(default=5, ge=3, le=10_000)
+    """Fewest learning runs (MoI requests) before `auto` may trust a profile."""
+    auto_alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
+    """Level of `auto`'s test of a learned profile against flat (and 1 - the level of the
+    upper bound that must exclude `auto_flat_effect` before it calls a profile flat)."""
+    auto_min_stability: float = Field(default=0.9, gt=0.0, le=1.0)
+    """Share of bootstrap refits of the learning runs that must place the same two strongest
+    slots before `auto` trusts a profile."""
+    auto_flat_effect: float = Field(default=0.1, gt=0.0, le=10.0)
+    """Relative spread `L (max a - min a)` of the slot weights that a *flat* verdict must
+    exclude (0.1: no slot weighs 10% of the mean slot weight more than another)."""
+    auto_max_runs: int = Field(default=200, ge=10, le=100_000)
+    """Most learning runs `auto` pools per (model, template, slot count): the latest."""
+    auto_recalibrate_s: float = Field(default=5.0, ge=0.0)
+    """Least seconds between two assessments of one profile in the background (each costs
+    about a second of one low-priority thread), and how often stored profiles are re-read."""
+    auto_lock_ttl_s: float = Field(default=300.0, gt=0.0)
+    """Age after which another replica's assessment lock in a shared profile folder counts
+    as abandoned."""
     placement: Literal["bias_matched", "descending_utility", "litm"] = "bias_matched"
     """MoI's placement when a request names none, and the configured `strategy`'s when a
     request names neither. `bias_matched`: the k-th best passage into

@@ -7,6 +7,7 @@ from typing import Literal
 
 StrategyName = Literal[
     "moi",
+    "auto",
     "query_likelihood",
     "convex_score",
     "lore",

@@ -251,11 +251,17 @@ class TrafficSpool:
             self._lines[key] = len(keep)
             self._prune(self._files(path.parent))
 
-    def runs(self, key: SampleKey) -> list[Run]:
-        """The latest ``max_runs`` runs of ``key`` over every replica's file, oldest first."""
+    def runs(self, key: SampleKey, *, since: float | None = None) -> list[Run]:
+        """The latest ``max_runs`` runs of ``key`` over every replica's file, oldest first;
+        with ``since`` (a ``time.time()``), only those appended at or after it."""
         files = self._files(self.folder(key))
         records = sorted(
-            (r for _, recs in files for r in recs if _key_of(r) == key),
+            (
+                r
+                for _, recs in files
+                for r in recs
+                if _key_of(r) == key and (since is None or float(r["t"]) >= since)
+            ),
             key=lambda r: float(r["t"]),
         )[-self.max_runs :]
         self._prune(files)

@@ -7,10 +7,13 @@ from typing import get_args
 
 from fastapi import APIRouter
 
+from app.conversions import trust_out
 from app.errors import GET_ERRORS
 from app.schemas import (
     AdapterOut,
     AgreementOut,
+    AutoInfoOut,
+    AutoProfileOut,
     InfoOut,
     LimitsOut,
     ModelCard,
@@ -111,6 +114,32 @@ async def info(ctx: Ctx) -> InfoOut:
         placement_profile=s.placement_profile,
         default_results_order=s.rerank_results_order,
         templates=list(template_names()),
+        auto=_auto(ctx, model),
+    )
+
+
+def _auto(ctx: AppContext, model: str) -> AutoInfoOut:
+    s = ctx.settings
+    learner = ctx.engine.learner
+    generator = s.generator_model or model
+    return AutoInfoOut(
+        scorer=model,
+        generator=generator,
+        scorer_is_generator=s.generator_model is None or s.generator_model == s.model,
+        learned_profile_allowed=learner.allowed,
+        ranker=s.auto_ranker,
+        explore_rate=s.auto_explore_rate,
+        profiles=[
+            AutoProfileOut(
+                template=st.key.template,
+                slots=st.key.slots,
+                trusted=st.trusted,
+                profile=st.stored.id if st.stored is not None else None,
+                learning_runs=st.pooled_runs,
+                last=trust_out(st.last or (st.stored.trust if st.stored else None)),
+            )
+            for st in learner.status()
+        ],
     )
 
 

@@ -8,6 +8,7 @@ the tests that run every strategy pick it up from the registry.
 from __future__ import annotations
 
 from service.errors import InvalidRequest
+from service.strategies.auto import Auto
 from service.strategies.base import Strategy, register_option_users
 from service.strategies.distraction import MaxRelevance, MinDistraction
 from service.strategies.likelihood import ConvexScore, QueryLikelihood
@@ -21,6 +22,7 @@ from service.strategy_names import StrategyName
 
 _ALL: tuple[Strategy, ...] = (
     MoI(),
+    Auto(),
     Retriever(),
     Inverse(),
     Shuffle(),
@@ -59,7 +61,7 @@ def get_strategy(name: str) -> Strategy:
 
 
 def strategy_names() -> tuple[StrategyName, ...]:
-    """Every strategy's wire name, ``moi`` (the default) first."""
+    """Every strategy's wire name, ``moi`` first, then ``auto`` (the default)."""
     return tuple(s.name for s in _ALL)
 
 

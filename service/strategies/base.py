@@ -14,6 +14,7 @@ from service.errors import InvalidRequest
 from service.settings import Settings
 from service.strategies.request import (
     Answer,
+    AutoReport,
     DesignKind,
     DesignSpec,
     Outcome,
@@ -35,6 +36,7 @@ from service.strategy_names import StrategyName
 
 __all__ = [
     "Answer",
+    "AutoReport",
     "DesignKind",
     "DesignSpec",
     "Outcome",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -88,6 +89,15 @@ async def score_design(
     return np.asarray([np.nan if s is None else s.total for s in scores], dtype=np.float64)
 
 
+@dataclass(frozen=True)
+class ScoredOutcome:
+    """A MoI outcome with its design and per-prompt scores (NaN where a prompt failed)."""
+
+    outcome: Outcome
+    perms: np.ndarray
+    scores: np.ndarray
+
+
 class MoI:
     name: StrategyName = "moi"
     options = frozenset({"seed"})
@@ -104,6 +114,14 @@ class MoI:
         return settings.seed if request.options.seed is None else request.options.seed
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        return (await self.run_scored(work, request)).outcome
+
+    async def run_scored(self, work: Work, request: ReorderRequest) -> ScoredOutcome:
+        """``run``, with the design and the scores it fitted (``auto`` learns from them).
+
+        Raises:
+            as ``run``.
+        """
         passages = request.passages
         n = len(passages)
         kind, perms = plan_design(request.design, passages, self._seed(request, work.settings))
@@ -189,4 +207,6 @@ class MoI:
             profile=profile,
             warnings=tuple(warnings),
         )
-        return outcome if named is None else placed_by(outcome, list(fit.order), named)
+        if named is not None:
+            outcome = placed_by(outcome, list(fit.order), named)
+        return ScoredOutcome(outcome, perms, scores)

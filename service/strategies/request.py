@@ -149,6 +149,24 @@ class PositionalProfile:
 
 
 @dataclass(frozen=True)
+class AutoReport:
+    """What ``auto`` did with a request (``service.strategies.auto``)."""
+
+    path: Literal["profile", "flat", "moi", "explore"]
+    reason: str
+    ranker: str
+    """``request_scores``, ``dense`` or ``bm25`` (profile, flat paths), ``moi`` otherwise."""
+    profile: StoredProfile | None
+    """The profile placed by, shown flat, or being checked; with its trust figures."""
+    operator: bool
+    """The profile was named (request or ``RAG_REORDER_PLACEMENT_PROFILE``): taken as given."""
+    learning_runs: int
+    """Runs pooled for learning this key, this one included when it was kept."""
+    recorded: bool
+    """Whether this request's MoI run was kept for learning or the drift test."""
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What a strategy decided, before the pipeline adds ids, usage and timing.
 
@@ -173,6 +191,8 @@ class Outcome:
     distracting_effect: np.ndarray | None = None
     details: dict[str, Any] = field(default_factory=dict)
     warnings: tuple[str, ...] = ()
+    auto: AutoReport | None = None
+    """Set by ``auto``: the path it took and why."""
 
 
 @dataclass(frozen=True)

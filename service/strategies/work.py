@@ -38,6 +38,7 @@ from service.settings import Settings
 from service.strategies.request import Answer, PromptScore, Usage
 
 if TYPE_CHECKING:
+    from service.learning import ProfileLearner
     from service.profile_store import ProfileStore
     from service.traffic import TrafficSampler
 
@@ -57,6 +58,7 @@ class Work:
         template: str,
         profiles: ProfileStore,
         traffic: TrafficSampler | None = None,
+        learner: ProfileLearner | None = None,
     ) -> None:
         self.backend = backend
         self.settings = settings
@@ -64,6 +66,8 @@ class Work:
         self.template = template
         self.profiles = profiles
         self.traffic = traffic
+        self.learner = learner
+        """``auto``'s profile learner (the server's); ``None``: decide from stored profiles."""
         self.tokenize_s = 0.0
         self.model_s = 0.0
         self.solver_s = 0.0

@@ -1,0 +1,546 @@
+"""What the profile-first strategy (``auto``) knows: the scoring model's position profile,
+learned from the MoI runs it serves, whether it is trusted yet, and whether it still holds.
+
+The lifecycle (docs/operations.md, "The profile-first strategy", has the diagram):
+
+    learning --(trusted: shaped)--> profile --(explore runs disagree)--> learning
+             \\--(trusted: flat)---> flat    --(explore runs disagree)--> learning
+
+- **learning**: a request runs MoI with the learning design (``pruned_random``, the default
+  MoI design: it fixes the bias's orientation from the data) and its scored runs, numbers
+  only, are appended to the learning pool. No profile is placed by yet.
+- **trusted**: ``solver.trust.assess`` found the pooled profile distinguishable from flat
+  with a stable placement (``shaped``), or shown flat. Requests are ranked cheaply and placed
+  by it (``profile``), or kept best first (``flat``): no model call. A share
+  ``auto_explore_rate`` still runs MoI (``explore``); those runs also feed a drift test
+  (``solver.trust.drift``) against the stored profile, and a disagreement beyond both fits'
+  uncertainty that changes the placement sends the key back to learning, from then on.
+
+Nothing here runs in a request's path but ``decide`` (a dictionary lookup and a random draw)
+and ``record`` (an append handed to a writer thread). The fits, bootstraps and drift tests run
+in ``run_forever``, a background task, on one worker thread at the lowest CPU priority, at most
+once per ``auto_recalibrate_s`` per key and only when new runs arrived.
+
+Learning runs live in a folder (``<bias_profile_dir>/auto/runs``, explore runs in ``.../explore``,
+one append-only file per replica: ``service.traffic.TrafficSpool``), so a restart keeps what was
+learned, and replicas that share the profile folder pool their runs. Of those replicas only the
+holder of a lock file (with an expiry, so a killed holder does not block the rest) fits and
+stores; every replica reads the stored profile, which carries its trust figures
+(``StoredProfile.trust``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Literal, TypeVar
+
+import anyio
+import anyio.to_thread
+import numpy as np
+
+import solver
+from service.profile_store import ProfileStore, ProfileTrust, StoredProfile, profile_id
+from service.settings import Settings
+from service.traffic import Run, SampleKey, TrafficSpool
+from solver import trust as trust_rules
+
+log = logging.getLogger(__name__)
+
+_T = TypeVar("_T")
+
+AutoPath = Literal["profile", "flat", "moi", "explore"]
+AUTO_PATHS: tuple[AutoPath, ...] = ("profile", "flat", "moi", "explore")
+MIN_PASSAGES = 4
+"""Fewer passages than this: a pruned design shows one passage a prompt, which measures no
+position bias, so there is nothing to learn and ``auto`` runs MoI (a few prompts)."""
+LEARNING_DESIGN: solver.DesignKind = "pruned_random"
+Recalibration = Literal["trusted", "undecided", "failed"]
+
+
+def learning_slots(n_passages: int) -> int | None:
+    """Prompt slots L of the learning design for N passages (``pruned_random``'s default,
+    ceil(N / 2)); ``None`` below ``MIN_PASSAGES``."""
+    if n_passages < MIN_PASSAGES:
+        return None
+    return solver.default_prompt_passages(n_passages)
+
+
+@dataclass(frozen=True)
+class LearnKey:
+    """What a learned profile describes: one scoring model, template and slot count."""
+
+    model: str
+    template: str
+    slots: int
+
+    def sample(self) -> SampleKey:
+        return SampleKey(self.model, self.template, "pruned_random", self.slots)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """How ``auto`` serves one request."""
+
+    path: AutoPath
+    reason: str
+    profile: StoredProfile | None = None
+    """The profile placed by (``profile``), shown flat (``flat``), or checked (``explore``)."""
+    key: LearnKey | None = None
+    """Where the request's MoI runs are recorded (``moi`` while learning, ``explore``)."""
+    learning_runs: int = 0
+    """Runs pooled for this key so far (this replica's view)."""
+    operator: bool = False
+    """The profile was named by the request or the operator, and taken as given."""
+
+
+@dataclass
+class KeyStatus:
+    """One key's state, as ``/info`` and the metrics report it."""
+
+    key: LearnKey
+    stored: StoredProfile | None = None
+    pooled_runs: int = 0
+    """Runs pooled at the last assessment."""
+    last: ProfileTrust | None = None
+    """The last assessment (stored or not)."""
+    explore_runs: int = 0
+    """Explore runs since the stored profile was trusted, at the last drift test."""
+    assessed_at: float = 0.0
+    """Monotonic time of the last assessment."""
+    stamp: tuple[int, int] | None = None
+    """(mtime_ns, size) of the stored profile's file when last read."""
+
+    @property
+    def trusted(self) -> bool:
+        return (
+            self.stored is not None
+            and self.stored.trust is not None
+            and (self.stored.trust.trusted)
+        )
+
+
+@dataclass
+class LearnerCounters:
+    """Totals the metrics export (event-loop thread only)."""
+
+    paths: dict[AutoPath, int] = field(default_factory=lambda: dict.fromkeys(AUTO_PATHS, 0))
+    recalibrations: dict[Recalibration, int] = field(
+        default_factory=lambda: {"trusted": 0, "undecided": 0, "failed": 0}
+    )
+    drift_events: int = 0
+
+
+class ProfileLearner:
+    """Learns, trusts and watches the scoring model's profile for ``auto`` (module docstring).
+
+    Args:
+        settings: the ``auto_*`` settings and the profile folder.
+        profiles: where trusted profiles are stored and read.
+        root: the runs' folder (default ``<profiles_path>/auto``).
+        replica: this process's file name in the shared folders (default: host, pid, random).
+        allowed: whether a profile learned from the scoring model may place requests (false
+            when the operator says the generator is another model and did not allow it).
+    """
+
+    def __init__(
+        self,
+        settings: Settings,
+        profiles: ProfileStore,
+        *,
+        root: Path | None = None,
+        replica: str | None = None,
+        allowed: bool = True,
+    ) -> None:
+        self.settings = settings
+        self.profiles = profiles
+        self.allowed = allowed
+        self.rules = trust_rules.TrustRules(
+            alpha=settings.auto_alpha,
+            min_stability=settings.auto_min_stability,
+            flat_effect=settings.auto_flat_effect,
+            min_runs=settings.auto_min_runs,
+        )
+        self.root = root or settings.profiles_path / "auto"
+        name = replica or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self.replica = name
+        self.runs = TrafficSpool(self.root / "runs", settings.auto_max_runs, name)
+        self.explore = TrafficSpool(self.root / "explore", settings.auto_max_runs, name)
+        self.counters = LearnerCounters()
+        self._status: dict[LearnKey, KeyStatus] = {}
+        self._recorded: dict[LearnKey, int] = {}
+        """Runs this replica recorded per key since its pool was last read."""
+        self._rng = np.random.default_rng(settings.seed)
+        self._writer = ThreadPoolExecutor(1, "auto-spool")
+        self._worker = ThreadPoolExecutor(1, "auto-fit", initializer=_lowest_priority)
+        self._wake: anyio.Event | None = None
+        self._closed = False
+        self.explore_rate = settings.auto_explore_rate
+
+    @classmethod
+    def read_only(cls, settings: Settings, profiles: ProfileStore) -> ProfileLearner:
+        """A learner that decides from the stored profiles alone, never explores and keeps
+        nothing (the command line, a pipeline without the server's learner)."""
+        learner = cls(settings, profiles, allowed=allowed_to_learn(settings))
+        learner.explore_rate = 0.0
+        learner._closed = True
+        return learner
+
+    # --- the request path (event-loop thread) ---------------------------------------
+
+    def decide(
+        self, model: str, template: str, n_passages: int, named: StoredProfile | None
+    ) -> Decision:
+        """How to serve a request of ``n_passages`` passages (module docstring). Cheap: a
+        stored profile is read from disk once per key, then refreshed by ``run_forever``."""
+        if named is not None:
+            if named.trust is not None and named.trust.verdict == "flat":
+                return Decision("flat", f"bias profile {named.id!r} is flat", named, operator=True)
+            return Decision(
+                "profile", f"bias profile {named.id!r}, named, taken as given", named,
+                operator=True,
+            )  # fmt: skip
+        slots = learning_slots(n_passages)
+        if slots is None:
+            return Decision(
+                "moi", f"{n_passages} passage(s): too few to learn a position profile from"
+            )
+        if not self.allowed:
+            return Decision(
+                "moi",
+                "the scoring model is not the generator (RAG_REORDER_GENERATOR_MODEL) and no "
+                "generator profile is named (RAG_REORDER_PLACEMENT_PROFILE); a profile learned "
+                "from the scorer is not used unless RAG_REORDER_AUTO_LEARN_FROM_SCORER is set",
+            )
+        key = LearnKey(model, template, slots)
+        st = self._status.get(key)
+        if st is None:
+            st = self._status[key] = KeyStatus(key)
+            self._reload(st)
+        if st.trusted:
+            prof = st.stored
+            assert prof is not None and prof.trust is not None
+            rate = self.explore_rate
+            if rate > 0 and self._rng.random() < rate:
+                return Decision(
+                    "explore", f"explore share {rate:g}: checking {prof.id!r} for drift", prof, key,
+                    st.pooled_runs,
+                )  # fmt: skip
+            path: AutoPath = "flat" if prof.trust.verdict == "flat" else "profile"
+            return Decision(path, prof.trust.reason, prof, key, st.pooled_runs)
+        held = st.pooled_runs + self._recorded.get(key, 0)
+        why = st.last.reason if st.last is not None else "no runs assessed yet"
+        return Decision("moi", f"learning ({held} run(s)): {why}", st.stored, key, held)
+
+    def count(self, path: AutoPath) -> None:
+        """Count a request served by ``path`` (after it succeeded)."""
+        self.counters.paths[path] += 1
+
+    def record(self, decision: Decision, perms: np.ndarray, scores: np.ndarray) -> bool:
+        """Keep a MoI run of ``decision``'s key for learning (and, for ``explore``, for the
+        drift test). Returns whether it was kept: runs with a failed prompt, or a design
+        other than the learning design's shape, are not."""
+        key = decision.key
+        if key is None or self._closed:
+            return False
+        if perms.ndim != 2 or perms.shape[1] != key.slots or (perms < 0).any():
+            return False
+        if not np.isfinite(scores).all():
+            return False  # a failed prompt: the run is not comparable to the others
+        run = (perms.copy(), np.asarray(scores, dtype=np.float64).copy())
+        at = time.time()
+        self._writer.submit(self._append, self.runs, key, run, at)
+        if decision.path == "explore":
+            self._writer.submit(self._append, self.explore, key, run, at)
+        self._recorded[key] = self._recorded.get(key, 0) + 1
+        self._status.setdefault(key, KeyStatus(key))
+        if self._wake is not None:
+            self._wake.set()
+        return True
+
+    def status(self) -> list[KeyStatus]:
+        """Every key this replica has seen, sorted (for ``/info`` and the metrics)."""
+        return [self._status[k] for k in sorted(self._status, key=_order)]
+
+    # --- the background task --------------------------------------------------------
+
+    async def run_forever(self) -> None:
+        """Assess, store and watch every key's profile until cancelled; never raises
+        (a failed cycle is logged and counted, and the next one tries again)."""
+        self._wake = anyio.Event()
+        interval = self.settings.auto_recalibrate_s
+        while True:
+            with anyio.move_on_after(interval):
+                await self._wake.wait()
+            self._wake = anyio.Event()
+            for key in list(self._status):
+                try:
+                    await self.cycle(key)
+                except Exception:
+                    log.exception("auto: the profile of %s could not be assessed", key)
+                    self.counters.recalibrations["failed"] += 1
+
+    async def cycle(self, key: LearnKey) -> None:
+        """One background step for ``key``: reload the stored profile; if runs arrived since
+        the last assessment (and ``auto_recalibrate_s`` passed), test drift and reassess under
+        the lock, storing what changed."""
+        st = self._status.setdefault(key, KeyStatus(key))
+        await anyio.to_thread.run_sync(self._reload, st)
+        if time.monotonic() - st.assessed_at < self.settings.auto_recalibrate_s:
+            return
+        await anyio.to_thread.run_sync(lambda: self._writer.submit(lambda: None).result())
+        since = st.stored.trust.learning_since if st.stored and st.stored.trust else None
+        recorded = self._recorded.get(key, 0)
+        runs = await anyio.to_thread.run_sync(lambda: self.runs.runs(key.sample(), since=since))
+        # What was recorded before the read is in ``runs`` (the writer was flushed above).
+        self._recorded[key] = self._recorded.get(key, 0) - recorded
+        if len(runs) == st.pooled_runs and st.last is not None:
+            return
+        with self._lock(key) as held:
+            if not held:
+                return  # another replica assesses; its result is read on the next reload
+            await self._assess(st, runs)
+
+    async def _assess(self, st: KeyStatus, runs: list[Run]) -> None:
+        """Reassess ``st``'s key from its pooled ``runs``.
+
+        A trusted profile is held fixed while explore runs accumulate; once there are
+        ``drift_min_runs`` of them (explore runs after its fit: none of them is in it, so
+        the test compares independent fits), it is tested for drift. Without drift they are
+        folded in: the profile is refitted on every pooled run and the next window starts.
+        """
+        key = st.key
+        slots = 2 * key.slots  # the passages a placement by it orders (L = ceil(N / 2))
+        st.assessed_at = time.monotonic()
+        st.pooled_runs = len(runs)
+        prof = st.stored
+        held = prof.trust if prof is not None and prof.trust is not None else None
+        if prof is not None and held is not None and held.trusted:
+            explore = await anyio.to_thread.run_sync(
+                lambda: self.explore.runs(key.sample(), since=held.assessed_at)
+            )
+            st.explore_runs = len(explore)
+            if len(explore) < self.rules.drift_min_runs:
+                return
+            result = await self._off_loop(
+                lambda: trust_rules.drift(
+                    prof.coefficients,
+                    np.asarray(held.covariance),
+                    held.verdict,
+                    explore,
+                    placement_slots=slots,
+                    rules=self.rules,
+                )
+            )
+            if result.drifted:
+                self._drifted(st, result)
+                return
+        if not runs:
+            return
+        try:
+            found = await self._off_loop(
+                lambda: trust_rules.assess(runs, placement_slots=slots, rules=self.rules)
+            )
+        except solver.SolverError as exc:
+            log.warning("auto: %d run(s) of %s cannot be fitted: %s", len(runs), key, exc)
+            self.counters.recalibrations["failed"] += 1
+            return
+        was_trusted = held is not None and held.trusted
+        since = held.learning_since if held is not None else None
+        trusted_since = held.trusted_since if was_trusted and held is not None else None
+        st.last = to_profile_trust(
+            found, "traffic", since, trusted_since=trusted_since or time.time()
+        )
+        st.explore_runs = 0
+        if found.trusted:
+            self.counters.recalibrations["trusted"] += 1
+            st.stored = self._store(key, found, st.last, len(runs))
+            if not was_trusted:
+                log.info(
+                    "auto: profile %s trusted after %d run(s): %s (%s)",
+                    st.stored.id, len(runs), found.verdict, found.reason,
+                )  # fmt: skip
+        else:
+            self.counters.recalibrations["undecided"] += 1
+            if was_trusted:
+                # More runs made it undecided: stop placing by it, on every replica.
+                st.stored = self._store(key, found, st.last, len(runs))
+                log.warning("auto: profile %s no longer trusted: %s", st.stored.id, found.reason)
+        st.stamp = _stamp(self.profiles.path(key.model, key.template, key.slots))
+
+    def _drifted(self, st: KeyStatus, result: trust_rules.Drift) -> None:
+        prof = st.stored
+        assert prof is not None and prof.trust is not None
+        now = time.time()
+        self.counters.drift_events += 1
+        log.warning(
+            "auto: drift of profile %s (%s) from %d explore run(s); back to MoI until a new "
+            "profile is trusted", prof.id, result.reason, result.runs,
+        )  # fmt: skip
+        reset = ProfileTrust(
+            verdict="undecided",
+            reason=f"drift: {result.reason}; learning again from new runs",
+            runs=0,
+            flat_p=prof.trust.flat_p,
+            spread=prof.trust.spread,
+            spread_upper=prof.trust.spread_upper,
+            stability=prof.trust.stability,
+            top_slots=prof.trust.top_slots,
+            placement_slots=prof.trust.placement_slots,
+            resamples=prof.trust.resamples,
+            covariance=prof.trust.covariance,
+            assessed_at=now,
+            source="traffic",
+            learning_since=now,
+            trusted_since=None,
+        )
+        st.stored = self.profiles.put(
+            model=prof.model,
+            template=prof.template,
+            coefficients=prof.coefficients,
+            identification=prof.identification,
+            runs=prof.runs,
+            prompts=prof.prompts,
+            r2=prof.r2,
+            source=prof.source,
+            oriented_by=prof.oriented_by,
+            trust=reset,
+        )
+        st.stamp = _stamp(self.profiles.path(prof.model, prof.template, prof.slots))
+        st.last = reset
+        st.pooled_runs = 0
+        st.explore_runs = 0
+
+    def _store(
+        self, key: LearnKey, found: trust_rules.Trust, trust: ProfileTrust, runs: int
+    ) -> StoredProfile:
+        if not found.trusted:
+            trust = replace(trust, trusted_since=None)
+        return self.profiles.put(
+            model=key.model,
+            template=key.template,
+            coefficients=[float(c) for c in found.coefficients],
+            identification="full",
+            runs=runs,
+            prompts=runs * 2 * (2 * key.slots),  # approximate: M = 2N prompts per run
+            r2=found.r2,
+            source=f"learned by auto from {runs} live MoI run(s)",
+            oriented_by="data",
+            trust=trust,
+        )
+
+    def _reload(self, st: KeyStatus) -> None:
+        """Read the stored profile again if its file changed (another replica stored it)."""
+        path = self.profiles.path(st.key.model, st.key.template, st.key.slots)
+        stamp = _stamp(path)
+        if stamp == st.stamp:
+            return
+        st.stamp = stamp
+        try:
+            st.stored = self.profiles.get(st.key.model, st.key.template, st.key.slots)
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            log.warning("auto: cannot read the stored profile %s: %s", path, exc)
+            st.stored = None
+
+    @contextlib.contextmanager
+    def _lock(self, key: LearnKey) -> Iterator[bool]:
+        """Hold ``<root>/<key>.lock`` (created exclusively; taken over once older than
+        ``auto_lock_ttl_s``, so a killed holder does not block the others)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        path = self.root / f"{profile_id(key.model, key.template, key.slots)}.lock"
+        ttl = self.settings.auto_lock_ttl_s
+        try:
+            if path.exists() and time.time() - path.stat().st_mtime > ttl:
+                path.unlink(missing_ok=True)  # a holder that died (or hung) past the expiry
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            yield False
+            return
+        except OSError as exc:
+            log.warning("auto: cannot take the lock %s: %s", path, exc)
+            yield False
+            return
+        try:
+            os.write(fd, self.replica.encode())
+            os.close(fd)
+            yield True
+        finally:
+            path.unlink(missing_ok=True)
+
+    async def _off_loop(self, fn: Callable[[], _T]) -> _T:
+        """Run ``fn`` on the low-priority worker thread and await it."""
+        future = self._worker.submit(fn)
+        return await anyio.to_thread.run_sync(future.result)
+
+    def _append(self, spool: TrafficSpool, key: LearnKey, run: Run, at: float) -> None:
+        try:
+            spool.append(key.sample(), run, at)
+        except OSError as exc:  # a full or read-only volume must not fail requests
+            log.warning("auto: could not keep a run in %s: %s", spool.root, exc)
+
+    def close(self) -> None:
+        """Finish pending appends and stop the worker threads (blocks)."""
+        self._closed = True
+        self._writer.shutdown(wait=True)
+        self._worker.shutdown(wait=True, cancel_futures=True)
+
+
+def allowed_to_learn(settings: Settings) -> bool:
+    """Whether ``auto`` may place by a profile learned from the scoring model: it is the
+    generator (``generator_model`` unset or the same), or the operator allowed it."""
+    gen = settings.generator_model
+    return gen is None or gen == settings.model or settings.auto_learn_from_scorer
+
+
+def to_profile_trust(
+    found: trust_rules.Trust,
+    source: str,
+    learning_since: float | None = None,
+    *,
+    trusted_since: float | None = None,
+) -> ProfileTrust:
+    """``solver.trust``'s figures as stored with a profile."""
+    return ProfileTrust(
+        verdict=found.verdict,
+        reason=found.reason,
+        runs=found.runs,
+        flat_p=found.flat_p,
+        spread=found.spread,
+        spread_upper=found.spread_upper,
+        stability=found.stability,
+        top_slots=found.top_slots,
+        placement_slots=found.placement_slots,
+        resamples=found.resamples,
+        covariance=tuple(tuple(float(v) for v in row) for row in found.covariance),
+        assessed_at=time.time(),
+        source=source,
+        learning_since=learning_since,
+        trusted_since=trusted_since if found.trusted else None,
+    )
+
+
+def _lowest_priority() -> None:
+    # Linux schedules threads individually: this one yields the CPU to request work.
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        return None
+    return (st.st_mtime_ns, st.st_size)
+
+
+def _order(key: LearnKey) -> tuple[str, str, int]:
+    return (key.model, key.template, key.slots)

@@ -1,0 +1,143 @@
+"""``auto``: the cheapest path the measurements support, per request (the default strategy).
+
+The evidence (docs/evaluation.md): the gain comes from *placing* passages by the generator's
+position profile; a free ranker placed by a calibrated profile answered as well as MoI's
+default or better, at a small fraction of its cost. ``auto`` serves that path once the profile
+is trusted, and MoI until then (``service.learning`` learns and watches the profile):
+
+- ``profile``: a trusted profile exists (named by ``bias_profile`` or
+  ``RAG_REORDER_PLACEMENT_PROFILE``, else learned, or calibrated with trust figures, for the
+  scoring model, template and slot count). Rank with the request's own scores when every
+  passage has one (the caller's retriever or reranker), else with ``auto_ranker`` (``dense``
+  by default), and place ``bias_matched`` by the profile. No language-model call.
+- ``flat``: the trusted profile shows no position preference: the ranking, best first.
+- ``moi``: no trusted profile (or too few passages to learn one): MoI's default design,
+  placed by its own fit; its scored runs are kept for learning.
+- ``explore``: a trusted profile, but this request was drawn (``auto_explore_rate``) to run
+  MoI, whose runs test the profile for drift.
+
+The response's ``auto`` object names the path, why, the profile and its trust figures.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+import solver
+from service.errors import InvalidRequest
+from service.learning import Decision, ProfileLearner
+from service.settings import Settings
+from service.strategies.base import (
+    DesignSpec,
+    Outcome,
+    Placement,
+    ReorderRequest,
+    Work,
+    descending,
+    retriever_ranking,
+)
+from service.strategies.moi import MoI, plan_design, retriever_scores
+from service.strategies.placement import named_profile
+from service.strategies.request import AutoReport
+from service.strategies.retrieval import bm25_scores, cosine_scores, passage_text
+from service.strategy_names import StrategyName
+
+_MOI = MoI()
+LEARNING_SPEC = DesignSpec(kind="pruned_random")
+"""MoI's default design, the one ``auto`` learns from: pruned random (L = ceil(N/2) passages
+a prompt, 2N prompts) identifies the bias *with its direction* from each request's own data
+(docs/method.md), so the pooled runs need no prior, and it is the MoI design whose answers
+were measured best per token."""
+
+
+class Auto:
+    """``auto``: profile-first with MoI where no trusted profile exists (module docstring)."""
+
+    name: StrategyName = "auto"
+    options: frozenset[str] = frozenset()
+    uses_design = False
+    ranks = True
+
+    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
+        # The most it may need: the MoI path (the request limits hold for every path).
+        _, perms = plan_design(LEARNING_SPEC, request.passages, settings.seed)
+        return int(perms.shape[0])
+
+    async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        if request.placement not in (None, "bias_matched"):
+            raise InvalidRequest(
+                f"strategy 'auto' places by the generator's profile; placement "
+                f"{request.placement!r} needs a named strategy (e.g. 'dense')",
+                param="placement",
+            )
+        learner = work.learner or ProfileLearner.read_only(work.settings, work.profiles)
+        named = named_profile(work, request)
+        decision = learner.decide(work.model_id, work.template, len(request.passages), named)
+        if decision.path in ("moi", "explore"):
+            return await self._moi(work, request, learner, decision)
+        return await self._placed(work, request, decision)
+
+    async def _moi(
+        self, work: Work, request: ReorderRequest, learner: ProfileLearner, decision: Decision
+    ) -> Outcome:
+        moi_request = replace(
+            request, strategy="moi", design=LEARNING_SPEC, placement=None, bias_profile=None
+        )
+        scored = await _MOI.run_scored(work, moi_request)
+        kept = learner.record(decision, scored.perms, scored.scores)
+        report = _report(decision, ranker="moi", kept=kept)
+        return replace(scored.outcome, auto=report)
+
+    async def _placed(self, work: Work, request: ReorderRequest, decision: Decision) -> Outcome:
+        profile = decision.profile
+        assert profile is not None
+        passages = request.passages
+        tiebreak = retriever_ranking(passages)
+        own = retriever_scores(passages)
+        ranker: str
+        if own is not None:
+            ranker, score_name, scores = "request_scores", "request_score", own
+        else:
+            ranker = work.settings.auto_ranker
+            docs = [passage_text(p) for p in passages]
+            fn = cosine_scores if ranker == "dense" else bm25_scores
+            scores = await work.off_loop(lambda: fn(request.query, docs), timer="solver")
+            score_name = "cosine_similarity" if ranker == "dense" else "bm25"
+        ranking = descending(np.asarray(scores, dtype=np.float64), tiebreak)
+        placement: Placement = "descending_utility" if decision.path == "flat" else "bias_matched"
+        if decision.path == "flat":
+            order = list(ranking)
+        else:
+            order = solver.place_ranking(ranking, placement, np.asarray(profile.coefficients))
+        warnings: tuple[str, ...] = ()
+        if profile.oriented_by == "prior":
+            warnings = (
+                f"bias profile {profile.id!r} takes its direction from the generic primacy "
+                "prior; for a recency-biased generator its placement is reversed",
+            )
+        return Outcome(
+            order=order,
+            ranking=ranking,
+            score_name=score_name,
+            scores=np.asarray(scores, dtype=np.float64),
+            placement=placement,
+            slots=profile.slots,
+            profile=profile,
+            details={"placement_profile": profile.id},
+            warnings=warnings,
+            auto=_report(decision, ranker=ranker),
+        )
+
+
+def _report(decision: Decision, *, ranker: str, kept: bool = False) -> AutoReport:
+    return AutoReport(
+        path=decision.path,
+        reason=decision.reason,
+        ranker=ranker,
+        profile=decision.profile,
+        operator=decision.operator,
+        learning_runs=decision.learning_runs + (1 if kept and decision.path == "moi" else 0),
+        recorded=kept,
+    )

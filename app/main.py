@@ -253,23 +253,27 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
         if error is not None:
             lc.fail(f"warm-up failed: {error}")
             return
-        if (
-            error is None
-            and ctx.settings.strategy == "auto"
-            and ctx.settings.auto_ranker == "dense"
-        ):
-            # auto's cheap path ranks with the dense encoder: load it before ready, not in the
-            # first request that finds a trusted profile.
-            from service.strategies.retrieval import cosine_scores
-
-            await anyio.to_thread.run_sync(lambda: cosine_scores("warm-up", ["warm-up"]))
         if get_template(ctx.settings.chat_template).completion:
             # Its answers stop at line breaks, found by decoding the whole vocabulary (2.4 s
             # for Gemma-3's 262k ids): here, not in the first request that answers.
             await anyio.to_thread.run_sync(lambda: backend.tokenizer.line_break_ids)
     lc.mark(warmed=True)
     log.info("ready")
+    await _warm_auto_ranker(ctx.settings)
     await _watch(ctx, backend)
+
+
+async def _warm_auto_ranker(s: Settings) -> None:
+    """Load ``auto``'s dense encoder now, after ready (MoI serves until a profile is trusted,
+    so nothing waits for it), instead of in the first request placed by a profile."""
+    if s.strategy != "auto" or s.auto_ranker != "dense":
+        return
+    from service.strategies.retrieval import cosine_scores
+
+    try:
+        await anyio.to_thread.run_sync(lambda: cosine_scores("warm-up", ["warm-up"]))
+    except Exception:
+        log.exception("auto: the dense ranker could not be loaded; its first use will retry")
 
 
 async def _connect(ctx: AppContext, backend: RemoteBackend) -> bool:

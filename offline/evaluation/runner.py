@@ -176,7 +176,7 @@ class EvalOutcome:
 
 
 @dataclass(frozen=True)
-class _Generated:
+class GeneratedAnswer:
     """What the generator made of one order."""
 
     answer: str | None
@@ -374,7 +374,7 @@ class Evaluator:
                     ran.append((v, *outcome))
         if ran:
             orders = list(dict.fromkeys(tuple(order) for _, _, order in ran))
-            generated = dict(zip(orders, await self._generate(q, orders), strict=True))
+            generated = dict(zip(orders, await self.answer_orders(q, orders), strict=True))
             for v, result, order in ran:
                 rec = self._record(q, v, result, order, generated[tuple(order)])
                 out[v.label] = rec
@@ -494,7 +494,7 @@ class Evaluator:
         v: Variant,
         result: ReorderResult,
         order: list[int],
-        gen: _Generated,
+        gen: GeneratedAnswer,
     ) -> Record:
         best, mean = gold_ranks(order, q.gold)
         sa = result.answer.text if result.answer is not None else None
@@ -535,9 +535,9 @@ class Evaluator:
             warnings=result.warnings,
         )
 
-    async def _generate(
+    async def answer_orders(
         self, q: EvalQuestion, orders: Sequence[tuple[int, ...]]
-    ) -> list[_Generated]:
+    ) -> list[GeneratedAnswer]:
         """Greedy answers and gold log-likelihoods for ``orders``, as one generator batch.
 
         Each order's generator cost counts its own prompt and tokens (its generation and its
@@ -553,7 +553,7 @@ class Evaluator:
         except ClientError as exc:
             wall = (time.perf_counter() - t0) / len(orders)
             none = Cost(0, 0, 0, 0, 0, 0, wall)
-            return [_Generated(None, None, None, None, none, exc.message) for _ in orders]
+            return [GeneratedAnswer(None, None, None, None, none, exc.message) for _ in orders]
         wall = (time.perf_counter() - t0) / len(orders)
         out = []
         for prompt, (ans, row) in zip(prompts, answered, strict=True):
@@ -576,7 +576,7 @@ class Evaluator:
                 wall_s=wall,
             )
             out.append(
-                _Generated(
+                GeneratedAnswer(
                     answer=text,
                     scores=scores,
                     gold_logprob=float(sum(row)) if row is not None else None,

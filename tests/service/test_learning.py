@@ -1,0 +1,175 @@
+"""``service.learning.ProfileLearner``: learning -> trusted -> explore -> drift, restarts,
+the lock between replicas that share a folder, and what a read-only learner does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import solver
+from service.learning import Decision, LearnKey, ProfileLearner, allowed_to_learn
+from service.profile_store import ProfileStore
+from service.settings import Settings
+from tests.solver.conftest import bias_shape, synthesize
+
+pytestmark = pytest.mark.anyio
+
+MODEL, TEMPLATE, N = "m", "qa_default", 10
+KEY = LearnKey(MODEL, TEMPLATE, 5)
+
+
+def settings(tmp_path: Path, **kw: Any) -> Settings:
+    return Settings(cache_dir=tmp_path, auto_recalibrate_s=0, **kw)
+
+
+def learner(tmp_path: Path, **kw: Any) -> ProfileLearner:
+    s = settings(tmp_path, **kw)
+    return ProfileLearner(s, ProfileStore(s.profiles_path))
+
+
+def run(bias: np.ndarray, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    perms = solver.plan("pruned_random", N, seed=0)
+    return perms, synthesize(perms, rng.normal(size=N) * 2, bias, 0.1, rng)
+
+
+async def feed(lr: ProfileLearner, d: Decision, k: int, bias: np.ndarray) -> None:
+    rng = np.random.default_rng(k)
+    for _ in range(k):
+        assert lr.record(d, *run(bias, rng))
+    await lr.cycle(KEY)
+
+
+async def test_learns_trusts_and_places(tmp_path: Path) -> None:
+    lr = learner(tmp_path, auto_explore_rate=0.0)
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    assert d.path == "moi" and d.key == KEY and "no runs" in d.reason
+    await feed(lr, d, 4, bias_shape("recency", 5))
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    assert d.path == "moi" and "fewer than 5" in d.reason and d.learning_runs == 4
+    await feed(lr, d, 2, bias_shape("recency", 5))
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    assert d.path == "profile" and d.profile is not None
+    trust = d.profile.trust
+    assert trust is not None and trust.verdict == "shaped" and trust.source == "traffic"
+    assert trust.runs == 6 and trust.top_slots == (9, 8) and trust.trusted_since is not None
+    assert lr.counters.recalibrations["trusted"] == 1
+    # Stored where every replica and a restart find it, with the figures.
+    again = learner(tmp_path, auto_explore_rate=0.0).decide(MODEL, TEMPLATE, N, None)
+    assert again.path == "profile" and again.profile is not None
+    assert again.profile.trust == trust
+    lr.close()
+
+
+async def test_explore_runs_detect_drift_and_learning_starts_again(tmp_path: Path) -> None:
+    lr = learner(tmp_path, auto_explore_rate=1.0)
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    await feed(lr, d, 6, bias_shape("recency", 5))
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    assert d.path == "explore" and d.key == KEY
+    await feed(lr, d, 4, bias_shape("recency", 5))  # agrees; too few to test anyway
+    assert lr.counters.drift_events == 0
+    assert lr.decide(MODEL, TEMPLATE, N, None).path == "explore"
+    await feed(lr, d, 10, bias_shape("primacy", 5))  # the generator changed
+    assert lr.counters.drift_events == 1
+    after = lr.decide(MODEL, TEMPLATE, N, None)
+    assert after.path == "moi" and "drift" in after.reason
+    stored = ProfileStore(settings(tmp_path).profiles_path).get(MODEL, TEMPLATE, 5)
+    assert stored is not None and stored.trust is not None
+    assert stored.trust.verdict == "undecided" and stored.trust.learning_since is not None
+    # Only runs after the drift count: five new primacy runs give a new, primacy profile.
+    await feed(lr, after, 6, bias_shape("primacy", 5))
+    relearned = lr.decide(MODEL, TEMPLATE, N, None)
+    assert relearned.path == "explore" and relearned.profile is not None
+    assert relearned.profile.trust is not None
+    assert relearned.profile.trust.top_slots == (0, 1) and relearned.profile.trust.runs == 6
+    lr.close()
+
+
+async def test_no_drift_folds_explore_runs_into_the_profile(tmp_path: Path) -> None:
+    lr = learner(tmp_path, auto_explore_rate=1.0)
+    await feed(lr, lr.decide(MODEL, TEMPLATE, N, None), 6, bias_shape("recency", 5))
+    first = lr.decide(MODEL, TEMPLATE, N, None)
+    assert first.profile is not None and first.profile.trust is not None
+    await feed(lr, first, 8, bias_shape("recency", 5))
+    later = lr.decide(MODEL, TEMPLATE, N, None)
+    assert later.profile is not None and later.profile.trust is not None
+    assert later.profile.trust.runs == 14  # refitted on every pooled run
+    assert later.profile.trust.trusted_since == first.profile.trust.trusted_since
+    assert lr.counters.drift_events == 0
+    lr.close()
+
+
+async def test_replicas_sharing_a_folder_take_turns_and_read_the_result(tmp_path: Path) -> None:
+    a, b = learner(tmp_path, auto_explore_rate=0.0), learner(tmp_path, auto_explore_rate=0.0)
+    da = a.decide(MODEL, TEMPLATE, N, None)
+    rng = np.random.default_rng(0)
+    for k in range(6):
+        (a if k % 2 else b).record(da, *run(bias_shape("recency", 5), rng))
+    a._writer.submit(lambda: None).result()
+    b._writer.submit(lambda: None).result()
+    with b._lock(KEY) as held:  # b is assessing: a must not
+        assert held
+        await a.cycle(KEY)
+        assert a.decide(MODEL, TEMPLATE, N, None).path == "moi"
+    await a.cycle(KEY)  # a pools both replicas' runs
+    assert a.decide(MODEL, TEMPLATE, N, None).path == "profile"
+    await b.cycle(KEY)  # b reads what a stored
+    found = b.decide(MODEL, TEMPLATE, N, None)
+    assert found.path == "profile" and found.profile is not None
+    assert found.profile.trust is not None and found.profile.trust.runs == 6
+    a.close()
+    b.close()
+
+
+async def test_an_abandoned_lock_expires(tmp_path: Path) -> None:
+    lr = learner(tmp_path, auto_lock_ttl_s=0.001)
+    lr.root.mkdir(parents=True)
+    stale = lr.root / "m__qa_default__L5.lock"
+    stale.write_text("a replica that died")
+    import os
+    import time
+
+    os.utime(stale, (time.time() - 10, time.time() - 10))
+    with lr._lock(KEY) as held:
+        assert held
+    assert not stale.exists()
+    lr.close()
+
+
+def test_named_profiles_are_taken_as_given(tmp_path: Path) -> None:
+    lr = learner(tmp_path)
+    store = lr.profiles
+    named = store.put(
+        model="generator", template="qa_default", coefficients=[0.1, 0.2, 0.7],
+        identification="answers", runs=50, prompts=150, r2=1.0, source="answers",
+        oriented_by="data",
+    )  # fmt: skip
+    d = lr.decide(MODEL, TEMPLATE, N, named)
+    assert d.path == "profile" and d.operator and d.profile == named and d.key is None
+
+
+def test_too_few_passages_and_a_foreign_generator_run_moi(tmp_path: Path) -> None:
+    assert learner(tmp_path).decide(MODEL, TEMPLATE, 3, None).path == "moi"
+    s = settings(tmp_path, generator_model="big/generator")
+    assert not allowed_to_learn(s)
+    assert allowed_to_learn(settings(tmp_path, generator_model="big/generator",
+                                     auto_learn_from_scorer=True))  # fmt: skip
+    lr = ProfileLearner(s, ProfileStore(s.profiles_path), allowed=allowed_to_learn(s))
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    assert d.path == "moi" and d.key is None and "not the generator" in d.reason
+
+
+def test_runs_that_cannot_be_pooled_are_not_kept(tmp_path: Path) -> None:
+    lr = learner(tmp_path)
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    perms, s = run(bias_shape("recency", 5), np.random.default_rng(0))
+    failed = s.copy()
+    failed[0] = np.nan
+    assert not lr.record(d, perms, failed)
+    assert not lr.record(d, perms[:, :4], s)
+    ro = ProfileLearner.read_only(lr.settings, lr.profiles)
+    assert not ro.record(d, perms, s) and ro.explore_rate == 0.0
+    lr.close()

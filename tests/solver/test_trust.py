@@ -1,0 +1,131 @@
+"""``solver.trust``: the pooled fit, the trust verdicts and the drift test, on known truth."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import solver
+from solver import trust
+from tests.solver.conftest import bias_shape, synthesize
+
+N = 10
+
+
+def runs_of(
+    bias: np.ndarray, k: int, rng: np.random.Generator, *, noise: float = 0.1, seeds: int = 1
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``k`` pruned-random runs of N passages (``seeds`` distinct designs), one shared bias."""
+    out = []
+    for r in range(k):
+        perms = solver.plan("pruned_random", N, seed=r % seeds)
+        u = rng.normal(size=N) * 2.0
+        out.append((perms, synthesize(perms, u, bias, noise, rng)))
+    return out
+
+
+def test_pooled_fit_matches_calibrate_and_recovers_the_truth(rng: np.random.Generator) -> None:
+    truth = bias_shape("recency", 5)
+    runs = runs_of(truth, 12, rng, seeds=3)
+    fast = trust.pooled_fit(runs)
+    slow = solver.calibrate(runs).coefficients
+    # The same objective: variable projection finds calibrate's optimum.
+    np.testing.assert_allclose(fast, slow, atol=2e-3)
+    np.testing.assert_allclose(fast, truth, atol=0.03)
+    assert fast.sum() == pytest.approx(1.0)
+
+
+def test_a_clear_profile_is_shaped_with_its_strongest_slots(rng: np.random.Generator) -> None:
+    t = trust.assess(runs_of(bias_shape("recency", 5), 8, rng), placement_slots=N)
+    assert t.verdict == "shaped" and t.trusted
+    assert t.flat_p < 0.05 and t.stability >= 0.9
+    assert t.top_slots == (9, 8)  # a rising profile puts the best passages last
+    assert t.spread_upper >= t.spread > 0.5
+    assert t.covariance.shape == (5, 5)
+
+
+def test_a_flat_profile_needs_enough_runs_to_exclude_the_effect(
+    rng: np.random.Generator,
+) -> None:
+    flat = np.full(5, 0.2)
+    few = trust.assess(runs_of(flat, 8, rng, noise=1.0), placement_slots=N)
+    assert few.verdict == "undecided"  # not distinguishable, nor shown flat yet
+    assert few.spread_upper > 0.1
+    many = trust.assess(runs_of(flat, 150, rng, noise=0.05), placement_slots=N)
+    assert many.verdict == "flat" and many.trusted
+    assert many.flat_p >= 0.05 and many.spread_upper < 0.1
+
+
+def test_fewer_runs_than_the_minimum_are_undecided(rng: np.random.Generator) -> None:
+    runs = runs_of(bias_shape("recency", 5), 4, rng)
+    t = trust.assess(runs, placement_slots=N)
+    assert t.verdict == "undecided" and "fewer than 5" in t.reason
+    assert trust.assess(runs, placement_slots=N, rules=trust.TrustRules(min_runs=3)).trusted
+
+
+def test_unstable_placement_is_not_trusted(rng: np.random.Generator) -> None:
+    # Two strong last slots of almost equal weight: clearly not flat, but which of them is
+    # strongest flips between resamples, so the placement is not stable.
+    a = np.array([0.1, 0.1, 0.1, 0.35, 0.35])
+    t = trust.assess(runs_of(a, 8, rng, noise=0.3), placement_slots=N)
+    assert t.flat_p < 0.05
+    assert t.stability < 0.9 and t.verdict == "undecided"
+    assert "place the same top" in t.reason
+
+
+def test_assessment_is_deterministic(rng: np.random.Generator) -> None:
+    runs = runs_of(bias_shape("U", 5), 6, rng)
+    a = trust.assess(runs, placement_slots=N, seed=3)
+    b = trust.assess(runs, placement_slots=N, seed=3)
+    assert a.verdict == b.verdict and a.stability == b.stability
+    np.testing.assert_array_equal(a.covariance, b.covariance)
+
+
+def test_failed_ragged_and_constant_runs_are_left_out(rng: np.random.Generator) -> None:
+    runs = runs_of(bias_shape("recency", 5), 6, rng)
+    bad_scores = runs[0][1].copy()
+    bad_scores[3] = np.nan
+    ragged = runs[1][0].copy()
+    ragged[0, -1] = -1
+    extra = [
+        (runs[0][0], bad_scores),
+        (ragged, runs[1][1]),
+        (runs[2][0], np.zeros_like(runs[2][1])),
+    ]
+    assert trust.assess(runs + extra, placement_slots=N).runs == 6
+
+
+def test_designs_that_cannot_orient_the_bias_are_refused(rng: np.random.Generator) -> None:
+    perms = solver.plan("random", N, seed=0)
+    s = synthesize(perms, rng.normal(size=N), bias_shape("recency", N), 0.1, rng)
+    with pytest.raises(solver.UnidentifiableDesign):
+        trust.assess([(perms, s)] * 6, placement_slots=N)
+    with pytest.raises(solver.SolverError):
+        trust.pooled_fit([])
+
+
+def test_drift_needs_a_disagreement_that_changes_the_placement(
+    rng: np.random.Generator,
+) -> None:
+    old = trust.assess(runs_of(bias_shape("recency", 5), 10, rng), placement_slots=N)
+    same = runs_of(bias_shape("recency", 5), 10, rng)
+    flipped = runs_of(bias_shape("primacy", 5), 10, rng)
+    few = flipped[:4]
+
+    def check(newer: list[tuple[np.ndarray, np.ndarray]]) -> trust.Drift:
+        return trust.drift(
+            old.coefficients, old.covariance, old.verdict, newer, placement_slots=N
+        )
+
+    assert not check(same).drifted
+    moved = check(flipped)
+    assert moved.drifted and moved.p < 0.001 and moved.top_slots == (0, 1)
+    assert not check(few).drifted and "fewer than 8" in check(few).reason
+
+
+def test_a_flat_profile_drifts_when_newer_runs_are_shaped(rng: np.random.Generator) -> None:
+    flat = trust.assess(runs_of(np.full(5, 0.2), 150, rng, noise=0.05), placement_slots=N)
+    assert flat.verdict == "flat"
+    shaped = runs_of(bias_shape("recency", 5), 10, rng)
+    d = trust.drift(flat.coefficients, flat.covariance, "flat", shaped, placement_slots=N)
+    assert d.drifted and "no longer flat" in d.reason

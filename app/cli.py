@@ -239,7 +239,13 @@ async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
     from service.pipeline import DesignSpec, ReorderRequest, StrategyOptions
 
     passages = read_passages(args.passages)
-    strategy, placement = with_defaults(args.strategy, args.placement, settings)
+    design_args = (args.design, args.num_prompts, args.prompt_passages)
+    strategy, placement = with_defaults(
+        args.strategy,
+        args.placement,
+        settings,
+        moi_options=args.joint or args.variable_pruning or any(a is not None for a in design_args),
+    )
     moi = strategy == "moi"
     req = ReorderRequest(
         query=args.query,

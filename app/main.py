@@ -245,10 +245,12 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
         return
     if ctx.settings.warmup:
         error, _ = await _probe(ctx, backend, "warmup")
-        if error is None and ctx.settings.strategy != "moi":
+        if error is None and ctx.settings.strategy not in ("moi", "auto"):
             # The server's default strategy once, as a request naming none gets it: loads what
             # it loads on first use (the dense encoder) and refuses a default that cannot run
             # (bias_matched with no profile to place by) before ready, not on every request.
+            # (auto runs MoI, as the probe above did, until it trusts a profile; its ranker
+            # is loaded after ready.)
             error, _ = await _probe(ctx, backend, "warmup", default_strategy=True)
         if error is not None:
             lc.fail(f"warm-up failed: {error}")

@@ -180,7 +180,12 @@ class ReorderOptions(_Strict):
         """The pipeline's request for these options (both routes: `/v1/reorder` carries them
         at the top level, `/v1/rerank` under `reorder`), with the server's default strategy
         (and, for a ranker other than `moi`, its placement) where they name none."""
-        strategy, placement = with_defaults(self.strategy, self.placement, settings)
+        strategy, placement = with_defaults(
+            self.strategy,
+            self.placement,
+            settings,
+            moi_options=spec != DesignSpec() or self.joint,
+        )
         return ReorderRequest(
             query=query,
             passages=passages,
@@ -196,15 +201,24 @@ class ReorderOptions(_Strict):
 
 
 def with_defaults(
-    strategy: StrategyName | None, placement: PlacementName | None, settings: Settings
+    strategy: StrategyName | None,
+    placement: PlacementName | None,
+    settings: Settings,
+    *,
+    moi_options: bool = False,
 ) -> tuple[StrategyName, PlacementName | None]:
     """A request's strategy and placement with the server's defaults where it names none:
-    `RAG_REORDER_STRATEGY`, and for a ranker other than `moi` that it supplies,
-    `RAG_REORDER_PLACEMENT` (MoI applies that one itself; a request that names a ranker keeps
-    the ranker's own order). The routes and `rag-reorder reorder` resolve them alike."""
+    `RAG_REORDER_STRATEGY`, and for a ranker other than `moi` and `auto` that it supplies,
+    `RAG_REORDER_PLACEMENT` (those two place by themselves; a request that names a ranker
+    keeps the ranker's own order). A request that names no strategy but sets what only MoI
+    reads (`moi_options`: a design, `joint`, or a placement other than `bias_matched`) asks
+    for MoI when the default is `auto`, which places by a profile. The routes and `rag-reorder
+    reorder` resolve them alike."""
     if strategy is not None:
         return strategy, placement
     strategy = settings.strategy
+    if strategy == "auto" and (moi_options or placement not in (None, "bias_matched")):
+        return "moi", placement
     if (
         placement is None
         and strategy not in ("moi", "auto")

@@ -28,12 +28,14 @@ import numpy as np
 import solver
 from service.dataset import Example
 from service.errors import InvalidRequest, UnidentifiableRequest
+from service.learning import to_profile_trust
 from service.pipeline import Reorderer
-from service.profile_store import StoredProfile
+from service.profile_store import ProfileTrust, StoredProfile
 from service.prompts import get_template
 from service.strategies.base import Work
 from service.strategies.moi import score_design
 from service.traffic import TrafficSampler
+from solver import trust as trust_rules
 
 log = logging.getLogger(__name__)
 
@@ -156,11 +158,16 @@ async def calibrate_profile(
         p_prof = await _fit(pruned)
         warnings.extend(p_prof.warnings)
         orienting = _store(
-            reorderer, template, p_prof, f"{source} (the pruned_random runs that orient it)"
+            reorderer,
+            template,
+            p_prof,
+            f"{source} (the pruned_random runs that orient it)",
+            trust=await assess_trust(pruned, max_passages),
         )
         reference = solver.resample(p_prof.coefficients, max_passages)
     prof, oriented = await _fit_oriented(runs, reference, warnings)
-    stored = _store(reorderer, template, prof, source, "profile" if oriented else None)
+    trust = await assess_trust(runs, max_passages) if design == "pruned_random" else None
+    stored = _store(reorderer, template, prof, source, "profile" if oriented else None, trust=trust)
     log.info("stored bias profile for %s / %s / L=%d", stored.model, template, stored.slots)
     return CalibrationReport(
         stored, len(usable), prompts, failed, tuple(warnings), orienting, tokens
@@ -230,6 +237,7 @@ async def calibrate_from_traffic(
         prof,
         source or f"live traffic: {len(runs)} sampled {design} runs",
         "profile" if oriented else None,
+        trust=await assess_trust(runs, 2 * slots) if design == "pruned_random" else None,
     )
     log.info("stored bias profile for %s / %s / L=%d from traffic", model, template, slots)
     return CalibrationReport(
@@ -289,12 +297,30 @@ async def _fit(
         raise InvalidRequest(f"these runs cannot give a bias profile: {exc}") from None
 
 
+async def assess_trust(
+    runs: list[tuple[np.ndarray, np.ndarray]], placement_slots: int
+) -> ProfileTrust | None:
+    """``solver.trust``'s figures for pruned-random ``runs`` (what ``auto`` needs to place by
+    the profile without measuring), in a worker thread; ``None`` when they cannot be computed
+    (ragged prompts, a failed fit): the profile is then stored without them."""
+    try:
+        found = await anyio.to_thread.run_sync(
+            lambda: trust_rules.assess(runs, placement_slots=placement_slots)
+        )
+    except solver.SolverError as exc:
+        log.info("no trust figures for this calibration: %s", exc)
+        return None
+    return to_profile_trust(found, "calibration")
+
+
 def _store(
     reorderer: Reorderer,
     template: str,
     prof: solver.Profile,
     source: str,
     oriented_by: str | None = None,
+    *,
+    trust: ProfileTrust | None = None,
 ) -> StoredProfile:
     return reorderer.profiles.put(
         model=reorderer.backend.model_id,
@@ -306,4 +332,5 @@ def _store(
         r2=prof.r2,
         source=source,
         oriented_by=oriented_by,
+        trust=trust,
     )

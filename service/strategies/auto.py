@@ -82,9 +82,9 @@ class Auto:
     async def _moi(
         self, work: Work, request: ReorderRequest, learner: ProfileLearner, decision: Decision
     ) -> Outcome:
-        moi_request = replace(
-            request, strategy="moi", design=LEARNING_SPEC, placement=None, bias_profile=None
-        )
+        # The request's placement (none, or bias_matched) is MoI's; the design is the
+        # learning design, whatever path this is, so every run can be pooled.
+        moi_request = replace(request, strategy="moi", design=LEARNING_SPEC, bias_profile=None)
         scored = await _MOI.run_scored(work, moi_request)
         kept = learner.record(decision, scored.perms, scored.scores)
         report = _report(decision, ranker="moi", kept=kept)

@@ -32,6 +32,10 @@ def body(k: int, **extra: Any) -> dict[str, Any]:
             **extra}  # fmt: skip
 
 
+def trusted(h: Harness) -> bool:
+    return any(s.trusted for s in h.ctx.engine.learner.status())
+
+
 async def learn(h: Harness) -> dict[str, Any]:
     """Send MoI requests until the profile is trusted; the first response after it."""
     for k in range(12):
@@ -43,8 +47,7 @@ async def learn(h: Harness) -> dict[str, Any]:
         assert j["strategy"] == "auto" and j["auto"]["recorded"]
         assert j["position_bias"] is not None and j["usage"]["prompts_scored"] == 20
         if k >= 5:
-            learner = h.ctx.engine.learner
-            await wait_until(lambda: any(s.trusted for s in learner.status()), timeout=60)
+            await wait_until(lambda: trusted(h), timeout=60)
     raise AssertionError("no trusted profile after 12 requests")
 
 
@@ -117,9 +120,7 @@ async def test_requests_that_name_a_strategy_or_profile(tmp_path: Path) -> None:
 async def test_a_scorer_that_is_not_the_generator_does_not_place_by_itself(
     tmp_path: Path,
 ) -> None:
-    async with serving(
-        tmp_path, backend=FakeBackend(TRUTH), generator_model="big/generator"
-    ) as h:
+    async with serving(tmp_path, backend=FakeBackend(TRUTH), generator_model="big/generator") as h:
         a = (await h.client.post("/v1/reorder", json=body(0))).json()["auto"]
         assert a["path"] == "moi" and not a["recorded"] and "not the generator" in a["reason"]
         info = (await h.client.get("/info")).json()["auto"]

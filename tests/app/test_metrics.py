@@ -18,7 +18,9 @@ async def test_a_moi_request_records_its_fit_and_a_retriever_request_none(
     tmp_path: Path,
 ) -> None:
     async with serving(tmp_path) as h:
-        r = await h.client.post("/v1/reorder", json={"query": QUERY, "passages": PASSAGES})
+        r = await h.client.post(
+            "/v1/reorder", json={"query": QUERY, "passages": PASSAGES, "strategy": "moi"}
+        )
         assert r.status_code == 200, r.text
         body = r.json()
         r2 = body["diagnostics"]["r2"]

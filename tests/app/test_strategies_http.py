@@ -61,7 +61,10 @@ def _check_shape(body: dict[str, Any], name: str, n: int) -> None:
         assert usage["generated_tokens"] > 0
     else:
         assert body["answer"] is None
-    assert (body["position_bias"] is not None) == (name == "moi")
+    # auto runs MoI until it trusts a profile (a fresh server here), and says so.
+    assert (body["auto"] is not None) == (name == "auto")
+    ran_moi = name == "moi" or (name == "auto" and body["auto"]["path"] in ("moi", "explore"))
+    assert (body["position_bias"] is not None) == ran_moi
     assert (body["positional_profile"] is not None) == (name in POSITIONAL)
     if name == "min_distraction":
         assert all(0.0 <= p["distracting_effect"] <= 1.0 for p in body["passages"])
@@ -248,7 +251,9 @@ def _check_rules(body: dict[str, Any], name: str, query: str, profiles: dict[str
         # Settings.seed 0 mixed with the query's CRC-32.
         expected = np.random.default_rng([0, zlib.crc32(query.encode())]).permutation(3)
         assert order == ranking == expected.tolist()
-    elif name == "moi":
+    elif name in ("moi", "auto"):
+        # auto: three passages are too few to learn a profile from, so it runs MoI.
+        assert name == "moi" or body["auto"]["path"] == "moi"
         assert math.isclose(sum(body["position_bias"]["coefficients"]), 1.0, abs_tol=1e-9)
         assert planned == usage["prompts_scored"] == 6  # pruned_random: 2N prompts
     elif name == "query_likelihood":
@@ -514,8 +519,13 @@ def test_with_defaults_resolves_strategy_and_placement_as_documented() -> None:
     from app.schemas import with_defaults
     from service.settings import Settings
 
-    moi, bm25 = Settings(), Settings(strategy="bm25", placement="litm")
-    assert with_defaults(None, None, moi) == ("moi", None)  # MoI applies its placement itself
+    auto, bm25 = Settings(), Settings(strategy="bm25", placement="litm")
+    assert with_defaults(None, None, auto) == ("auto", None)  # auto places by itself
+    assert with_defaults(None, "bias_matched", auto) == ("auto", "bias_matched")
+    # What only MoI reads asks for MoI when the default is auto.
+    assert with_defaults(None, "litm", auto) == ("moi", "litm")
+    assert with_defaults(None, None, auto, moi_options=True) == ("moi", None)
+    assert with_defaults(None, None, Settings(strategy="moi")) == ("moi", None)
     assert with_defaults(None, None, bm25) == ("bm25", "litm")
     assert with_defaults(None, "descending_utility", bm25) == ("bm25", "descending_utility")
     assert with_defaults("bm25", None, bm25) == ("bm25", None)  # named: its own order

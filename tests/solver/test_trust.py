@@ -113,9 +113,7 @@ def test_drift_needs_a_disagreement_that_changes_the_placement(
     few = flipped[:4]
 
     def check(newer: list[tuple[np.ndarray, np.ndarray]]) -> trust.Drift:
-        return trust.drift(
-            old.coefficients, old.covariance, old.verdict, newer, placement_slots=N
-        )
+        return trust.drift(old.coefficients, old.covariance, old.verdict, newer, placement_slots=N)
 
     assert not check(same).drifted
     moved = check(flipped)

@@ -102,7 +102,12 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
                 if settings.traffic_sample_dir is not None and settings.traffic_sample_rate > 0
                 else None,
             ),
-            ProfileLearner(settings, store, allowed=allowed_to_learn(settings)),
+            ProfileLearner(
+                settings,
+                store,
+                allowed=allowed_to_learn(settings),
+                prepare=_ranker_loader(settings),
+            ),
         ),
         admission=Admission(settings, metrics),
         metrics=metrics,
@@ -191,6 +196,20 @@ def _lifespan(
     return lifespan
 
 
+def _ranker_loader(settings: Settings) -> Callable[[], object] | None:
+    """What loads ``auto``'s cheap-path ranker (the dense encoder, about a second), so the
+    learner can load it before it places the first request by a trusted profile."""
+    if settings.auto_ranker != "dense":
+        return None
+
+    def load() -> object:
+        from service.backends.embedding import encoder
+
+        return encoder()
+
+    return load
+
+
 def _say_who_places(settings: Settings) -> None:
     """Log, at start, whose position profile ``auto`` will place by (the scoring model's
     learned one describes the generator only when they are the same model)."""
@@ -261,21 +280,8 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
             await anyio.to_thread.run_sync(lambda: backend.tokenizer.line_break_ids)
     lc.mark(warmed=True)
     log.info("ready")
-    await _warm_auto_ranker(ctx.settings)
+    await ctx.engine.learner.ready_if_trusted()
     await _watch(ctx, backend)
-
-
-async def _warm_auto_ranker(s: Settings) -> None:
-    """Load ``auto``'s dense encoder now, after ready (MoI serves until a profile is trusted,
-    so nothing waits for it), instead of in the first request placed by a profile."""
-    if s.strategy != "auto" or s.auto_ranker != "dense":
-        return
-    from service.strategies.retrieval import cosine_scores
-
-    try:
-        await anyio.to_thread.run_sync(lambda: cosine_scores("warm-up", ["warm-up"]))
-    except Exception:
-        log.exception("auto: the dense ranker could not be loaded; its first use will retry")
 
 
 async def _connect(ctx: AppContext, backend: RemoteBackend) -> bool:

@@ -18,7 +18,7 @@ The lifecycle (docs/operations.md, "The profile-first strategy", has the diagram
 
 Nothing here runs in a request's path but ``decide`` (a dictionary lookup and a random draw)
 and ``record`` (an append handed to a writer thread). The fits, bootstraps and drift tests run
-in ``run_forever``, a background task, on one worker thread at the lowest CPU priority, at most
+in ``run_forever``, a background task, on a thread at the lowest CPU priority, at most
 once per ``auto_recalibrate_s`` per key and only when new runs arrived.
 
 Learning runs live in a folder (``<bias_profile_dir>/auto/runs``, explore runs in ``.../explore``,
@@ -39,7 +39,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Literal, TypeVar
@@ -150,6 +150,8 @@ class ProfileLearner:
         replica: this process's file name in the shared folders (default: host, pid, random).
         allowed: whether a profile learned from the scoring model may place requests (false
             when the operator says the generator is another model and did not allow it).
+        prepare: loads what the cheap path needs (the dense encoder); run once, in a worker
+            thread, before the first trusted profile is used, so no request waits for it.
     """
 
     def __init__(
@@ -160,10 +162,13 @@ class ProfileLearner:
         root: Path | None = None,
         replica: str | None = None,
         allowed: bool = True,
+        prepare: Callable[[], object] | None = None,
     ) -> None:
         self.settings = settings
         self.profiles = profiles
         self.allowed = allowed
+        self._prepare = prepare
+        self._prepared = False
         self.rules = trust_rules.TrustRules(
             alpha=settings.auto_alpha,
             min_stability=settings.auto_min_stability,
@@ -181,7 +186,6 @@ class ProfileLearner:
         """Runs this replica recorded per key since its pool was last read."""
         self._rng = np.random.default_rng(settings.seed)
         self._writer = ThreadPoolExecutor(1, "auto-spool")
-        self._worker = ThreadPoolExecutor(1, "auto-fit", initializer=_lowest_priority)
         self._wake: anyio.Event | None = None
         self._closed = False
         self.explore_rate = settings.auto_explore_rate
@@ -294,7 +298,11 @@ class ProfileLearner:
         the last assessment (and ``auto_recalibrate_s`` passed), test drift and reassess under
         the lock, storing what changed."""
         st = self._status.setdefault(key, KeyStatus(key))
-        await anyio.to_thread.run_sync(self._reload, st)
+        changed, stored = await anyio.to_thread.run_sync(self._read, st)
+        if changed:
+            if stored is not None and stored.trust is not None and stored.trust.trusted:
+                await self.ready_ranker()  # before any request is placed by it
+            st.stored = stored
         if time.monotonic() - st.assessed_at < self.settings.auto_recalibrate_s:
             return
         await anyio.to_thread.run_sync(lambda: self._writer.submit(lambda: None).result())
@@ -363,6 +371,7 @@ class ProfileLearner:
         st.explore_runs = 0
         if found.trusted:
             self.counters.recalibrations["trusted"] += 1
+            await self.ready_ranker()  # requests keep running MoI until the ranker is loaded
             st.stored = self._store(key, found, st.last, len(runs))
             if not was_trusted:
                 log.info(
@@ -440,16 +449,41 @@ class ProfileLearner:
 
     def _reload(self, st: KeyStatus) -> None:
         """Read the stored profile again if its file changed (another replica stored it)."""
+        changed, stored = self._read(st)
+        if changed:
+            st.stored = stored
+
+    def _read(self, st: KeyStatus) -> tuple[bool, StoredProfile | None]:
+        """Whether the stored profile's file changed since ``st`` read it, and what it holds
+        now (``st.stamp`` is updated; ``st.stored`` is the caller's to set)."""
         path = self.profiles.path(st.key.model, st.key.template, st.key.slots)
         stamp = _stamp(path)
         if stamp == st.stamp:
-            return
+            return False, st.stored
         st.stamp = stamp
         try:
-            st.stored = self.profiles.get(st.key.model, st.key.template, st.key.slots)
+            return True, self.profiles.get(st.key.model, st.key.template, st.key.slots)
         except (OSError, ValueError, TypeError, KeyError) as exc:
             log.warning("auto: cannot read the stored profile %s: %s", path, exc)
-            st.stored = None
+            return True, None
+
+    async def ready_ranker(self) -> None:
+        """Run ``prepare`` (load the cheap path's ranker) once, in a worker thread. A failure
+        is logged; the cheap path then loads it on first use."""
+        if self._prepare is None or self._prepared:
+            return
+        self._prepared = True
+        try:
+            await anyio.to_thread.run_sync(self._prepare, abandon_on_cancel=True)
+        except Exception:
+            log.exception("auto: the ranker could not be loaded; its first use will retry")
+
+    async def ready_if_trusted(self) -> None:
+        """At start: load the ranker if a trusted profile is already stored (a restart), so
+        the first request placed by it does not wait for the load."""
+        stored = await anyio.to_thread.run_sync(self.profiles.list)
+        if any(p.trust is not None and p.trust.trusted for p in stored):
+            await self.ready_ranker()
 
     @contextlib.contextmanager
     def _lock(self, key: LearnKey) -> Iterator[bool]:
@@ -477,9 +511,22 @@ class ProfileLearner:
             path.unlink(missing_ok=True)
 
     async def _off_loop(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on the low-priority worker thread and await it."""
-        future = self._worker.submit(fn)
-        return await anyio.to_thread.run_sync(future.result)
+        """Run ``fn`` on a thread of the lowest CPU priority and await it.
+
+        A daemon thread: a shutdown abandons an assessment in flight (it stores nothing until
+        it returns here) instead of waiting seconds for a bootstrap that nobody will read.
+        """
+        future: Future[_T] = Future()
+
+        def target() -> None:
+            _lowest_priority()
+            try:
+                future.set_result(fn())
+            except BaseException as exc:  # handed to the awaiting task
+                future.set_exception(exc)
+
+        threading.Thread(target=target, name="auto-fit", daemon=True).start()
+        return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
 
     def _append(self, spool: TrafficSpool, key: LearnKey, run: Run, at: float) -> None:
         try:
@@ -488,10 +535,9 @@ class ProfileLearner:
             log.warning("auto: could not keep a run in %s: %s", spool.root, exc)
 
     def close(self) -> None:
-        """Finish pending appends and stop the worker threads (blocks)."""
+        """Finish pending appends (blocks); later runs are not kept."""
         self._closed = True
         self._writer.shutdown(wait=True)
-        self._worker.shutdown(wait=True, cancel_futures=True)
 
 
 def allowed_to_learn(settings: Settings) -> bool:

@@ -100,8 +100,11 @@ async def test_requests_that_name_a_strategy_or_profile(tmp_path: Path) -> None:
     async with serving(tmp_path, backend=backend()) as h:
         moi = (await h.client.post("/v1/reorder", json=body(0, strategy="moi"))).json()
         assert moi["strategy"] == "moi" and moi["auto"] is None
-        bad = await h.client.post("/v1/reorder", json=body(0, placement="litm"))
+        bad = await h.client.post("/v1/reorder", json=body(0, strategy="auto", placement="litm"))
         assert bad.status_code == 422 and bad.json()["error"]["param"] == "placement"
+        # Naming no strategy but a placement only MoI gives asks for MoI.
+        litm = (await h.client.post("/v1/reorder", json=body(0, placement="litm"))).json()
+        assert litm["strategy"] == "moi" and litm["diagnostics"]["placement"] == "litm"
         h.ctx.engine.profiles.put(
             model="generator", template="qa_default", coefficients=[0.4, 0.3, 0.2, 0.1],
             identification="answers", runs=50, prompts=200, r2=1.0, source="answers",

@@ -119,7 +119,9 @@ async def test_successful_requests_stand_in_for_the_canary(tmp_path: Path) -> No
     # A 1 s interval and 3.2 s of traffic (three canary ticks): a request may take up to ~1 s
     # before a canary is due. With 0.2 s, one slow request on a loaded CI machine let a canary
     # through (2026-11-27), which says nothing about the rule under test.
-    body = {"query": "q?", "passages": list(TRUTH)}
+    # MoI named: every request must reach the engine (auto stops calling it once it trusts a
+    # profile learned from these very requests).
+    body = {"query": "q?", "passages": list(TRUTH), "strategy": "moi"}
     async with serving(tmp_path, canary_interval_s=1.0) as h:
         # First-request costs (lazy imports, first forward) paid before counting.
         assert (await h.client.post("/v1/reorder", json=body)).status_code == 200

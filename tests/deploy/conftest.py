@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import pytest
 
 from app.metrics import ServiceMetrics
+from service.learning import ProfileLearner
+from service.profile_store import ProfileStore
+from service.settings import Settings
 from service.traffic import TrafficSampler
 from tests.deploy import vllm_metrics
 
@@ -20,6 +26,8 @@ def service_metric_names() -> set[str]:
     """Series names /metrics can carry for the service's own registry (rag_reorder_*)."""
     metrics = ServiceMetrics(include_default_registry=False)
     metrics.track_traffic(TrafficSampler(0.0, 1))  # as create_app does
+    settings = Settings(cache_dir=Path(tempfile.gettempdir()) / "rag-reorder-metric-names")
+    metrics.track_auto(ProfileLearner(settings, ProfileStore(settings.profiles_path)))
     names = set()
     for family in metrics.registry.collect():
         suffixes = _SUFFIXES.get(family.type, ("",))

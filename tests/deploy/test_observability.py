@@ -278,6 +278,14 @@ REQUIRED = {
         "rag_reorder_estimated_wait_seconds",
         "rag_reorder_queue_wait_seconds_bucket",
     },
+    "profile-first strategy (issue 53)": {
+        "rag_reorder_auto_requests_total",
+        "rag_reorder_auto_profile_trusted",
+        "rag_reorder_auto_profile_age_seconds",
+        "rag_reorder_auto_learning_runs",
+        "rag_reorder_auto_recalibrations_total",
+        "rag_reorder_auto_drift_events_total",
+    },
     "engine": {
         "vllm:num_requests_running",
         "vllm:num_requests_waiting",

@@ -30,6 +30,11 @@ Only a run whose generator is not the scorer has these variants: with one model 
 the same model's bias."""
 
 
+STATEFUL: StrategyName = "auto"
+"""Not a variant: what ``auto`` does depends on the requests before it (it learns a profile
+from them), so it is measured on a stream (``bench/auto_stream.py``), not per question."""
+
+
 @dataclass(frozen=True)
 class Variant:
     """One strategy configuration under evaluation."""
@@ -43,11 +48,13 @@ class Variant:
 
 
 def all_variants(*, cross_model: bool = False) -> list[Variant]:
-    """Every registered strategy; ``moi`` once per design kind and placement (and, with
-    ``cross_model``, ``moi:<design>:generator_bias``); each of ``PLACED_RANKERS`` alone and once
-    per ``RANKER_PLACEMENTS`` (``<strategy>:<placement>``)."""
+    """Every registered strategy but ``auto`` (``STATEFUL``); ``moi`` once per design kind and
+    placement (and, with ``cross_model``, ``moi:<design>:generator_bias``); each of
+    ``PLACED_RANKERS`` alone and once per ``RANKER_PLACEMENTS`` (``<strategy>:<placement>``)."""
     out: list[Variant] = []
     for name in strategy_names():
+        if name == STATEFUL:
+            continue
         if name == "moi":
             for d in MOI_DESIGNS:
                 out.extend(Variant(f"moi:{d}:{p}", "moi", d, p) for p in PLACEMENTS)

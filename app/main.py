@@ -175,13 +175,14 @@ def _lifespan(
         supervisor = loop.create_task(_supervise(ctx, given))
         # auto's learning and drift checks: beside the requests, never in their path.
         learner = loop.create_task(ctx.engine.learner.run_forever())
+        shadows = loop.create_task(ctx.engine.learner.run_shadows())
         _say_who_places(ctx.settings)
         try:
             yield
         finally:
-            supervisor.cancel()
-            learner.cancel()
-            await asyncio.wait({supervisor, learner})
+            for task in (supervisor, learner, shadows):
+                task.cancel()
+            await asyncio.wait({supervisor, learner, shadows})
         backend = ctx.engine.backend
         ctx.engine.backend = None
         if backend is not None:
@@ -251,6 +252,9 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
         lc.fail(f"loading the model failed ({type(exc).__name__})")
         return
     ctx.engine.backend = backend
+    # auto's explore runs go to the engine directly, only while no request uses it.
+    ctx.engine.learner.shadow_backend = backend
+    ctx.engine.learner.idle = lambda: ctx.admission.tokens_in_flight == 0
     scheduler = getattr(backend, "scheduler", None)
     if isinstance(scheduler, ForwardScheduler):
         ctx.metrics.track_scheduler(scheduler)

@@ -95,6 +95,16 @@ class _Auto(Collector):
         for outcome, n in c.recalibrations.items():
             recal.add_metric([outcome], n)
         yield recal
+        shadow = CounterMetricFamily(
+            f"{PREFIX}_auto_explore_runs",
+            "Explore requests' MoI runs, run in the background after the answer was served, "
+            "by outcome: recorded, preempted (a request started using the engine), dropped "
+            "(another was pending), failed.",
+            labels=["outcome"],
+        )
+        for shadow_outcome, n in c.shadow_runs.items():
+            shadow.add_metric([shadow_outcome], n)
+        yield shadow
         yield CounterMetricFamily(
             f"{PREFIX}_auto_drift_events",
             "Trusted profiles that explore runs contradicted (auto went back to MoI).",

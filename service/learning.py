@@ -38,11 +38,11 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -53,6 +53,9 @@ from service.profile_store import ProfileStore, ProfileTrust, StoredProfile, pro
 from service.settings import Settings
 from service.traffic import Run, SampleKey, TrafficSpool
 from solver import trust as trust_rules
+
+if TYPE_CHECKING:
+    from service.backends.base import LogprobBackend
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +68,10 @@ MIN_PASSAGES = 4
 position bias, so there is nothing to learn and ``auto`` runs MoI (a few prompts)."""
 LEARNING_DESIGN: solver.DesignKind = "pruned_random"
 Recalibration = Literal["trusted", "undecided", "failed"]
+ShadowOutcome = Literal["recorded", "preempted", "dropped", "failed"]
+ShadowRun = Callable[[], Awaitable[tuple[np.ndarray, np.ndarray]]]
+"""An explore request's MoI run, to be run in the background: its design and scores."""
+_IDLE_POLL_S = 0.1
 
 
 def learning_slots(n_passages: int) -> int | None:
@@ -138,6 +145,9 @@ class LearnerCounters:
         default_factory=lambda: {"trusted": 0, "undecided": 0, "failed": 0}
     )
     drift_events: int = 0
+    shadow_runs: dict[ShadowOutcome, int] = field(
+        default_factory=lambda: {"recorded": 0, "preempted": 0, "dropped": 0, "failed": 0}
+    )
 
 
 class ProfileLearner:
@@ -189,6 +199,13 @@ class ProfileLearner:
         self._wake: anyio.Event | None = None
         self._closed = False
         self.explore_rate = settings.auto_explore_rate
+        self.shadow_backend: LogprobBackend | None = None
+        """The engine behind no admission: explore runs use it in the background (set by the
+        server once loaded; ``None``: an explore run uses the request's own backend)."""
+        self.idle: Callable[[], bool] = lambda: True
+        """Whether no request is using the engine now (the server's admission tells)."""
+        self._shadow: tuple[Decision, ShadowRun] | None = None
+        self._shadow_wake: anyio.Event | None = None
 
     @classmethod
     def read_only(cls, settings: Settings, profiles: ProfileStore) -> ProfileLearner:
@@ -271,6 +288,65 @@ class ProfileLearner:
             self._wake.set()
         return True
 
+    def explore_later(self, decision: Decision, run: ShadowRun) -> bool:
+        """Queue an explore request's MoI run for the background (``run_shadows``): it runs
+        when no request uses the engine and is dropped if one starts to. At most one is held:
+        a second while one waits or runs is dropped (the explore share is a sample anyway).
+        Returns whether it was queued."""
+        if self._closed or self._shadow is not None or self._shadow_wake is None:
+            self.counters.shadow_runs["dropped"] += 1
+            return False
+        self._shadow = (decision, run)
+        self._shadow_wake.set()
+        return True
+
+    async def run_shadows(self) -> None:
+        """Run queued explore runs in the shadow of served answers until cancelled: each
+        waits until the engine is idle, runs, and is cancelled (``preempted``) as soon as a
+        request starts using the engine, so it never delays one by more than a forward."""
+        self._shadow_wake = anyio.Event()
+        while True:
+            await self._shadow_wake.wait()
+            self._shadow_wake = anyio.Event()
+            if self._shadow is None:
+                continue
+            decision, run = self._shadow
+            try:
+                await self._run_shadow(decision, run)
+            finally:
+                self._shadow = None
+
+    async def _run_shadow(self, decision: Decision, run: ShadowRun) -> None:
+        while not self.idle():
+            await anyio.sleep(_IDLE_POLL_S)
+        result: list[tuple[np.ndarray, np.ndarray]] = []
+        failed: list[Exception] = []
+        preempted = False
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                nonlocal preempted
+                while self.idle():
+                    await anyio.sleep(_IDLE_POLL_S)
+                preempted = True
+                tg.cancel_scope.cancel()
+
+            async def work() -> None:
+                try:
+                    result.append(await run())
+                except Exception as exc:  # a failed check must not end the loop
+                    log.warning("auto: an explore run failed: %s", exc)
+                    failed.append(exc)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(watch)
+            tg.start_soon(work)
+        if not result:
+            self.counters.shadow_runs["failed" if failed else "preempted"] += 1
+            return
+        kept = self.record(decision, *result[0])
+        self.counters.shadow_runs["recorded" if kept else "failed"] += 1
+
     def status(self) -> list[KeyStatus]:
         """Every key this replica has seen, sorted (for ``/info`` and the metrics)."""
         return [self._status[k] for k in sorted(self._status, key=_order)]
@@ -305,11 +381,11 @@ class ProfileLearner:
             st.stored = stored
         if time.monotonic() - st.assessed_at < self.settings.auto_recalibrate_s:
             return
+        # Every run recorded until now is in the pool once the writer is flushed.
+        recorded = self._recorded.get(key, 0)
         await anyio.to_thread.run_sync(lambda: self._writer.submit(lambda: None).result())
         since = st.stored.trust.learning_since if st.stored and st.stored.trust else None
-        recorded = self._recorded.get(key, 0)
         runs = await anyio.to_thread.run_sync(lambda: self.runs.runs(key.sample(), since=since))
-        # What was recorded before the read is in ``runs`` (the writer was flushed above).
         self._recorded[key] = self._recorded.get(key, 0) - recorded
         if len(runs) == st.pooled_runs and st.last is not None:
             return

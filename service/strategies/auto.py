@@ -13,8 +13,10 @@ is trusted, and MoI until then (``service.learning`` learns and watches the prof
 - ``flat``: the trusted profile shows no position preference: the ranking, best first.
 - ``moi``: no trusted profile (or too few passages to learn one): MoI's default design,
   placed by its own fit; its scored runs are kept for learning.
-- ``explore``: a trusted profile, but this request was drawn (``auto_explore_rate``) to run
-  MoI, whose runs test the profile for drift.
+- ``explore``: a trusted profile, and this request was drawn (``auto_explore_rate``) to
+  check it: it is served as ``profile`` (or ``flat``), and MoI runs on its query and passages
+  afterwards, in the background while no request uses the engine (``ProfileLearner.
+  run_shadows``); that run tests the profile for drift. The caller never waits for it.
 
 The response's ``auto`` object names the path, why, the profile and its trust figures.
 """
@@ -27,7 +29,7 @@ import numpy as np
 
 import solver
 from service.errors import InvalidRequest
-from service.learning import Decision, ProfileLearner
+from service.learning import Decision, ProfileLearner, ShadowRun
 from service.settings import Settings
 from service.strategies.base import (
     DesignSpec,
@@ -75,9 +77,16 @@ class Auto:
         learner = work.learner or ProfileLearner.read_only(work.settings, work.profiles)
         named = named_profile(work, request)
         decision = learner.decide(work.model_id, work.template, len(request.passages), named)
-        if decision.path in ("moi", "explore"):
+        if decision.path == "moi":
             return await self._moi(work, request, learner, decision)
-        return await self._placed(work, request, decision)
+        outcome = await self._placed(work, request, decision)
+        if decision.path == "explore":
+            # Served by the profile like any other; the MoI run that checks the profile
+            # happens afterwards, in the background, never in this caller's path.
+            queued = learner.explore_later(decision, _shadow_run(work, request, learner))
+            assert outcome.auto is not None
+            outcome = replace(outcome, auto=replace(outcome.auto, recorded=queued))
+        return outcome
 
     async def _moi(
         self, work: Work, request: ReorderRequest, learner: ProfileLearner, decision: Decision
@@ -106,8 +115,9 @@ class Auto:
             scores = await work.off_loop(lambda: fn(request.query, docs), timer="solver")
             score_name = "cosine_similarity" if ranker == "dense" else "bm25"
         ranking = descending(np.asarray(scores, dtype=np.float64), tiebreak)
-        placement: Placement = "descending_utility" if decision.path == "flat" else "bias_matched"
-        if decision.path == "flat":
+        flat = profile.trust is not None and profile.trust.verdict == "flat"
+        placement: Placement = "descending_utility" if flat else "bias_matched"
+        if placement == "descending_utility":
             order = list(ranking)
         else:
             order = solver.place_ranking(ranking, placement, np.asarray(profile.coefficients))
@@ -129,6 +139,30 @@ class Auto:
             warnings=warnings,
             auto=_report(decision, ranker=ranker),
         )
+
+
+def _shadow_run(work: Work, request: ReorderRequest, learner: ProfileLearner) -> ShadowRun:
+    """The explore run of ``request``: MoI's learning design on the engine behind no
+    admission (the server's ``shadow_backend``), its own request id and no deadline but the
+    learner's preemption."""
+    moi_request = replace(
+        request,
+        strategy="moi",
+        design=LEARNING_SPEC,
+        placement=None,
+        bias_profile=None,
+        request_id=f"{work.request_id}-explore",
+    )
+
+    async def run() -> tuple[np.ndarray, np.ndarray]:
+        backend = learner.shadow_backend or work.backend
+        shadow = Work(
+            backend, work.settings, f"{work.request_id}-explore", work.template, work.profiles
+        )
+        scored = await _MOI.run_scored(shadow, moi_request)
+        return scored.perms, scored.scores
+
+    return run
 
 
 def _report(decision: Decision, *, ranker: str, kept: bool = False) -> AutoReport:

@@ -129,3 +129,25 @@ async def test_a_scorer_that_is_not_the_generator_does_not_place_by_itself(
         info = (await h.client.get("/info")).json()["auto"]
         assert info["generator"] == "big/generator" and not info["scorer_is_generator"]
         assert not info["learned_profile_allowed"]
+
+
+async def test_explore_requests_are_served_by_the_profile_and_checked_afterwards(
+    tmp_path: Path,
+) -> None:
+    async with serving(tmp_path, backend=backend(), auto_recalibrate_s=0.05) as h:
+        h.ctx.engine.learner.explore_rate = 0.0
+        await learn(h)
+        h.ctx.engine.learner.explore_rate = 1.0
+        calls = h.backend.started
+        j = (await h.client.post("/v1/reorder", json=body(20))).json()
+        a = j["auto"]
+        assert a["path"] == "explore" and a["ranker"] == "dense" and a["recorded"]
+        # The caller got the profile's placement and paid for no model call ...
+        assert j["usage"]["prompt_tokens"] == 0 and j["position_bias"] is None
+        assert j["order"][9] == j["ranking"][0]
+        # ... and MoI checked the profile on its passages afterwards, in the background.
+        labels = {"outcome": "recorded"}
+        await wait_until(lambda: h.metric("rag_reorder_auto_explore_runs_total", labels) == 1)
+        assert h.backend.started > calls
+        assert h.metric("rag_reorder_auto_requests_total", {"path": "explore"}) == 1
+

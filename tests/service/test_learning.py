@@ -173,3 +173,49 @@ def test_runs_that_cannot_be_pooled_are_not_kept(tmp_path: Path) -> None:
     ro = ProfileLearner.read_only(lr.settings, lr.profiles)
     assert not ro.record(d, perms, s) and ro.explore_rate == 0.0
     lr.close()
+
+
+async def test_explore_runs_wait_for_an_idle_engine_and_yield_to_requests(
+    tmp_path: Path,
+) -> None:
+    import anyio
+
+    lr = learner(tmp_path)
+    d = Decision("explore", "checking", None, KEY)
+    busy = True
+    lr.idle = lambda: not busy
+    started = anyio.Event()
+    good = run(bias_shape("recency", 5), np.random.default_rng(0))
+
+    async def slow() -> tuple[np.ndarray, np.ndarray]:
+        started.set()
+        await anyio.sleep(60)
+        return good
+
+    async def quick() -> tuple[np.ndarray, np.ndarray]:
+        return good
+
+    async def until(cond: Any) -> None:
+        with anyio.fail_after(10):
+            while not cond():
+                await anyio.sleep(0.01)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(lr.run_shadows)
+        await until(lambda: lr._shadow_wake is not None)
+        assert lr.explore_later(d, slow)
+        assert not lr.explore_later(d, quick)  # one at a time: the second is dropped
+        await anyio.sleep(0.3)
+        assert not started.is_set()  # a request is using the engine: it waits
+        busy = False
+        await started.wait()
+        busy = True  # a request starts using the engine: the explore run gives way
+        await until(lambda: lr.counters.shadow_runs["preempted"] == 1)
+        busy = False
+        assert lr.explore_later(d, quick)
+        await until(lambda: lr.counters.shadow_runs["recorded"] == 1)
+        tg.cancel_scope.cancel()
+    assert lr.counters.shadow_runs == {"recorded": 1, "preempted": 1, "dropped": 1, "failed": 0}
+    lr._writer.submit(lambda: None).result()
+    assert len(lr.explore.runs(KEY.sample())) == 1 and len(lr.runs.runs(KEY.sample())) == 1
+    lr.close()

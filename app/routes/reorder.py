@@ -23,9 +23,10 @@ router = APIRouter(tags=["reorder"])
 async def reorder(
     body: ReorderBody, request: Request, ctx: Ctx, request_id: RequestId
 ) -> ReorderResponse:
-    """Order the passages with `strategy` (default: the server's, `moi` unless configured:
-    score permutations, fit utilities and position bias, return the debiased order with the
-    fit's diagnostics)."""
+    """Order the passages with `strategy` (default: the server's, `auto` unless configured:
+    MoI, which scores permutations and fits utilities and position bias, until the model's
+    position profile is learned and trusted; then a cheap ranking placed by it; `auto` says
+    which)."""
     passages = to_passages(body.passages)
     spec = body.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec)

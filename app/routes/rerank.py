@@ -57,8 +57,9 @@ router = APIRouter(tags=["rerank"])
 async def rerank(
     body: RerankBody, request: Request, ctx: Ctx, request_id: RequestId
 ) -> RerankResponse:
-    """Documents by the strategy's judgement (default: the server's, `moi` unless
-    configured: debiased utility), or with
+    """Documents by the strategy's judgement (default: the server's, `auto` unless
+    configured: MoI's debiased utility until a profile is trusted, then the dense ranking), or
+    with
     `reorder.results_order` `placement` in the order to put into the prompt.
     `relevance_score` is `sigmoid((x - mean) / sd)` of the per-document score `x` (documents
     without one score 0; strategies without scores give `1 - rank / N`); unknown fields are

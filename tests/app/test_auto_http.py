@@ -150,4 +150,3 @@ async def test_explore_requests_are_served_by_the_profile_and_checked_afterwards
         await wait_until(lambda: h.metric("rag_reorder_auto_explore_runs_total", labels) == 1)
         assert h.backend.started > calls
         assert h.metric("rag_reorder_auto_requests_total", {"path": "explore"}) == 1
-

@@ -63,8 +63,10 @@ test: lint docs
 	$(BIN)/python -m pytest -q --ignore=tests/service/test_vllm_backend.py \
 		--ignore=tests/service/test_vllm_lora.py --ignore=tests/service/test_gpu_engines_script.py
 
+# The local quick start: calibration over HTTP is open (RAG_REORDER_OPEN_WRITES); the image and
+# the chart leave it closed unless an admin key is set.
 serve: install
-	$(BIN)/rag-reorder serve --host 0.0.0.0 --port 8000
+	RAG_REORDER_OPEN_WRITES=true $(BIN)/rag-reorder serve --host 127.0.0.1 --port 8000
 
 bench: install
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python bench/solver.py

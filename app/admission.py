@@ -9,23 +9,34 @@ Deadline-aware (issue 44): once the engine's throughput is measured (``Throughpu
 the calls admitted here), a call is admitted only if the prompt tokens already admitted ahead
 of it plus its own, at that rate, fit in 90% of what is left of its request's deadline. Otherwise it
 is refused at once with 503 and a ``Retry-After`` from the same estimate, instead of queueing
-for a 504 after the engine has spent its time on it. Until the first call completes there is
-no rate and only the fixed limits apply; one call is always admitted when none is in flight
-(a wrong estimate cannot starve an idle engine). ``max_inflight_prompt_tokens``, when set,
-stays as a hard cap beside it.
-Everything here runs on the event loop thread: plain counters, no locks.
+for a 504 after the engine has spent its time on it. The rate is seeded by the warm-up probe
+(``Admission.seed``); until it is measured, ``unmeasured_inflight_prompt_tokens`` caps the
+tokens in flight, so a queue waiting at start is not all admitted at once (issue 54). One call
+is always admitted when none is in flight (a wrong estimate cannot starve an idle engine).
+``max_inflight_prompt_tokens``, when set, stays as a hard cap beside it.
+
+A request's size is bounded before its prompts exist (issue 54): the characters it has
+rendered into prompts, summed over them, are charged to ``max_prompt_chars_x_prompts`` as
+each prompt is about to be rendered (``AdmittedBackend.tokenizer``), so a request that could
+never fit is refused before it is tokenised, not after its gigabytes of token ids exist.
+Admission runs on the event loop thread: plain counters, no locks. A request's characters
+are counted where its prompts are built, in worker threads, under a lock.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Final
 
 from app.exceptions import Overloaded
 from app.metrics import ServiceMetrics
 from service.backends.base import (
+    ChatMessage,
+    Encoding,
     GenerateResult,
     GenerationRequest,
     LogprobBackend,
@@ -62,6 +73,12 @@ class Admission:
     @property
     def tokens_in_flight(self) -> int:
         return self._tokens
+
+    def seed(self, tokens: int, seconds: float) -> None:
+        """Seed the engine's rate with a call made outside admission (the warm-up probe: its
+        prompt tokens and seconds in the model), so deadline-aware admission works from the
+        first request; ignored once an admitted call has completed (``ThroughputMeter.seed``)."""
+        self.meter.seed(tokens, seconds)
 
     @property
     def estimated_wait_s(self) -> float | None:
@@ -105,6 +122,13 @@ class Admission:
                 raise Overloaded(
                     f"{n} prompt tokens do not fit the in-flight budget ({self._tokens} of "
                     f"{budget} in use)"
+                )
+            unmeasured = self._settings.unmeasured_inflight_prompt_tokens
+            if self.meter.tokens_per_s is None and self._tokens + n > unmeasured:
+                self._metrics.admission_rejections.labels("token_budget").inc()
+                raise Overloaded(
+                    f"{n} prompt tokens do not fit the in-flight budget while the engine's "
+                    f"rate is not yet measured ({self._tokens} of {unmeasured} in use)"
                 )
         self._tokens += n
         self.meter.begin(now)
@@ -169,6 +193,7 @@ class AdmittedBackend:
         self._settings = settings
         self._deadline = deadline
         self._sent_tokens = 0  # prompt tokens this request sent so far, scored or generated
+        self._tokenizer: _ChargedTokenizer | None = None
 
     @property
     def model_id(self) -> str:
@@ -180,7 +205,13 @@ class AdmittedBackend:
 
     @property
     def tokenizer(self) -> PromptTokenizer:
-        return self._inner.tokenizer
+        """The backend's tokenizer, charging what this request renders into prompts to its
+        ``max_prompt_chars_x_prompts`` before each prompt is rendered (422 over it)."""
+        if self._tokenizer is None:
+            self._tokenizer = _ChargedTokenizer(
+                self._inner.tokenizer, self._settings.max_prompt_chars_x_prompts
+            )
+        return self._tokenizer
 
     async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
         """Check the request's limits (422), admit its tokens (503), then score.
@@ -237,3 +268,64 @@ class AdmittedBackend:
 
     async def aclose(self) -> None:
         """Nothing to do: the lifespan owns and closes the shared backend."""
+
+
+class _ChargedTokenizer:
+    """A backend's tokenizer as one request sees it: the characters of each prompt it is asked
+    to render are added to the request's total, and a total over ``limit`` is refused
+    (``LimitExceeded``, 422) before that prompt is rendered or anything is tokenised.
+
+    Characters, not tokens: tokens exist only after tokenising, which is what costs the memory
+    (about 300 bytes a token while a batch is encoded, up to 3 tokens a character), so the
+    prompts x tokens check comes too late to bound it. Prompt building runs in worker
+    threads, hence the lock.
+    """
+
+    def __init__(self, inner: PromptTokenizer, limit: int) -> None:
+        self._inner = inner
+        self._limit = limit
+        self._chars = 0
+        self._lock = threading.Lock()
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._inner.eos_token_ids
+
+    @property
+    def line_break_ids(self) -> frozenset[int]:
+        return self._inner.line_break_ids
+
+    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+        self._charge(sum(len(m.content) for m in messages))
+        return self._inner.render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    def render_completion(self, text: str) -> str:
+        self._charge(len(text))
+        return self._inner.render_completion(text)
+
+    def encode(self, text: str) -> Encoding:
+        return self._inner.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[Encoding]:
+        return self._inner.encode_batch(texts)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._inner.decode(ids)
+
+    def _charge(self, chars: int) -> None:
+        with self._lock:
+            total = self._chars + chars
+            if total > self._limit:
+                raise LimitExceeded(
+                    "prompt_chars_x_prompts",
+                    self._limit,
+                    total,
+                    what=_CHARS_WHAT,
+                )
+            self._chars = total
+
+
+_CHARS_WHAT: Final = (
+    "characters of passages, titles, query and template text summed over the request's "
+    "prompts so far; send fewer or shorter passages or fewer prompts"
+)

@@ -12,6 +12,8 @@ import math
 from collections.abc import Sequence
 from typing import Any, Literal, cast
 
+from starlette.requests import Request
+
 from app.schemas import (
     AnswerOut,
     AutoOut,
@@ -32,6 +34,13 @@ from service.pipeline import ReorderResult
 from service.profile_store import ProfileTrust, StoredProfile
 from service.prompts import Passage
 from service.strategies.base import AutoReport
+
+
+def caller_of(request: Request) -> str | None:
+    """Who sent ``request``, for ``auto``'s per-caller share of learning runs: the client's
+    address as the HTTP server resolved it (behind a proxy, uvicorn's ``forwarded_allow_ips``
+    decides whose ``X-Forwarded-For`` is believed). Not an identity for anything else."""
+    return request.client.host if request.client is not None else None
 
 
 def to_passages(items: Sequence[PassageIn | RerankDocument]) -> list[Passage]:

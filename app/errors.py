@@ -30,6 +30,7 @@ from app.exceptions import (
     RouteNotFound,
     Unauthorized,
     ValidationFailed,
+    WritesClosed,
 )
 from app.schemas import ErrorEnvelope, ErrorType
 from app.state import context_of, request_id_of
@@ -61,6 +62,7 @@ class ErrorKind:
 ERROR_TABLE: Final[Mapping[type[ReorderError], ErrorKind]] = {
     PayloadTooLarge: ErrorKind(413, "request_too_large"),
     Unauthorized: ErrorKind(401, "authentication_error"),
+    WritesClosed: ErrorKind(403, "permission_error"),
     RouteNotFound: ErrorKind(404, "not_found_error"),
     NotFound: ErrorKind(404, "not_found_error"),
     MethodNotAllowed: ErrorKind(405, "invalid_request_error"),
@@ -86,6 +88,8 @@ ERROR_TABLE: Final[Mapping[type[ReorderError], ErrorKind]] = {
 _DESCRIPTIONS: Final[Mapping[int, str]] = {
     400: "The body is not JSON or not UTF-8.",
     401: "Missing or wrong API key (when one is configured).",
+    403: "A route that writes what every later request gets (a bias profile calibration) on a "
+    "server with no admin key and `open_writes` off.",
     404: "No such resource (a bias profile id that is not stored).",
     413: "Request body over `max_body_bytes`.",
     422: "Schema violation (bounded echo of the value), a limit (param, limit, value), or a "

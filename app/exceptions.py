@@ -13,6 +13,12 @@ class Unauthorized(ClientError):
     code = "invalid_api_key"
 
 
+class WritesClosed(ClientError):
+    """A route that writes what later requests get, on a server with no admin key."""
+
+    code = "writes_closed"
+
+
 class RouteNotFound(ClientError):
     code = "not_found"
 

@@ -1,8 +1,11 @@
 """The configurable input limits, checked after parsing so each error names param, limit, value.
 
-Prompt-level limits (tokens per prompt against the model's context, prompts and prompts x
-tokens per request) are checked later, after tokenising: by ``service.prompts`` and by
-``app.admission.AdmittedBackend``.
+Prompt-level limits are checked later, once the strategy has chosen its prompts, and before
+each is rendered: a prompt's characters against what the model's context can hold
+(``service.prompts``, ``prompt_chars``) and the request's prompts x characters
+(``app.admission.AdmittedBackend.tokenizer``, ``max_prompt_chars_x_prompts``); after
+tokenising, tokens per prompt against the context (``prompt_tokens``), then prompts and
+prompts x tokens per request (``AdmittedBackend``).
 """
 
 from __future__ import annotations

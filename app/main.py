@@ -129,7 +129,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
     for module in (reorder, rerank, profiles, info, probes):
         app.include_router(module.router)
     # add_middleware wraps: the last added runs first. Order on the way in:
-    # request context -> CORS (if configured) -> body limit (413) -> API key (401) -> routes.
+    # request context -> CORS (if configured) -> body limit (413) -> API key (401, 403) -> routes.
     keys = {
         name: _key(name, secret)
         for name, secret in (
@@ -138,9 +138,12 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         )
         if secret is not None
     }
-    if keys:
+    if keys or not settings.open_writes:
         app.add_middleware(
-            ApiKeyMiddleware, api_key=keys.get("API_KEY"), admin_key=keys.get("ADMIN_API_KEY")
+            ApiKeyMiddleware,
+            api_key=keys.get("API_KEY"),
+            admin_key=keys.get("ADMIN_API_KEY"),
+            open_writes=settings.open_writes,
         )
     app.add_middleware(BodyLimitMiddleware, limit=settings.max_body_bytes)
     if settings.cors_origins:
@@ -237,7 +240,17 @@ def _say_who_places(settings: Settings) -> None:
 
 
 async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
-    """Load, warm up, then watch the engine. Never raises: failures go to ``Lifecycle.fail``."""
+    """Load, warm up, then watch the engine. Never raises: failures go to ``Lifecycle.fail``
+    (an unexpected exception too: logged with its traceback, ``/health`` 503, the process
+    restarted by its orchestrator, never a supervisor that died silently)."""
+    try:
+        await _load_and_watch(ctx, given)
+    except Exception as exc:
+        log.exception("the engine supervisor failed")
+        ctx.lifecycle.fail(f"the engine supervisor failed ({type(exc).__name__})")
+
+
+async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None:
     lc = ctx.lifecycle
     try:
         if given is not None:
@@ -289,23 +302,36 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
 
 
 async def _connect(ctx: AppContext, backend: RemoteBackend) -> bool:
-    """Reach the remote engine, retrying while it is down (``/ready`` 503 meanwhile); ``False``
-    (and a fatal lifecycle) when it serves another model or tokenizer than configured."""
-    lc = ctx.lifecycle
+    """Reach the remote engine and check it (model, context, tokenizer probe), retrying while
+    it is down or answers oddly (``/ready`` 503 with the reason meanwhile); ``False`` (and a
+    fatal lifecycle) only when it provably serves another model or tokenizer."""
     delay = 0.5
     while True:
-        try:
-            await backend.connect()
-        except EngineMismatch as exc:
-            lc.fail(f"the remote engine does not match the configuration: {exc.message}")
-            return False
-        except (EngineUnavailable, EngineTimeout) as exc:
-            lc.engine(exc.message)
-            await anyio.sleep(delay)
-            delay = min(2 * delay, _ENGINE_RETRY_MAX_S)
-            continue
-        lc.engine(None)
-        return True
+        ok = await _check_engine(ctx, backend)
+        if ok is not None:
+            return ok
+        await anyio.sleep(delay)
+        delay = min(2 * delay, _ENGINE_RETRY_MAX_S)
+
+
+async def _check_engine(ctx: AppContext, backend: RemoteBackend) -> bool | None:
+    """One connect: ``True`` checked, ``False`` a proven mismatch (fatal), ``None`` not now."""
+    lc = ctx.lifecycle
+    try:
+        await backend.connect()
+    except EngineMismatch as exc:
+        lc.fail(f"the remote engine does not match the configuration: {exc.message}")
+        return False
+    except (EngineUnavailable, EngineTimeout) as exc:
+        lc.engine(exc.message)
+        return None
+    except Exception as exc:
+        # Whatever else a proxy or a half-deployed engine answers: not ready, retried, logged.
+        log.exception("checking the remote engine failed")
+        lc.engine(f"checking the engine failed ({type(exc).__name__})")
+        return None
+    lc.engine(None)
+    return True
 
 
 async def _watch(ctx: AppContext, backend: LogprobBackend) -> None:
@@ -327,6 +353,18 @@ async def _watch(ctx: AppContext, backend: LogprobBackend) -> None:
         recent = lc.last_success is not None and time.monotonic() - lc.last_success < interval
         if lc.draining or (recent and not suspected and lc.engine_down is None):
             continue  # real traffic is proving the engine alive; don't compete with it
+        if lc.engine_down is not None and isinstance(backend, RemoteBackend):
+            # The engine was down: what comes back may be a redeploy (other weights under the
+            # same name, a smaller context). Check it all again before scoring on it.
+            checked = await _check_engine(ctx, backend)
+            if checked is False:
+                return
+            if checked is None:
+                continue
+            if backend.weights_changed_at_reconnect:
+                # Profiles learned on the old weights may no longer describe it; auto's
+                # explore runs and drift test find out, this says when it started.
+                ctx.metrics.engine_weight_changes.inc()
         error, dead = await _probe(ctx, backend, "canary")
         if error is None or lc.engine_down is not None:
             continue  # a remote engine that is down is not a reason to restart this process
@@ -359,12 +397,20 @@ async def _probe(
             result = await reorderer.reorder(req)
         if result.usage.prompts_failed:
             error = f"{result.usage.prompts_failed} of {result.usage.prompts} prompts failed"
+        else:
+            # The engine's rate for deadline-aware admission from the first request: a low
+            # estimate (the probe is tiny), so it errs toward refusing, and it counts only
+            # until an admitted call completes.
+            ctx.admission.seed(result.usage.prompt_tokens, result.timing.scoring_s)
     except TimeoutError:
         error = f"no answer within {ctx.settings.canary_timeout_s:g} s"
     except (EngineUnavailable, EngineTimeout) as exc:
         # A remote engine: down or slow now, not dead for good (readiness only).
         error = f"remote engine: {exc.message}"
         ctx.lifecycle.engine(exc.message)
+        if isinstance(backend, RemoteBackend):
+            # What answers next may be another deployment: no scoring until checked again.
+            backend.mark_down(exc.message)
     except BackendUnavailable as exc:
         error, dead = f"engine unavailable: {exc.message}", True
     except ClientError as exc:

@@ -110,6 +110,12 @@ class _Auto(Collector):
             "Trusted profiles that explore runs contradicted (auto went back to MoI).",
             value=c.drift_events,
         )
+        yield CounterMetricFamily(
+            f"{PREFIX}_auto_caller_capped_runs",
+            "Learning runs not kept because their caller already held its share "
+            "(RAG_REORDER_AUTO_MAX_CALLER_SHARE) while other callers contribute.",
+            value=c.caller_capped,
+        )
         labels = ["template", "slots"]
         trusted = GaugeMetricFamily(
             f"{PREFIX}_auto_profile_trusted",
@@ -321,7 +327,7 @@ class ServiceMetrics:
         self.engine_calls = Counter(
             f"{p}_engine_calls",
             "HTTP calls to the remote engine, by path and outcome (ok, http_<status>, timeout, "
-            "unavailable).",
+            "unavailable, bad_answer: a 200 whose body is not a JSON object).",
             ["path", "outcome"],
             registry=r,
         )
@@ -334,7 +340,14 @@ class ServiceMetrics:
         )
         self.engine_retries = Counter(
             f"{p}_engine_retries",
-            "Retries of refused calls to the remote engine (connection errors, 429, 502-504).",
+            "Retries of calls the remote engine provably did not run (never connected, 429, "
+            "503; also 502, 504 and cut connections with RAG_REORDER_ENGINE_RETRY_UNSAFE).",
+            registry=r,
+        )
+        self.engine_weight_changes = Counter(
+            f"{p}_engine_weight_changes",
+            "Reconnects after which the remote engine's probe log-probs moved beyond "
+            "RAG_REORDER_ENGINE_PROBE_TOLERANCE: other weights under the same served name.",
             registry=r,
         )
         self.engine_in_flight = Gauge(

@@ -18,7 +18,7 @@ from starlette.datastructures import Headers, MutableHeaders
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import error_response
-from app.exceptions import MissingApiKey, PayloadTooLarge, Unauthorized
+from app.exceptions import MissingApiKey, PayloadTooLarge, Unauthorized, WritesClosed
 from app.state import context_of
 from service.errors import ServerError
 
@@ -171,14 +171,23 @@ class ApiKeyMiddleware:
     """``Authorization: Bearer <key>`` on every route but the probes, compared in constant time.
 
     Keys: ``api_key`` opens every route but ``ADMIN_PATHS`` when an ``admin_key`` is set; the
-    admin key opens every route. Without an admin key, ``api_key`` opens them all; without an
-    ``api_key``, only ``ADMIN_PATHS`` need a key. Both sides are hashed first:
+    admin key opens every route. Without an admin key, ``ADMIN_PATHS`` are refused (403)
+    unless ``open_writes``, and then ``api_key`` opens them all; without an ``api_key``, only
+    ``ADMIN_PATHS`` need a key. Both sides are hashed first:
     ``hmac.compare_digest`` is constant time only for inputs of equal length, and the digests
     always are, so neither a key nor its length leaks.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str | None, admin_key: str | None = None) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        admin_key: str | None = None,
+        *,
+        open_writes: bool = True,
+    ) -> None:
         self.app = app
+        self._open_writes = open_writes
         self._user = hashlib.sha256(api_key.encode()).digest() if api_key is not None else None
         self._admin = hashlib.sha256(admin_key.encode()).digest() if admin_key is not None else None
 
@@ -186,6 +195,16 @@ class ApiKeyMiddleware:
         path = scope.get("path")
         if scope["type"] != "http" or path in PROBE_PATHS:
             await self.app(scope, receive, send)
+            return
+        if self._admin is None and not self._open_writes and path in ADMIN_PATHS:
+            # Fail closed: with no admin key, a write that changes every later request is
+            # refused unless the operator opted in (a local quick start), whoever asks.
+            closed = WritesClosed(
+                f"{path} writes the bias profile later requests are placed by: set "
+                "RAG_REORDER_ADMIN_API_KEY and send it, or RAG_REORDER_OPEN_WRITES=true on a "
+                "server only you can reach"
+            )
+            await error_response(scope, closed)(scope, receive, send)
             return
         admin_only = self._admin is not None and path in ADMIN_PATHS
         accepted = [k for k in (self._admin, None if admin_only else self._user) if k]

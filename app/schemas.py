@@ -41,6 +41,7 @@ ResultsOrder = Literal["ranking", "placement"]
 ErrorType = Literal[
     "invalid_request_error",
     "authentication_error",
+    "permission_error",
     "not_found_error",
     "request_too_large",
     "overloaded_error",
@@ -176,6 +177,7 @@ class ReorderOptions(_Strict):
         spec: DesignSpec,
         request_id: str,
         settings: Settings,
+        caller: str | None = None,
     ) -> ReorderRequest:
         """The pipeline's request for these options (both routes: `/v1/reorder` carries them
         at the top level, `/v1/rerank` under `reorder`), with the server's default strategy
@@ -197,6 +199,7 @@ class ReorderOptions(_Strict):
             joint=self.joint,
             template=self.template,
             request_id=request_id,
+            caller=caller,
         )
 
 
@@ -730,6 +733,9 @@ class InfoOut(_Model):
     """Whether an API key is required."""
     admin_auth: bool
     """Whether `POST /v1/bias-profiles/calibrate` needs the admin API key."""
+    open_writes: bool = False
+    """Whether `POST /v1/bias-profiles/calibrate` is open without an admin key
+    (`RAG_REORDER_OPEN_WRITES`); false with neither: the route is refused (403)."""
     limits: LimitsOut
     strategies: list[str]
     design_kinds: list[str]

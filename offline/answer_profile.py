@@ -17,7 +17,8 @@ One OpenAI-compatible client covers OpenAI, Azure, vLLM, SGLang, Ollama and Lite
 ``EngineClient``: bounded concurrency, timeouts, retries with backoff and jitter on 429, 502,
 503, 504 and connection errors, honouring ``Retry-After``. Every answer is appended to
 ``answers.jsonl`` in the output folder as it arrives, so a killed run continues where it
-stopped; ``max_calls`` bounds the calls of one invocation.
+stopped; ``max_calls`` bounds the HTTP attempts of one invocation, retries included (a retry
+is counted even when it provably did no billed work: the budget is what was sent).
 
 The profile belongs to the prompt it was measured with (the template: instruction, document
 layout, question): a generator weighs positions differently in another prompt shape.
@@ -41,7 +42,7 @@ import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from offline.evaluation.metrics import score_answer
-from service.backends.engine_client import EngineClient, EngineHTTPError
+from service.backends.engine_client import EngineCall, EngineClient, EngineHTTPError
 from service.dataset import Example
 from service.errors import InvalidRequest
 from service.profile_store import ProfileStore, StoredProfile
@@ -124,6 +125,8 @@ class Estimate:
 class ProfileOutcome:
     estimate: Estimate
     calls_made: int
+    attempts: int
+    """HTTP attempts this invocation sent, retries included (what ``max_calls`` bounds)."""
     complete_questions: int
     fit: AnswerProfileFit | None
     stored: StoredProfile | None
@@ -294,15 +297,29 @@ async def run_profile(
     )
     answers = job.out / ANSWERS_FILE
     made = 0
+    # Every HTTP attempt counts against max_calls, retries included: the observer sees each
+    # call as it ends with its retries; a call in flight counts as one until then.
+    attempts = 0
+    in_flight = 0
+
+    def count(call: EngineCall) -> None:
+        nonlocal attempts
+        attempts += 1 + call.retries
+
+    client.add_observer(count)
+    budget = job.max_calls
     queue: asyncio.Queue[Trial] = asyncio.Queue()
     for t in todo:
         queue.put_nowait(t)
 
     async def worker(bar: Any) -> None:
-        nonlocal made
+        nonlocal made, in_flight
         while not queue.empty():
+            if budget is not None and attempts + in_flight >= budget:
+                return  # retries spent part of --max-calls: stop, a rerun continues
             trial = queue.get_nowait()
             path, body = _request(ep, trial.prompt)
+            in_flight += 1
             try:
                 data = await client.post(
                     path,
@@ -312,6 +329,8 @@ async def run_profile(
                 )
             except EngineHTTPError as exc:
                 raise _refused(exc, ep) from exc
+            finally:
+                in_flight -= 1
             text, logprob, p_tokens, c_tokens = _answer(data)
             rec = {
                 "question_id": trial.question_id,
@@ -342,7 +361,7 @@ async def run_profile(
                 await asyncio.gather(*tasks, return_exceptions=True)
     finally:
         await client.aclose()
-    return _finish(job, store, est, made, done)
+    return _finish(job, store, est, made, done, attempts)
 
 
 def _refused(exc: EngineHTTPError, ep: GeneratorEndpoint) -> InvalidRequest:
@@ -364,6 +383,7 @@ def _finish(
     est: Estimate,
     made: int,
     done: dict[tuple[str, int], dict[str, Any]],
+    attempts: int,
 ) -> ProfileOutcome:
     from offline.evaluation.plots import write_position_curve
 
@@ -413,6 +433,7 @@ def _finish(
         "questions_skipped": est.skipped,
         "calls": len(done),
         "calls_this_run": made,
+        "attempts_this_run": attempts,
         "prompt_tokens": tokens,
         "completion_tokens": sum(int(r.get("completion_tokens") or 0) for r in done.values()),
         "fit": dataclasses.asdict(fit) if fit else None,
@@ -424,4 +445,4 @@ def _finish(
     files[0].write_text(json.dumps(report, indent=1) + "\n")
     if fit is not None:
         files.append(write_position_curve(job.out / PLOT_FILE, fit, title=job.endpoint.model))
-    return ProfileOutcome(est, made, len(complete), fit, stored, refused, tuple(files))
+    return ProfileOutcome(est, made, attempts, len(complete), fit, stored, refused, tuple(files))

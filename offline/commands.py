@@ -179,6 +179,7 @@ async def profile_generator(settings: Settings, args: argparse.Namespace) -> int
             {
                 "out": str(args.out),
                 "calls_this_run": outcome.calls_made,
+                "attempts_this_run": outcome.attempts,
                 "questions_measured": outcome.complete_questions,
                 "accuracy_by_slot": list(fit.accuracy) if fit else None,
                 "p_flat": fit.p_flat if fit else None,

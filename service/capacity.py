@@ -11,8 +11,16 @@ minute or two and one odd call moves it little.
 With calls served oldest first (the transformers scheduler), the busy time between two
 completions is the later call's own service time, so the estimate is exact for a stream of
 similar calls; where an engine runs calls side by side (vLLM) it is the throughput of the mix.
-A call that fails or is cancelled adds no tokens and its interval is dropped: how much of it
-the engine ran is unknown, and counting it either way would bias the rate.
+A call that fails or is cancelled adds no tokens. While other calls are still in flight the
+busy time since the last completion stays on the clock and goes to the next completion (the
+engine may have spent it on them: counting it makes the rate lower, never higher); once the
+engine is idle, that time is dropped. Restarting the clock at a failure instead made the rate
+many times too high under overload (issue 54): with deadlines cancelling calls, the next
+completion's tokens were divided by the seconds since the cancellation, not by the time the
+engine spent on them, and admission let in work that then missed its deadline.
+
+Before any call has completed there is no measurement; ``seed`` takes one from outside
+admission (the warm-up probe), counted like a completed call's until a real one completes.
 
 Plain arithmetic on the event loop thread: no locks, no clock of its own (callers pass
 ``time.monotonic()``), so the tests drive it with made-up times.
@@ -38,11 +46,11 @@ class ThroughputMeter:
         self._in_flight = 0
         self._mark: float | None = None
         self.completed = 0
-        """Calls whose tokens are in the estimate."""
+        """Calls whose tokens are in the estimate (a ``seed`` is not one)."""
 
     @property
     def tokens_per_s(self) -> float | None:
-        """The estimate, or ``None`` before the first completed call."""
+        """The estimate, or ``None`` before the first completed call or ``seed``."""
         if self._tokens <= 0 or self._seconds <= 0:
             return None
         return self._tokens / self._seconds
@@ -54,20 +62,41 @@ class ThroughputMeter:
         self._in_flight += 1
 
     def end(self, now: float, tokens: int | None) -> None:
-        """A call left: ``tokens`` it completed, or ``None`` (failed, cancelled: its interval
-        is dropped)."""
+        """A call left: ``tokens`` it completed, or ``None`` (failed, cancelled: it adds no
+        tokens; the busy time since the last completion goes to the next one while others are
+        in flight, and is dropped once the engine is idle)."""
         if self._in_flight == 0:
             raise RuntimeError("end() without begin()")
         self._in_flight -= 1
+        if tokens is None or tokens <= 0:
+            if self._in_flight == 0:
+                self._mark = None  # idle: the next begin() starts the clock again
+            return
         mark = self._mark if self._mark is not None else now
         self._mark = now
-        elapsed = max(0.0, now - mark)
-        if tokens is None or tokens <= 0 or elapsed <= 0:
-            return
+        if self._add(tokens, now - mark):
+            self.completed += 1
+
+    def seed(self, tokens: int, seconds: float) -> None:
+        """A measurement from outside admission (the warm-up probe's prompt tokens and its
+        seconds in the model), counted like a completed call's while no admitted call has
+        completed; ignored afterwards.
+
+        A probe is small, so its rate is lower than the engine's (fixed costs weigh more): it
+        errs on the side of refusing, and weighs only its few seconds once real calls come.
+        """
+        if self.completed == 0:
+            self._add(tokens, seconds)
+
+    def _add(self, tokens: int, elapsed: float) -> bool:
+        """Decay the sums by ``elapsed`` busy seconds and add the measurement; ``False`` (and
+        nothing added) for one without tokens or time."""
+        if tokens <= 0 or not elapsed > 0 or not math.isfinite(elapsed):
+            return False
         decay = math.pow(0.5, elapsed / self._half_life_s)
         self._tokens = self._tokens * decay + tokens
         self._seconds = self._seconds * decay + elapsed
-        self.completed += 1
+        return True
 
     def seconds_for(self, tokens: int) -> float | None:
         """Estimated engine seconds for ``tokens`` prompt tokens (``None`` before the first

@@ -27,10 +27,16 @@ async def open_pipeline(settings: Settings) -> AsyncIterator[Reorderer]:
     import anyio.to_thread
 
     from service.backends.factory import create_backend
+    from service.backends.remote_backend import RemoteBackend
     from service.pipeline import Reorderer
 
     backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
     try:
+        if isinstance(backend, RemoteBackend):
+            # The server connects in its supervisor; a command scores at once, so it checks
+            # the engine (model, tokenizer, context) here and fails with the reason if it
+            # cannot: never a score against an engine that was not checked.
+            await backend.connect()
         yield Reorderer(backend, settings)
     finally:
         await backend.aclose()

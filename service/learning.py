@@ -145,6 +145,8 @@ class LearnerCounters:
         default_factory=lambda: {"trusted": 0, "undecided": 0, "failed": 0}
     )
     drift_events: int = 0
+    caller_capped: int = 0
+    """Runs not kept because their caller already held its share (``auto_max_caller_share``)."""
     shadow_runs: dict[ShadowOutcome, int] = field(
         default_factory=lambda: {"recorded": 0, "preempted": 0, "dropped": 0, "failed": 0}
     )
@@ -194,6 +196,8 @@ class ProfileLearner:
         self._status: dict[LearnKey, KeyStatus] = {}
         self._recorded: dict[LearnKey, int] = {}
         """Runs this replica recorded per key since its pool was last read."""
+        self._callers: dict[LearnKey, dict[str, int]] = {}
+        """Runs this replica kept per key and caller since the key's learning (re)started."""
         self._rng = np.random.default_rng(settings.seed)
         self._writer = ThreadPoolExecutor(1, "auto-spool")
         self._wake: anyio.Event | None = None
@@ -204,7 +208,7 @@ class ProfileLearner:
         server once loaded; ``None``: an explore run uses the request's own backend)."""
         self.idle: Callable[[], bool] = lambda: True
         """Whether no request is using the engine now (the server's admission tells)."""
-        self._shadow: tuple[Decision, ShadowRun] | None = None
+        self._shadow: tuple[Decision, ShadowRun, str | None] | None = None
         self._shadow_wake: anyio.Event | None = None
 
     @classmethod
@@ -266,10 +270,16 @@ class ProfileLearner:
         """Count a request served by ``path`` (after it succeeded)."""
         self.counters.paths[path] += 1
 
-    def record(self, decision: Decision, perms: np.ndarray, scores: np.ndarray) -> bool:
+    def record(
+        self,
+        decision: Decision,
+        perms: np.ndarray,
+        scores: np.ndarray,
+        caller: str | None = None,
+    ) -> bool:
         """Keep a MoI run of ``decision``'s key for learning (and, for ``explore``, for the
-        drift test). Returns whether it was kept: runs with a failed prompt, or a design
-        other than the learning design's shape, are not."""
+        drift test). Returns whether it was kept: runs with a failed prompt, a design other
+        than the learning design's shape, or from a caller over its share, are not."""
         key = decision.key
         if key is None or self._closed:
             return False
@@ -277,6 +287,9 @@ class ProfileLearner:
             return False
         if not np.isfinite(scores).all():
             return False  # a failed prompt: the run is not comparable to the others
+        if not self._within_share(key, caller):
+            self.counters.caller_capped += 1
+            return False
         run = (perms.copy(), np.asarray(scores, dtype=np.float64).copy())
         at = time.time()
         self._writer.submit(self._append, self.runs, key, run, at)
@@ -288,7 +301,30 @@ class ProfileLearner:
             self._wake.set()
         return True
 
-    def explore_later(self, decision: Decision, run: ShadowRun) -> bool:
+    def _within_share(self, key: LearnKey, caller: str | None) -> bool:
+        """Whether ``caller`` is not over ``auto_max_caller_share`` of the runs this replica
+        kept for ``key`` (so it ends at most one run past it); counts the run if so.
+
+        The profile every caller is placed by must not be one caller's to shape. A caller
+        alone (no other caller's run kept yet) is not bounded: it has no one to dominate, and
+        most deployments have one RAG backend in front. Counted per replica since the key's
+        learning (re)started, in memory: a restart forgets the counts, not the runs.
+        """
+        if caller is None:
+            return True
+        counts = self._callers.setdefault(key, {})
+        mine = counts.get(caller, 0)
+        total = sum(counts.values())
+        others = total - mine
+        share = self.settings.auto_max_caller_share
+        # "Already over": a caller at exactly its share may add one (two callers at 0.5 take
+        # turns instead of blocking each other), one past it may not.
+        if others > 0 and mine > share * total:
+            return False
+        counts[caller] = mine + 1
+        return True
+
+    def explore_later(self, decision: Decision, run: ShadowRun, caller: str | None = None) -> bool:
         """Queue an explore request's MoI run for the background (``run_shadows``): it runs
         when no request uses the engine and is dropped if one starts to. At most one is held:
         a second while one waits or runs is dropped (the explore share is a sample anyway).
@@ -296,7 +332,7 @@ class ProfileLearner:
         if self._closed or self._shadow is not None or self._shadow_wake is None:
             self.counters.shadow_runs["dropped"] += 1
             return False
-        self._shadow = (decision, run)
+        self._shadow = (decision, run, caller)
         self._shadow_wake.set()
         return True
 
@@ -310,13 +346,13 @@ class ProfileLearner:
             self._shadow_wake = anyio.Event()
             if self._shadow is None:
                 continue
-            decision, run = self._shadow
+            decision, run, caller = self._shadow
             try:
-                await self._run_shadow(decision, run)
+                await self._run_shadow(decision, run, caller)
             finally:
                 self._shadow = None
 
-    async def _run_shadow(self, decision: Decision, run: ShadowRun) -> None:
+    async def _run_shadow(self, decision: Decision, run: ShadowRun, caller: str | None) -> None:
         while not self.idle():
             await anyio.sleep(_IDLE_POLL_S)
         result: list[tuple[np.ndarray, np.ndarray]] = []
@@ -344,7 +380,7 @@ class ProfileLearner:
         if not result:
             self.counters.shadow_runs["failed" if failed else "preempted"] += 1
             return
-        kept = self.record(decision, *result[0])
+        kept = self.record(decision, *result[0], caller=caller)
         self.counters.shadow_runs["recorded" if kept else "failed"] += 1
 
     def status(self) -> list[KeyStatus]:
@@ -467,6 +503,7 @@ class ProfileLearner:
         assert prof is not None and prof.trust is not None
         now = time.time()
         self.counters.drift_events += 1
+        self._callers.pop(st.key, None)  # a new learning window: every caller starts again
         log.warning(
             "auto: drift of profile %s (%s) from %d explore run(s); back to MoI until a new "
             "profile is trusted", prof.id, result.reason, result.runs,

@@ -8,6 +8,13 @@ query starts and ends on token boundaries. Byte-level BPE merges a space into th
 (" what"), so every template puts the query right after a newline and the chat template's
 end-of-turn marker (a special token) right after it; the alignment is checked on every prompt
 and a violation is an error, never a silent approximation.
+
+A prompt's size is checked before it is rendered (issue 54): its characters against what the
+model's context can hold at ``MAX_CHARS_PER_TOKEN`` characters a token at most, so a prompt that
+can never fit is refused without building its text or its token ids. Many prompts are tokenised
+a chunk at a time, each chunk's encodings (offsets and all, about 300 bytes a token) dropped as
+soon as its prompts are built: what stays is their token ids (about 40 bytes a token), and with
+``max_total_tokens`` tokenising stops at the chunk that crosses the request's token limit.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from service.settings import DEFAULT_TEMPLATE
 
 __all__ = [
     "DEFAULT_TEMPLATE",
+    "MAX_CHARS_PER_TOKEN",
     "BuiltPrompt",
     "Passage",
     "PromptAlignmentError",
@@ -33,6 +41,20 @@ __all__ = [
     "register_template",
     "template_names",
 ]
+
+
+MAX_CHARS_PER_TOKEN = 32
+"""Characters one token covers at most, for refusing a prompt before tokenising: one of more
+than ``max_tokens x MAX_CHARS_PER_TOKEN`` characters certainly has more than ``max_tokens``
+tokens. Gemma-3's longest token is 31 characters (runs of spaces); SmolLM2's vocabulary has a
+few longer ones (up to 81: runs of spaces, ``#`` or ``=``), so a prompt made almost entirely
+of those could be refused that would have fit; no prose, code or table comes near 32."""
+
+# Characters of rendered prompts tokenised in one batch: large enough for a few prompts a
+# call (a fast tokenizer encodes a batch on all cores), small enough that a chunk's encodings
+# stay under about 60 MB (300 bytes a token while encoded, 0.2 tokens a character for prose,
+# up to 3 for emoji: bench/request_memory.py).
+_ENCODE_CHUNK_CHARS = 65_536
 
 
 @dataclass(frozen=True, slots=True)
@@ -317,7 +339,8 @@ def build_prompt(
     Raises:
         InvalidRequest: unknown template, blank query or passage, text that is not valid
             Unicode, or a bad ``order``.
-        LimitExceeded: the prompt is longer than ``max_tokens``.
+        LimitExceeded: the prompt is longer than ``max_tokens`` (``prompt_chars``: by its
+            characters, found before rendering it; ``prompt_tokens``: after tokenising).
         PromptAlignmentError: the query is not token-aligned, or is the prompt's first token.
     """
     template = get_template(template_name)
@@ -341,6 +364,7 @@ def build_prompts(
     orders: Sequence[Sequence[int]],
     *,
     max_tokens: int | None = None,
+    max_total_tokens: int | None = None,
 ) -> list[BuiltPrompt]:
     """Build one scoring prompt per order, checking the query tokens are the same in all.
 
@@ -351,42 +375,73 @@ def build_prompts(
         passages: all passages of the request.
         orders: one passage-index sequence per prompt (see ``build_prompt``).
         max_tokens: if given, the most tokens any prompt may have.
+        max_total_tokens: if given, the most tokens the distinct prompts' span requests may
+            have together (a request's ``max_prompt_tokens_x_prompts``): tokenising stops at
+            the chunk that crosses it, instead of tokenising every prompt first.
 
     Returns:
         The prompts, in the order of ``orders``.
 
     Raises:
         InvalidRequest: as ``build_prompt``.
-        LimitExceeded: a prompt is longer than ``max_tokens``.
+        LimitExceeded: a prompt is longer than ``max_tokens`` (by its characters, found
+            before any prompt is rendered, or by its tokens), or the prompts are longer than
+            ``max_total_tokens`` together.
         PromptAlignmentError: a query span is misaligned, or the query's token ids differ
             between two orders (the scores would not be comparable).
     """
     template = get_template(template_name)
     clean_query = _check_inputs(query, passages)
-    rendered: list[_Rendered] = []
+    checked: list[tuple[int, ...]] = []
     for i, order in enumerate(orders):
         try:
-            checked = _check_order(order, len(passages))
+            checked.append(_check_order(order, len(passages)))
         except InvalidRequest as exc:
             raise InvalidRequest(f"orders[{i}]: {exc.message}", param="orders") from None
-        rendered.append(
-            _render(
-                tokenizer, template, clean_query, passages, checked, add_generation_prompt=False
-            )
-        )
-    # One call for all prompts: a fast tokenizer encodes a batch on all cores
-    # (bench/prompts.py: 1.6-1.9x faster prompt building on 2 cores, identical prompts).
-    encodings = tokenizer.encode_batch([r.text for r in rendered])
+    if max_tokens is not None:
+        size = _ContentSize(template, clean_query, passages)
+        for order in checked:
+            _check_chars(template, size(order), len(order), max_tokens)
+    rendered = [
+        _render(tokenizer, template, clean_query, passages, order, add_generation_prompt=False)
+        for order in checked
+    ]
     built: list[BuiltPrompt] = []
-    for i, (r, encoding) in enumerate(zip(rendered, encodings, strict=True)):
-        prompt = _finish(tokenizer, template, r, encoding, max_tokens)
-        if built and prompt.query_token_ids != built[0].query_token_ids:
-            raise PromptAlignmentError(
-                f"template {template.name!r}: the query tokenises differently in orders[{i}] "
-                f"than in orders[0] ({len(prompt.query_token_ids)} vs "
-                f"{len(built[0].query_token_ids)} tokens)"
+    distinct: set[tuple[int, ...]] = set()
+    total = 0
+    start = 0
+    while start < len(rendered):
+        # A chunk at a time, its encodings dropped once its prompts are built (module
+        # docstring); each chunk in one call: a fast tokenizer encodes a batch on all cores
+        # (bench/prompts.py: 1.6-1.9x faster prompt building on 2 cores, identical prompts).
+        end, chars = start, 0
+        while end < len(rendered) and (end == start or chars < _ENCODE_CHUNK_CHARS):
+            chars += len(rendered[end].text)
+            end += 1
+        encodings = tokenizer.encode_batch([r.text for r in rendered[start:end]])
+        for i, (r, encoding) in enumerate(zip(rendered[start:end], encodings, strict=True)):
+            prompt = _finish(tokenizer, template, r, encoding, max_tokens)
+            if built and prompt.query_token_ids != built[0].query_token_ids:
+                raise PromptAlignmentError(
+                    f"template {template.name!r}: the query tokenises differently in "
+                    f"orders[{start + i}] than in orders[0] ({len(prompt.query_token_ids)} vs "
+                    f"{len(built[0].query_token_ids)} tokens)"
+                )
+            built.append(prompt)
+            if max_total_tokens is not None and r.order not in distinct:
+                # What the backend will be sent: each distinct prompt once, up to its query.
+                distinct.add(r.order)
+                total += prompt.query_span[1]
+        del encodings
+        if max_total_tokens is not None and total > max_total_tokens:
+            raise LimitExceeded(
+                "prompt_tokens_x_prompts",
+                max_total_tokens,
+                total,
+                what=f"summed over the first {end} of {len(rendered)} prompts, where "
+                "tokenising stopped; send fewer or shorter passages or fewer prompts",
             )
-        built.append(prompt)
+        start = end
     return built
 
 
@@ -484,9 +539,60 @@ def _build(
     add_generation_prompt: bool,
     max_tokens: int | None,
 ) -> BuiltPrompt:
+    if max_tokens is not None:
+        size = _ContentSize(template, query, passages)
+        _check_chars(template, size(order), len(order), max_tokens)
     rendered = _render(tokenizer, template, query, passages, order, add_generation_prompt)
     encoding = tokenizer.encode(rendered.text)
     return _finish(tokenizer, template, rendered, encoding, max_tokens)
+
+
+class _ContentSize:
+    """Characters of the user message ``_user_content`` would build for an order, computed
+    without building it (a document block's head and tail are formatted once per slot and
+    passage, the passages' texts only measured)."""
+
+    def __init__(self, template: PromptTemplate, query: str, passages: Sequence[Passage]):
+        self._template = template
+        self._passages = passages
+        self._fixed = len(template.question_prefix) + len(query)
+        if template.instruction:
+            self._fixed += len(template.instruction) + len(template.separator)
+        self._blocks: dict[tuple[int, int], int] = {}
+
+    def __call__(self, order: Sequence[int]) -> int:
+        template = self._template
+        total = self._fixed + len(template.separator) * len(order)
+        for slot, index in enumerate(order):
+            block = self._blocks.get((slot, index))
+            if block is None:
+                passage = self._passages[index]
+                fmt = template.document if passage.title else template.untitled_document
+                head, tail = fmt.split("{text}")
+                title = passage.title or ""
+                block = (
+                    len(head.format(index=slot + 1, title=title))
+                    + len(passage.text)
+                    + len(tail.format(index=slot + 1, title=title))
+                )
+                self._blocks[slot, index] = block
+            total += block
+        return total
+
+
+def _check_chars(template: PromptTemplate, chars: int, n_passages: int, max_tokens: int) -> None:
+    """``LimitExceeded`` for a prompt whose ``chars`` certainly make more than ``max_tokens``
+    tokens (``MAX_CHARS_PER_TOKEN``), before it is rendered."""
+    limit = max_tokens * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise LimitExceeded(
+            "prompt_chars",
+            limit,
+            chars,
+            what=f"{n_passages} passages with template {template.name!r}: more than "
+            f"{max_tokens} tokens at {MAX_CHARS_PER_TOKEN} characters a token at most; send "
+            "fewer or shorter passages",
+        )
 
 
 def _user_content(

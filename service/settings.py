@@ -82,8 +82,19 @@ class Settings(BaseSettings):
     engine_prompts_per_call: int = Field(default=8, ge=1, le=256)
     """Prompts sent in one HTTP call (vLLM takes a list of token-id prompts)."""
     engine_retries: int = Field(default=3, ge=0, le=10)
-    """Retries of a call refused before the engine did any work (connection refused, 429,
-    502, 503, 504), with exponential backoff, jitter and the server's Retry-After."""
+    """Retries of a call refused before the engine did any work (never connected, 429, 503),
+    with exponential backoff, jitter and the server's Retry-After; see `engine_retry_unsafe`."""
+    engine_retry_unsafe: bool = False
+    """Also retry engine calls that may have reached the engine: a gateway's 502 or 504, a
+    connection cut while the call was sent or answered. Off, these fail with
+    `engine_unavailable` at once, since a retry could run the work twice; only a call that
+    was never connected, or refused with 429 or 503, is retried."""
+    engine_probe_tolerance: float = Field(default=0.5, gt=0)
+    """Nats the start-up probe's log-probs may differ by between its text and our token ids
+    (three attempts, then `engine_unavailable` and a retry later) and from one engine check to
+    the next (above it: the weights changed). Not 0: a shared bf16 engine batches each call
+    with other requests and rounds differently (0.13 nats measured); a server that ignores
+    token ids differs by several nats."""
 
     # --- transformers backend ----------------------------------------------------------
     batch_token_budget: int | None = Field(default=None, ge=256)
@@ -145,6 +156,10 @@ class Settings(BaseSettings):
     exclude (0.1: no slot weighs 10% of the mean slot weight more than another)."""
     auto_max_runs: int = Field(default=200, ge=10, le=100_000)
     """Most learning runs `auto` pools per (model, template, slot count): the latest."""
+    auto_max_caller_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """Most share of `auto`'s learning runs one caller (client address, as the HTTP server
+    resolves it behind trusted proxies) may hold while another caller also contributes: the
+    profile every request is placed by is not one caller's to shape. 1 disables the bound."""
     auto_recalibrate_s: float = Field(default=5.0, ge=0.0)
     """Least seconds between two assessments of one profile in the background (each costs
     about a second of one low-priority thread), and how often stored profiles are re-read."""
@@ -184,7 +199,12 @@ class Settings(BaseSettings):
     admin_api_key: SecretStr | None = None
     """If set, `POST /v1/bias-profiles/calibrate` (it writes the profiles later requests use,
     and scores many prompts) needs this key instead of `api_key`; it is accepted on every
-    other route too. Unset: that route takes `api_key` like the rest."""
+    other route too. Unset: that route is refused (403) unless `open_writes`."""
+    open_writes: bool = False
+    """Let `POST /v1/bias-profiles/calibrate` run without `admin_api_key`. It writes the
+    profile every later request is placed by, so without an admin key it is refused (403)
+    unless this is set: a pod that binds `0.0.0.0` fails closed. For a local quick start
+    (`make serve` sets it); the image and the chart leave it off."""
     cors_origins: tuple[str, ...] = ()
     """Browser origins allowed by CORS, as a JSON list (`["https://app.example"]`); none by
     default, and then no CORS headers are sent at all."""
@@ -206,12 +226,22 @@ class Settings(BaseSettings):
     max_prompt_tokens_x_prompts: int = Field(default=262_144, ge=64)
     """Most prompt tokens one request may send to the model, summed over its prompts
     (prompts x tokens; 422 above it, checked after tokenising and before any scoring)."""
+    max_prompt_chars_x_prompts: int = Field(default=2_097_152, ge=1024)
+    """Most characters of passages, titles and query one request may have rendered into
+    prompts, summed over its prompts (prompts x characters; 422 above it, checked before each
+    prompt is rendered, so an oversized request is refused before it is tokenised). The
+    default is 8 characters a token of `max_prompt_tokens_x_prompts`: more than prose needs."""
     max_inflight_prompt_tokens: int | None = Field(default=None, ge=64)
     """A hard cap on the prompt tokens of all requests being scored at once (503 with
     Retry-After above it; one request is always admitted when none runs). Unset: no fixed cap;
     admission then bounds the queue by the engine's measured rate and each request's deadline
     (a request whose tokens, behind those admitted, would not finish in time gets 503 at once),
     which keeps at most about `rate x request_timeout_s` tokens in flight."""
+    unmeasured_inflight_prompt_tokens: int = Field(default=262_144, ge=64)
+    """Cap on the prompt tokens of all requests being scored at once while the engine's rate is
+    not yet measured (no warm-up seed, no completed call: after a start with warm-up off), so
+    a queue waiting at start is not all let in at once (503 with Retry-After above it; one
+    request is always admitted when none runs)."""
     max_concurrent_requests: int = Field(default=64, ge=1)
     """Most reorder/rerank requests in flight; the next one gets 503 with Retry-After."""
     retry_after_s: int = Field(default=2, ge=1, le=3600)
@@ -272,6 +302,17 @@ class Settings(BaseSettings):
             if template is not None:
                 return {**data, "chat_template": template}
         return data
+
+    @model_validator(mode="after")
+    def _engine_url_needs_remote(self) -> Settings:
+        # An engine URL with another backend is a deployment that meant to score on its
+        # cluster and would silently load a local model in a CPU pod instead: refuse it.
+        if self.engine_url is not None and self.backend != "remote":
+            raise ValueError(
+                f"RAG_REORDER_ENGINE_URL is set but RAG_REORDER_BACKEND is {self.backend!r}: "
+                "set RAG_REORDER_BACKEND=remote to score with that engine, or unset the URL"
+            )
+        return self
 
     def for_model(self, model: str) -> Settings:
         """These settings with another ``model``; a ``chat_template`` that is the current

@@ -90,6 +90,7 @@ async def info(ctx: Ctx) -> InfoOut:
         engine=_engine_state(ctx, backend),
         auth=s.api_key is not None,
         admin_auth=s.admin_api_key is not None,
+        open_writes=s.admin_api_key is None and s.open_writes,
         limits=LimitsOut(
             max_body_bytes=s.max_body_bytes,
             max_passages=s.max_passages,

@@ -101,7 +101,7 @@ async def read_profile(profile_id: str, ctx: Ctx) -> ProfileOut:
 @router.post(
     "/v1/bias-profiles/calibrate",
     response_model=CalibrationOut,
-    responses=POST_ERRORS,
+    responses=POST_ERRORS | error_responses(403),
     summary="Calibrate and store a bias profile from a set of queries",
 )
 async def calibrate(

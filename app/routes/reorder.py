@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.conversions import reorder_response, to_passages
+from app.conversions import caller_of, reorder_response, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs
@@ -30,6 +30,8 @@ async def reorder(
     passages = to_passages(body.passages)
     spec = body.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec)
-    req = body.request(body.query, passages, spec, request_id, ctx.settings)
+    req = body.request(
+        body.query, passages, spec, request_id, ctx.settings, caller=caller_of(request)
+    )
     result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
     return reorder_response(result, passages, top_n=body.top_n)

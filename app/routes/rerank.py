@@ -14,7 +14,7 @@ from typing import Final
 import anyio.to_thread
 from fastapi import APIRouter, Request
 
-from app.conversions import relevance_scores, reorder_meta, selected_order, to_passages
+from app.conversions import caller_of, relevance_scores, reorder_meta, selected_order, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs
@@ -73,7 +73,9 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
     opts = body.reorder
     spec = opts.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec, passages_param="documents")
-    req = opts.request(body.query, passages, spec, request_id, ctx.settings)
+    req = opts.request(
+        body.query, passages, spec, request_id, ctx.settings, caller=caller_of(request)
+    )
     max_tokens = body.max_tokens_per_doc
 
     async def work(reorderer: Reorderer) -> ReorderResult:

@@ -14,7 +14,7 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from offline.distill.preferences import Preference, PreferenceReport, build_preferences
 from offline.distill.train import DistillConfig, distill
-from service.backends.factory import create_backend
+from service.commandline import open_pipeline
 from service.dataset import Example
 from service.errors import InvalidRequest
 from service.model_assets import resolve_model
@@ -138,11 +138,8 @@ def split(
 @asynccontextmanager
 async def _teacher(settings: Settings) -> AsyncIterator[Reorderer]:
     """The teacher's serving pipeline, closed (its memory freed) before the student loads."""
-    backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))
-    try:
-        yield Reorderer(backend, settings)
-    finally:
-        await backend.aclose()
+    async with open_pipeline(settings) as reorderer:
+        yield reorderer
 
 
 class _Bar:

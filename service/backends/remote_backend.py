@@ -14,12 +14,22 @@ server gets token ids, so every backend scores byte-identical prompts:
   ``logprobs: 1`` and ``return_token_ids``; a generation's score ids are scored as one more
   prompt (``prompt + score_ids``), since a completion cannot teacher-force them.
 
-``connect`` (run by the app before warm-up, and again while the engine is unreachable) checks
-the server: it is up, it serves the configured model (``/v1/models``), it tokenises a probe text
-to our ids (``/tokenize``), and a probe scored as text and as our ids gives the same log-probs.
-A server that is down raises ``EngineUnavailable`` (the app keeps ``/ready`` 503 and retries);
-a wrong model or tokenizer raises ``EngineMismatch`` (the service refuses to start): never
-silently wrong scores.
+``connect`` (run by the app before warm-up, and again after the engine was found down) checks
+the server in full, every time: it is up, it serves the configured model (``/v1/models``, whose
+context length is taken again: a redeploy may shrink it), it tokenises a probe text to our ids
+(``/tokenize``, exactly), and a probe scored as text and as our ids gives the same log-probs
+within ``probe_tolerance`` (a shared bf16 engine is not batch-invariant: two calls of the same
+prompt differ by about 0.13 nats; a server that ignores token ids by many). Only a *proven*
+mismatch raises ``EngineMismatch`` (the service refuses to start): another model listed, other
+token ids, a 200 answer without usable prompt log-probs. Anything that may pass by itself (the
+engine down or refusing, a gateway's 404 or 5xx during a rollout, rejected credentials, an
+answer that is not JSON, the probe's numbers apart three times) raises ``EngineUnavailable``:
+the app keeps ``/ready`` 503 with the reason and tries again. Never silently wrong scores.
+The probe's log-probs are kept as a fingerprint: a later ``connect`` that finds them moved
+reports that the weights changed under the same name (``weights_changed_at_reconnect``).
+
+At run time an engine answering 5xx, 401 or 403 raises ``EngineUnavailable`` (the engine is at
+fault, not the prompts); another 4xx fails the call's prompts alone (``PromptFailure``).
 
 Servers that give no prompt log-probs (llama.cpp, Ollama, OpenAI, Anthropic: log-probs of
 generated tokens only) cannot score; TGI is archived. SGLang's native ``/generate`` is not
@@ -64,8 +74,11 @@ PROBE_TEXT = (
     "<|im_start|>user\nThe Eiffel Tower (Paris) opened on 31 March 1889; "
     "Gödel, Escher & Bach cost $12.50.<|im_end|>\n"
 )
-# The same server scoring the same ids twice: anything above rounding is another model.
-_PROBE_TOLERANCE = 1e-3
+# The probe as text and as ids, compared this many times before the engine is reported
+# unavailable: on a shared engine each call lands in another batch, with other rounding.
+_PROBE_ATTEMPTS = 3
+# 4xx answers that are the engine's (or its gateway's) fault, never the prompt's.
+_ENGINE_FAULT_4XX = frozenset({401, 403, 429})
 
 
 class RemoteBackend:
@@ -80,6 +93,7 @@ class RemoteBackend:
         served_model: str | None = None,
         max_model_len: int | None = None,
         prompts_per_call: int = 8,
+        probe_tolerance: float = 0.5,
     ) -> None:
         """Args:
         client: the HTTP client to the server.
@@ -88,16 +102,23 @@ class RemoteBackend:
         served_model: the name the server serves; ``None``: its only model.
         max_model_len: a cap below the server's own context length.
         prompts_per_call: prompts sent in one HTTP call.
+        probe_tolerance: nats the probe's log-probs may differ by between its text and our
+            ids, and from one ``connect`` to the next (``engine_probe_tolerance``).
         """
         self._client = client
         self._tokenizer = tokenizer
         self._model_id = model_id
+        self._served_setting = served_model
         self._served = served_model
         self._cap = max_model_len
         self._max_model_len = max_model_len or 0
         self._per_call = prompts_per_call
         self._vocab_size = len(tokenizer.hf_tokenizer)
+        self._probe_tolerance = probe_tolerance
         self._connected = False
+        self._down: str | None = None
+        self._fingerprint: tuple[float, ...] | None = None
+        self._weights_changed = False
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RemoteBackend:
@@ -119,6 +140,7 @@ class RemoteBackend:
             max_concurrency=settings.engine_max_concurrency,
             max_inflight_tokens=settings.engine_max_inflight_tokens,
             retries=settings.engine_retries,
+            retry_unsafe=settings.engine_retry_unsafe,
         )
         tokenizer = load_prompt_tokenizer(resolve_model(settings), name=settings.model)
         return cls(
@@ -128,6 +150,7 @@ class RemoteBackend:
             served_model=settings.engine_model,
             max_model_len=settings.max_model_len,
             prompts_per_call=settings.engine_prompts_per_call,
+            probe_tolerance=settings.engine_probe_tolerance,
         )
 
     # --- LogprobBackend -------------------------------------------------------------------
@@ -151,53 +174,73 @@ class RemoteBackend:
 
     @property
     def connected(self) -> bool:
-        """``connect`` has succeeded once."""
+        """The last ``connect`` succeeded and the engine was not marked down since."""
         return self._connected
 
+    @property
+    def weights_changed_at_reconnect(self) -> bool:
+        """The last successful ``connect`` found the probe's log-probs moved (by more than
+        ``probe_tolerance``) since the one before: the same name serves other weights, so what
+        was learned on the old ones (bias profiles) may no longer hold."""
+        return self._weights_changed
+
+    def mark_down(self, reason: str) -> None:
+        """Note that the engine was found down or failing: until the next successful
+        ``connect`` (a full check again), ``connected`` is false and ``score``/``generate``
+        raise ``EngineUnavailable``, since what comes back may be another deployment.
+
+        Args:
+            reason: why, for the messages (without the engine's address).
+        """
+        self._connected = False
+        self._down = reason
+
     async def connect(self) -> None:
-        """Check the server (module docstring); idempotent once it succeeded.
+        """Check the server in full (module docstring), on every call: the app calls it again
+        after ``mark_down``. Its context length and served name are taken anew; a failure
+        leaves the backend not ``connected``.
 
         Raises:
-            EngineUnavailable: the server cannot be reached or refuses (retry later).
+            EngineUnavailable: the server cannot be reached, refuses (credentials, a gateway's
+                404 or 5xx), answers something else than JSON, or the probe's log-probs stay
+                apart (retry later).
             EngineTimeout: it did not answer in time.
-            EngineMismatch: it serves another model or tokenizer than configured.
+            EngineMismatch: it provably serves another model or tokenizer than configured, or
+                no prompt log-probs.
         """
         try:
-            listed = await self._client.get("/v1/models", request_id="connect-models")
-        except EngineHTTPError as exc:
-            raise EngineMismatch(
-                f"{self._client.base_url} does not answer /v1/models like an OpenAI-compatible "
-                f"server ({exc.status})"
-            ) from exc
-        cards = {str(m.get("id")): m for m in listed.get("data", []) if isinstance(m, dict)}
-        served = self._served
-        if served is None:
-            if len(cards) != 1:
-                raise EngineMismatch(
-                    f"{self._client.base_url} serves {sorted(cards)}: set "
-                    "RAG_REORDER_ENGINE_MODEL to the one to score with"
-                )
-            served = next(iter(cards))
-        if served not in cards:
-            raise EngineMismatch(
-                f"{self._client.base_url} serves {sorted(cards)}, not {served!r} "
-                f"(RAG_REORDER_ENGINE_MODEL)"
+            served, context, probe = await self._check()
+        except BaseException:
+            self._connected = False
+            raise
+        url = self._client.redacted_url
+        moved = 0.0 if self._fingerprint is None else _worst(self._fingerprint, probe)
+        self._weights_changed = moved > self._probe_tolerance
+        if self._weights_changed:
+            logger.warning(
+                "remote engine %s: the engine's weights changed under the same name %r: the "
+                "probe's log-probs moved by %.3g nats since the last check",
+                url,
+                served,
+                moved,
             )
+        if self._max_model_len and context != self._max_model_len:
+            logger.warning(
+                "remote engine %s: context length now %d (was %d)",
+                url,
+                context,
+                self._max_model_len,
+            )
+        self._fingerprint = probe
         self._served = served
-        context = cards[served].get("max_model_len")
-        limits = [v for v in (context, self._cap) if isinstance(v, int) and v > 0]
-        if not limits:
-            raise EngineMismatch(
-                f"{served!r} reports no max_model_len; set RAG_REORDER_MAX_MODEL_LEN"
-            )
-        self._max_model_len = min(limits)
-        await self._check_tokenizer(served)
+        self._max_model_len = context
+        self._down = None
         self._connected = True
         logger.info(
             "remote engine %s serves %r (context %d); tokenizer of %r matches",
-            self._client.base_url,
+            url,
             served,
-            self._max_model_len,
+            context,
             self._model_id,
         )
 
@@ -241,10 +284,13 @@ class RemoteBackend:
                     param="max_new_tokens",
                 )
             self._validate(req.request_id, req.token_ids + req.score_ids)
-        # One completion call takes one max_tokens and one stop list for all its prompts.
+        # One completion call takes one max_tokens and one stop list for all its prompts, so
+        # prompts are grouped by their own: each cut where the context ends, as the in-process
+        # backends do, without cutting a shorter batch-mate's answer with it.
         groups: dict[tuple[int, frozenset[int]], list[int]] = {}
         for i, req in enumerate(reqs):
-            groups.setdefault((req.max_new_tokens, req.stop_token_ids), []).append(i)
+            steps = max(1, min(req.max_new_tokens, self._max_model_len - len(req.token_ids)))
+            groups.setdefault((steps, req.stop_token_ids), []).append(i)
         jobs = []
         for (steps, stops), members in groups.items():
             for k in range(0, len(members), self._per_call):
@@ -289,10 +335,33 @@ class RemoteBackend:
     # --- internals ------------------------------------------------------------------------
 
     def _require_connected(self) -> None:
-        if not self._connected:
+        if self._connected:
+            return
+        if self._down is not None:
             raise EngineUnavailable(
-                f"the engine at {self._client.base_url} has not been reached yet"
+                f"the engine was found down ({self._down}); it scores again once checked again"
             )
+        if self._fingerprint is not None:
+            raise EngineUnavailable(
+                "the engine failed its last check; it scores again once checked again"
+            )
+        raise EngineUnavailable("the engine has not been reached yet")
+
+    def _refused(self, path: str, exc: EngineHTTPError) -> EngineUnavailable:
+        """The engine (or a gateway) refused ``path``: retryable, naming no address."""
+        logger.warning(
+            "remote engine %s answered %s with HTTP %d: %s",
+            self._client.redacted_url,
+            path,
+            exc.status,
+            exc.detail,
+        )
+        if exc.status in (401, 403):
+            return EngineUnavailable(
+                f"the engine refused the credentials (HTTP {exc.status} to {path}): check "
+                "RAG_REORDER_ENGINE_API_KEY (or the credentials in RAG_REORDER_ENGINE_URL)"
+            )
+        return EngineUnavailable(f"the engine answered {path} with HTTP {exc.status}")
 
     def _validate(self, request_id: str, token_ids: Sequence[int]) -> None:
         if not token_ids:
@@ -329,12 +398,10 @@ class RemoteBackend:
     async def _generate_chunk(
         self, chunk: list[GenerationRequest], steps: int, stops: frozenset[int]
     ) -> list[GenerateResult]:
-        limit = self._max_model_len
         body = {
             "model": self._served,
             "prompt": [list(r.token_ids) for r in chunk],
-            # Cut where the context ends, as the in-process backends do.
-            "max_tokens": max(1, min(steps, *(limit - len(r.token_ids) for r in chunk))),
+            "max_tokens": steps,  # each prompt's own, cut at the context's end (``generate``)
             "temperature": 0.0,
             "logprobs": 1,
             "stop_token_ids": sorted(stops | self._tokenizer.eos_token_ids),
@@ -352,20 +419,61 @@ class RemoteBackend:
         self, request_ids: list[str], body: dict[str, Any], tokens: int
     ) -> list[dict[str, Any] | PromptFailure]:
         """One ``/v1/completions`` call for ``request_ids``' prompts: its choices in prompt
-        order, or a ``PromptFailure`` for each prompt when the engine refused the call or its
-        answer cannot be read (an unreachable or slow engine raises instead)."""
+        order, or a ``PromptFailure`` for each prompt when the engine refused these prompts
+        (a 4xx) or its answer cannot be read. An engine at fault (5xx, 401, 403, 429),
+        unreachable or slow raises instead: its refusal says nothing about the prompts."""
         try:
             answer = await self._client.post(
                 "/v1/completions", body, tokens=tokens, request_id=request_ids[0]
             )
         except EngineHTTPError as exc:
+            if exc.status >= 500 or exc.status in _ENGINE_FAULT_4XX:
+                raise self._refused("/v1/completions", exc) from exc
             return [PromptFailure(rid, f"engine refused: {exc.detail}") for rid in request_ids]
         choices = _choices(answer, len(request_ids))
         if choices is None:
             return [PromptFailure(rid, "unreadable engine answer") for rid in request_ids]
         return list(choices)
 
-    async def _check_tokenizer(self, served: str) -> None:
+    async def _check(self) -> tuple[str, int, tuple[float, ...]]:
+        """The served name, its context length and the probe's log-probs (``connect``)."""
+        url = self._client.redacted_url
+        try:
+            listed = await self._client.get("/v1/models", request_id="connect-models")
+        except EngineHTTPError as exc:
+            # A gateway during a rollout answers 404 or 5xx too: not proof of another server.
+            raise self._refused("/v1/models", exc) from exc
+        data = listed.get("data")
+        if not isinstance(data, list):
+            raise EngineUnavailable(
+                "the engine answered /v1/models without a list of models ('data'), unlike an "
+                "OpenAI-compatible server"
+            )
+        cards = {str(m.get("id")): m for m in data if isinstance(m, dict)}
+        served = self._served_setting
+        if served is None:
+            if len(cards) != 1:
+                raise EngineMismatch(
+                    f"{url} serves {sorted(cards)}: set RAG_REORDER_ENGINE_MODEL to the one to "
+                    "score with"
+                )
+            served = next(iter(cards))
+        if served not in cards:
+            raise EngineMismatch(
+                f"{url} serves {sorted(cards)}, not {served!r} (RAG_REORDER_ENGINE_MODEL)"
+            )
+        context = cards[served].get("max_model_len")
+        limits = [v for v in (context, self._cap) if isinstance(v, int) and v > 0]
+        if not limits:
+            raise EngineMismatch(
+                f"{served!r} reports no max_model_len; set RAG_REORDER_MAX_MODEL_LEN"
+            )
+        probe = await self._check_tokenizer(served)
+        return served, min(limits), probe
+
+    async def _check_tokenizer(self, served: str) -> tuple[float, ...]:
+        """Check ``served``'s tokenizer and scoring of our ids; the probe's log-probs."""
+        url = self._client.redacted_url
         ours = list(self._tokenizer.encode(PROBE_TEXT).ids)
         try:
             tokenized = await self._client.post(
@@ -373,56 +481,83 @@ class RemoteBackend:
                 {"model": served, "prompt": PROBE_TEXT, "add_special_tokens": False},
                 request_id="connect-tokenize",
             )
-            theirs = [int(t) for t in tokenized.get("tokens", [])]
         except EngineHTTPError as exc:
+            raise self._refused("/tokenize", exc) from exc
+        theirs = tokenized.get("tokens")
+        if not isinstance(theirs, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in theirs
+        ):
             raise EngineMismatch(
-                f"{self._client.base_url} has no usable /tokenize ({exc.status}): cannot check "
-                "that its tokenizer is ours"
-            ) from exc
+                f"{url} answers /tokenize without token ids: cannot check that its tokenizer "
+                "is ours"
+            )
         if theirs != ours:
             pairs = enumerate(zip(ours, theirs, strict=False))
             at = next((k for k, (a, b) in pairs if a != b), None)
             at = min(len(ours), len(theirs)) if at is None else at
             raise EngineMismatch(
-                f"the tokenizer of {self._model_id!r} here and of {served!r} at "
-                f"{self._client.base_url} differ: {len(ours)} against {len(theirs)} tokens for "
-                f"the probe text, first at token {at}"
+                f"the tokenizer of {self._model_id!r} here and of {served!r} at {url} differ: "
+                f"{len(ours)} against {len(theirs)} tokens for the probe text, first at token {at}"
             )
         # The probe scored as text (the server's own tokens) and as our ids: a server or proxy
-        # that ignores token-id prompts, or another model, shows here.
-        probe = SpanRequest("connect-probe", tuple(ours), 1, len(ours))
-        as_ids = (await self._score_chunk([probe]))[0]
+        # that ignores token-id prompts, or another model, shows here. Ids must match exactly
+        # (above); log-probs only within the tolerance, since two calls on a shared engine are
+        # batched with different neighbours and round differently (0.13 nats measured in bf16).
+        worst = math.inf
+        for attempt in range(1, _PROBE_ATTEMPTS + 1):
+            as_ids = await self._probe(served, ours, [ours], "ids")
+            as_text = await self._probe(served, ours, PROBE_TEXT, "text")
+            worst = _worst(as_ids, as_text)
+            if worst <= self._probe_tolerance:
+                return as_ids
+            logger.warning(
+                "remote engine %s: the probe's log-probs differ by %.3g nats between its text "
+                "and our token ids (attempt %d of %d, tolerance %g)",
+                url,
+                worst,
+                attempt,
+                _PROBE_ATTEMPTS,
+                self._probe_tolerance,
+            )
+        raise EngineUnavailable(
+            f"the probe's log-probs differ by {worst:.3g} nats between its text and our token "
+            f"ids in {_PROBE_ATTEMPTS} attempts, over RAG_REORDER_ENGINE_PROBE_TOLERANCE "
+            f"({self._probe_tolerance:g}): the engine may not score token ids as sent"
+        )
+
+    async def _probe(
+        self, served: str, ours: list[int], prompt: str | list[list[int]], what: str
+    ) -> tuple[float, ...]:
+        """The probe's log-probs, sent as ``prompt`` (its text, or our ids)."""
+        body: dict[str, Any] = {
+            "model": served,
+            "prompt": prompt,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "prompt_logprobs": 0,
+        }
+        if isinstance(prompt, str):
+            body["add_special_tokens"] = False
         try:
             answer = await self._client.post(
-                "/v1/completions",
-                {
-                    "model": served,
-                    "prompt": PROBE_TEXT,
-                    "add_special_tokens": False,
-                    "max_tokens": 1,
-                    "temperature": 0.0,
-                    "prompt_logprobs": 0,
-                },
-                tokens=len(ours),
-                request_id="connect-probe-text",
+                "/v1/completions", body, tokens=len(ours), request_id=f"connect-probe-{what}"
             )
         except EngineHTTPError as exc:
-            raise EngineMismatch(f"the probe as text was refused: {exc.detail}") from exc
+            raise self._refused("/v1/completions", exc) from exc
         choices = _choices(answer, 1)
-        as_text = span_from_rows(probe, choices[0].get("prompt_logprobs") if choices else None)
-        for what, result in (("ids", as_ids), ("text", as_text)):
-            if isinstance(result, PromptFailure):
-                raise EngineMismatch(
-                    f"{served!r} at {self._client.base_url} gives no usable prompt log-probs for "
-                    f"the probe as {what} ({result.reason}): it cannot score"
-                )
-        assert not isinstance(as_ids, PromptFailure) and not isinstance(as_text, PromptFailure)
-        worst = max(abs(a - b) for a, b in zip(as_ids.logprobs, as_text.logprobs, strict=True))
-        if worst > _PROBE_TOLERANCE:
+        probe = SpanRequest(f"connect-probe-{what}", tuple(ours), 1, len(ours))
+        result = span_from_rows(probe, choices[0].get("prompt_logprobs") if choices else None)
+        if isinstance(result, PromptFailure):
             raise EngineMismatch(
-                f"the probe's log-probs differ by {worst:.3g} nats between its text and our "
-                f"token ids at {self._client.base_url}: the server does not score our ids"
+                f"{served!r} at {self._client.redacted_url} gives no usable prompt log-probs "
+                f"for the probe as {what} ({result.reason}): it cannot score"
             )
+        return result.logprobs
+
+
+def _worst(a: Sequence[float], b: Sequence[float]) -> float:
+    """The largest difference between two probes' log-probs (nats)."""
+    return max((abs(x - y) for x, y in zip(a, b, strict=True)), default=0.0)
 
 
 def _choices(answer: Any, count: int) -> list[dict[str, Any]] | None:

@@ -83,7 +83,9 @@ class Auto:
         if decision.path == "explore":
             # Served by the profile like any other; the MoI run that checks the profile
             # happens afterwards, in the background, never in this caller's path.
-            queued = learner.explore_later(decision, _shadow_run(work, request, learner))
+            queued = learner.explore_later(
+                decision, _shadow_run(work, request, learner), request.caller
+            )
             assert outcome.auto is not None
             outcome = replace(outcome, auto=replace(outcome.auto, recorded=queued))
         return outcome
@@ -95,7 +97,7 @@ class Auto:
         # learning design, whatever path this is, so every run can be pooled.
         moi_request = replace(request, strategy="moi", design=LEARNING_SPEC, bias_profile=None)
         scored = await _MOI.run_scored(work, moi_request)
-        kept = learner.record(decision, scored.perms, scored.scores)
+        kept = learner.record(decision, scored.perms, scored.scores, request.caller)
         report = _report(decision, ranker="moi", kept=kept)
         return replace(scored.outcome, auto=report)
 

@@ -87,6 +87,9 @@ class ReorderRequest:
     joint: bool = False
     template: str | None = None
     request_id: str | None = None
+    caller: str | None = None
+    """Who sent it (the HTTP client's address), for ``auto``'s per-caller share of learning
+    runs; ``None`` (the command line, probes): unbounded."""
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,9 @@ class Work:
                 passages,
                 orders,
                 max_tokens=self.backend.max_model_len,
+                # Stop tokenising once the request is certainly over its token budget: the
+                # refusal comes before gigabytes of encodings, not after.
+                max_total_tokens=self.settings.max_prompt_tokens_x_prompts,
             ),
             timer="tokenize",
         )

@@ -1,16 +1,26 @@
-"""Admission on its own: the deadline check's arithmetic, Retry-After, and the idle rule."""
+"""Admission on its own: the deadline check's arithmetic, Retry-After, the idle rule, the
+meter's measurement under cancellations, the start before any measurement, and the request's
+prompts x characters budget charged before its prompts are rendered."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
+from pathlib import Path
 
 import pytest
 
-from app.admission import Admission
+from app.admission import Admission, AdmittedBackend
 from app.exceptions import Overloaded
 from app.metrics import ServiceMetrics
+from service.backends.base import ChatMessage, Encoding
+from service.backends.byte_tokenizer import ByteTokenizer
+from service.backends.fake import FakeBackend
 from service.capacity import ThroughputMeter
+from service.errors import LimitExceeded
+from service.prompts import Passage, build_prompts
 from service.settings import Settings
+from tests.app.conftest import PASSAGES, serving
 
 
 def measured(rate: float, timeout_s: float = 10.0) -> Admission:
@@ -61,6 +71,7 @@ def test_an_idle_engine_admits_any_call_and_an_unmeasured_one_skips_the_check() 
         pass
     fresh = Admission(Settings(), ServiceMetrics(include_default_registry=False))
     assert fresh.meter.tokens_per_s is None and fresh.estimated_wait_s is None
+    # Unmeasured: no deadline check (within unmeasured_inflight_prompt_tokens).
     with fresh.tokens(10_000, time.monotonic()), fresh.tokens(10_000, time.monotonic()):
         pass
 
@@ -104,3 +115,172 @@ def test_the_fixed_token_cap_still_applies_when_set() -> None:
         admission.tokens(300),
     ):
         pass
+
+
+def test_a_call_cancelled_beside_another_does_not_inflate_the_rate() -> None:
+    # Issue 54: A and B start together, B is cancelled at 9 s (its deadline), A completes at
+    # 10 s with 1,000 tokens. The engine was busy 10 s for them: ~100 tokens/s. Restarting the
+    # clock at the cancellation measured 1,000 tokens/s, and admission over-admitted by 10x.
+    meter = ThroughputMeter()
+    meter.begin(0.0)
+    meter.begin(0.0)
+    meter.end(9.0, None)
+    meter.end(10.0, 1000)
+    assert meter.tokens_per_s == pytest.approx(100.0, rel=0.01)
+
+
+def test_under_overload_cancellations_keep_the_rate_at_the_engines() -> None:
+    # An engine of 100 tokens/s serving calls of 500 tokens one at a time (5 s each), with two
+    # more queued behind each that their deadlines cancel before they start: the rate must stay
+    # about 100/s however many are cancelled, not grow with them.
+    meter = ThroughputMeter()
+    t = 0.0
+    for _ in range(20):
+        meter.begin(t)  # served
+        meter.begin(t + 0.1)  # queued, cancelled at 4 s and 4.5 s
+        meter.begin(t + 0.2)
+        meter.end(t + 4.0, None)
+        meter.end(t + 4.5, None)
+        meter.end(t + 5.0, 500)
+        t += 5.0
+    assert meter.tokens_per_s == pytest.approx(100.0, rel=0.01)
+    assert meter.completed == 20
+
+
+def test_a_failure_that_leaves_the_engine_idle_drops_its_time() -> None:
+    meter = ThroughputMeter()
+    meter.begin(0.0)
+    meter.begin(1.0)
+    meter.end(2.0, None)  # one still in flight: the clock keeps running from 0
+    meter.end(30.0, None)  # idle now: the 30 s are dropped
+    meter.begin(100.0)
+    meter.end(101.0, 1000)  # measured from 100 s, not from 0 s or 30 s
+    assert meter.tokens_per_s == pytest.approx(1000.0)
+
+
+def test_before_any_measurement_the_tokens_in_flight_are_capped() -> None:
+    # Issue 54: after a restart under queued traffic, with no rate yet and no fixed cap, 64
+    # large requests were admitted at once; now the unmeasured cap bounds them.
+    admission = Admission(
+        Settings(unmeasured_inflight_prompt_tokens=100_000),
+        ServiceMetrics(include_default_registry=False),
+    )
+    deadline = time.monotonic() + 120.0
+    refused = 0
+    with admission.tokens(150_000, deadline):  # alone: always admitted, even over the cap
+        for _ in range(64):
+            with (
+                pytest.raises(Overloaded, match="not yet measured"),
+                admission.tokens(40_000, deadline),
+            ):
+                pass
+            refused += 1
+    assert refused == 64
+    # (That call's completion measured a rate; a fresh admission is unmeasured again.)
+    admission = Admission(
+        Settings(unmeasured_inflight_prompt_tokens=100_000),
+        ServiceMetrics(include_default_registry=False),
+    )
+    with admission.tokens(40_000, deadline), admission.tokens(40_000, deadline):
+        with pytest.raises(Overloaded) as over, admission.tokens(40_000, deadline):
+            pass
+        assert over.value.retry_after_s is None  # the configured retry_after_s
+        # Once a rate is known (the warm-up's seed), the deadline rule replaces the cap.
+        admission.seed(100_000, 1.0)
+        with admission.tokens(40_000, deadline):
+            pass
+
+
+def test_a_seeded_rate_makes_deadline_admission_work_from_the_first_request() -> None:
+    admission = Admission(
+        Settings(request_timeout_s=10.0), ServiceMetrics(include_default_registry=False)
+    )
+    admission.seed(120, 0.12)  # the warm-up probe: 120 prompt tokens in 0.12 s
+    assert admission.meter.tokens_per_s == pytest.approx(1000.0)
+    assert admission.meter.completed == 0
+    deadline = time.monotonic() + 10.0
+    with (
+        admission.tokens(4000, deadline),
+        admission.tokens(4000, deadline),
+        pytest.raises(Overloaded, match="deadline"),
+        admission.tokens(2000, deadline),
+    ):
+        pass
+
+
+def test_a_seed_weighs_its_seconds_and_is_ignored_once_a_call_completed() -> None:
+    meter = ThroughputMeter()
+    meter.seed(120, 0.12)
+    meter.begin(0.0)
+    meter.end(10.0, 5000)  # the first real call: 10 s against the seed's 0.12 s
+    rate = meter.tokens_per_s
+    assert rate is not None and 500 <= rate < 510
+    meter.seed(1_000_000, 1.0)
+    assert meter.tokens_per_s == rate
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Counts the prompts rendered and the texts tokenised."""
+
+    def __init__(self) -> None:
+        self.rendered = 0
+        self.encoded = 0
+
+    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+        self.rendered += 1
+        return super().render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[Encoding]:
+        self.encoded += len(texts)
+        return super().encode_batch(texts)
+
+
+class CountingBackend(FakeBackend):
+    def __init__(self) -> None:
+        super().__init__({})
+        self.counting = CountingTokenizer()
+
+    @property
+    def tokenizer(self) -> CountingTokenizer:
+        return self.counting
+
+
+def test_prompts_x_characters_are_refused_before_the_prompts_are_tokenised() -> None:
+    # Issue 54: a request inside every input limit (100 passages of 32,768 characters, 512
+    # prompts) rendered and tokenised all its prompts (gigabytes) before any length check.
+    backend = CountingBackend()
+    settings = Settings(max_prompt_chars_x_prompts=10_000)
+    admission = Admission(settings, ServiceMetrics(include_default_registry=False))
+    passages = [Passage("x" * 1000) for _ in range(4)]
+    orders = [[0, 1, 2, 3], [3, 2, 1, 0], [1, 0, 3, 2], [2, 3, 0, 1]]
+
+    def request() -> AdmittedBackend:
+        return AdmittedBackend(backend, admission, settings)
+
+    admitted = request()
+    two = build_prompts(admitted.tokenizer, "qa_default", "q?", passages, orders[:2])
+    assert len(two) == 2  # two prompts of about 4,300 characters fit 10,000
+    backend.counting.rendered = backend.counting.encoded = 0
+    with pytest.raises(LimitExceeded) as refused:
+        # The same request's next call: its third prompt would cross the budget.
+        build_prompts(admitted.tokenizer, "qa_default", "q?", passages, orders[2:])
+    assert refused.value.param == "prompt_chars_x_prompts"
+    assert refused.value.limit == 10_000 and refused.value.value > 10_000
+    assert backend.counting.rendered == 0 and backend.counting.encoded == 0
+    # The budget is the request's: a new request starts from nothing.
+    assert len(build_prompts(request().tokenizer, "qa_default", "q?", passages, orders[2:])) == 2
+
+
+async def test_422_prompts_x_characters_over_http(tmp_path: Path) -> None:
+    async with serving(tmp_path, max_prompt_chars_x_prompts=1024) as h:
+        started = h.backend.started
+        r = await h.client.post(
+            "/v1/reorder",
+            json={"query": "q?", "passages": PASSAGES, "strategy": "moi"},
+        )
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["code"] == "limit_exceeded"
+        assert err["param"] == "prompt_chars_x_prompts" and err["limit"] == 1024
+        assert err["value"] > 1024
+        assert h.backend.started == started

@@ -156,6 +156,29 @@ async def test_admin_key_alone_guards_calibration_and_opens_every_route(tmp_path
         assert info["auth"] and info["admin_auth"]
 
 
+async def test_calibration_is_closed_without_an_admin_key_unless_opened(tmp_path: Path) -> None:
+    # The image and the chart bind 0.0.0.0: whoever reaches the pod must not be able to
+    # replace the profile every later request is placed by.
+    for extra in ({}, {"api_key": "user-key"}):
+        async with serving(tmp_path, open_writes=False, **extra) as h:
+            user = {"Authorization": "Bearer user-key"} if extra else {}
+            calls = h.backend.started
+            r = await h.client.post("/v1/bias-profiles/calibrate", json=CALIBRATE, headers=user)
+            err = envelope(r, 403, "writes_closed")
+            assert err["type"] == "permission_error"
+            assert "RAG_REORDER_ADMIN_API_KEY" in err["message"]
+            assert "RAG_REORDER_OPEN_WRITES" in err["message"]
+            assert h.backend.started == calls  # refused before any scoring
+            r = await h.client.post("/v1/reorder", json=reorder_body(), headers=user)
+            assert r.status_code == 200
+            info = (await h.client.get("/info", headers=user)).json()
+            assert not info["open_writes"] and not info["admin_auth"]
+    async with serving(tmp_path, open_writes=True) as h:
+        r = await h.client.post("/v1/bias-profiles/calibrate", json=CALIBRATE)
+        assert r.status_code == 200, r.text
+        assert (await h.client.get("/info")).json()["open_writes"]
+
+
 async def test_admin_key_without_a_user_key_guards_only_calibration(tmp_path: Path) -> None:
     async with serving(tmp_path, admin_api_key="admin-key") as h:
         assert (await h.client.post("/v1/reorder", json=reorder_body())).status_code == 200

@@ -34,6 +34,7 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
         "RAG_REORDER_CACHE_DIR": str(cache_dir_for_tests()),
         "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
         "RAG_REORDER_API_KEY": "integration-key",
+        "RAG_REORDER_OPEN_WRITES": "true",
         "HF_HUB_OFFLINE": "1",
         # Every live MoI run sampled into a shared folder, as replicas on one volume would.
         "RAG_REORDER_TRAFFIC_SAMPLE_RATE": "1",

@@ -181,6 +181,31 @@ async def test_a_refused_key_stops_at_once_with_a_clear_error(tmp_path: Path) ->
     assert "401" in err.value.message and gen.calls == 1
 
 
+async def test_retries_count_against_max_calls(tmp_path: Path) -> None:
+    # Every other call is first refused with a 429 (no work done, retried): the budget of 8
+    # counts those attempts too, so fewer than 8 answers come back and 8 requests were sent.
+    gen = Generator(good={0})
+    sent: list[int] = []
+
+    def flaky(request: httpx.Request) -> httpx.Response:
+        sent.append(1)
+        if len(sent) % 2:
+            return httpx.Response(429, headers={"Retry-After": "0"})
+        return gen(request)
+
+    endpoint = GeneratorEndpoint(
+        base_url="http://generator.test/v1", model="acme-7b", retries=3, concurrency=1
+    )
+    out = await run_profile(
+        job(tmp_path, endpoint=endpoint, max_calls=8, force=True),
+        ProfileStore(tmp_path / "profiles"),
+        transport=httpx.MockTransport(flaky),
+    )
+    assert out.attempts == len(sent) == 8 and out.calls_made == 4
+    report = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
+    assert report["attempts_this_run"] == 8 and report["calls_this_run"] == 4
+
+
 async def test_a_folder_of_another_measurement_is_refused(tmp_path: Path) -> None:
     transport = httpx.MockTransport(Generator(good={0}))
     store = ProfileStore(tmp_path / "profiles")

@@ -14,7 +14,12 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from service.backends.engine_client import EngineCall, EngineClient, EngineHTTPError
+from service.backends.engine_client import (
+    EngineCall,
+    EngineClient,
+    EngineHTTPError,
+    redacted_url,
+)
 from service.errors import EngineTimeout, EngineUnavailable
 
 Step = Callable[[httpx.Request], httpx.Response]
@@ -72,10 +77,73 @@ async def test_refused_calls_are_retried_honouring_retry_after() -> None:
 
 async def test_after_the_retries_the_engine_is_unavailable() -> None:
     seen: list[httpx.Request] = []
-    c = client([answer(502), answer(502), answer(502)], seen, retries=2)
-    with pytest.raises(EngineUnavailable, match=r"HTTP 502.*after 2 retries"):
+    c = client([answer(503), answer(503), answer(503)], seen, retries=2)
+    with pytest.raises(EngineUnavailable, match=r"HTTP 503.*after 2 retries"):
         await c.get("/v1/models")
     assert len(seen) == 3
+
+
+@pytest.mark.parametrize("exc", [httpx.ConnectTimeout, httpx.PoolTimeout, httpx.ConnectError])
+async def test_a_call_that_was_never_connected_is_retried(exc: type[Exception]) -> None:
+    seen: list[httpx.Request] = []
+    c = client([fail(exc), answer()], seen, retries=1)
+    assert await c.post("/v1/completions", {}) == {"ok": True}
+    assert len(seen) == 2
+
+
+UNSAFE: list[Step] = [
+    answer(502),
+    answer(504),
+    fail(httpx.ReadError),
+    fail(httpx.WriteError),
+    fail(httpx.RemoteProtocolError),
+]
+
+
+@pytest.mark.parametrize("step", UNSAFE, ids=["502", "504", "read", "write", "protocol"])
+async def test_a_call_that_may_have_reached_the_engine_is_not_retried(step: Step) -> None:
+    # The engine may have run it (a gateway lost its answer, the connection broke mid-call):
+    # a retry could run the work twice.
+    seen: list[httpx.Request] = []
+    c = client([step, answer()], seen, retries=3)
+    with pytest.raises(EngineUnavailable, match="not retried") as raised:
+        await c.post("/v1/completions", {})
+    assert len(seen) == 1
+    assert "engine:8000" not in raised.value.message
+
+
+@pytest.mark.parametrize("step", UNSAFE, ids=["502", "504", "read", "write", "protocol"])
+async def test_an_operator_may_opt_in_to_retrying_calls_that_may_have_run(step: Step) -> None:
+    seen: list[httpx.Request] = []
+    calls: list[EngineCall] = []
+    c = client([step, answer()], seen, retries=3, retry_unsafe=True)
+    c.add_observer(calls.append)
+    assert await c.post("/v1/completions", {}) == {"ok": True}
+    assert len(seen) == 2 and calls[0].retries == 1
+
+
+@pytest.mark.parametrize(
+    ("body", "kind"),
+    [(b"<html>Sign in</html>", "text/html"), (b"[1, 2]", "application/json"), (b"\xff", "")],
+)
+async def test_an_answer_that_is_not_a_json_object_is_the_engine_s_fault(
+    body: bytes, kind: str
+) -> None:
+    # A proxy's login page answered 200 is not data: not read, not counted as "ok".
+    seen: list[httpx.Request] = []
+    calls: list[EngineCall] = []
+    headers = {"content-type": kind} if kind else {}
+    c = client(
+        [lambda request: httpx.Response(200, content=body, headers=headers), answer()],
+        seen,
+        retries=3,
+    )
+    c.add_observer(calls.append)
+    with pytest.raises(EngineUnavailable, match="200 with a body that is not a JSON object") as e:
+        await c.post("/v1/completions", {})
+    assert f"(content-type {kind or 'none'})" in e.value.message
+    assert len(seen) == 1
+    assert [k.outcome for k in calls] == ["bad_answer"]
 
 
 async def test_a_read_timeout_is_not_retried() -> None:
@@ -141,3 +209,99 @@ async def test_calls_in_flight_stay_under_the_concurrency_limit() -> None:
     )
     await asyncio.gather(*(c.get("/v1/models") for _ in range(12)))
     assert peak == 3
+
+
+async def test_the_token_budget_serves_calls_in_arrival_order() -> None:
+    # A large call queued before small ones gets in first, though the small ones would fit
+    # beside what is in flight: otherwise a stream of small calls starves it.
+    release = asyncio.Event()
+    arrived: list[int] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        tokens = json.loads(request.content)["tokens"]
+        arrived.append(tokens)
+        if tokens == 60:
+            await release.wait()
+        return httpx.Response(200, json={})
+
+    c = EngineClient(
+        "http://engine:8000",
+        transport=httpx.MockTransport(handler),
+        max_inflight_tokens=100,
+        max_concurrency=8,
+    )
+
+    def post(n: int) -> asyncio.Task[object]:
+        return asyncio.create_task(c.post("/x", {"tokens": n}, tokens=n))
+
+    first = post(60)
+    while not arrived:
+        await asyncio.sleep(0.005)
+    large = post(100)
+    await asyncio.sleep(0.02)
+    small = [post(10) for _ in range(4)]
+    await asyncio.sleep(0.05)
+    assert arrived == [60]  # the small calls wait behind the large one
+    release.set()
+    await asyncio.gather(first, large, *small)
+    assert arrived == [60, 100, 10, 10, 10, 10]
+
+
+async def test_a_cancelled_waiter_does_not_hold_up_the_queue() -> None:
+    release = asyncio.Event()
+    arrived: list[int] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        tokens = json.loads(request.content)["tokens"]
+        arrived.append(tokens)
+        if tokens == 60:
+            await release.wait()
+        return httpx.Response(200, json={})
+
+    c = EngineClient(
+        "http://engine:8000", transport=httpx.MockTransport(handler), max_inflight_tokens=100
+    )
+    first = asyncio.create_task(c.post("/x", {"tokens": 60}, tokens=60))
+    while not arrived:
+        await asyncio.sleep(0.005)
+    large = asyncio.create_task(c.post("/x", {"tokens": 100}, tokens=100))
+    await asyncio.sleep(0.02)
+    small = asyncio.create_task(c.post("/x", {"tokens": 10}, tokens=10))
+    await asyncio.sleep(0.02)
+    large.cancel()
+    await asyncio.wait_for(small, 2)  # in beside the 60, once the large one left the queue
+    assert arrived == [60, 10]
+    release.set()
+    await first
+    assert c._tokens == 0 and not c._waiters
+
+
+def test_credentials_in_a_url_are_redacted() -> None:
+    assert redacted_url("http://user:s3cret@vllm:8000/v1") == "http://***@vllm:8000/v1"
+    assert redacted_url("https://s3cret@vllm") == "https://***@vllm"
+    assert redacted_url("http://vllm:8000") == "http://vllm:8000"
+
+
+async def test_credentials_in_the_url_authenticate_but_appear_nowhere(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    seen: list[httpx.Request] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(502) if len(seen) == 1 else httpx.Response(200, json={})
+
+    c = EngineClient("http://user:s3cret@vllm:8000", transport=httpx.MockTransport(handler))
+    assert c.redacted_url == "http://***@vllm:8000"
+    with pytest.raises(EngineUnavailable) as raised:
+        await c.get("/v1/models")
+    assert "s3cret" not in raised.value.message and "vllm:8000" not in raised.value.message
+    assert "http://***@vllm:8000" in caplog.text and "s3cret" not in caplog.text
+    await c.get("/v1/models")
+    assert seen[-1].headers["Authorization"] == "Basic dXNlcjpzM2NyZXQ="  # user:s3cret
+    # An explicit key wins over the URL's credentials.
+    keyed = EngineClient(
+        "http://user:s3cret@vllm:8000", api_key="k", transport=httpx.MockTransport(handler)
+    )
+    await keyed.get("/v1/models")
+    assert seen[-1].headers["Authorization"] == "Bearer k"

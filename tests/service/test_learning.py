@@ -175,6 +175,29 @@ def test_runs_that_cannot_be_pooled_are_not_kept(tmp_path: Path) -> None:
     lr.close()
 
 
+def test_no_caller_holds_more_than_its_share_while_others_contribute(tmp_path: Path) -> None:
+    lr = learner(tmp_path, auto_max_caller_share=0.5)
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    rng = np.random.default_rng(0)
+    # One caller alone is not bounded: it has no one to dominate.
+    assert all(lr.record(d, *run(bias_shape("recency", 5), rng), "10.0.0.1") for _ in range(6))
+    # A second caller arrives: the first keeps nothing until it is back within half the runs.
+    assert lr.record(d, *run(bias_shape("recency", 5), rng), "10.0.0.2")
+    assert not lr.record(d, *run(bias_shape("primacy", 5), rng), "10.0.0.1")
+    assert lr.counters.caller_capped == 1
+    kept = {"10.0.0.1": 6, "10.0.0.2": 1}
+    for k in range(40):
+        who = "10.0.0.1" if k % 4 else "10.0.0.2"
+        if lr.record(d, *run(bias_shape("recency", 5), rng), who):
+            kept[who] += 1
+    # After the second caller's 10 further runs, the first may hold at most half of all.
+    assert kept["10.0.0.2"] == 11 and kept["10.0.0.1"] <= 0.5 * sum(kept.values()) + 1
+    assert lr.counters.caller_capped == 1 + 30 - (kept["10.0.0.1"] - 6)
+    # Runs with no caller (the command line) are not counted against anyone.
+    assert lr.record(d, *run(bias_shape("recency", 5), rng))
+    lr.close()
+
+
 async def test_explore_runs_wait_for_an_idle_engine_and_yield_to_requests(
     tmp_path: Path,
 ) -> None:

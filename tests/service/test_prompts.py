@@ -18,6 +18,7 @@ from service.backends.byte_tokenizer import ByteTokenizer
 from service.errors import InvalidRequest, LimitExceeded
 from service.prompts import (
     DEFAULT_TEMPLATE,
+    MAX_CHARS_PER_TOKEN,
     Passage,
     PromptAlignmentError,
     PromptTemplate,
@@ -324,6 +325,110 @@ def test_prompt_over_max_tokens_is_refused_not_truncated() -> None:
             max_tokens=len(full.token_ids) - 1,
         )
     assert info.value.value == len(full.token_ids)
+
+
+class SpyTokenizer(ByteTokenizer):
+    """Counts the prompts rendered, the texts tokenised and the sizes of the batches."""
+
+    def __init__(self) -> None:
+        self.rendered = 0
+        self.encoded = 0
+        self.batches: list[int] = []
+
+    def render_chat(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+        self.rendered += 1
+        return super().render_chat(messages, add_generation_prompt=add_generation_prompt)
+
+    def render_completion(self, text: str) -> str:
+        self.rendered += 1
+        return super().render_completion(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[Encoding]:
+        self.batches.append(len(texts))
+        return super().encode_batch(texts)
+
+    def encode(self, text: str) -> Encoding:
+        self.encoded += 1
+        return super().encode(text)
+
+
+@pytest.mark.parametrize("builder", ["build_prompts", "build_prompt", "build_generation_prompt"])
+def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_rendered(
+    builder: str,
+) -> None:
+    # Issue 54: a prompt of 100 passages of 32,768 characters (3.3 M characters) was rendered
+    # and tokenised, 512 times over (20 GB here), before its length was checked against a
+    # context of 8,192 tokens. The same at a small scale: 10 passages of 1,000 characters
+    # against a context of 256 tokens (8,192 characters at most).
+    tok = SpyTokenizer()
+    passages = [Passage("word " * 200) for _ in range(10)]
+    order = list(range(10))
+    with pytest.raises(LimitExceeded) as refused:
+        if builder == "build_prompts":
+            build_prompts(tok, "qa_default", QUERY, passages, [order] * 64, max_tokens=256)
+        elif builder == "build_prompt":
+            build_prompt(tok, "qa_default", QUERY, passages, order, max_tokens=256)
+        else:
+            build_generation_prompt(tok, "qa_default", QUERY, passages, order, max_tokens=256)
+    assert refused.value.param == "prompt_chars"
+    assert refused.value.limit == 256 * MAX_CHARS_PER_TOKEN
+    assert refused.value.value > 10 * 1000
+    assert tok.rendered == 0 and tok.encoded == 0
+
+
+@pytest.mark.parametrize("template", ["qa_default", "qa_plain", "qa_system", "qa_completion"])
+def test_the_characters_checked_before_rendering_are_the_user_message_s(template: str) -> None:
+    from service.prompts import _ContentSize, _user_content
+
+    passages = [*PASSAGES, Passage("x" * 40, title="A title")]
+    size = _ContentSize(get_template(template), QUERY, passages)
+    for order in ([0, 1, 2, 3, 4], [4, 2], [], list(range(5))[::-1]):
+        content, _, _ = _user_content(get_template(template), QUERY, passages, order)
+        assert size(order) == len(content)
+    # A prompt exactly at the bound is built (and then checked by its tokens).
+    prompt = build_prompt(ByteTokenizer(), template, QUERY, passages, [4, 2])
+    content, _, _ = _user_content(get_template(template), QUERY, passages, [4, 2])
+    fits = -(-len(content) // MAX_CHARS_PER_TOKEN)
+    with pytest.raises(LimitExceeded) as refused:
+        build_prompt(ByteTokenizer(), template, QUERY, passages, [4, 2], max_tokens=fits)
+    assert refused.value.param == "prompt_tokens"  # past the character check
+    assert len(prompt.token_ids) > fits
+
+
+def test_many_prompts_are_tokenised_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 54: one batch of all prompts held every prompt's encoding (offsets and all) at
+    # once; a chunk at a time, only one chunk's are alive, and the prompts are the same.
+    orders = [list(p) for p in itertools.permutations(range(4))]
+    whole = build_prompts(ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders)
+    tok = SpyTokenizer()
+    one = len(whole[0].text)
+    monkeypatch.setattr("service.prompts._ENCODE_CHUNK_CHARS", 5 * one)
+    chunked = build_prompts(tok, "qa_default", QUERY, PASSAGES, orders)
+    assert chunked == whole
+    assert tok.batches == [5, 5, 5, 5, 4]
+
+
+def test_tokenising_stops_at_the_chunk_that_crosses_the_requests_token_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    orders = [list(p) for p in itertools.permutations(range(4))]
+    whole = build_prompts(ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders)
+    sent = [p.query_span[1] for p in whole]  # each order is distinct: all are sent
+    monkeypatch.setattr("service.prompts._ENCODE_CHUNK_CHARS", 4 * len(whole[0].text))
+    assert build_prompts(
+        ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders, max_total_tokens=sum(sent)
+    )
+    tok = SpyTokenizer()
+    with pytest.raises(LimitExceeded) as refused:
+        build_prompts(tok, "qa_default", QUERY, PASSAGES, orders, max_total_tokens=sum(sent[:9]))
+    assert refused.value.param == "prompt_tokens_x_prompts"
+    assert refused.value.value == sum(sent[:12])  # the third chunk of 4 crossed it
+    assert tok.batches == [4, 4, 4]
+    # A repeated order is sent once, so it counts once.
+    same = build_prompts(
+        ByteTokenizer(), "qa_default", QUERY, PASSAGES, [orders[0]] * 24, max_total_tokens=sent[0]
+    )
+    assert len(same) == 24
 
 
 # --- alignment errors, with tokenizers that behave like real BPE ---------------------------

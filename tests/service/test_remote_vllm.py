@@ -18,6 +18,10 @@ client:
 from __future__ import annotations
 
 import asyncio
+import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -31,7 +35,7 @@ from service.backends.transformers_backend import TransformersBackend
 from service.pipeline import Reorderer, ReorderRequest
 from service.prompts import Passage
 from service.settings import EMBEDDED_MODEL, Settings
-from tests.app.processes import free_port, server_process
+from tests.app.processes import ROOT, free_port, server_process
 from tests.support.fault_proxy import FaultProxy
 from tests.support.models import cache_dir_for_tests
 
@@ -39,6 +43,7 @@ pytestmark = pytest.mark.slow
 
 # Both sides float32 on the CPU; the in-process vLLM cross-check measured 6e-5 nats.
 TOLERANCE = 1e-3
+ENGINE_TIMEOUT_S = 10
 QUERY = "Which river flows through Vienna?"
 PASSAGES = [
     "The Danube flows through Vienna, Bratislava and Budapest.",
@@ -109,7 +114,9 @@ def test_faults_get_their_documented_errors_and_the_service_recovers(
     env = {
         "RAG_REORDER_BACKEND": "remote",
         "RAG_REORDER_ENGINE_URL": f"http://127.0.0.1:{proxy.port}",
-        "RAG_REORDER_ENGINE_TIMEOUT_S": "3",
+        # Room for one call on a busy 2-core CI machine (a call of 8 prompts took over 3 s
+        # there), short enough that the stall below is seen within a test's patience.
+        "RAG_REORDER_ENGINE_TIMEOUT_S": str(ENGINE_TIMEOUT_S),
         "RAG_REORDER_ENGINE_RETRIES": "1",
         "RAG_REORDER_CANARY_INTERVAL_S": "1",
         "RAG_REORDER_CACHE_DIR": str(cache_dir_for_tests()),
@@ -147,6 +154,18 @@ def test_faults_get_their_documented_errors_and_the_service_recovers(
             assert "Retry-After" in ready.headers
             r = post(rr.base_url)
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+            # A gateway refusing the key (a rotation): not ready, saying why; never an exit.
+            proxy.set("unauthorized")
+            while (
+                "ENGINE_API_KEY"
+                not in (ready := httpx.get(f"{rr.base_url}/ready", timeout=5)).json()["error"][
+                    "message"
+                ]
+            ):
+                assert time.monotonic() < deadline, rr.log()
+                time.sleep(0.2)
+            assert ready.json()["error"]["code"] == "engine_unavailable"
+            assert httpx.get(f"{rr.base_url}/health", timeout=5).status_code == 200
             # The engine comes up: the service becomes ready by itself and serves.
             proxy.set("pass")
             rr.wait_ready(60)
@@ -156,7 +175,7 @@ def test_faults_get_their_documented_errors_and_the_service_recovers(
             t = time.monotonic()
             r = post(rr.base_url)
             assert r.status_code == 504 and r.json()["error"]["code"] == "engine_timeout", r.text
-            assert time.monotonic() - t < 3 + 5
+            assert time.monotonic() - t < ENGINE_TIMEOUT_S + 5
             proxy.set("pass")
             rr.wait_ready(60)
             assert post(rr.base_url).status_code == 200
@@ -174,12 +193,27 @@ def test_faults_get_their_documented_errors_and_the_service_recovers(
             proxy.set("pass")
             rr.wait_ready(60)
             assert post(rr.base_url).status_code == 200
+            # 4. A proxy's login page (200, HTML) where JSON was due: the engine's fault, 503,
+            # the supervisor alive; checked again and serving once the engine is back.
+            proxy.set("html")
+            r = post(rr.base_url)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
+            assert "127.0.0.1" not in r.json()["error"]["message"]  # no internal host
+            deadline = time.monotonic() + 30
+            while httpx.get(f"{rr.base_url}/ready", timeout=5).status_code != 503:
+                assert time.monotonic() < deadline, rr.log()
+                time.sleep(0.2)
+            assert httpx.get(f"{rr.base_url}/health", timeout=5).status_code == 200
+            proxy.set("pass")
+            rr.wait_ready(60)
+            assert post(rr.base_url).status_code == 200
+            assert rr.log().count("serves 'HuggingFaceTB/SmolLM2-135M-Instruct'") >= 2  # rechecked
             metrics = httpx.get(f"{rr.base_url}/metrics", timeout=5).text
             assert "rag_reorder_engine_calls_total" in metrics
             assert "rag_reorder_engine_retries_total" in metrics
         # Only the documented statuses were answered.
         assert set(statuses) <= {200, 503, 504}, statuses
-        # 4. Another model behind the URL: the service refuses to start, naming both.
+        # 5. Another model behind the URL: the service refuses to start, naming both.
         wrong = {**env, "RAG_REORDER_ENGINE_MODEL": "someone/else"}
         with server_process(
             ["-m", "app", "serve", "--port", "{port}"], tmp_path / "wrong.log", wrong
@@ -204,3 +238,64 @@ async def _post_while(
     await asyncio.sleep(0.2)
     proxy.set("down")
     return await pending
+
+
+def test_every_scoring_command_checks_the_engine_and_scores_through_it(
+    vllm_server: str, tmp_path: Path
+) -> None:
+    data = str(ROOT.parent / "shared" / "data" / "nq_open_dev.jsonl")
+    passages = tmp_path / "passages.json"
+    passages.write_text(json.dumps(PASSAGES))
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "HF_HUB_OFFLINE": "1",
+        "RAG_REORDER_BACKEND": "remote",
+        "RAG_REORDER_ENGINE_URL": vllm_server,
+        "RAG_REORDER_CACHE_DIR": str(cache_dir_for_tests()),
+        "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
+    }
+
+    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "app", *args],
+            check=False,
+            cwd=ROOT,
+            env={**env, **extra},
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    small = ("--data", data, "--limit", "2", "--max-passages", "4")
+    commands = {
+        "reorder": ("reorder", "--query", QUERY, "--passages", str(passages)),
+        "calibrate": ("calibrate", *small),
+        "calibrate-positions": ("calibrate-positions", *small),
+        "eval": (
+            "eval",
+            *small[:2],
+            "--limit",
+            "1",
+            "--max-passages",
+            "4",
+            "--strategies",
+            "moi",
+            "--out",
+            str(tmp_path / "eval"),
+            "--no-progress",
+            "--resamples",
+            "100",
+        ),
+    }
+    for name, args in commands.items():
+        done = run(*args)
+        assert done.returncode == 0, (name, done.stderr[-3000:])
+    order = json.loads(run(*commands["reorder"]).stdout)["order"]
+    assert sorted(order) == list(range(len(PASSAGES)))
+    # No engine behind the URL: a clear error, no traceback, nothing scored elsewhere.
+    gone = run(*commands["reorder"], RAG_REORDER_ENGINE_URL=f"http://127.0.0.1:{free_port()}")
+    assert gone.returncode != 0 and "engine" in gone.stderr and "Traceback" not in gone.stderr
+    # An engine URL with another backend is a contradiction, refused before anything loads.
+    mixed = run(*commands["reorder"], RAG_REORDER_BACKEND="transformers")
+    assert mixed.returncode == 2 and "RAG_REORDER_BACKEND=remote" in mixed.stderr

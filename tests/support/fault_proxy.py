@@ -9,7 +9,9 @@ server process) can flip its mode at any moment:
 - ``stall``: connections are accepted and requests forwarded, but nothing comes back (an
   engine that hangs);
 - ``cut``: open connections are closed as soon as the mode is set, and new ones are closed
-  when their first bytes arrive (an engine killed mid-request).
+  when their first bytes arrive (an engine killed mid-request);
+- ``html``: every request is answered 200 with an HTML page (a proxy's login page);
+- ``unauthorized``: every request is answered 401 (a gateway after a key rotation).
 """
 
 from __future__ import annotations
@@ -19,7 +21,15 @@ import contextlib
 import threading
 from typing import Literal
 
-Mode = Literal["pass", "down", "stall", "cut"]
+Mode = Literal["pass", "down", "stall", "cut", "html", "unauthorized"]
+
+_CANNED: dict[str, bytes] = {
+    "html": b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 39\r\n"
+    b"connection: close\r\n\r\n<html><body>Please log in</body></html>",
+    "unauthorized": b"HTTP/1.1 401 Unauthorized\r\ncontent-type: application/json\r\n"
+    b"content-length: 37\r\nconnection: close\r\n\r\n"
+    b'{"error": {"message": "invalid key"}}',
+}
 
 
 class FaultProxy:
@@ -69,6 +79,11 @@ class FaultProxy:
         try:
             first = await reader.read(65536)
             if not first or self._mode == "cut":
+                return
+            canned = _CANNED.get(self._mode)
+            if canned is not None:
+                writer.write(canned)
+                await writer.drain()
                 return
             up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
             self._writers.add(upstream)

@@ -36,6 +36,11 @@ DEFAULT_TIMEOUT_S = SERVER_DEADLINE_S + 15.0
 travel, so its own 504 (with a request id) arrives before the client gives up."""
 CONNECT_TIMEOUT_S = 5.0
 RETRY_STATUSES = frozenset({429, 503})
+RETRY_CODES = frozenset({"overloaded", "not_ready", "draining"})
+"""The service's 503 codes worth another attempt: it turned the request away before any work
+(full, starting, or shutting down: another replica may take it). Its other 503s
+(``engine_unavailable``: its own retries of the engine already failed) are final, so one
+request does not become the client's retries times the server's against a sick engine."""
 # Errors raised before the request left this process: the service cannot have started the
 # work, so a retry costs nothing. A read timeout or a dropped connection after the request was
 # sent is not among them: the service may be scoring it, and a retry would score it again.
@@ -237,10 +242,23 @@ class Prepared:
     headers: dict[str, str]
 
 
+def _error_code(response: httpx.Response) -> str | None:
+    """The service's error code in ``response``'s envelope; ``None`` for another body (a
+    proxy's or a gateway's page: retried as any 503)."""
+    try:
+        body = response.json()
+    except ValueError:
+        return None
+    error = body.get("error") if isinstance(body, dict) else None
+    code = error.get("code") if isinstance(error, dict) else None
+    return code if isinstance(code, str) else None
+
+
 class Policy:
     """The connection settings and the retry policy of both clients.
 
-    An attempt's outcome is retried when it is a 429 or a 503 (after ``Retry-After`` when the
+    An attempt's outcome is retried when it is a 429 or a 503 that is not the service's final
+    ``engine_unavailable`` (``RETRY_CODES``; after ``Retry-After`` when the
     service sent one, else exponential backoff with full jitter) or a connection error raised
     before the request was sent (``NOT_SENT``), at most ``max_retries`` times. Anything else is
     final: a read timeout is not retried (the service may still be working on the request).
@@ -281,6 +299,9 @@ class Policy:
     def after_response(self, attempt: int, response: httpx.Response) -> float | None:
         """Seconds to wait before retrying, or None: this response is the answer."""
         if response.status_code in RETRY_STATUSES and attempt < self.max_retries:
+            code = _error_code(response)
+            if response.status_code == 503 and code is not None and code not in RETRY_CODES:
+                return None
             return self.delay(attempt, retry_after(response.headers))
         return None
 

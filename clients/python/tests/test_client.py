@@ -217,6 +217,30 @@ def test_429_is_retried_and_retry_after_may_be_a_date() -> None:
     assert seen[0]["user-agent"] == f"rag-reorder-python/{__version__}"
 
 
+def test_the_services_engine_unavailable_is_final_its_overload_is_retried() -> None:
+    # The service retried its engine already: a 503 engine_unavailable is not sent again;
+    # overloaded, not_ready and draining (turned away before any work) are.
+    def envelope(code: str) -> tuple[int, dict[str, str], bytes]:
+        body = {"error": {"type": "unavailable_error", "message": code, "code": code}}
+        return (
+            503,
+            {"retry-after": "0", "content-type": "application/json"},
+            json.dumps(body).encode(),
+        )
+
+    with (
+        scripted([envelope("engine_unavailable"), OK]) as (base, seen),
+        Client(base, max_retries=3) as c,
+        pytest.raises(RagReorderError) as e,
+    ):
+        c.reorder("q", ["a", "b"])
+    assert (e.value.status, e.value.code) == (503, "engine_unavailable") and len(seen) == 1
+    answers = [envelope("overloaded"), envelope("not_ready"), envelope("draining"), OK]
+    with scripted(answers) as (base, seen), Client(base, max_retries=3) as c:
+        assert list(c.reorder("q", ["a", "b"]).order) == [1, 0]
+    assert len(seen) == 4
+
+
 def test_a_gateway_error_page_is_an_http_error_not_a_crash() -> None:
     page = (502, {"content-type": "text/html"}, b"<html>bad gateway</html>")
     with scripted([page]) as (base, seen), Client(base) as c, pytest.raises(RagReorderError) as e:

@@ -1,0 +1,114 @@
+"""Schema-driven fuzz of the HTTP API: schemathesis reads the served ``/openapi.json`` and sends
+what it generates from it, bodies that fit the schema and bodies that break it, to a real
+server process (uvicorn, every middleware, the fake backend of ``service.backends.fake``:
+what is fuzzed is the HTTP edge, not a model's speed).
+
+Each answer must be below 500, carry the error envelope when it is an error, use a status the
+route documents, and match the documented response schema. Bounded: ``EXAMPLES`` cases per
+operation, derandomized (the same cases every run). The module prints the cases and statuses
+it saw; docs/operations.md quotes the figure.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import (
+    not_a_server_error,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.app.processes import ServerProcess, server_process
+
+EXAMPLES = 100
+SEEN: Counter[tuple[str, int]] = Counter()
+
+
+@pytest.fixture(scope="module")
+def fuzzed_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("schema-fuzz") / "server.log"
+    # Writes open so the calibration route is fuzzed past its 403.
+    env = {"RAG_REORDER_OPEN_WRITES": "true", "HF_HUB_OFFLINE": "1"}
+    with server_process(["-m", "tests.app.fake_server", "--port", "{port}"], log, env) as srv:
+        srv.wait_ready(60)
+        yield srv
+        assert srv.proc.poll() is None, srv.log()  # the fuzz did not take the server down
+    total = sum(SEEN.values())
+    statuses = Counter[int]()
+    for (_, status), n in SEEN.items():
+        statuses[status] += n
+    print(f"\nschema fuzz: {total} cases, statuses {dict(sorted(statuses.items()))}")
+
+
+@pytest.fixture(scope="module")
+def operations(fuzzed_server: ServerProcess) -> dict[str, Any]:
+    schema = schemathesis.openapi.from_url(f"{fuzzed_server.base_url}/openapi.json")
+    return {r.ok().label: r.ok() for r in schema.get_all_operations()}
+
+
+# The routes of the committed OpenAPI document (tests/app/openapi.json), each with valid
+# inputs and, where it takes any (a body, a parameter), with inputs that break the schema. A
+# route added there and not answered here fails test_the_fuzz_covered_every_route.
+_PATHS = json.loads((Path(__file__).parent / "openapi.json").read_text())["paths"]
+LABELS = sorted(f"{method.upper()} {path}" for path, item in _PATHS.items() for method in item)
+
+
+def _query(op: dict[str, Any]) -> bool:
+    # A path parameter is any string: nothing in a URL breaks its schema.
+    return any(p.get("in") == "query" for p in op.get("parameters", []))
+
+
+CASES = [
+    (f"{method.upper()} {path}", mode)
+    for path, item in sorted(_PATHS.items())
+    for method, op in item.items()
+    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE)
+    if mode is GenerationMode.POSITIVE or "requestBody" in op or _query(op)
+]
+
+
+@pytest.mark.parametrize(("label", "mode"), CASES)
+def test_no_generated_request_gets_a_5xx_or_an_undocumented_answer(
+    operations: dict[str, Any], label: str, mode: GenerationMode, fuzzed_server: ServerProcess
+) -> None:
+    operation = operations[label]
+
+    @given(case=operation.as_strategy(generation_mode=mode))
+    @settings(
+        max_examples=EXAMPLES,
+        deadline=None,
+        derandomize=True,
+        database=None,
+        suppress_health_check=list(HealthCheck),
+    )
+    def fuzz(case: Any) -> None:
+        response = case.call(base_url=fuzzed_server.base_url, timeout=60)
+        SEEN[(label, response.status_code)] += 1
+        assert response.status_code < 500, (label, response.text[:500])
+        if response.status_code >= 400:
+            error = response.json()["error"]
+            assert {"type", "message", "param", "code", "request_id"} <= set(error), error
+        checks = [not_a_server_error, status_code_conformance]
+        if mode is GenerationMode.POSITIVE:
+            checks.append(response_schema_conformance)
+        case.validate_response(response, checks=checks)
+
+    fuzz()
+
+
+def test_the_fuzz_covered_every_route(fuzzed_server: ServerProcess) -> None:
+    # Runs after the parametrized cases (file order): each operation got its cases.
+    labels = {label for label, _ in SEEN}
+    assert labels == set(LABELS), set(LABELS) - labels
+    assert any(status == 200 for _, status in SEEN), SEEN
+    assert any(status == 422 for _, status in SEEN), SEEN
+    assert Path(fuzzed_server.log_path).exists()

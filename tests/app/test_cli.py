@@ -172,6 +172,20 @@ def test_offline_commands_refuse_a_flag_below_its_bound_naming_it_and_the_value(
     assert "--concurrency must be >= 1, got 0" in capsys.readouterr().err
 
 
+def test_an_engine_url_without_the_remote_backend_is_refused_at_start(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Meant to score on the cluster; would have loaded a local model in a CPU pod instead.
+    from app.cli import main
+
+    monkeypatch.setenv("RAG_REORDER_ENGINE_URL", "http://vllm:8000")
+    assert main(["--backend", "transformers", "profiles"]) == 2
+    assert "RAG_REORDER_BACKEND=remote" in capsys.readouterr().err
+    monkeypatch.setenv("RAG_REORDER_BACKEND", "auto")
+    assert main(["profiles"]) == 2
+    assert "is 'auto'" in capsys.readouterr().err
+
+
 def test_profile_generator_refuses_bad_settings_before_any_call(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -122,7 +122,9 @@ def test_faults_get_their_documented_errors_and_the_service_recovers(
         "RAG_REORDER_CACHE_DIR": str(cache_dir_for_tests()),
         "HF_HUB_OFFLINE": "1",
     }
-    body = {"query": QUERY, "passages": PASSAGES}
+    # MoI by name: the default (auto) stops calling the engine once it trusts a profile,
+    # and every request here must meet the engine's fault.
+    body = {"query": QUERY, "passages": PASSAGES, "strategy": "moi"}
     statuses: list[int] = []
 
     def post(base: str) -> httpx.Response:
@@ -200,9 +202,12 @@ def test_faults_get_their_documented_errors_and_the_service_recovers(
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_unavailable"
             assert "127.0.0.1" not in r.json()["error"]["message"]  # no internal host
             deadline = time.monotonic() + 30
-            while httpx.get(f"{rr.base_url}/ready", timeout=5).status_code != 503:
+            while "not a JSON object" not in (
+                ready := httpx.get(f"{rr.base_url}/ready", timeout=5)
+            ).json().get("error", {}).get("message", ""):
                 assert time.monotonic() < deadline, rr.log()
                 time.sleep(0.2)
+            assert ready.status_code == 503
             assert httpx.get(f"{rr.base_url}/health", timeout=5).status_code == 200
             proxy.set("pass")
             rr.wait_ready(60)

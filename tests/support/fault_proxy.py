@@ -63,7 +63,8 @@ class FaultProxy:
                 self._server = None
             self._cut_all()
             return
-        if mode == "cut":
+        if mode in ("cut", "html", "unauthorized"):
+            # Kept-alive connections would still pass through: every call must meet the fault.
             self._cut_all()
         if self._server is None:
             self._server = await asyncio.start_server(self._handle, "127.0.0.1", self.port)
@@ -82,8 +83,12 @@ class FaultProxy:
                 return
             canned = _CANNED.get(self._mode)
             if canned is not None:
+                # Closed gracefully: an abort could drop the answer before it is sent.
+                self._writers.discard(writer)
                 writer.write(canned)
                 await writer.drain()
+                writer.close()
+                await writer.wait_closed()
                 return
             up_reader, upstream = await asyncio.open_connection("127.0.0.1", self.target_port)
             self._writers.add(upstream)

@@ -95,6 +95,9 @@ def load_requests(data: Path, queries: int, passages: Sequence[int]) -> list[dic
         {
             "query": row["question"],
             "passages": [f"{p['title']}: {p['text']}" for p in row["passages"][:n]],
+            # MoI by name: this measures the engine under load, and the default (auto) stops
+            # calling it once a trusted profile is in the folder.
+            "strategy": "moi",
         }
         for n in passages
         for row in rows

@@ -19,6 +19,7 @@ import httpx
 
 Strategy = Literal[
     "moi",
+    "auto",
     "query_likelihood",
     "convex_score",
     "lore",

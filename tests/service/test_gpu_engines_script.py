@@ -90,6 +90,9 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         # The embedded model already converted (the model cache above its folder).
         "RAG_REORDER_CACHE_DIR": str(smollm2_dir.parents[1]),
         "RAG_REORDER_VLLM_KV_CACHE_BYTES": str(1 << 30),
+        # The remote stage's engine is vLLM's CPU server on 2 busy cores: one call took over
+        # the 60 s default there at concurrency 2 (2026-11-27). This checks the mechanics.
+        "RAG_REORDER_ENGINE_TIMEOUT_S": "600",
         "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
         "VLLM_CPU_KVCACHE_SPACE": "1",
     }

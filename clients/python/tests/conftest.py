@@ -44,6 +44,9 @@ def smollm2_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
         "RAG_REORDER_CACHE_DIR": CACHE_DIR,
         "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp / "profiles"),
         "HF_HUB_OFFLINE": "1",
+        # MoI as the default: the snippets' answers are compared with the same request sent
+        # again, and auto (the shipped default) changes path once it trusts a profile.
+        "RAG_REORDER_STRATEGY": "moi",
     }
     args = ["-m", "app", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     with server_process(args, tmp / "server.log", env, python=SERVER_PYTHON) as server:

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from typing import TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
@@ -69,6 +70,19 @@ class _TrafficSample(Collector):
         yield family
 
 
+_Label = TypeVar("_Label", bound=str)
+
+
+def _labelled(
+    name: str, documentation: str, label: str, counts: Mapping[_Label, int]
+) -> CounterMetricFamily:
+    """A counter family of one label, a sample per ``counts`` entry."""
+    family = CounterMetricFamily(f"{PREFIX}_{name}", documentation, labels=[label])
+    for value, n in counts.items():
+        family.add_metric([value], n)
+    return family
+
+
 class _Auto(Collector):
     """``auto``'s paths, recalibrations, drift events and each profile's trust (at scrape)."""
 
@@ -77,34 +91,28 @@ class _Auto(Collector):
 
     def collect(self) -> Iterator[Metric]:
         c = self._learner.counters
-        paths = CounterMetricFamily(
-            f"{PREFIX}_auto_requests",
+        yield _labelled(
+            "auto_requests",
             "Requests answered by the auto strategy, by path: profile (placed by a trusted "
             "profile, no model call), flat (trusted flat profile: best first), moi (no "
             "trusted profile: MoI, run kept for learning), explore (MoI to check the profile).",
-            labels=["path"],
+            "path",
+            c.paths,
         )
-        for path, n in c.paths.items():
-            paths.add_metric([path], n)
-        yield paths
-        recal = CounterMetricFamily(
-            f"{PREFIX}_auto_recalibrations",
+        yield _labelled(
+            "auto_recalibrations",
             "Background assessments of a learned profile, by outcome (trusted, undecided, failed).",
-            labels=["outcome"],
+            "outcome",
+            c.recalibrations,
         )
-        for outcome, n in c.recalibrations.items():
-            recal.add_metric([outcome], n)
-        yield recal
-        shadow = CounterMetricFamily(
-            f"{PREFIX}_auto_explore_runs",
+        yield _labelled(
+            "auto_explore_runs",
             "Explore requests' MoI runs, run in the background after the answer was served, "
             "by outcome: recorded, preempted (a request started using the engine), dropped "
             "(another was pending), failed.",
-            labels=["outcome"],
+            "outcome",
+            c.shadow_runs,
         )
-        for shadow_outcome, n in c.shadow_runs.items():
-            shadow.add_metric([shadow_outcome], n)
-        yield shadow
         yield CounterMetricFamily(
             f"{PREFIX}_auto_drift_events",
             "Trusted profiles that explore runs contradicted (auto went back to MoI).",

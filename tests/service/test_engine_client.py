@@ -211,68 +211,65 @@ async def test_calls_in_flight_stay_under_the_concurrency_limit() -> None:
     assert peak == 3
 
 
+class _HeldEngine:
+    """An engine that records each call's ``tokens`` as it arrives and holds the call of 60
+    until ``release`` is set: the budget's queue forms behind it."""
+
+    def __init__(self, max_concurrency: int = 16) -> None:
+        self.release = asyncio.Event()
+        self.arrived: list[int] = []
+        self.client = EngineClient(
+            "http://engine:8000",
+            transport=httpx.MockTransport(self._handle),
+            max_inflight_tokens=100,
+            max_concurrency=max_concurrency,
+        )
+
+    async def _handle(self, request: httpx.Request) -> httpx.Response:
+        tokens = json.loads(request.content)["tokens"]
+        self.arrived.append(tokens)
+        if tokens == 60:
+            await self.release.wait()
+        return httpx.Response(200, json={})
+
+    def post(self, n: int) -> asyncio.Task[object]:
+        return asyncio.create_task(self.client.post("/x", {"tokens": n}, tokens=n))
+
+    async def hold_60(self) -> asyncio.Task[object]:
+        first = self.post(60)
+        while not self.arrived:
+            await asyncio.sleep(0.005)
+        return first
+
+
 async def test_the_token_budget_serves_calls_in_arrival_order() -> None:
     # A large call queued before small ones gets in first, though the small ones would fit
     # beside what is in flight: otherwise a stream of small calls starves it.
-    release = asyncio.Event()
-    arrived: list[int] = []
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        tokens = json.loads(request.content)["tokens"]
-        arrived.append(tokens)
-        if tokens == 60:
-            await release.wait()
-        return httpx.Response(200, json={})
-
-    c = EngineClient(
-        "http://engine:8000",
-        transport=httpx.MockTransport(handler),
-        max_inflight_tokens=100,
-        max_concurrency=8,
-    )
-
-    def post(n: int) -> asyncio.Task[object]:
-        return asyncio.create_task(c.post("/x", {"tokens": n}, tokens=n))
-
-    first = post(60)
-    while not arrived:
-        await asyncio.sleep(0.005)
-    large = post(100)
+    engine = _HeldEngine(max_concurrency=8)
+    first = await engine.hold_60()
+    large = engine.post(100)
     await asyncio.sleep(0.02)
-    small = [post(10) for _ in range(4)]
+    small = [engine.post(10) for _ in range(4)]
     await asyncio.sleep(0.05)
-    assert arrived == [60]  # the small calls wait behind the large one
-    release.set()
+    assert engine.arrived == [60]  # the small calls wait behind the large one
+    engine.release.set()
     await asyncio.gather(first, large, *small)
-    assert arrived == [60, 100, 10, 10, 10, 10]
+    assert engine.arrived == [60, 100, 10, 10, 10, 10]
 
 
 async def test_a_cancelled_waiter_does_not_hold_up_the_queue() -> None:
-    release = asyncio.Event()
-    arrived: list[int] = []
-
-    async def handler(request: httpx.Request) -> httpx.Response:
-        tokens = json.loads(request.content)["tokens"]
-        arrived.append(tokens)
-        if tokens == 60:
-            await release.wait()
-        return httpx.Response(200, json={})
-
-    c = EngineClient(
-        "http://engine:8000", transport=httpx.MockTransport(handler), max_inflight_tokens=100
-    )
-    first = asyncio.create_task(c.post("/x", {"tokens": 60}, tokens=60))
-    while not arrived:
-        await asyncio.sleep(0.005)
-    large = asyncio.create_task(c.post("/x", {"tokens": 100}, tokens=100))
+    engine = _HeldEngine()
+    first = await engine.hold_60()
+    large = engine.post(100)
     await asyncio.sleep(0.02)
-    small = asyncio.create_task(c.post("/x", {"tokens": 10}, tokens=10))
+    small = engine.post(10)
     await asyncio.sleep(0.02)
     large.cancel()
     await asyncio.wait_for(small, 2)  # in beside the 60, once the large one left the queue
-    assert arrived == [60, 10]
-    release.set()
+    assert engine.arrived == [60, 10]
+    engine.release.set()
     await first
+    c = engine.client
     assert c._tokens == 0 and not c._waiters
 
 

@@ -118,7 +118,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=_example("serve"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--backend", choices=("auto", "vllm", "transformers", "remote"))
+    p.add_argument("--backend", choices=("auto", "vllm", "transformers", "remote", "paced"))
     p.add_argument("--model", help="local model folder (default: embedded SmolLM2-135M)")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"))
     sub = p.add_subparsers(dest="command", required=True)

@@ -49,6 +49,7 @@ from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
 from service.prompts import Passage, get_template
 from service.settings import Settings
+from service.solver_pool import close_shared
 from service.traffic import TrafficSampler, TrafficSpool
 
 log = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ def _lifespan(
         # The last sampled runs still on their way to the shared traffic folder.
         await anyio.to_thread.run_sync(ctx.engine.traffic.close)
         await anyio.to_thread.run_sync(ctx.engine.learner.close)
+        await anyio.to_thread.run_sync(close_shared)
 
     return lifespan
 
@@ -279,6 +281,16 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
     log.info("backend %s loaded: %s", type(backend).__name__, backend.model_id)
     if isinstance(backend, RemoteBackend) and not await _connect(ctx, backend):
         return
+    check_score_mode = getattr(backend, "check_score_mode", None)
+    if check_score_mode is not None:
+        # vLLM's fast score path earns its place before /ready (service.backends.score_mode_check).
+        try:
+            check = await check_score_mode()
+        except BackendUnavailable as exc:
+            lc.fail(f"score mode check failed: {exc}")
+            return
+        ctx.engine.score_mode_check = check
+        ctx.metrics.score_mode.labels(check.mode, check.outcome).set(1)
     if ctx.settings.warmup:
         error, _ = await _probe(ctx, backend, "warmup")
         if error is None and ctx.settings.strategy not in ("moi", "auto"):

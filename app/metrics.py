@@ -178,6 +178,14 @@ class ServiceMetrics:
             registry=r,
         )
         self.ready = Gauge(f"{p}_ready", "1 when /ready answers 200.", registry=r)
+        self.score_mode = Gauge(
+            f"{p}_score_mode",
+            "Always 1 once the engine is checked; `mode` is how vLLM scores (token_ids or "
+            "prompt_logprobs), `check` the start-up comparison of the two (agreed, disagreed, "
+            "failed, not_run).",
+            ["mode", "check"],
+            registry=r,
+        )
         self.http_requests = Counter(
             f"{p}_http_requests",
             "HTTP requests answered, by route template and status code.",

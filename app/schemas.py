@@ -718,6 +718,18 @@ class AutoInfoOut(_Model):
     profiles: list[AutoProfileOut]
 
 
+class ScoreModeOut(_Model):
+    mode: Literal["token_ids", "prompt_logprobs"]
+    """How the vLLM engine scores: `token_ids` (the span's rows only, vLLM >= 0.32 on Model
+    Runner V2) or `prompt_logprobs` (every prompt row)."""
+    check: Literal["agreed", "disagreed", "failed", "not_run"]
+    """The start-up comparison of the two modes on probe prompts: `token_ids` is used only
+    when they `agreed`; `not_run` when the engine cannot run `token_ids` at all."""
+    tolerance_nats: float
+    max_abs_diff_nats: float | None = None
+    detail: str = ""
+
+
 class InfoOut(_Model):
     name: str
     version: str
@@ -729,6 +741,8 @@ class InfoOut(_Model):
     engine: str | None = None
     """A remote engine's state (`RAG_REORDER_BACKEND=remote`): `ok`, or `unavailable: <why>`;
     null for an in-process engine."""
+    score_mode: ScoreModeOut | None = None
+    """The vLLM engine's score mode and its start-up check (null for other engines)."""
     auth: bool
     """Whether an API key is required."""
     admin_auth: bool

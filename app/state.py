@@ -16,6 +16,7 @@ from app.admission import Admission
 from app.exceptions import Draining, NotReady, Unhealthy
 from app.metrics import ServiceMetrics
 from service.backends.base import LogprobBackend
+from service.backends.score_mode_check import ScoreModeCheck
 from service.errors import EngineUnavailable
 from service.learning import ProfileLearner
 from service.profile_store import ProfileStore
@@ -136,6 +137,8 @@ class Engine:
         self, profiles: ProfileStore, traffic: TrafficSampler, learner: ProfileLearner
     ) -> None:
         self.backend: LogprobBackend | None = None
+        self.score_mode_check: ScoreModeCheck | None = None
+        """vLLM's start-up comparison of its two score modes (``None``: other engines)."""
         self.profiles = profiles
         self.traffic = traffic
         self.learner = learner

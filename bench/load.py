@@ -157,6 +157,21 @@ async def level(
     return row
 
 
+def server_cpu_s(pid: int) -> float:
+    """User + system CPU seconds of the server process and its children (solver workers)."""
+    import psutil
+
+    root = psutil.Process(pid)
+    total = 0.0
+    for proc in (root, *root.children(recursive=True)):
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
+
+
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
     """The scheduler's counters from /metrics (absent on a server without the scheduler)."""
     text = (await client.get("/metrics")).text
@@ -290,16 +305,18 @@ def markdown(result: dict[str, Any]) -> str:
         ]
     lines += [
         "| concurrency | requests | errors | req/s | prompt tok/s | x ceiling | p50 s | p95 s "
-        "| p99 s |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| p99 s | server CPU ms/request |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["levels"]:
         ratio = row.get("ratio_to_ceiling")
+        cpu = row.get("server_cpu_s_per_request", math.nan)
         lines.append(
             f"| {row['concurrency']} | {row['requests']} | {row['errors']} | "
             f"{row['requests_per_s']:.3f} | {row['prompt_tokens_per_s']:.0f} | "
             f"{'' if ratio is None else f'{ratio:.2f}'} | {row['p50_s']:.2f} | "
-            f"{row['p95_s']:.2f} | {row['p99_s']:.2f} |"
+            f"{row['p95_s']:.2f} | {row['p99_s']:.2f} | "
+            f"{cpu * 1e3:.0f} |".replace("nan", "")
         )
     lines += ["", "Targets: " + json.dumps(result["targets"]), ""]
     return "\n".join(lines)
@@ -414,7 +431,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if any(row["concurrency"] == c for row in levels):
                     continue  # measured by the run this one resumes
                 total = max(args.requests_per_level, c)
-                levels.append(await level(client, bodies, c, total))
+                cpu_before = server_cpu_s(proc.pid)
+                row = await level(client, bodies, c, total)
+                # The service's own CPU per request (its solver workers included): at GPU
+                # speed, what bounds throughput (issue 57).
+                cpu = server_cpu_s(proc.pid) - cpu_before
+                row["server_cpu_s_per_request"] = cpu / max(1, total - row["errors"])
+                print(f"  server CPU {row['server_cpu_s_per_request'] * 1e3:.0f} ms/request")
+                levels.append(row)
                 levels.sort(key=lambda row: row["concurrency"])
                 write(snapshot(), Path(args.out))
             after = await scrape(client)

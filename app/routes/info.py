@@ -19,6 +19,7 @@ from app.schemas import (
     ModelCard,
     ModelList,
     PlacementName,
+    ScoreModeOut,
 )
 from app.state import AppContext, Ctx
 from service.backends.remote_backend import RemoteBackend
@@ -88,6 +89,7 @@ async def info(ctx: Ctx) -> InfoOut:
         backend=type(backend).__name__ if backend is not None else None,
         ready=ctx.lifecycle.ready,
         engine=_engine_state(ctx, backend),
+        score_mode=_score_mode(ctx),
         auth=s.api_key is not None,
         admin_auth=s.admin_api_key is not None,
         open_writes=s.admin_api_key is None and s.open_writes,
@@ -116,6 +118,19 @@ async def info(ctx: Ctx) -> InfoOut:
         default_results_order=s.rerank_results_order,
         templates=list(template_names()),
         auto=_auto(ctx, model),
+    )
+
+
+def _score_mode(ctx: AppContext) -> ScoreModeOut | None:
+    check = ctx.engine.score_mode_check
+    if check is None:
+        return None
+    return ScoreModeOut(
+        mode=check.mode,
+        check=check.outcome,
+        tolerance_nats=check.tolerance,
+        max_abs_diff_nats=check.max_abs_diff,
+        detail=check.detail,
     )
 
 

@@ -12,6 +12,8 @@
 #   load     bench/load.py, vLLM at each max_num_batched_tokens of TOKENS (default 16384; the
 #            issue's sweep is TOKENS="8192 16384 32768")
 #   load_transformers  the same load on transformers (its own stage: it can wait its turn)
+#   paced    the same load on the paced engine at this GPU's measured rate, on this host's CPU
+#            (issue 57's projection, beside load_transformers)
 #   remote   the same load through vLLM's OpenAI server on the same GPU (the remote backend), at
 #            the in-process engine's step budget (the first of TOKENS)
 #
@@ -20,7 +22,7 @@ set -uo pipefail
 OUT=${OUT:?set by the device tool}
 STATE=${STATE:-/tmp/gpu-engines}
 VENV=${VENV:-/tmp/vllm-env}
-STAGES=${STAGES:-info tests scoring load load_transformers remote}
+STAGES=${STAGES:-info tests scoring load load_transformers paced remote}
 DATA=${DATA:-/tmp/data/nq_open_dev.jsonl}
 # The device tool returns at most 8 files from $OUT (2026-11-27: 13 were written, and the
 # vLLM scoring's JSON was among those left behind). So every result goes to $RES, kept while the
@@ -151,6 +153,14 @@ for s in $STAGES; do
         ;;
     load_transformers)
         load load_transformers 200 RAG_REORDER_BACKEND=transformers
+        ;;
+    paced)
+        # The paced engine (service/backends/paced.py: no model, this GPU kind's measured
+        # transformers forward times) on this host's CPU: the projection of issue 57, to set
+        # beside load_transformers of the same call.
+        profile=${PACED_PROFILE:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null |
+            grep -q H200 && echo h200-transformers-bf16 || echo h100-transformers-bf16)}
+        load load_paced 200 RAG_REORDER_BACKEND=paced RAG_REORDER_PACED_PROFILE="$profile"
         ;;
     remote)
         done_before load_remote && continue  # no server started for nothing

@@ -17,7 +17,7 @@ from service.settings import Settings
 
 log = logging.getLogger(__name__)
 
-ResolvedBackend = Literal["vllm", "transformers", "remote"]
+ResolvedBackend = Literal["vllm", "transformers", "remote", "paced"]
 
 
 def gpu_visible() -> bool:
@@ -44,6 +44,11 @@ def create_backend(settings: Settings) -> LogprobBackend:
     """
     kind = resolve_backend(settings)
     log.info("loading backend %s for model %s", kind, settings.model)
+    if kind == "paced":
+        from service.backends.paced import PacedBackend
+
+        log.warning("backend paced: no model, benchmark log-probs at a GPU's measured pace")
+        return PacedBackend.from_settings(settings)
     if kind == "remote":
         from service.backends.remote_backend import RemoteBackend
 

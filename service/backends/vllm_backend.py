@@ -79,6 +79,13 @@ from service.backends.base import (
     out_of_vocab,
 )
 from service.backends.hf_tokenizer import HFPromptTokenizer, HFTokenizerLike
+from service.backends.score_mode_check import (
+    TOLERANCE_NATS,
+    ScoreModeCheck,
+    ScoreModeMismatch,
+    check_score_mode,
+    probe_requests,
+)
 from service.errors import BackendUnavailable
 from service.model_assets import resolve_model
 from service.model_assets.adapter import adapted_model_id, configured_adapter
@@ -193,10 +200,27 @@ class VLLMBackend:
         # vLLM rejects a prompt of exactly max_model_len tokens even with max_tokens=1 (it wants
         # room for one output token), so the longest prompt we accept is one shorter.
         self._max_prompt_len = int(model_config.max_model_len) - 1
+        v2_runner = bool(engine.vllm_config.use_v2_model_runner)
+        self._requested_mode = score_mode
         self._score_mode: ScoreMode = resolve_score_mode(
-            score_mode,
-            v2_runner=bool(engine.vllm_config.use_v2_model_runner),
-            token_id_params=TOKEN_ID_PARAMS,
+            score_mode, v2_runner=v2_runner, token_id_params=TOKEN_ID_PARAMS
+        )
+        dtype = str(model_config.dtype).removeprefix("torch.")
+        self._check_tolerance = TOLERANCE_NATS.get(dtype, max(TOLERANCE_NATS.values()))
+        # Until ``check_score_mode`` runs (the app runs it before /ready): why it has nothing to
+        # check when the engine cannot run token_ids at all.
+        self.score_mode_check = ScoreModeCheck(
+            "not_run",
+            "prompt_logprobs" if self._score_mode == "prompt_logprobs" else "token_ids",
+            self._check_tolerance,
+            detail=(
+                ""
+                if self._score_mode == "token_ids"
+                else "this engine cannot run token_ids: "
+                + ("no Model Runner V2" if not v2_runner else "vLLM < 0.32")
+                if score_mode == "auto"
+                else "score_mode prompt_logprobs set"
+            ),
         )
         # vLLM types its tokenizer with its own narrower protocol; for a Hugging Face model
         # folder the object is a transformers fast tokenizer (a cached subclass of it).
@@ -225,7 +249,7 @@ class VLLMBackend:
         settings: Settings,
         *,
         kv_cache_memory_bytes: int | None = None,
-        score_mode: ScoreMode = "auto",
+        score_mode: ScoreMode | None = None,
     ) -> VLLMBackend:
         """Resolve the configured model and start an engine for it. Blocks for seconds.
 
@@ -235,7 +259,7 @@ class VLLMBackend:
             kv_cache_memory_bytes: fixed KV-cache size; overrides ``gpu_memory_utilization``.
                 Recommended on CPU, where vLLM reads that fraction as a share of all RAM and
                 refuses to start when other processes hold part of it.
-            score_mode: see ``ScoreMode``.
+            score_mode: see ``ScoreMode``; default ``settings.vllm_score_mode``.
 
         Returns:
             A ready backend.
@@ -261,7 +285,7 @@ class VLLMBackend:
             max_num_seqs=settings.max_num_seqs,
             gpu_memory_utilization=settings.gpu_memory_utilization,
             kv_cache_memory_bytes=kv_cache_memory_bytes,
-            score_mode=score_mode,
+            score_mode=score_mode or settings.vllm_score_mode,
         )
 
     @classmethod
@@ -370,6 +394,55 @@ class VLLMBackend:
     def score_mode(self) -> ScoreMode:
         """``token_ids`` or ``prompt_logprobs`` (never ``auto`` once built)."""
         return self._score_mode
+
+    async def check_score_mode(self) -> ScoreModeCheck:
+        """Prove the ``token_ids`` mode against ``prompt_logprobs`` on probe prompts before
+        serving (``service.backends.score_mode_check``); a no-op when it does not run.
+
+        Returns:
+            The check's outcome; ``score_mode`` is the mode chosen by it from now on.
+
+        Raises:
+            BackendUnavailable: ``score_mode=token_ids`` was set and the modes disagree.
+        """
+        if self._score_mode != "token_ids":
+            return self.score_mode_check
+        probes = probe_requests(self._tokenizer, self._max_prompt_len)
+        requested: Literal["auto", "token_ids"] = (
+            "token_ids" if self._requested_mode == "token_ids" else "auto"
+        )
+        try:
+            check = await check_score_mode(
+                self._score_in, probes, requested=requested, tolerance=self._check_tolerance
+            )
+        except ScoreModeMismatch as exc:
+            logger.error("%s", exc)
+            raise BackendUnavailable(str(exc)) from exc
+        self._score_mode = check.mode
+        self.score_mode_check = check
+        if check.outcome == "agreed":
+            logger.info(
+                "score mode token_ids agrees with prompt_logprobs on %d probes (max |diff| "
+                "%.4f nats, tolerance %g): scoring with token_ids",
+                len(probes),
+                check.max_abs_diff or 0.0,
+                check.tolerance,
+            )
+        else:
+            logger.warning(
+                "score mode token_ids %s the start-up check (%s); this process scores with "
+                "prompt_logprobs",
+                check.outcome,
+                check.detail,
+            )
+        return check
+
+    async def _score_in(
+        self, mode: ScoreMode, requests: Sequence[SpanRequest]
+    ) -> list[ScoreResult]:
+        self._require_alive()
+        jobs = [self._score_job(req, mode) for req in requests]
+        return list(await self._run_all(jobs))
 
     async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
         """Log-probs of each request's span tokens, one result per request, in order.
@@ -533,10 +606,11 @@ class VLLMBackend:
             return f"score_ids: id {bad} outside [0, {self._vocab_size})"
         return None
 
-    def _score_job(self, req: SpanRequest) -> _Job[SpanLogprobs]:
+    def _score_job(self, req: SpanRequest, mode: ScoreMode | None = None) -> _Job[SpanLogprobs]:
         prompt = req.token_ids[: req.span_end]
         span = req.token_ids[req.span_start : req.span_end]
-        if self._score_mode == "token_ids":
+        token_id_mode = (mode or self._score_mode) == "token_ids"
+        if token_id_mode:
             # Row i scores its ids as predictions of prompt token start + i + 1: rows from
             # span_start - 1 to the end of the cut prompt are exactly the span's tokens.
             params = SamplingParams(
@@ -558,7 +632,6 @@ class VLLMBackend:
                 detokenize=False,
                 output_kind=RequestOutputKind.FINAL_ONLY,
             )
-        token_id_mode = self._score_mode == "token_ids"
 
         def parse(out: RequestOutput) -> ScoreResult:
             echo = _echo_problem(req.request_id, prompt, out)

@@ -156,16 +156,14 @@ class MoI:
                 model=work.model_id, template=work.template, kind=kind, perms=perms, scores=scores
             )
         try:
-            fit = await work.off_loop(
-                lambda: solver.fit(
-                    perms,
-                    scores,
-                    reference_bias=reference,
-                    retriever_scores=retr,
-                    n_passages=n,
-                    variance=work.settings.confidence_method,
-                ),
-                timer="solver",
+            fit = await work.solve(
+                solver.fit,
+                perms,
+                scores,
+                reference_bias=reference,
+                retriever_scores=retr,
+                n_passages=n,
+                variance=work.settings.confidence_method,
             )
         except solver.UnidentifiableDesign as exc:
             if failed:

@@ -35,6 +35,7 @@ from service.prompts import (
     get_template,
 )
 from service.settings import Settings
+from service.solver_pool import shared_pool
 from service.strategies.request import Answer, PromptScore, Usage
 
 if TYPE_CHECKING:
@@ -109,6 +110,18 @@ class Work:
                 self.tokenize_s += time.perf_counter() - t0
             else:
                 self.solver_s += time.perf_counter() - t0
+
+    async def solve(self, fn: Callable[..., T], /, *args: object, **kwargs: object) -> T:
+        """``fn(*args, **kwargs)`` (a module-level solver function) in the solver's worker
+        processes (``solver_processes``; a thread when 0), timed into ``solver_s``."""
+        pool = shared_pool(self.settings.solver_processes)
+        if pool is None:
+            return await self.off_loop(lambda: fn(*args, **kwargs), timer="solver")
+        t0 = time.perf_counter()
+        try:
+            return await pool.run(fn, *args, **kwargs)
+        finally:
+            self.solver_s += time.perf_counter() - t0
 
     async def scoring_prompts(
         self, query: str, passages: Sequence[Passage], orders: Sequence[Sequence[int]]

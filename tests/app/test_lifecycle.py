@@ -9,6 +9,8 @@ import pytest
 
 import app.main
 from service.backends.byte_tokenizer import ByteTokenizer
+from service.backends.score_mode_check import ScoreModeCheck
+from service.errors import BackendUnavailable
 from service.settings import Settings
 from tests.app.conftest import TRUTH, TrackingBackend, serving, wait_until
 
@@ -137,3 +139,48 @@ async def test_successful_requests_stand_in_for_the_canary(tmp_path: Path) -> No
         assert sent >= 30
         assert h.backend.started == calls + sent
         assert not any(i.startswith("canary-") for i in h.backend.request_ids)
+
+
+class CheckedBackend(TrackingBackend):
+    """A backend with vLLM's start-up score-mode check, its outcome given."""
+
+    def __init__(self, check: ScoreModeCheck | Exception) -> None:
+        super().__init__(TRUTH)
+        self.check = check
+
+    async def check_score_mode(self) -> ScoreModeCheck:
+        if isinstance(self.check, Exception):
+            raise self.check
+        return self.check
+
+
+async def test_a_score_mode_that_fell_back_is_reported_and_served(tmp_path: Path) -> None:
+    check = ScoreModeCheck(
+        "disagreed", "prompt_logprobs", 0.4, 3.7, "probe-end: token 0 of the span: ..."
+    )
+    async with serving(tmp_path, backend=CheckedBackend(check)) as h:
+        info = (await h.client.get("/info")).json()
+        assert info["score_mode"] == {
+            "mode": "prompt_logprobs",
+            "check": "disagreed",
+            "tolerance_nats": 0.4,
+            "max_abs_diff_nats": 3.7,
+            "detail": "probe-end: token 0 of the span: ...",
+        }
+        metrics = (await h.client.get("/metrics")).text
+        assert 'rag_reorder_score_mode{check="disagreed",mode="prompt_logprobs"} 1.0' in metrics
+
+
+async def test_token_ids_set_and_disagreeing_fails_the_start(tmp_path: Path) -> None:
+    backend = CheckedBackend(BackendUnavailable("score_mode 'token_ids' disagrees ..."))
+    async with serving(tmp_path, backend=backend, ready=False) as h:
+        await wait_until(lambda: h.ctx.lifecycle.fatal is not None)
+        assert "score mode check failed: score_mode 'token_ids' disagrees" in str(
+            h.ctx.lifecycle.fatal
+        )
+        assert (await h.client.get("/ready")).status_code == 503
+
+
+async def test_engines_without_the_check_report_no_score_mode(tmp_path: Path) -> None:
+    async with serving(tmp_path) as h:
+        assert (await h.client.get("/info")).json()["score_mode"] is None

@@ -36,6 +36,7 @@ STAGES = [
     "load_vllm_3072",
     "load_remote",
     "load_transformers",
+    "load_paced",
 ]
 
 
@@ -80,7 +81,7 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         "DEVICE": "cpu",
         "VENV": sys.prefix,  # this interpreter's virtualenv: vLLM's CPU build
         "SITE": str(site),
-        "STAGES": "info scoring load remote load_transformers",
+        "STAGES": "info scoring load remote load_transformers paced",
         # None of vLLM's CPU defaults (2048 and 4096, by usage context): the remote
         # server must run at the in-process engine's budget, not its own default.
         "TOKENS": "3072",
@@ -124,7 +125,7 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
     for name in ("scoring_vllm", "scoring_transformers"):
         summary = results[name]["summary"]
         assert summary["tokens_per_s"] > 0 and summary["pipeline_s"] > 0, name
-    for name in ("load_vllm_3072", "load_remote", "load_transformers"):
+    for name in ("load_vllm_3072", "load_remote", "load_transformers", "load_paced"):
         assert results[name]["targets"]["errors"] == 0, name
         # A warm ceiling: a cut-off run must not keep a cold first pass as its denominator.
         assert "--warm-ceiling" in results[name]["command"], name
@@ -132,11 +133,11 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         assert results[name]["requests"]["data"] == data.name
     assert "max_num_batched_tokens=3072" in serve_log, serve_log[-3000:]
     # Every Python process of the run reached the site folder: the scripts, each service
-    # server bench/load.py started (three), vLLM's OpenAI server.
+    # server bench/load.py started (four), vLLM's OpenAI server.
     started = probe.read_text().splitlines()
-    assert sum("-m app serve" in line for line in started) == 3, started
+    assert sum("-m app serve" in line for line in started) == 4, started
     assert any("vllm.entrypoints.openai.api_server" in line for line in started), started
-    assert sum("bench/load.py" in line for line in started) == 3, started
+    assert sum("bench/load.py" in line for line in started) == 4, started
     # The headline figures are in the output too (the tool returns its last 12,000 chars).
     for name in results:
         assert f"{name}.json " in first.stdout

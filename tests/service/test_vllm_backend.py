@@ -653,3 +653,46 @@ def test_the_cpu_engine_steps_2048_tokens_by_default(tiny_model_dir: Path) -> No
     args = AsyncEngineArgs(model=str(tiny_model_dir), dtype="float32", enforce_eager=True)
     config = args.create_engine_config(usage_context=vllm_backend.engine_usage_context(on_cpu=True))
     assert config.scheduler_config.max_num_batched_tokens == 2048
+
+
+def test_score_mode_check_on_this_engine(runner: asyncio.Runner, backend: VLLMBackend) -> None:
+    """The start-up check on the real engine. Where it cannot run token_ids (the CPU build, vLLM
+    0.26 on a GPU) it says why and keeps prompt_logprobs; where it can (vLLM >= 0.32 on CUDA)
+    both modes score the probes and must agree: the first such GPU settles issue 63."""
+    check = run(runner, backend.check_score_mode())
+    print(f"score mode check: {check}")  # the GPU session's log records it (-s)
+    assert check.mode == backend.score_mode
+    if backend._engine.vllm_config.use_v2_model_runner and TOKEN_ID_PARAMS:
+        assert check.outcome == "agreed", check.detail
+        assert check.max_abs_diff is not None and check.max_abs_diff <= check.tolerance
+    else:
+        assert (check.outcome, check.mode) == ("not_run", "prompt_logprobs")
+        assert "cannot run token_ids" in check.detail
+
+
+def test_score_mode_check_falls_back_on_a_wrong_fast_path(
+    runner: asyncio.Runner, backend: VLLMBackend, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The backend's side of the check, with the fast path's rows off by one: scoring goes on
+    in prompt_logprobs; set explicitly, token_ids fails the start."""
+    real_score_in = backend._score_in
+
+    async def off_by_one(mode: str, reqs: Sequence[SpanRequest]) -> list[Any]:
+        got = await real_score_in("prompt_logprobs", reqs)
+        if mode == "prompt_logprobs":
+            return got
+        return [SpanLogprobs(r.request_id, (*r.logprobs[1:], -9.0)) for r in got]  # type: ignore[union-attr]
+
+    monkeypatch.setattr(backend, "_score_in", off_by_one)
+    monkeypatch.setattr(backend, "_score_mode", "token_ids")
+    monkeypatch.setattr(backend, "_requested_mode", "auto")
+    check = run(runner, backend.check_score_mode())
+    assert (check.outcome, check.mode, backend.score_mode) == (
+        "disagreed",
+        "prompt_logprobs",
+        "prompt_logprobs",
+    )
+    monkeypatch.setattr(backend, "_score_mode", "token_ids")
+    monkeypatch.setattr(backend, "_requested_mode", "token_ids")
+    with pytest.raises(BackendUnavailable, match="token_ids"):
+        run(runner, backend.check_score_mode())

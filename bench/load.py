@@ -59,7 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench.report import parser as bench_parser
-from bench.server_process import free_port, percentile, start_server
+from bench.server_process import cpu_s, free_port, percentile, process_tree, start_server
 from service.backends.base import (
     GenerateResult,
     GenerationRequest,
@@ -155,21 +155,6 @@ async def level(
         flush=True,
     )
     return row
-
-
-def server_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of the server process and its children (solver workers)."""
-    import psutil
-
-    root = psutil.Process(pid)
-    total = 0.0
-    for proc in (root, *root.children(recursive=True)):
-        try:
-            times = proc.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        total += times.user + times.system
-    return total
 
 
 async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
@@ -431,11 +416,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 if any(row["concurrency"] == c for row in levels):
                     continue  # measured by the run this one resumes
                 total = max(args.requests_per_level, c)
-                cpu_before = server_cpu_s(proc.pid)
+                cpu_before = cpu_s(process_tree(proc.pid))
                 row = await level(client, bodies, c, total)
                 # The service's own CPU per request (its solver workers included): at GPU
                 # speed, what bounds throughput (issue 57).
-                cpu = server_cpu_s(proc.pid) - cpu_before
+                cpu = cpu_s(process_tree(proc.pid)) - cpu_before
                 row["server_cpu_s_per_request"] = cpu / max(1, total - row["errors"])
                 print(f"  server CPU {row['server_cpu_s_per_request'] * 1e3:.0f} ms/request")
                 levels.append(row)

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from bench.report import provenance
-from bench.server_process import free_port, percentile, wait_until_up
+from bench.server_process import cpu_s, free_port, percentile, process_tree, wait_until_up
 from service.backends.base import SpanRequest
 from service.backends.remote_backend import RemoteBackend
 from service.dataset import load_examples
@@ -91,13 +91,6 @@ def start_vllm_server(folder: Path, port: int, log: Path, kv_bytes: int) -> subp
     return proc
 
 
-def process_tree(pid: int) -> list[Any]:
-    import psutil  # a dependency of vLLM, present where this runs
-
-    root = psutil.Process(pid)
-    return [root, *root.children(recursive=True)]
-
-
 @contextmanager
 def suspended(processes: list[Any]) -> Iterator[None]:
     """The processes stopped (SIGSTOP) for the block's duration, resumed after."""
@@ -113,12 +106,9 @@ def suspended(processes: list[Any]) -> Iterator[None]:
 async def idle_cpu_share(processes: list[Any], seconds: float = 5.0) -> float:
     """CPU seconds per second the processes spend while nothing is asked of them."""
 
-    def used() -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in processes)
-
-    before = used()
+    before = cpu_s(processes)
     await asyncio.sleep(seconds)
-    return (used() - before) / seconds
+    return (cpu_s(processes) - before) / seconds
 
 
 async def level(backend: Any, calls: list[list[SpanRequest]], concurrency: int) -> dict[str, Any]:

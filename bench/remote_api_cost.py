@@ -39,14 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.remote import start_vllm_server
 from bench.report import provenance
-from bench.server_process import free_port
+from bench.server_process import cpu_s, free_port
 from service.model_assets import resolve_model
 from service.settings import EMBEDDED_MODEL, Settings
-
-
-def cpu_s(proc: Any) -> float:
-    times = proc.cpu_times()
-    return float(times.user + times.system)
 
 
 def ask(
@@ -101,11 +96,11 @@ def main() -> int:
                             [(base + i * 13 + j) % 40000 + 10 for j in range(length)]
                             for i in range(args.prompts)
                         ]
-                        before = cpu_s(api)
+                        before = cpu_s([api])
                         t = time.perf_counter()
                         decode, size = ask(client, url, prompts, logprobs)
                         wall = time.perf_counter() - t
-                        used = cpu_s(api) - before
+                        used = cpu_s([api]) - before
                         tokens = length * args.prompts
                         rows.append(
                             {

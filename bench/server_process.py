@@ -11,6 +11,7 @@ import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -19,6 +20,29 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def process_tree(pid: int) -> list[Any]:
+    """``psutil`` processes: ``pid`` and all its descendants (a server's solver workers, a
+    vLLM server's engine core)."""
+    import psutil  # vLLM's and the dev environment's; imported only where a bench measures CPU
+
+    root = psutil.Process(pid)
+    return [root, *root.children(recursive=True)]
+
+
+def cpu_s(processes: Sequence[Any]) -> float:
+    """User + system CPU seconds of ``processes`` (a process gone since is left out)."""
+    import psutil
+
+    total = 0.0
+    for proc in processes:
+        try:
+            times = proc.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        total += times.user + times.system
+    return total
 
 
 def percentile(xs: Sequence[float], q: float) -> float:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
+from service.errors import InvalidRequest, LimitExceeded
+
 
 @dataclass(frozen=True, slots=True)
 class Encoding:
@@ -156,6 +158,40 @@ def out_of_vocab(token_ids: Sequence[int], vocab_size: int) -> int | None:
     if low < 0:
         return low
     return high if high >= vocab_size else None
+
+
+def check_prompt(request_id: str, token_ids: Sequence[int], *, limit: int, vocab_size: int) -> None:
+    """A prompt a backend can take: not empty, at most ``limit`` tokens, every id in
+    ``[0, vocab_size)``. Checked before any forward: an out-of-range id is an index error on
+    CPU and a device-side assert on CUDA, which poisons the context for every later request.
+
+    Raises:
+        InvalidRequest: an empty prompt or an id outside the vocabulary.
+        LimitExceeded: more than ``limit`` tokens.
+    """
+    if not token_ids:
+        raise InvalidRequest(f"request {request_id!r}: empty prompt", param="token_ids")
+    if len(token_ids) > limit:
+        raise LimitExceeded("token_ids", limit, len(token_ids), what="prompt tokens")
+    bad = out_of_vocab(token_ids, vocab_size)
+    if bad is not None:
+        raise InvalidRequest(
+            f"request {request_id!r}: token ids must be in [0, {vocab_size}), got {bad}",
+            param="token_ids",
+        )
+
+
+def check_new_tokens(req: GenerationRequest) -> None:
+    """A generation asks for at least one token.
+
+    Raises:
+        InvalidRequest: ``max_new_tokens < 1``.
+    """
+    if req.max_new_tokens < 1:
+        raise InvalidRequest(
+            f"request {req.request_id!r}: max_new_tokens must be >= 1, got {req.max_new_tokens}",
+            param="max_new_tokens",
+        )
 
 
 @runtime_checkable

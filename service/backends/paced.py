@@ -38,11 +38,12 @@ from service.backends.base import (
     ScoreResult,
     SpanLogprobs,
     SpanRequest,
-    out_of_vocab,
+    check_new_tokens,
+    check_prompt,
 )
 from service.backends.scheduler import ForwardScheduler
 from service.backends.transformers_forward import validate_span
-from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
+from service.errors import BackendUnavailable
 from service.settings import Settings
 
 
@@ -211,12 +212,7 @@ class PacedBackend:
         reqs = list(requests)
         for req in reqs:
             self._validate(req.request_id, req.token_ids, reserve=1)
-            if req.max_new_tokens < 1:
-                raise InvalidRequest(
-                    f"request {req.request_id!r}: max_new_tokens must be >= 1, "
-                    f"got {req.max_new_tokens}",
-                    param="max_new_tokens",
-                )
+            check_new_tokens(req)
         if not reqs:
             return []
         steps = max(min(r.max_new_tokens, 4) for r in reqs)
@@ -262,17 +258,9 @@ class PacedBackend:
             raise BackendUnavailable("the paced backend is closed")
 
     def _validate(self, request_id: str, token_ids: Sequence[int], *, reserve: int) -> None:
-        if not token_ids:
-            raise InvalidRequest(f"request {request_id!r}: empty prompt", param="token_ids")
-        limit = self._max_model_len - reserve
-        if len(token_ids) > limit:
-            raise LimitExceeded("token_ids", limit, len(token_ids), what="prompt tokens")
-        bad = out_of_vocab(token_ids, self._vocab_size)
-        if bad is not None:
-            raise InvalidRequest(
-                f"request {request_id!r}: token ids must be in [0, {self._vocab_size}), got {bad}",
-                param="token_ids",
-            )
+        check_prompt(
+            request_id, token_ids, limit=self._max_model_len - reserve, vocab_size=self._vocab_size
+        )
 
 
 # Log-probs in [-4, -0.05]; a prompt's values are a slice of this table at an offset hashed from

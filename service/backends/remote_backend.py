@@ -52,8 +52,9 @@ from service.backends.base import (
     PromptFailure,
     ScoreResult,
     SpanRequest,
+    check_new_tokens,
+    check_prompt,
     checked_span,
-    out_of_vocab,
 )
 from service.backends.engine_client import EngineClient, EngineHTTPError
 from service.backends.hf_tokenizer import HFPromptTokenizer
@@ -62,7 +63,6 @@ from service.errors import (
     EngineMismatch,
     EngineUnavailable,
     InvalidRequest,
-    LimitExceeded,
 )
 from service.settings import Settings
 
@@ -277,12 +277,7 @@ class RemoteBackend:
         reqs = list(requests)
         self._require_connected()
         for req in reqs:
-            if req.max_new_tokens < 1:
-                raise InvalidRequest(
-                    f"request {req.request_id!r}: max_new_tokens must be >= 1, "
-                    f"got {req.max_new_tokens}",
-                    param="max_new_tokens",
-                )
+            check_new_tokens(req)
             self._validate(req.request_id, req.token_ids + req.score_ids)
         # One completion call takes one max_tokens and one stop list for all its prompts, so
         # prompts are grouped by their own: each cut where the context ends, as the in-process
@@ -364,18 +359,10 @@ class RemoteBackend:
         return EngineUnavailable(f"the engine answered {path} with HTTP {exc.status}")
 
     def _validate(self, request_id: str, token_ids: Sequence[int]) -> None:
-        if not token_ids:
-            raise InvalidRequest(f"request {request_id!r}: empty prompt", param="token_ids")
         # vLLM needs room for the one token it must generate.
-        limit = self._max_model_len - 1
-        if len(token_ids) > limit:
-            raise LimitExceeded("token_ids", limit, len(token_ids), what="prompt tokens")
-        bad = out_of_vocab(token_ids, self._vocab_size)
-        if bad is not None:
-            raise InvalidRequest(
-                f"request {request_id!r}: token ids must be in [0, {self._vocab_size}), got {bad}",
-                param="token_ids",
-            )
+        check_prompt(
+            request_id, token_ids, limit=self._max_model_len - 1, vocab_size=self._vocab_size
+        )
 
     async def _score_chunk(self, chunk: list[SpanRequest]) -> list[ScoreResult]:
         prompts = [list(r.token_ids[: r.span_end]) for r in chunk]

@@ -40,6 +40,8 @@ from service.backends.base import (
     GenerationRequest,
     ScoreResult,
     SpanRequest,
+    check_new_tokens,
+    check_prompt,
     out_of_vocab,
 )
 from service.backends.batching import HeadMode, plan_generation_batches
@@ -336,12 +338,7 @@ class TransformersBackend(GreedyGeneration):
         reqs = list(requests)
         for req in reqs:
             self._validate_prompt(req.request_id, req.token_ids, reserve=1)
-            if req.max_new_tokens < 1:
-                raise InvalidRequest(
-                    f"request {req.request_id!r}: max_new_tokens must be >= 1, "
-                    f"got {req.max_new_tokens}",
-                    param="max_new_tokens",
-                )
+            check_new_tokens(req)
             if req.score_ids:
                 self._validate_score_ids(req)
         results: dict[int, GenerateResult] = {}
@@ -411,19 +408,9 @@ class TransformersBackend(GreedyGeneration):
         return self._model
 
     def _validate_prompt(self, request_id: str, token_ids: Sequence[int], *, reserve: int) -> None:
-        n = len(token_ids)
-        if n == 0:
-            raise InvalidRequest(f"request {request_id!r}: empty prompt", param="token_ids")
-        if n + reserve > self._max_model_len:
-            raise LimitExceeded("token_ids", self._max_model_len - reserve, n, what="prompt tokens")
-        # An out-of-range id is an index error on CPU and a device-side assert on CUDA, which
-        # poisons the CUDA context for every later request: check before any forward.
-        bad = out_of_vocab(token_ids, self._vocab_size)
-        if bad is not None:
-            raise InvalidRequest(
-                f"request {request_id!r}: token ids must be in [0, {self._vocab_size}), got {bad}",
-                param="token_ids",
-            )
+        check_prompt(
+            request_id, token_ids, limit=self._max_model_len - reserve, vocab_size=self._vocab_size
+        )
 
     def _validate_score_ids(self, req: GenerationRequest) -> None:
         n, m = len(req.token_ids), len(req.score_ids)

@@ -209,18 +209,16 @@ class VLLMBackend:
         self._check_tolerance = TOLERANCE_NATS.get(dtype, max(TOLERANCE_NATS.values()))
         # Until ``check_score_mode`` runs (the app runs it before /ready): why it has nothing to
         # check when the engine cannot run token_ids at all.
+        if self._score_mode == "token_ids":
+            why = ""
+        elif score_mode == "prompt_logprobs":
+            why = "score_mode prompt_logprobs set"
+        else:
+            why = "this engine cannot run token_ids: " + (
+                "vLLM < 0.32" if v2_runner else "no Model Runner V2"
+            )
         self.score_mode_check = ScoreModeCheck(
-            "not_run",
-            "prompt_logprobs" if self._score_mode == "prompt_logprobs" else "token_ids",
-            self._check_tolerance,
-            detail=(
-                ""
-                if self._score_mode == "token_ids"
-                else "this engine cannot run token_ids: "
-                + ("no Model Runner V2" if not v2_runner else "vLLM < 0.32")
-                if score_mode == "auto"
-                else "score_mode prompt_logprobs set"
-            ),
+            "not_run", self._score_mode, self._check_tolerance, detail=why
         )
         # vLLM types its tokenizer with its own narrower protocol; for a Hugging Face model
         # folder the object is a transformers fast tokenizer (a cached subclass of it).
@@ -437,13 +435,6 @@ class VLLMBackend:
             )
         return check
 
-    async def _score_in(
-        self, mode: ScoreMode, requests: Sequence[SpanRequest]
-    ) -> list[ScoreResult]:
-        self._require_alive()
-        jobs = [self._score_job(req, mode) for req in requests]
-        return list(await self._run_all(jobs))
-
     async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
         """Log-probs of each request's span tokens, one result per request, in order.
 
@@ -460,6 +451,12 @@ class VLLMBackend:
         Raises:
             BackendUnavailable: the engine is dead or the backend is closed.
         """
+        return await self._score_in(self._score_mode, requests)
+
+    async def _score_in(
+        self, mode: ScoreMode, requests: Sequence[SpanRequest]
+    ) -> list[ScoreResult]:
+        """``score`` in ``mode`` (the start-up check scores its probes in both)."""
         self._require_alive()
         results: list[ScoreResult | None] = [None] * len(requests)
         jobs: list[tuple[int, _Job[SpanLogprobs]]] = []
@@ -468,7 +465,7 @@ class VLLMBackend:
             if problem is not None:
                 results[i] = PromptFailure(req.request_id, problem)
             else:
-                jobs.append((i, self._score_job(req)))
+                jobs.append((i, self._score_job(req, mode)))
         outcomes = await self._run_all([job for _, job in jobs])
         for (i, _), outcome in zip(jobs, outcomes, strict=True):
             results[i] = outcome

@@ -15,6 +15,18 @@ tokens in flight, so a queue waiting at start is not all admitted at once (issue
 is always admitted when none is in flight (a wrong estimate cannot starve an idle engine).
 ``max_inflight_prompt_tokens``, when set, stays as a hard cap beside it.
 
+Whole requests (issue 62): before its first prompt is built, a request's strategy states its
+model calls (``Cost``) and ``Work.admit`` estimates their prompt tokens and answer budget;
+``Admission.reserve`` checks the whole estimate at the measured prefill and decode rates. A
+request whose own work does not fit its deadline even on an idle engine is refused at once
+with 422 ``deadline_unreachable`` naming the estimate, the deadline and what would fit, once
+the rates come from real calls (a warm-up seed alone is too rough to refuse for good: such a
+request is admitted when the engine idles, as before). One that does not fit behind the queue
+gets 503 + Retry-After. An admitted request's estimate stays reserved in the tokens in flight,
+so newer arrivals queue behind it, and its calls draw on the reservation without being
+checked again: admitted means expected to finish. Calls of work not admitted as a whole are
+checked one by one, as before.
+
 A request's size is bounded before its prompts exist (issue 54): the characters it has
 rendered into prompts, summed over them, are charged to ``max_prompt_chars_x_prompts`` as
 each prompt is about to be rendered (``AdmittedBackend.tokenizer``), so a request that could
@@ -30,6 +42,7 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Final
 
 from app.exceptions import Overloaded
@@ -45,14 +58,27 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.capacity import ThroughputMeter
-from service.errors import LimitExceeded
+from service.errors import DeadlineUnreachable, LimitExceeded
 from service.settings import Settings
+from service.strategies.request import Estimate
 
 # Admit only what the estimate says ends within 90% of the time left: under overload the engine
 # runs a little slower than when its rate was measured (shedding, HTTP and tokenising share
 # its cores), and without the margin 2 of the 19 requests admitted at 3x capacity missed their
 # deadline by that little (bench/results/overload_no_headroom.md).
 _HEADROOM = 0.9
+
+
+@dataclass
+class Reservation:
+    """What is left of an admitted request's estimate: tokens its calls have not yet taken."""
+
+    tokens: int
+    """Prompt tokens plus answer budget, as the in-flight budget counts them."""
+    new_tokens: int
+    """The answer-budget part of ``tokens``."""
+    estimated_s: float | None
+    """The request's own seconds on an idle engine, at the rates when it was admitted."""
 
 
 class Admission:
@@ -63,6 +89,7 @@ class Admission:
         self._metrics = metrics
         self._requests = 0
         self._tokens = 0
+        self._new_tokens = 0  # the answer-budget part of ``_tokens`` (decode, not prefill)
         self.meter = ThroughputMeter()
         """The engine's prompt tokens per second, measured from the calls admitted here."""
 
@@ -84,7 +111,7 @@ class Admission:
     def estimated_wait_s(self) -> float | None:
         """Seconds the engine needs for the tokens admitted now (``None``: rate not yet
         measured): what a new request would queue behind."""
-        return self.meter.seconds_for(self._tokens)
+        return self.meter.seconds_for(self._tokens - self._new_tokens, self._new_tokens)
 
     @contextmanager
     def request(self) -> Iterator[None]:
@@ -101,55 +128,121 @@ class Admission:
             self._requests -= 1
             self._metrics.in_flight.set(self._requests)
 
-    @contextmanager
-    def tokens(self, n: int, deadline: float | None = None) -> Iterator[None]:
-        """Reserve ``n`` prompt tokens while they are scored, or raise ``Overloaded``.
+    def reserve(
+        self,
+        estimate: Estimate,
+        deadline: float | None,
+        *,
+        timeout_s: float,
+        timeout_name: str = "request_timeout_s",
+    ) -> Reservation:
+        """Admit a request's whole estimated work, reserving it in the tokens in flight, or
+        raise (module docstring). Release what is left with ``release``.
 
         Args:
-            n: the call's prompt tokens (generation: prefilled plus answer budget).
+            estimate: the request's prompt tokens and answer budget.
+            deadline: ``time.monotonic()`` by which it must be answered; ``None``: the
+                deadline is not checked.
+            timeout_s: the whole deadline's length (what an idle engine would have).
+            timeout_name: the setting that sets it, named in a refusal.
+
+        Raises:
+            DeadlineUnreachable: it cannot finish by its deadline even on an idle engine.
+            Overloaded: the queue ahead, the token budget or the unmeasured cap.
+        """
+        n = estimate.prompt_tokens + estimate.new_tokens
+        own_s = self.meter.seconds_for(estimate.prompt_tokens, estimate.new_tokens)
+        if own_s is not None and deadline is not None:
+            measured = self.meter.completed > 0 and (
+                estimate.new_tokens == 0 or self.meter.decode_completed > 0
+            )
+            if measured and own_s > _HEADROOM * timeout_s:
+                self._metrics.admission_rejections.labels("unreachable").inc()
+                raise _unreachable(estimate, own_s, self.meter, timeout_s, timeout_name)
+        if self._tokens:
+            self._check_deadline(n, estimate.new_tokens, deadline, time.monotonic())
+            self._check_budgets(n)
+        self._add(n, estimate.new_tokens)
+        return Reservation(tokens=n, new_tokens=estimate.new_tokens, estimated_s=own_s)
+
+    def release(self, reservation: Reservation) -> None:
+        """Give back what an admitted request's calls did not take (it has finished)."""
+        self._add(-reservation.tokens, -reservation.new_tokens)
+        reservation.tokens = reservation.new_tokens = 0
+
+    @contextmanager
+    def tokens(
+        self,
+        n: int,
+        deadline: float | None = None,
+        *,
+        new_tokens: int = 0,
+        reservation: Reservation | None = None,
+    ) -> Iterator[None]:
+        """Hold ``n`` tokens while a call runs, or raise ``Overloaded``.
+
+        Args:
+            n: the call's prompt tokens plus its answer budget (generation).
+            new_tokens: the answer-budget part of ``n``.
             deadline: ``time.monotonic()`` by which the call's request must be answered;
                 ``None``: no deadline check.
+            reservation: the call's request was admitted as a whole: the call takes its
+                tokens from that reservation and is not checked again.
 
         A call is always admitted when nothing else is in flight: its own size is bounded by
         ``max_prompt_tokens_x_prompts``, so no budget or estimate can starve it.
         """
         now = time.monotonic()
-        if self._tokens:
-            self._check_deadline(n, deadline, now)
-            budget = self._settings.max_inflight_prompt_tokens
-            if budget is not None and self._tokens + n > budget:
-                self._metrics.admission_rejections.labels("token_budget").inc()
-                raise Overloaded(
-                    f"{n} prompt tokens do not fit the in-flight budget ({self._tokens} of "
-                    f"{budget} in use)"
-                )
-            unmeasured = self._settings.unmeasured_inflight_prompt_tokens
-            if self.meter.tokens_per_s is None and self._tokens + n > unmeasured:
-                self._metrics.admission_rejections.labels("token_budget").inc()
-                raise Overloaded(
-                    f"{n} prompt tokens do not fit the in-flight budget while the engine's "
-                    f"rate is not yet measured ({self._tokens} of {unmeasured} in use)"
-                )
-        self._tokens += n
+        if reservation is not None:
+            took = min(n, reservation.tokens)
+            took_new = min(new_tokens, reservation.new_tokens, took)
+            reservation.tokens -= took
+            reservation.new_tokens -= took_new
+            self._add(-took, -took_new)
+        elif self._tokens:
+            self._check_deadline(n, new_tokens, deadline, now)
+            self._check_budgets(n)
+        self._add(n, new_tokens)
         self.meter.begin(now)
-        self._metrics.inflight_prompt_tokens.set(self._tokens)
         done: int | None = None
         try:
             yield
-            done = n
+            done = n - new_tokens
         finally:
-            self._tokens -= n
-            self.meter.end(time.monotonic(), done)
-            self._metrics.inflight_prompt_tokens.set(self._tokens)
+            self._add(-n, -new_tokens)
+            self.meter.end(time.monotonic(), done, new_tokens)
 
-    def _check_deadline(self, n: int, deadline: float | None, now: float) -> None:
-        """``Overloaded`` (reason ``deadline``) if the tokens ahead plus ``n`` cannot be done
-        by ``deadline`` at the measured rate; its Retry-After is when they could be."""
-        rate = self.meter.tokens_per_s
-        if deadline is None or rate is None:
+    def _add(self, tokens: int, new_tokens: int) -> None:
+        self._tokens += tokens
+        self._new_tokens += new_tokens
+        self._metrics.inflight_prompt_tokens.set(self._tokens)
+
+    def _check_budgets(self, n: int) -> None:
+        """``Overloaded`` (reason ``token_budget``) if ``n`` more tokens exceed the fixed
+        in-flight budget, or the cap while the engine's rate is not yet measured."""
+        budget = self._settings.max_inflight_prompt_tokens
+        if budget is not None and self._tokens + n > budget:
+            self._metrics.admission_rejections.labels("token_budget").inc()
+            raise Overloaded(
+                f"{n} prompt tokens do not fit the in-flight budget ({self._tokens} of "
+                f"{budget} in use)"
+            )
+        unmeasured = self._settings.unmeasured_inflight_prompt_tokens
+        if self.meter.tokens_per_s is None and self._tokens + n > unmeasured:
+            self._metrics.admission_rejections.labels("token_budget").inc()
+            raise Overloaded(
+                f"{n} prompt tokens do not fit the in-flight budget while the engine's "
+                f"rate is not yet measured ({self._tokens} of {unmeasured} in use)"
+            )
+
+    def _check_deadline(self, n: int, new_tokens: int, deadline: float | None, now: float) -> None:
+        """``Overloaded`` (reason ``deadline``) if the work ahead plus ``n`` tokens (of which
+        ``new_tokens`` answer budget) cannot be done by ``deadline`` at the measured rates;
+        its Retry-After is when they could be."""
+        wait_s = self.estimated_wait_s
+        own_s = self.meter.seconds_for(n - new_tokens, new_tokens)
+        if deadline is None or wait_s is None or own_s is None:
             return
-        wait_s = self._tokens / rate
-        own_s = n / rate
         left_s = deadline - now
         if wait_s + own_s <= _HEADROOM * left_s:
             return
@@ -159,12 +252,36 @@ class Admission:
         timeout = _HEADROOM * self._settings.request_timeout_s
         ahead_s = wait_s + own_s - timeout if own_s < timeout else wait_s
         retry = max(1, math.ceil(ahead_s))
+        rate = self.meter.tokens_per_s
         raise Overloaded(
-            f"the {self._tokens} prompt tokens queued ahead (about {wait_s:.1f} s at the "
-            f"measured {rate:.0f} tokens/s) and this request's {n} (about {own_s:.1f} s) "
+            f"the {self._tokens} tokens queued ahead (about {wait_s:.1f} s at the measured "
+            f"{rate:.0f} prompt tokens/s) and this request's {n} (about {own_s:.1f} s) "
             f"would not finish within its deadline ({max(left_s, 0.0):.1f} s left)",
             retry_after_s=retry,
         )
+
+
+def _unreachable(
+    estimate: Estimate, own_s: float, meter: ThroughputMeter, timeout_s: float, name: str
+) -> DeadlineUnreachable:
+    """The 422 for work that cannot finish by its deadline even alone: the estimate, how it
+    was made, the deadline, and what would fit."""
+    usable = _HEADROOM * timeout_s
+    rate = meter.tokens_per_s or 0.0
+    parts = [f"{estimate.prompt_tokens} prompt tokens at the measured {rate:.0f}/s"]
+    decode = meter.decode_tokens_per_s
+    if estimate.new_tokens and decode is not None:
+        parts.append(f"{estimate.new_tokens} answer tokens at {decode:.0f}/s")
+    share = usable / own_s
+    return DeadlineUnreachable(
+        estimate.param,
+        round(usable, 3),
+        round(own_s, 3),
+        f"this request's {estimate.prompts} model calls are estimated at {own_s:.1f} s on an "
+        f"idle engine ({'; '.join(parts)}), over the {usable:.1f} s its deadline allows "
+        f"({name} = {timeout_s:g} s, 90% usable); about {share:.0%} of this work would fit: "
+        f"send fewer passages, prompts or samples ({estimate.param}), or raise {name}",
+    )
 
 
 class AdmittedBackend:
@@ -180,18 +297,25 @@ class AdmittedBackend:
         settings: Settings,
         *,
         deadline: float | None = None,
+        timeout_s: float | None = None,
+        timeout_name: str = "request_timeout_s",
     ) -> None:
         """Args:
         inner: the shared backend.
         admission: the service's admission.
         settings: the limits.
         deadline: ``time.monotonic()`` by which the request must be answered (admission
-            refuses a call that would not finish by then); ``None``: not checked.
+            refuses work that would not finish by then); ``None``: not checked.
+        timeout_s: the deadline's whole length (default ``request_timeout_s``).
+        timeout_name: the setting that sets it, named in a refusal.
         """
         self._inner = inner
         self._admission = admission
         self._settings = settings
         self._deadline = deadline
+        self._timeout_s = settings.request_timeout_s if timeout_s is None else timeout_s
+        self._timeout_name = timeout_name
+        self._reservation: Reservation | None = None
         self._sent_tokens = 0  # prompt tokens this request sent so far, scored or generated
         self._tokenizer: _ChargedTokenizer | None = None
 
@@ -213,6 +337,25 @@ class AdmittedBackend:
             )
         return self._tokenizer
 
+    def admit(self, estimate: Estimate) -> float | None:
+        """Admit the request's whole estimated work (``Admission.reserve``); its calls then
+        draw on the reservation. Returns its estimated seconds on an idle engine.
+
+        Raises:
+            DeadlineUnreachable, Overloaded: as ``Admission.reserve``.
+        """
+        self.release()
+        self._reservation = self._admission.reserve(
+            estimate, self._deadline, timeout_s=self._timeout_s, timeout_name=self._timeout_name
+        )
+        return self._reservation.estimated_s
+
+    def release(self) -> None:
+        """Give back what the request's calls did not take (when it ends, however)."""
+        if self._reservation is not None:
+            self._admission.release(self._reservation)
+            self._reservation = None
+
     async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
         """Check the request's limits (422), admit its tokens (503), then score.
 
@@ -229,7 +372,7 @@ class AdmittedBackend:
             )
         tokens = sum(len(r.token_ids) for r in requests)
         self._count_prompt_tokens(tokens, n)
-        with self._admission.tokens(tokens, self._deadline):
+        with self._admission.tokens(tokens, self._deadline, reservation=self._reservation):
             return await self._inner.score(requests)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
@@ -243,8 +386,10 @@ class AdmittedBackend:
         """
         prefilled = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
         self._count_prompt_tokens(prefilled, len(requests))
-        tokens = prefilled + sum(r.max_new_tokens for r in requests)
-        with self._admission.tokens(tokens, self._deadline):
+        budget = sum(r.max_new_tokens for r in requests)
+        with self._admission.tokens(
+            prefilled + budget, self._deadline, new_tokens=budget, reservation=self._reservation
+        ):
             return await self._inner.generate(requests)
 
     def _count_prompt_tokens(self, tokens: int, n: int) -> None:
@@ -267,7 +412,9 @@ class AdmittedBackend:
         self._sent_tokens = total
 
     async def aclose(self) -> None:
-        """Nothing to do: the lifespan owns and closes the shared backend."""
+        """Release the request's reservation; the lifespan owns and closes the shared
+        backend."""
+        self.release()
 
 
 class _ChargedTokenizer:

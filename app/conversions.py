@@ -248,6 +248,7 @@ def reorder_meta(
             scoring_s=result.timing.scoring_s,
             solver_s=result.timing.solver_s,
             total_s=result.timing.total_s,
+            estimated_s=result.timing.estimated_s,
         ),
     )
 

@@ -92,8 +92,10 @@ _DESCRIPTIONS: Final[Mapping[int, str]] = {
     "server with no admin key and `open_writes` off.",
     404: "No such resource (a bias profile id that is not stored).",
     413: "Request body over `max_body_bytes`.",
-    422: "Schema violation (bounded echo of the value), a limit (param, limit, value), or a "
-    "design that cannot identify the fit.",
+    422: "Schema violation (bounded echo of the value), a limit (param, limit, value), a "
+    "design that cannot identify the fit, or `deadline_unreachable`: the request's estimated "
+    "work exceeds its deadline even on an idle engine (limit: usable seconds, value: the "
+    "estimate).",
     500: "Internal error; the body carries the request id, never a traceback.",
     502: "Too many prompts failed to score for the rest to identify the fit.",
     503: "Not ready, draining, or admission refused (too many requests, or the queue ahead would "

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager
 from typing import TypeVar
 
 import anyio
@@ -59,8 +60,10 @@ async def execute(
     ctx.metrics.within_deadline.inc()
     if result.auto is not None:
         ctx.engine.learner.count(result.auto.path)
+    estimated = result.timing.estimated_s
     log.info(
-        "request %s: %s%s, %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s",
+        "request %s: %s%s, %d passages, %d prompts (%d failed), %d prompt tokens, %.3f s "
+        "in the model (estimated %s), %.3f s",
         request_id_of(request.scope),
         result.strategy,
         f" ({result.auto.path})" if result.auto is not None else "",
@@ -68,6 +71,8 @@ async def execute(
         result.prompts,
         result.usage.prompts_failed,
         result.usage.prompt_tokens,
+        result.timing.scoring_s,
+        "-" if estimated is None else f"{estimated:.3f} s",
         result.timing.total_s,
     )
     return result
@@ -96,18 +101,24 @@ async def run_admitted(
     rid = request_id_of(request.scope)
 
     deadline = time.monotonic() + timeout_s
+    admitted: list[AdmittedBackend] = []
 
     def reorderer() -> Reorderer:
-        return Reorderer(
-            AdmittedBackend(backend, ctx.admission, settings, deadline=deadline),
+        gate = AdmittedBackend(
+            backend,
+            ctx.admission,
             settings,
-            ctx.engine.profiles,
-            ctx.engine.traffic,
-            ctx.engine.learner,
+            deadline=deadline,
+            timeout_s=timeout_s,
+            timeout_name=timeout_name,
+        )
+        admitted.append(gate)
+        return Reorderer(
+            gate, settings, ctx.engine.profiles, ctx.engine.traffic, ctx.engine.learner, gate
         )
 
     t0 = time.perf_counter()
-    with ctx.admission.request():
+    with ctx.admission.request(), _released(admitted):
         try:
             with anyio.fail_after(timeout_s):
                 result = await cancel_on_disconnect(request, lambda: work(reorderer))
@@ -129,6 +140,16 @@ async def run_admitted(
             raise
     ctx.lifecycle.succeeded()
     return result
+
+
+@contextmanager
+def _released(admitted: list[AdmittedBackend]) -> Iterator[None]:
+    """Whatever happens to the work, its requests' reservations go back to admission."""
+    try:
+        yield
+    finally:
+        for gate in admitted:
+            gate.release()
 
 
 async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:

@@ -217,8 +217,9 @@ class ServiceMetrics:
         )
         self.admission_rejections = Counter(
             f"{p}_admission_rejections",
-            "Requests refused by admission with 503, by reason (concurrency, token_budget, or "
-            "deadline: the queue ahead would not let it finish in time; shed at once).",
+            "Requests refused by admission, by reason: 503 for concurrency, token_budget, or "
+            "deadline (the queue ahead would not let it finish in time; shed at once); 422 for "
+            "unreachable (its own estimated work exceeds its deadline on an idle engine).",
             ["reason"],
             registry=r,
         )

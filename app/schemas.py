@@ -528,6 +528,10 @@ class TimingOut(_Model):
     scoring_s: float
     solver_s: float
     total_s: float
+    estimated_s: float | None = None
+    """Admission's estimate, made before the first prompt was built, of the seconds this
+    request's model calls take on an idle engine at the measured rates (compare with
+    `scoring_s`); null when the request made no model call or no rate was measured yet."""
 
 
 class ReorderMeta(_Model):

@@ -36,6 +36,19 @@ class LimitExceeded(ClientError):
         self.value = value
 
 
+class DeadlineUnreachable(LimitExceeded):
+    """The request's estimated work cannot finish by its deadline even on an idle engine
+    (issue 62): ``limit`` is the seconds it may use, ``value`` the seconds estimated; the
+    message says what would fit. Retrying it unchanged is refused again."""
+
+    code = "deadline_unreachable"
+
+    def __init__(self, param: str, limit: float, value: float, message: str) -> None:
+        super().__init__(param, limit, value)
+        self.message = message
+        self.args = (message,)
+
+
 class NotFound(ClientError):
     """A named resource (a bias profile) does not exist."""
 

@@ -27,6 +27,7 @@ from service.strategies import get_strategy
 from service.strategies import moi as _moi
 from service.strategies.base import (
     AutoReport,
+    Cost,
     DesignKind,
     DesignSpec,
     Outcome,
@@ -41,6 +42,7 @@ from service.strategies.base import (
     check_options,
 )
 from service.strategies.placement import apply_placement
+from service.strategies.work import RequestGate
 from service.strategy_names import StrategyName
 from service.traffic import TrafficSampler
 
@@ -106,8 +108,11 @@ class Reorderer:
         profiles: ProfileStore | None = None,
         traffic: TrafficSampler | None = None,
         learner: ProfileLearner | None = None,
+        gate: RequestGate | None = None,
     ) -> None:
         self.backend = backend
+        self.gate = gate
+        """Admission of each request as a whole (the server's); ``None``: not checked."""
         self.settings = settings
         self.profiles = profiles or ProfileStore(settings.profiles_path)
         self.traffic = traffic
@@ -123,15 +128,23 @@ class Reorderer:
         """
         return _moi.plan_design(spec, passages, self.settings.seed)
 
-    def planned_prompts(self, req: ReorderRequest) -> int:
-        """Model calls the request will need (for the request limits), before any scoring.
+    def cost(self, req: ReorderRequest) -> Cost:
+        """The model calls the request will need, before any scoring.
 
         Raises:
             InvalidRequest: unknown strategy, options it does not read, or a bad design.
         """
         strategy = get_strategy(req.strategy)
         check_options(strategy, req)
-        return strategy.planned_prompts(req, self.settings)
+        return strategy.cost(req, self.settings)
+
+    def planned_prompts(self, req: ReorderRequest) -> int:
+        """Model calls the request will need (for the request limits), before any scoring.
+
+        Raises:
+            as ``cost``.
+        """
+        return self.cost(req).prompts
 
     def work(self, request_id: str, template: str | None = None) -> Work:
         """Metered model access for one request (strategies, calibration, evaluation)."""
@@ -143,6 +156,7 @@ class Reorderer:
             self.profiles,
             self.traffic,
             self.learner,
+            self.gate,
         )
 
     async def reorder(self, req: ReorderRequest) -> ReorderResult:
@@ -159,23 +173,28 @@ class Reorderer:
         rid = req.request_id or f"reorder-{uuid.uuid4().hex[:16]}"
         if not req.passages:
             raise InvalidRequest("passages must not be empty", param="passages")
-        planned = self.planned_prompts(req)
+        cost = self.cost(req)
         strategy = get_strategy(req.strategy)
         limit = self.settings.max_prompts_per_request
-        if planned > limit:
-            # Name the knob that sets the count: K where the strategy samples (its default
+        if cost.prompts > limit:
+            # Named by the knob that sets the count: K where the strategy samples (its default
             # K = 30 for self_consistency does not depend on the passages), else the design
             # or the number of passages.
-            param = (
-                "samples"
-                if "samples" in strategy.options
-                else ("design.num_prompts" if strategy.uses_design else "passages")
-            )
             raise LimitExceeded(
-                param, limit, planned, what=f"model calls strategy {req.strategy!r} needs"
+                cost.param, limit, cost.prompts, what=f"model calls strategy {req.strategy!r} needs"
             )
         work = self.work(rid, req.template)
-        outcome = await strategy.run(work, req)
+        try:
+            if cost.upfront:
+                # The whole request is admitted (or refused at once) before its first prompt
+                # is built; ``auto`` admits its MoI path when it takes it.
+                await work.admit(cost, req.query, req.passages)
+            outcome = await strategy.run(work, req)
+        finally:
+            if self.gate is not None:
+                # What the estimate reserved beyond the calls goes back now, not when the
+                # HTTP request ends (a calibration runs many queries in one).
+                self.gate.release()
         if strategy.name not in ("moi", "auto"):  # both place by themselves
             outcome = apply_placement(work, req, outcome)
         _check_outcome(outcome, len(req.passages))
@@ -207,6 +226,7 @@ class Reorderer:
                 scoring_s=work.model_s,
                 solver_s=work.solver_s,
                 total_s=time.perf_counter() - t0,
+                estimated_s=work.estimated_s,
             ),
             warnings=tuple(dict.fromkeys(outcome.warnings)),
         )

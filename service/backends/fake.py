@@ -120,7 +120,9 @@ class FakeBackend:
     (breaking the port's contract on purpose, to test the caller's guard); ``delay_s`` sleeps
     before answering each call; ``hang`` never answers (until cancelled); ``s_per_token``
     makes it an engine of fixed capacity: calls run one at a time, in arrival order, each for
-    its prompt tokens times ``s_per_token`` (overload and admission tests).
+    its prompt tokens times ``s_per_token`` (overload and admission tests), a generation also
+    for its answer budget times ``s_per_new_token`` (default ``s_per_token``; a real engine's
+    decode is much slower per token than its prefill).
 
     Args:
         truth: passage text -> true utility. Every passage of a request must be a key; texts
@@ -163,6 +165,7 @@ class FakeBackend:
         delay_s: float = 0.0,
         hang: bool = False,
         s_per_token: float = 0.0,
+        s_per_new_token: float | None = None,
     ) -> None:
         if not all(math.isfinite(u) for u in truth.values()):
             raise ValueError("utilities must be finite")
@@ -188,6 +191,7 @@ class FakeBackend:
         self.delay_s = delay_s
         self.hang = hang
         self.s_per_token = s_per_token
+        self.s_per_new_token = s_per_token if s_per_new_token is None else s_per_new_token
         # Made on first use (tests run one backend under several event loops); anyio's lock
         # hands over in arrival order: a FIFO engine.
         self._engine: anyio.Lock | None = None
@@ -277,7 +281,9 @@ class FakeBackend:
             ValueError: ``max_new_tokens < 1``.
         """
         await self._enter()
-        await self._occupy(sum(len(r.token_ids) + r.max_new_tokens for r in requests))
+        prefill = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
+        decode_s = self.s_per_new_token * sum(r.max_new_tokens for r in requests)
+        await self._occupy(prefill, decode_s)
         self.stats.generate_calls += 1
         results: list[GenerateResult] = []
         for request in requests:
@@ -307,13 +313,15 @@ class FakeBackend:
         if self.delay_s > 0:
             await anyio.sleep(self.delay_s)
 
-    async def _occupy(self, tokens: int) -> None:
-        """Hold the one engine for ``tokens`` x ``s_per_token`` (nothing when that is 0)."""
-        if self.s_per_token > 0:
+    async def _occupy(self, tokens: int, decode_s: float = 0.0) -> None:
+        """Hold the one engine for ``tokens`` x ``s_per_token`` plus ``decode_s`` (nothing
+        when that is 0)."""
+        seconds = tokens * self.s_per_token + decode_s
+        if seconds > 0:
             if self._engine is None:
                 self._engine = anyio.Lock()
             async with self._engine:
-                await anyio.sleep(tokens * self.s_per_token)
+                await anyio.sleep(seconds)
 
     def _score_one(self, request: SpanRequest) -> ScoreResult:
         parsed = self._parse(request.request_id, request.token_ids[: request.span_end])

@@ -32,6 +32,7 @@ from service.errors import InvalidRequest
 from service.learning import Decision, ProfileLearner, ShadowRun
 from service.settings import Settings
 from service.strategies.base import (
+    Cost,
     DesignSpec,
     Outcome,
     Placement,
@@ -40,7 +41,7 @@ from service.strategies.base import (
     descending,
     retriever_ranking,
 )
-from service.strategies.moi import MoI, plan_design, retriever_scores
+from service.strategies.moi import MoI, design_cost, plan_design, retriever_scores
 from service.strategies.placement import named_profile
 from service.strategies.request import AutoReport
 from service.strategies.retrieval import bm25_scores, cosine_scores, passage_text
@@ -62,10 +63,11 @@ class Auto:
     uses_design = False
     ranks = True
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        # The most it may need: the MoI path (the request limits hold for every path).
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        # The most it may need: the MoI path (the request limits hold for every path). Only
+        # that path calls the model in the caller's time; it is admitted when it is taken.
         _, perms = plan_design(LEARNING_SPEC, request.passages, settings.seed)
-        return int(perms.shape[0])
+        return replace(design_cost(perms), param="passages", upfront=False)
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         if request.placement not in (None, "bias_matched"):
@@ -96,6 +98,7 @@ class Auto:
         # The request's placement (none, or bias_matched) is MoI's; the design is the
         # learning design, whatever path this is, so every run can be pooled.
         moi_request = replace(request, strategy="moi", design=LEARNING_SPEC, bias_profile=None)
+        await work.admit(_MOI.cost(moi_request, work.settings), request.query, request.passages)
         scored = await _MOI.run_scored(work, moi_request)
         kept = learner.record(decision, scored.perms, scored.scores, request.caller)
         report = _report(decision, ranker="moi", kept=kept)

@@ -15,6 +15,8 @@ from service.settings import Settings
 from service.strategies.request import (
     Answer,
     AutoReport,
+    Calls,
+    Cost,
     DesignKind,
     DesignSpec,
     Outcome,
@@ -37,6 +39,8 @@ from service.strategy_names import StrategyName
 __all__ = [
     "Answer",
     "AutoReport",
+    "Calls",
+    "Cost",
     "DesignKind",
     "DesignSpec",
     "Outcome",
@@ -71,9 +75,10 @@ class Strategy(Protocol):
     """Whether it ranks the passages, so that ``placement`` and ``bias_profile`` apply (the
     pure placements and the strategies that place by their own measured profile do not)."""
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        """Model calls (scored prompts plus generations) the request will need, before any
-        scoring, for the request limits.
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        """The model calls (scored prompts and generations) the request will need, stated
+        before any call: the request limits count them, admission estimates the request's
+        seconds from them (issue 62).
 
         Raises:
             InvalidRequest: the request cannot be run by this strategy.

@@ -68,6 +68,8 @@ from service.positional_store import PositionalRecord, PositionalStore
 from service.prompts import Passage
 from service.settings import Settings
 from service.strategies.base import (
+    Calls,
+    Cost,
     Outcome,
     PositionalProfile,
     ReorderRequest,
@@ -191,8 +193,8 @@ class MaxRelevance:
     uses_design = False
     ranks = False
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        return 0
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        return Cost()
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         n = len(request.passages)
@@ -221,8 +223,8 @@ class MinDistraction:
     uses_design = False
     ranks = False
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        return len(request.passages)
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        return Cost((Calls(len(request.passages), 1),))
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         passages = request.passages

@@ -23,6 +23,8 @@ import numpy as np
 from service.errors import InvalidRequest, ScoringFailed
 from service.settings import Settings
 from service.strategies.base import (
+    Calls,
+    Cost,
     Outcome,
     PromptScore,
     ReorderRequest,
@@ -132,8 +134,9 @@ class QueryLikelihood:
     uses_design = False
     ranks = True
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        return _orders_up_to(len(request.passages), self._samples(request))
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        n = len(request.passages)
+        return Cost((Calls(_orders_up_to(n, self._samples(request)), n),), param="samples")
 
     @staticmethod
     def _samples(request: ReorderRequest) -> int:
@@ -216,8 +219,9 @@ class ConvexScore:
     uses_design = False
     ranks = True
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        return len(request.passages) ** 2
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        n = len(request.passages)
+        return Cost((Calls(n * n, n),))
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         passages = request.passages

@@ -51,6 +51,8 @@ from service.answers import DEFAULT_MAX_ANSWER_TOKENS
 from service.errors import InvalidRequest
 from service.settings import Settings
 from service.strategies.base import (
+    Calls,
+    Cost,
     Outcome,
     ReorderRequest,
     VotedAnswer,
@@ -123,9 +125,9 @@ class Lore:
     uses_design = False
     ranks = True
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        _Params.of(request)
-        return len(request.passages)
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        params = _Params.of(request)
+        return Cost((Calls(len(request.passages), 1, new_tokens=params.max_answer_tokens),))
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         params = _Params.of(request)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import solver
 from service.settings import Settings
-from service.strategies.base import Outcome, ReorderRequest, Work, retriever_ranking, rng_for
+from service.strategies.base import Cost, Outcome, ReorderRequest, Work, retriever_ranking, rng_for
 from service.strategy_names import StrategyName
 
 
@@ -34,8 +34,8 @@ class _Placement:
     uses_design = False
     ranks = False
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        return 0
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        return Cost()
 
 
 class Retriever(_Placement):

@@ -17,7 +17,15 @@ import solver
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.prompts import Passage
 from service.settings import Settings
-from service.strategies.base import DesignKind, DesignSpec, Outcome, ReorderRequest, Work
+from service.strategies.base import (
+    Calls,
+    Cost,
+    DesignKind,
+    DesignSpec,
+    Outcome,
+    ReorderRequest,
+    Work,
+)
 from service.strategies.placement import named_profile, placed_by
 from service.strategy_names import StrategyName
 
@@ -104,9 +112,9 @@ class MoI:
     uses_design = True
     ranks = True
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
         _, perms = plan_design(request.design, request.passages, self._seed(request, settings))
-        return int(perms.shape[0])
+        return design_cost(perms)
 
     @staticmethod
     def _seed(request: ReorderRequest, settings: Settings) -> int:
@@ -208,3 +216,9 @@ class MoI:
         if named is not None:
             outcome = placed_by(outcome, list(fit.order), named)
         return ScoredOutcome(outcome, perms, scores)
+
+
+def design_cost(perms: np.ndarray) -> Cost:
+    """A design's model calls: one scored prompt per row, of as many passages as it has slots."""
+    m, slots = (int(v) for v in perms.shape)
+    return Cost((Calls(m, slots),), param="design.num_prompts")

@@ -25,6 +25,8 @@ import numpy as np
 
 from service.settings import Settings
 from service.strategies.base import (
+    Calls,
+    Cost,
     Outcome,
     PromptScore,
     ReorderRequest,
@@ -44,8 +46,8 @@ class _Pointwise:
     joint = False
     """Also score the passage's own tokens (``PromptScore.passages``)."""
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        return len(request.passages)
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        return Cost((Calls(len(request.passages), 1),))
 
     def utility(self, score: PromptScore) -> float:
         raise NotImplementedError

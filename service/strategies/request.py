@@ -104,11 +104,59 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class Calls:
+    """Prompts of one shape a strategy sends: ``prompts`` prompts of ``passages`` passages
+    each, scored (``new_tokens`` 0) or each generating up to ``new_tokens``."""
+
+    prompts: int
+    passages: int
+    new_tokens: int = 0
+    distinct: int | None = None
+    """Prompts left after identical ones are merged (``Work`` sends each once), when fewer
+    than ``prompts``; the request limits count ``prompts``, the estimate ``distinct``."""
+
+    @property
+    def sent(self) -> int:
+        return self.prompts if self.distinct is None else self.distinct
+
+
+@dataclass(frozen=True)
+class Cost:
+    """What a request will cost in model calls, stated before any call (issue 62): the request
+    limits count its prompts, admission estimates its seconds from it."""
+
+    calls: tuple[Calls, ...] = ()
+    param: str = "passages"
+    """The request field that sets the count: where a refusal tells the caller to turn down."""
+    upfront: bool = True
+    """False: the most the strategy may need (``auto``); it admits what it decides to send
+    itself, in ``run``."""
+
+    @property
+    def prompts(self) -> int:
+        """Model calls, scored prompts plus generations."""
+        return sum(c.prompts for c in self.calls)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A request's model work in tokens, from its ``Cost`` and its prompts' ``PromptSize``."""
+
+    prompts: int
+    prompt_tokens: int
+    new_tokens: int
+    param: str
+
+
+@dataclass(frozen=True)
 class Timing:
     tokenize_s: float
     scoring_s: float  # in the model: scoring and generating
     solver_s: float
     total_s: float
+    estimated_s: float | None = None
+    """Admission's estimate of the seconds the model calls take on an idle engine (issue
+    62); ``None``: no model call admitted as a whole, or no measured rate yet."""
 
 
 @dataclass(frozen=True)

@@ -23,7 +23,14 @@ import numpy as np
 
 from service.prompts import Passage
 from service.settings import Settings
-from service.strategies.base import Outcome, ReorderRequest, Work, descending, retriever_ranking
+from service.strategies.base import (
+    Cost,
+    Outcome,
+    ReorderRequest,
+    Work,
+    descending,
+    retriever_ranking,
+)
 from service.strategy_names import StrategyName
 
 K1 = 1.5
@@ -65,8 +72,8 @@ class _Lexical:
     ranks = True
     score_name: str
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        return 0
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        return Cost()
 
     def scores(self, query: str, documents: Sequence[str]) -> np.ndarray:
         raise NotImplementedError

@@ -38,6 +38,8 @@ from service.errors import InvalidRequest
 from service.settings import Settings
 from service.strategies.base import (
     Answer,
+    Calls,
+    Cost,
     Outcome,
     ReorderRequest,
     VotedAnswer,
@@ -60,16 +62,20 @@ class SelfConsistency:
     uses_design = False
     ranks = False
 
-    def planned_prompts(self, request: ReorderRequest, settings: Settings) -> int:
-        answer_budget(request)
-        return _samples(request)
+    def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        budget = answer_budget(request)
+        # Identical permutations are generated once: count the distinct ones (few for few
+        # passages: 2 of 30 samples for 2 passages).
+        perms = _permutations(request, settings)
+        calls = Calls(
+            len(perms), len(request.passages), new_tokens=budget, distinct=len(set(perms))
+        )
+        return Cost((calls,), param="samples")
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         k = _samples(request)
         budget = answer_budget(request)
-        n = len(request.passages)
-        rng = rng_for(request, work.settings)
-        perms = [tuple(int(i) for i in rng.permutation(n)) for _ in range(k)]
+        perms = _permutations(request, work.settings)
         # Build each distinct order once; every sample still goes to ``generate`` (the ledger
         # counts K planned calls, ``generate`` sends each distinct prompt once).
         distinct = list(dict.fromkeys(perms))
@@ -108,6 +114,13 @@ class SelfConsistency:
             },
             warnings=tuple(warnings),
         )
+
+
+def _permutations(request: ReorderRequest, settings: Settings) -> list[tuple[int, ...]]:
+    """The K permutations the request answers, from its seeded random stream."""
+    n = len(request.passages)
+    rng = rng_for(request, settings)
+    return [tuple(int(i) for i in rng.permutation(n)) for _ in range(_samples(request))]
 
 
 def _samples(request: ReorderRequest) -> int:

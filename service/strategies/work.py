@@ -13,7 +13,7 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 
 import anyio.to_thread
 import numpy as np
@@ -33,10 +33,11 @@ from service.prompts import (
     build_generation_prompt,
     build_prompts,
     get_template,
+    prompt_size,
 )
 from service.settings import Settings
 from service.solver_pool import shared_pool
-from service.strategies.request import Answer, PromptScore, Usage
+from service.strategies.request import Answer, Cost, Estimate, PromptScore, Usage
 
 if TYPE_CHECKING:
     from service.learning import ProfileLearner
@@ -46,6 +47,24 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+
+class RequestGate(Protocol):
+    """Admission of a request as a whole (the server's is ``app.admission.AdmittedBackend``)."""
+
+    def admit(self, estimate: Estimate) -> float | None:
+        """Admit the request's estimated work or raise; returns its estimated seconds on an
+        idle engine (``None``: no measured rate to estimate with).
+
+        Raises:
+            Overloaded: the queue ahead would not let it finish by its deadline (503).
+            DeadlineUnreachable: it cannot finish by its deadline even on an idle engine.
+        """
+        ...
+
+    def release(self) -> None:
+        """The request is done: give back what its calls did not take of the estimate."""
+        ...
 
 
 class Work:
@@ -60,8 +79,10 @@ class Work:
         profiles: ProfileStore,
         traffic: TrafficSampler | None = None,
         learner: ProfileLearner | None = None,
+        gate: RequestGate | None = None,
     ) -> None:
         self.backend = backend
+        self.gate = gate
         self.settings = settings
         self.request_id = request_id
         self.template = template
@@ -73,6 +94,7 @@ class Work:
         self.model_s = 0.0
         self.solver_s = 0.0
         self.planned = 0  # model calls asked for, before de-duplication
+        self.estimated_s: float | None = None  # admission's estimate (``admit``)
         self._scored = 0
         self._failed = 0
         self._prompt_tokens = 0
@@ -99,6 +121,31 @@ class Work:
     def new_id(self) -> str:
         self._next_id += 1
         return f"{self.request_id}-{self._next_id - 1}"
+
+    async def admit(self, cost: Cost, query: str, passages: Sequence[Passage]) -> None:
+        """Have the request's whole model work admitted before its first prompt is built.
+
+        The prompts' tokens are estimated from one rendered prompt without passages and each
+        passage's block (``prompt_size``, off the loop): a refusal comes in milliseconds, not
+        after tokenising every prompt. Without a gate (calibration's own runs, the CLI, the
+        tests) nothing is checked.
+
+        Raises:
+            as ``RequestGate.admit``; InvalidRequest as ``build_prompt``.
+        """
+        if self.gate is None or not cost.calls:
+            return
+        tokenizer = self.backend.tokenizer
+        size = await self.off_loop(
+            lambda: prompt_size(tokenizer, self.template, query, passages), timer="tokenize"
+        )
+        estimate = Estimate(
+            prompts=sum(c.sent for c in cost.calls),
+            prompt_tokens=sum(c.sent * size.tokens(c.passages) for c in cost.calls),
+            new_tokens=sum(c.sent * c.new_tokens for c in cost.calls),
+            param=cost.param,
+        )
+        self.estimated_s = self.gate.admit(estimate)
 
     async def off_loop(self, fn: Callable[[], T], *, timer: Literal["tokenize", "solver"]) -> T:
         """Run CPU work (tokenising, fitting) in a worker thread, timed into ``timer``."""

@@ -54,7 +54,8 @@ async def test_reorder_returns_everything_the_fit_knows(served: Harness) -> None
     assert diag["converged"] and diag["slots"] == len(bias["coefficients"])
     assert body["usage"]["prompt_tokens"] > body["usage"]["scored_tokens"] > 0
     assert body["usage"]["prompts_scored"] == diag["prompts"]
-    assert set(body["timing"]) == {"tokenize_s", "scoring_s", "solver_s", "total_s"}
+    assert set(body["timing"]) == {"tokenize_s", "scoring_s", "solver_s", "total_s", "estimated_s"}
+    assert body["timing"]["estimated_s"] > 0  # admission estimated the whole request
 
 
 async def test_reorder_options_reach_the_pipeline(served: Harness) -> None:

@@ -1,0 +1,231 @@
+"""Whole-request admission (issue 62): each strategy states its model calls before the first
+one, admission checks the whole estimate at the measured prefill and decode rates, refuses at
+once what cannot finish even on an idle engine (422 ``deadline_unreachable``) and keeps the
+place of what it admitted.
+
+The HTTP tests run the real app on the fake backend as an engine of fixed capacity
+(``s_per_token`` for prefill, ``s_per_new_token`` for decode, one call at a time), so the
+figures are known.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from app.admission import Admission, Reservation
+from app.exceptions import Overloaded
+from app.metrics import ServiceMetrics
+from service.capacity import ThroughputMeter
+from service.errors import DeadlineUnreachable
+from service.settings import Settings
+from service.strategies.request import Estimate
+from tests.app.conftest import QUERY, Harness, TrackingBackend, serving
+
+
+def _measured(prefill: float, decode: float | None = None, timeout_s: float = 10.0) -> Admission:
+    """An admission whose meter measured ``prefill`` prompt tokens/s (and ``decode`` answer
+    tokens/s) from real calls."""
+    admission = Admission(
+        Settings(request_timeout_s=timeout_s), ServiceMetrics(include_default_registry=False)
+    )
+    meter = admission.meter
+    meter.begin(0.0)
+    meter.end(1.0, int(prefill))
+    if decode is not None:
+        # 1,000 prompt tokens (1000 / prefill s) then 100 answer tokens (100 / decode s).
+        meter.begin(1.0)
+        meter.end(1.0 + 1000 / prefill + 100 / decode, 1000, 100)
+        assert meter.decode_tokens_per_s == pytest.approx(decode)
+    assert meter.tokens_per_s == pytest.approx(prefill)
+    return admission
+
+
+def _estimate(prompt_tokens: int, new_tokens: int = 0, param: str = "passages") -> Estimate:
+    return Estimate(prompts=10, prompt_tokens=prompt_tokens, new_tokens=new_tokens, param=param)
+
+
+def test_decode_is_measured_apart_from_prefill() -> None:
+    meter = ThroughputMeter()
+    meter.begin(0.0)
+    meter.end(2.0, 2000)  # prefill: 1,000 tokens/s
+    meter.begin(2.0)
+    # 500 prompt tokens (0.5 s at the prefill rate) and 64 answer tokens in 2.5 s: 2 s decode.
+    meter.end(4.5, 500, 64)
+    assert meter.tokens_per_s == pytest.approx(1000.0)
+    assert meter.decode_tokens_per_s == pytest.approx(32.0)
+    assert meter.seconds_for(1000, 64) == pytest.approx(1.0 + 2.0)
+    # A generation before any prefill rate cannot be split: it adds to neither.
+    fresh = ThroughputMeter()
+    fresh.begin(0.0)
+    fresh.end(1.0, 500, 64)
+    assert fresh.tokens_per_s is None and fresh.decode_tokens_per_s is None
+
+
+def test_work_over_the_deadline_on_an_idle_engine_is_refused_with_the_estimate() -> None:
+    admission = _measured(1000.0, decode=20.0, timeout_s=10.0)
+    deadline = time.monotonic() + 10.0
+    # 5,000 prompt tokens (5 s) + 200 answer tokens (10 s): 15 s > 9 s usable.
+    with pytest.raises(DeadlineUnreachable) as refused:
+        admission.reserve(_estimate(5000, 200, "samples"), deadline, timeout_s=10.0)
+    err = refused.value
+    assert err.param == "samples" and err.code == "deadline_unreachable"
+    assert err.value == pytest.approx(15.0) and err.limit == pytest.approx(9.0)
+    for part in ("15.0 s", "5000 prompt tokens", "200 answer tokens", "request_timeout_s", "60%"):
+        assert part in err.message, err.message
+    assert admission.tokens_in_flight == 0
+    # Counted as prompt tokens (as before the decode rate), it would have looked like 5.2 s.
+    fits = admission.reserve(_estimate(5000, 60), deadline, timeout_s=10.0)  # 5 + 3 s
+    assert fits.estimated_s == pytest.approx(8.0)
+    admission.release(fits)
+    assert admission.tokens_in_flight == 0
+
+
+def test_a_rate_from_the_warm_up_seed_alone_never_refuses_for_good() -> None:
+    admission = Admission(
+        Settings(request_timeout_s=10.0), ServiceMetrics(include_default_registry=False)
+    )
+    admission.seed(100, 1.0)  # a tiny probe: 100 tokens/s, far below the engine's real rate
+    reservation = admission.reserve(
+        _estimate(5000), time.monotonic() + 10.0, timeout_s=10.0
+    )  # 50 s by the seed: admitted, the engine is idle
+    assert reservation.estimated_s == pytest.approx(50.0)
+    admission.release(reservation)
+
+
+def test_a_reserved_request_keeps_its_place_and_newer_arrivals_queue_behind_it() -> None:
+    admission = _measured(1000.0, timeout_s=10.0)
+    deadline = time.monotonic() + 10.0
+    first = admission.reserve(_estimate(6000), deadline, timeout_s=10.0)  # 6 s, idle: in
+    # Before its first call, its tokens are in flight: a newer 4 s request would end at 10 s.
+    assert admission.tokens_in_flight == 6000
+    assert admission.estimated_wait_s == pytest.approx(6.0)
+    with pytest.raises(Overloaded) as shed:
+        admission.reserve(_estimate(4000), deadline, timeout_s=10.0)
+    assert shed.value.retry_after_s is not None
+    # Its own calls are not checked again, even with the deadline almost gone: they draw on
+    # the reservation, which shrinks by what they take.
+    almost_gone = time.monotonic() + 0.01
+    with admission.tokens(2500, almost_gone, reservation=first):
+        assert first.tokens == 3500
+        assert admission.tokens_in_flight == 6000
+    assert admission.tokens_in_flight == 3500
+    # A call larger than what is left takes the rest; the excess is held while it runs.
+    with admission.tokens(4000, almost_gone, reservation=first):
+        assert first.tokens == 0 and admission.tokens_in_flight == 4000
+    admission.release(first)
+    assert admission.tokens_in_flight == 0
+
+
+def test_release_gives_back_what_the_calls_did_not_take() -> None:
+    admission = _measured(1000.0)
+    reservation = admission.reserve(_estimate(3000, 100), None, timeout_s=10.0)
+    assert isinstance(reservation, Reservation)
+    assert admission.tokens_in_flight == 3100
+    with admission.tokens(1000, None, reservation=reservation):
+        pass
+    admission.release(reservation)
+    admission.release(reservation)  # idempotent
+    assert admission.tokens_in_flight == 0 and admission.estimated_wait_s == 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Over HTTP: each strategy that calls the model, small (fits) then large (refused at once).
+
+S_PER_TOKEN = 1e-4  # prefill: 10,000 tokens/s
+S_PER_NEW_TOKEN = 5e-3  # decode: 200 answer tokens/s, 50x slower per token
+TIMEOUT_S = 3.0
+
+_WORD = "lorem ipsum dolor sit amet "
+SHORT = [f"Passage number {i} says {_WORD * 8}".strip() for i in range(4)]
+# Eight of them fill most of the fake model's 32,768-token context.
+LONG = [f"Long passage number {i} says {_WORD * 140}".strip() for i in range(8)]
+TRUTH = {t: float(i % 5) for i, t in enumerate(SHORT + LONG)}
+
+# strategy -> (options): the small request (4 short passages) takes a fraction of the deadline;
+# the large one (8 long passages) is estimated over it. ``min_distraction`` is
+# left out: without a stored positional profile it is refused before any model call.
+CASES: dict[str, dict[str, Any]] = {
+    "moi": {},
+    "auto": {},
+    "query_likelihood": {"samples": 4},
+    "convex_score": {},
+    "query_generation": {},
+    "bayes_saliency": {},
+    "longllmlingua": {},
+    "lore": {"max_answer_tokens": 8},
+    "self_consistency": {"samples": 4, "max_answer_tokens": 8},
+}
+
+
+def _body(strategy: str, passages: list[str], options: dict[str, Any]) -> dict[str, Any]:
+    return {"query": QUERY, "passages": passages, "strategy": strategy, **options}
+
+
+async def _measure_prefill(h: Harness) -> None:
+    """A scored request first: admission refuses for good only on rates measured from real
+    calls of each kind (prefill by a scored call, decode by a generation)."""
+    r = await h.client.post("/v1/reorder", json=_body("moi", SHORT, {}))
+    assert r.status_code == 200, r.text
+    assert h.ctx.admission.meter.completed >= 1
+
+
+@pytest.mark.parametrize("strategy", list(CASES))
+async def test_each_strategy_fits_when_small_and_is_refused_at_once_when_it_cannot(
+    tmp_path: Path, strategy: str
+) -> None:
+    options = CASES[strategy]
+    backend = TrackingBackend(TRUTH, s_per_token=S_PER_TOKEN, s_per_new_token=S_PER_NEW_TOKEN)
+    async with serving(tmp_path, backend=backend, request_timeout_s=TIMEOUT_S) as h:
+        if "max_answer_tokens" in options:
+            await _measure_prefill(h)
+        ok = await h.client.post("/v1/reorder", json=_body(strategy, SHORT, options))
+        assert ok.status_code == 200, ok.text
+        if strategy == "auto":
+            assert ok.json()["auto"]["path"] == "moi"  # no profile yet: MoI, admitted whole
+        timing = ok.json()["timing"]
+        # Roughly what the calls took: the rates so far are the warm-up probe's (and, for a
+        # first generation, no decode rate yet).
+        assert timing["scoring_s"] / 3 < timing["estimated_s"] < 3 * timing["scoring_s"] + 0.1
+        calls = backend.stats.score_calls + backend.stats.generate_calls
+
+        t = time.perf_counter()
+        r = await h.client.post("/v1/reorder", json=_body(strategy, LONG, options))
+        elapsed = time.perf_counter() - t
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["code"] == "deadline_unreachable", err
+        assert err["value"] > err["limit"] == pytest.approx(0.9 * TIMEOUT_S)
+        assert "estimated at" in err["message"] and "request_timeout_s" in err["message"]
+        assert elapsed < 1.0
+        # Refused before any model call, nothing left reserved.
+        assert backend.stats.score_calls + backend.stats.generate_calls == calls
+        assert h.metric("rag_reorder_admission_rejections_total", {"reason": "unreachable"}) == 1
+        assert h.ctx.admission.tokens_in_flight == 0
+
+
+async def test_a_long_answer_budget_is_refused_by_the_measured_decode_rate(tmp_path: Path) -> None:
+    # 4 x 256 answer tokens take 5 s at 200/s; counted as prompt tokens, as before issue 62,
+    # they looked like 0.1 s, and the request was admitted to a 504.
+    backend = TrackingBackend(TRUTH, s_per_token=S_PER_TOKEN, s_per_new_token=S_PER_NEW_TOKEN)
+    async with serving(tmp_path, backend=backend, request_timeout_s=TIMEOUT_S) as h:
+        await _measure_prefill(h)
+        first = await h.client.post("/v1/reorder", json=_body("lore", SHORT, CASES["lore"]))
+        assert first.status_code == 200, first.text
+        assert h.ctx.admission.meter.decode_tokens_per_s == pytest.approx(200, rel=0.3)
+        r = await h.client.post(
+            "/v1/reorder", json=_body("lore", SHORT, {"max_answer_tokens": 256})
+        )
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["code"] == "deadline_unreachable" and err["param"] == "passages"
+        assert err["value"] == pytest.approx(4 * 256 / 200, rel=0.3)
+        assert "1024 answer tokens" in err["message"]
+        # A budget that fits is answered.
+        fits = await h.client.post(
+            "/v1/reorder", json=_body("lore", SHORT, {"max_answer_tokens": 64})
+        )
+        assert fits.status_code == 200, fits.text

@@ -55,7 +55,8 @@ test: lint docs
 		.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
 	# helm and the PromQL grammar for tests/deploy (chart, Compose, dashboard, Dockerfile checks).
 	scripts/deploy-tools.sh $(VENV)
-	# The client's wheel in a fresh virtualenv without the server; its tests call real server
+	# The client's wheel in its own virtualenv without the server (rebuilt when the client's
+	# pyproject.toml changes, the wheel reinstalled on every run); its tests call real server
 	# processes run by this virtualenv's interpreter.
 	scripts/client-venv.sh
 	cd clients/python && RAG_REORDER_SERVER_PYTHON=$(abspath $(BIN))/python ../../.venv-client/bin/pytest -q

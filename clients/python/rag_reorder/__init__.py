@@ -3,9 +3,10 @@
     pip install rag-reorder-client                # Client, AsyncClient
     pip install 'rag-reorder-client[langchain]'   # rag_reorder.langchain.RagReorderCompressor
     pip install 'rag-reorder-client[llamaindex]'  # rag_reorder.llama_index.RagReorderPostprocessor
+    pip install 'rag-reorder-client[haystack]'    # rag_reorder.haystack.RagReorderRanker
 
 Only httpx at run time; the framework adapters live in their own modules so that importing
-``rag_reorder`` needs neither framework.
+``rag_reorder`` needs none of the frameworks.
 """
 
 from __future__ import annotations

@@ -1,11 +1,14 @@
-"""What the framework adapters share: the metadata each reordered document carries."""
+"""What the framework adapters share: the metadata each reordered document carries, the way
+they call the service, and the client each opens and owns."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import threading
+import weakref
+from collections.abc import Callable, Sequence
 from typing import Any, Final, Protocol
 
-from rag_reorder.client import AsyncClient
+from rag_reorder.client import AsyncClient, Client
 from rag_reorder.types import Passage, Reordering
 
 METADATA_PREFIX: Final = "rag_reorder_"
@@ -106,3 +109,42 @@ async def reorder_async(
         return await async_client.reorder(query, passages, **options)
     async with AsyncClient(**kwargs) as client:
         return await client.reorder(query, passages, **options)
+
+
+class OwnedClient:
+    """The ``Client`` an adapter opens on its first call and owns, and closes.
+
+    ``close()`` (the adapter's ``close()`` or ``with`` block) closes it; a later call opens a
+    new one. An adapter dropped unclosed closes it through a finaliser: the frameworks call no
+    teardown hook, and a service that builds an adapter per request would otherwise keep a
+    connection (a file descriptor) per request until the garbage collector found each socket.
+    A client the caller passes to an adapter never comes here, so it is never closed.
+    """
+
+    def __init__(self) -> None:
+        # Two threads' first calls must not open two clients, one of them never closed.
+        self._lock = threading.Lock()
+        self._client: Client | None = None
+        self._finalizer: weakref.finalize[Any, Any] | None = None
+
+    def get(self, kwargs: Callable[[], dict[str, Any]]) -> Client:
+        """The open client, opened with ``kwargs()`` on the first call (or after ``close``)."""
+        with self._lock:
+            if self._client is None:
+                client = Client(**kwargs())
+                # On the client, not on this object: the finaliser must not keep it alive.
+                self._finalizer = weakref.finalize(self, client.close)
+                self._client = client
+            return self._client
+
+    def close(self) -> None:
+        """Close the client, if one is open; idempotent."""
+        with self._lock:
+            finalizer, self._finalizer, self._client = self._finalizer, None, None
+        if finalizer is not None:
+            finalizer()  # runs client.close() once, and detaches the finaliser
+
+    def __reduce__(self) -> tuple[type[OwnedClient], tuple[()]]:
+        # A copy (copy, deepcopy, pickle) of an adapter opens its own client: connections and
+        # a lock cannot be copied, and closing one adapter must not close another's.
+        return (OwnedClient, ())

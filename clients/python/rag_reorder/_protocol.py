@@ -1,15 +1,16 @@
-"""What both clients share, free of I/O: the request bodies, the response parsers and the
-retry policy. ``Client`` and ``AsyncClient`` (``client.py``) are two thin transports over it,
-the way httpx-based SDKs split one request builder and parser from their sync and async
-halves, so the two cannot behave differently.
+"""What both clients share, free of I/O: one ``Request`` per call (method, path, JSON body,
+headers and the parser of its answer), built by one function per route, and the retry policy.
+``Client`` and ``AsyncClient`` (``client.py``) only send a ``Request`` and wait, the way httpx
+keeps one request model for its two transports: a route or an option is written here once, and
+the two clients cannot behave differently.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 
@@ -76,7 +77,35 @@ def _options(
     return out
 
 
-def reorder_body(
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Request(Generic[T]):
+    """One call, ready for either client to send, the same on every attempt (the request id
+    included). ``headers`` are the call's own; the client adds its connection headers
+    (``Policy.headers``) when it sends."""
+
+    method: str
+    path: str
+    json: Mapping[str, object]
+    headers: Mapping[str, str]
+    parse: Callable[[Mapping[str, Any]], T]
+
+    def result(self, response: httpx.Response) -> T:
+        """The typed answer of a final response.
+
+        Raises:
+            RagReorderError: an error response, or a body that is not the route's.
+        """
+        return self.parse(parse_json(response))
+
+
+def _call_headers(request_id: str | None) -> dict[str, str]:
+    return {"x-request-id": request_id} if request_id else {}
+
+
+def reorder_request(
     query: str,
     passages: Sequence[str | Passage],
     *,
@@ -85,8 +114,9 @@ def reorder_body(
     design: Mapping[str, object] | None = None,
     top_n: int | None = None,
     options: Mapping[str, object] | None = None,
-) -> dict[str, object]:
-    """The JSON body of ``POST /v1/reorder`` (see ``Client.reorder``)."""
+    request_id: str | None = None,
+) -> Request[Reordering]:
+    """``POST /v1/reorder`` (the arguments of ``Client.reorder``)."""
     body: dict[str, object] = {
         "query": query,
         "passages": [_passage_json(p) for p in passages],
@@ -94,10 +124,10 @@ def reorder_body(
     }
     if top_n is not None:
         body["top_n"] = top_n
-    return body
+    return Request("POST", "/v1/reorder", body, _call_headers(request_id), parse_reordering)
 
 
-def rerank_body(
+def rerank_request(
     query: str,
     documents: Sequence[str],
     *,
@@ -108,8 +138,9 @@ def rerank_body(
     placement: Placement | None = None,
     design: Mapping[str, object] | None = None,
     options: Mapping[str, object] | None = None,
-) -> dict[str, object]:
-    """The JSON body of ``POST /v1/rerank`` (see ``Client.rerank``)."""
+    request_id: str | None = None,
+) -> Request[Reranking]:
+    """``POST /v1/rerank`` (the arguments of ``Client.rerank``)."""
     reorder = _options(strategy=strategy, placement=placement, design=design, options=options)
     if results_order is not None:
         reorder["results_order"] = results_order
@@ -122,7 +153,7 @@ def rerank_body(
         body["top_n"] = top_n
     if reorder:
         body["reorder"] = reorder
-    return body
+    return Request("POST", "/v1/rerank", body, _call_headers(request_id), parse_reranking)
 
 
 def _opt_float(value: Any) -> float | None:
@@ -233,15 +264,6 @@ def timeout_of(timeout: float | httpx.Timeout) -> httpx.Timeout:
     return httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S))
 
 
-@dataclass(frozen=True)
-class Prepared:
-    """One call ready to send: the same on every attempt (the request id included)."""
-
-    path: str
-    body: Mapping[str, object]
-    headers: dict[str, str]
-
-
 def _error_code(response: httpx.Response) -> str | None:
     """The service's error code in ``response``'s envelope; ``None`` for another body (a
     proxy's or a gateway's page: retried as any 503)."""
@@ -287,11 +309,9 @@ class Policy:
         if api_key:
             self.headers["authorization"] = f"Bearer {api_key}"
 
-    def prepare(self, path: str, body: Mapping[str, object], request_id: str | None) -> Prepared:
-        headers = dict(self.headers)
-        if request_id:
-            headers["x-request-id"] = request_id
-        return Prepared(path, body, headers)
+    def headers_of(self, request: Request[Any]) -> dict[str, str]:
+        """What ``request`` is sent with: the connection's headers, then the call's own."""
+        return {**self.headers, **request.headers}
 
     def attempts(self) -> range:
         return range(self.max_retries + 1)

@@ -18,8 +18,9 @@ Timeouts and retries (both clients, ``_protocol.Policy``):
   service may still be scoring it, and a retry would start the whole job again), and every
   other error status. The worst case of one call is one full wait, not ``max_retries + 1``.
 
-The two clients are thin transports over ``_protocol``'s request builders, response parsers
-and retry policy, so they cannot behave differently.
+The two clients only send: each route is one ``_protocol`` function that builds the whole
+request (method, path, body, headers) and names the parser of its answer, and one retry policy
+decides what to do with each attempt, so the two cannot behave differently.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from __future__ import annotations
 import time
 from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import Any, Self
+from typing import Self, TypeVar
 
 import anyio
 import httpx
@@ -35,12 +36,9 @@ import httpx
 from rag_reorder._protocol import (
     DEFAULT_TIMEOUT_S,
     Policy,
-    Prepared,
-    parse_json,
-    parse_reordering,
-    parse_reranking,
-    reorder_body,
-    rerank_body,
+    Request,
+    reorder_request,
+    rerank_request,
 )
 from rag_reorder.types import (
     Passage,
@@ -73,6 +71,8 @@ __all__ = [
 ]
 
 DEFAULT_BASE_URL = "http://localhost:8000"
+
+T = TypeVar("T")
 
 
 class Client:
@@ -148,16 +148,18 @@ class Client:
             RagReorderError: an error response (after retries, for the transient ones), no
                 response, or a response that is not the service's.
         """
-        body = reorder_body(
-            query,
-            passages,
-            strategy=strategy,
-            placement=placement,
-            design=design,
-            top_n=top_n,
-            options=options,
+        return self._send(
+            reorder_request(
+                query,
+                passages,
+                strategy=strategy,
+                placement=placement,
+                design=design,
+                top_n=top_n,
+                options=options,
+                request_id=request_id,
+            )
         )
-        return parse_reordering(self._send(self._policy.prepare("/v1/reorder", body, request_id)))
 
     def rerank(
         self,
@@ -181,29 +183,35 @@ class Client:
         Raises:
             RagReorderError: as ``reorder``.
         """
-        body = rerank_body(
-            query,
-            documents,
-            top_n=top_n,
-            results_order=results_order,
-            return_documents=return_documents,
-            strategy=strategy,
-            placement=placement,
-            design=design,
-            options=options,
+        return self._send(
+            rerank_request(
+                query,
+                documents,
+                top_n=top_n,
+                results_order=results_order,
+                return_documents=return_documents,
+                strategy=strategy,
+                placement=placement,
+                design=design,
+                options=options,
+                request_id=request_id,
+            )
         )
-        return parse_reranking(self._send(self._policy.prepare("/v1/rerank", body, request_id)))
 
-    def _send(self, call: Prepared) -> Mapping[str, Any]:
+    def _send(self, request: Request[T]) -> T:
+        """``request``'s typed answer, after the policy's retries."""
+        headers = self._policy.headers_of(request)
         for attempt in self._policy.attempts():
             try:
-                response = self._http.post(call.path, json=call.body, headers=call.headers)
+                response = self._http.request(
+                    request.method, request.path, json=request.json, headers=headers
+                )
             except httpx.TransportError as exc:
                 wait = self._policy.after_error(attempt, exc)
             else:
                 retry = self._policy.after_response(attempt, response)
                 if retry is None:
-                    return parse_json(response)
+                    return request.result(response)
                 wait = retry
             time.sleep(wait)
         raise AssertionError("unreachable")  # the last attempt returns or raises
@@ -266,17 +274,18 @@ class AsyncClient:
         request_id: str | None = None,
     ) -> Reordering:
         """``POST /v1/reorder``; see ``Client.reorder``."""
-        body = reorder_body(
-            query,
-            passages,
-            strategy=strategy,
-            placement=placement,
-            design=design,
-            top_n=top_n,
-            options=options,
+        return await self._send(
+            reorder_request(
+                query,
+                passages,
+                strategy=strategy,
+                placement=placement,
+                design=design,
+                top_n=top_n,
+                options=options,
+                request_id=request_id,
+            )
         )
-        call = self._policy.prepare("/v1/reorder", body, request_id)
-        return parse_reordering(await self._send(call))
 
     async def rerank(
         self,
@@ -293,33 +302,38 @@ class AsyncClient:
         request_id: str | None = None,
     ) -> Reranking:
         """``POST /v1/rerank``; see ``Client.rerank``."""
-        body = rerank_body(
-            query,
-            documents,
-            top_n=top_n,
-            results_order=results_order,
-            return_documents=return_documents,
-            strategy=strategy,
-            placement=placement,
-            design=design,
-            options=options,
+        return await self._send(
+            rerank_request(
+                query,
+                documents,
+                top_n=top_n,
+                results_order=results_order,
+                return_documents=return_documents,
+                strategy=strategy,
+                placement=placement,
+                design=design,
+                options=options,
+                request_id=request_id,
+            )
         )
-        call = self._policy.prepare("/v1/rerank", body, request_id)
-        return parse_reranking(await self._send(call))
 
-    async def _send(self, call: Prepared) -> Mapping[str, Any]:
+    async def _send(self, request: Request[T]) -> T:
+        """``Client._send``, awaiting the transport and the waits."""
+        headers = self._policy.headers_of(request)
         for attempt in self._policy.attempts():
             try:
-                response = await self._http.post(call.path, json=call.body, headers=call.headers)
+                response = await self._http.request(
+                    request.method, request.path, json=request.json, headers=headers
+                )
             except httpx.TransportError as exc:
                 wait = self._policy.after_error(attempt, exc)
             else:
                 retry = self._policy.after_response(attempt, response)
                 if retry is None:
-                    return parse_json(response)
+                    return request.result(response)
                 wait = retry
             await anyio.sleep(wait)
-        raise AssertionError("unreachable")
+        raise AssertionError("unreachable")  # the last attempt returns or raises
 
     async def aclose(self) -> None:
         """Close the connection pool (if this client created it)."""

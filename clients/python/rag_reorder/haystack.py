@@ -12,19 +12,31 @@ places by the generator's measured position bias instead of a fixed U shape. Do 
 output again; to keep k documents set ``top_n=k`` (the k best, placed), not a cut of the
 output, whose first slots are not the best documents. Serialisable with ``to_dict`` /
 ``from_dict`` (the API key as a ``Secret``), so it can live in a YAML pipeline.
+
+Connections: ``warm_up()`` (or the first ``run``) opens the component's ``Client``; ``close()``
+or the end of a ``with`` block closes it, and a component dropped unclosed is closed when it is
+garbage-collected (Haystack has no teardown hook). ``run_async`` opens a client per call,
+closed when the call ends: connections belong to the event loop that opened them.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from haystack import Document, component, default_from_dict, default_to_dict
 from haystack.utils import Secret, deserialize_secrets_inplace
 
-from rag_reorder._adapter import client_kwargs, placed, reorder_async, request_options
-from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S, Client
+from rag_reorder._adapter import (
+    OwnedClient,
+    client_kwargs,
+    placed,
+    reorder_async,
+    request_options,
+)
+from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S
 from rag_reorder.types import Passage, Placement, Reordering, Strategy
 
 __all__ = ["RagReorderRanker"]
@@ -91,7 +103,7 @@ class RagReorderRanker:
         self.send_scores = send_scores
         self.timeout = timeout
         self.max_retries = max_retries
-        self._client: Client | None = None
+        self._owned = OwnedClient()
 
     def to_dict(self) -> dict[str, Any]:
         """The component's init parameters, the API key as a serialisable ``Secret``."""
@@ -116,8 +128,22 @@ class RagReorderRanker:
 
     def warm_up(self) -> None:
         """Open the connection pool (Haystack calls it before the first run)."""
-        if self._client is None:
-            self._client = Client(**self._client_kwargs())
+        self._owned.get(self._client_kwargs)
+
+    def close(self) -> None:
+        """Close the connection pool; a later run opens a new one."""
+        self._owned.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     @component.output_types(documents=list[Document])
     def run(
@@ -135,11 +161,8 @@ class RagReorderRanker:
         """
         if not documents:
             return {"documents": []}
-        self.warm_up()
-        assert self._client is not None
-        result = self._client.reorder(
-            query, self._passages(documents), **request_options(self, top_n)
-        )
+        client = self._owned.get(self._client_kwargs)
+        result = client.reorder(query, self._passages(documents), **request_options(self, top_n))
         return {"documents": _reordered(documents, result)}
 
     @component.output_types(documents=list[Document])

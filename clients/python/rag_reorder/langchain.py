@@ -12,19 +12,31 @@ to keep k documents set ``top_n=k`` (the k best, placed) rather than cutting its
 first slots are not the best documents). The retriever's score, where a document's metadata
 holds one (key ``score_key``, default ``"score"``), is sent along: the ``retriever`` strategy
 orders by it and MoI uses it for ties and never-shown passages.
+
+Connections: the compressor opens its own ``Client`` on its first call and closes it with
+``close()`` or at the end of a ``with`` block; one dropped unclosed is closed when it is
+garbage-collected. A ``client`` (or ``async_client``) you pass is used as it is and never
+closed: in a service that builds a compressor per request, pass one shared client.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from langchain_core.callbacks import Callbacks
 from langchain_core.documents import BaseDocumentCompressor, Document
 from pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 
-from rag_reorder._adapter import client_kwargs, placed, reorder_async, request_options
+from rag_reorder._adapter import (
+    OwnedClient,
+    client_kwargs,
+    placed,
+    reorder_async,
+    request_options,
+)
 from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S, AsyncClient, Client
 from rag_reorder.types import Passage, Placement, Reordering, Strategy
 
@@ -71,23 +83,37 @@ class RagReorderCompressor(BaseDocumentCompressor):
     """Retries of 503/429 and of connection errors before sending, with backoff (a read
     timeout is not retried: the service may still be working on the request)."""
     client: Client | None = Field(default=None, exclude=True)
-    """A `rag_reorder.Client` to use instead of one built from the fields above."""
+    """A `rag_reorder.Client` to use instead of one built from the fields above (never
+    closed by the compressor)."""
     async_client: AsyncClient | None = Field(default=None, exclude=True)
-    """A `rag_reorder.AsyncClient` for `acompress_documents` (default: one per call)."""
+    """A `rag_reorder.AsyncClient` for `acompress_documents` (default: one per call; never
+    closed by the compressor)."""
 
-    _own_client: Client | None = PrivateAttr(default=None)
+    _owned: OwnedClient = PrivateAttr(default_factory=OwnedClient)
 
     def _client_kwargs(self) -> dict[str, Any]:
         return client_kwargs(self, self.api_key.get_secret_value() if self.api_key else None)
 
     def reorder(self, documents: Sequence[Document], query: str) -> Reordering:
         """The service's whole answer for these documents (what ``compress_documents`` uses)."""
-        client = self.client
-        if client is None:
-            if self._own_client is None:
-                self._own_client = Client(**self._client_kwargs())
-            client = self._own_client
+        client = self.client if self.client is not None else self._owned.get(self._client_kwargs)
         return client.reorder(query, self._passages(documents), **request_options(self))
+
+    def close(self) -> None:
+        """Close the connections the compressor opened (not those of a ``client`` passed in).
+        A later call opens new ones."""
+        self._owned.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     async def areorder(self, documents: Sequence[Document], query: str) -> Reordering:
         """``reorder``, asynchronously."""

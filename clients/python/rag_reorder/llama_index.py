@@ -9,12 +9,18 @@ and returns the nodes in the order to put into the prompt, each with the fit in 
 ``request_id``; excluded from the text the LLM and the embedder see), and ``score`` set to
 the utility where the strategy has one. Put it last in ``node_postprocessors``: a later
 postprocessor that sorts by score undoes the placement.
+
+Connections: the postprocessor opens its own ``Client`` on its first call and closes it with
+``close()`` or at the end of a ``with`` block; one dropped unclosed is closed when it is
+garbage-collected. A ``client`` (or ``async_client``) you pass is used as it is and never
+closed: in a service that builds a postprocessor per request, pass one shared client.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 from llama_index.core.bridge.pydantic import ConfigDict, Field, PrivateAttr, SecretStr
 from llama_index.core.postprocessor.types import BaseNodePostprocessor
@@ -22,6 +28,7 @@ from llama_index.core.schema import MetadataMode, NodeWithScore, QueryBundle
 
 from rag_reorder._adapter import (
     METADATA_KEYS,
+    OwnedClient,
     client_kwargs,
     placed,
     reorder_async,
@@ -75,11 +82,13 @@ class RagReorderPostprocessor(BaseNodePostprocessor):
     """Retries of 503/429 and of connection errors before sending, with backoff (a read
     timeout is not retried: the service may still be working on the request)."""
     client: Client | None = Field(default=None, exclude=True)
-    """A `rag_reorder.Client` to use instead of one built from the fields above."""
+    """A `rag_reorder.Client` to use instead of one built from the fields above (never
+    closed by the postprocessor)."""
     async_client: AsyncClient | None = Field(default=None, exclude=True)
-    """A `rag_reorder.AsyncClient` for the async path (default: one per call)."""
+    """A `rag_reorder.AsyncClient` for the async path (default: one per call; never closed by
+    the postprocessor)."""
 
-    _own_client: Client | None = PrivateAttr(default=None)
+    _owned: OwnedClient = PrivateAttr(default_factory=OwnedClient)
 
     @classmethod
     def class_name(cls) -> str:
@@ -102,12 +111,24 @@ class RagReorderPostprocessor(BaseNodePostprocessor):
 
     def reorder(self, nodes: list[NodeWithScore], query: str) -> Reordering:
         """The service's whole answer for these nodes (what the postprocessing uses)."""
-        client = self.client
-        if client is None:
-            if self._own_client is None:
-                self._own_client = Client(**self._client_kwargs())
-            client = self._own_client
+        client = self.client if self.client is not None else self._owned.get(self._client_kwargs)
         return client.reorder(query, self._passages(nodes), **request_options(self))
+
+    def close(self) -> None:
+        """Close the connections the postprocessor opened (not those of a ``client`` passed
+        in). A later call opens new ones."""
+        self._owned.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
 
     async def areorder(self, nodes: list[NodeWithScore], query: str) -> Reordering:
         """``reorder``, asynchronously."""

@@ -4,6 +4,7 @@ error page)."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import threading
 import time
@@ -23,6 +24,7 @@ from rag_reorder import (
     RagReorderError,
     __version__,
 )
+from rag_reorder._protocol import reorder_request, rerank_request
 from servers import API_KEY, BEST_FIRST, ServerProcess, free_port
 from servers import FAKE_PASSAGES as PASSAGES
 from servers import FAKE_QUERY as QUERY
@@ -323,3 +325,13 @@ def test_top_k_is_the_best_k_in_prompt_order_not_the_first_slots() -> None:
     assert out.top(2) == [1, 0] and list(out.order[:2]) == [3, 2]
     with pytest.raises(ValueError, match="k must be >= 1"):
         out.top(0)
+
+
+def test_both_clients_and_the_request_builder_take_the_same_arguments() -> None:
+    # The clients only send what one builder per route makes: their signatures are the
+    # builder's, so a new option added to one and not the others fails here.
+    for name, build in (("reorder", reorder_request), ("rerank", rerank_request)):
+        expected = list(inspect.signature(build).parameters.values())
+        for cls in (Client, AsyncClient):
+            method = list(inspect.signature(getattr(cls, name)).parameters.values())
+            assert method[1:] == expected, (cls.__name__, name)

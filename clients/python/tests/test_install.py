@@ -27,14 +27,14 @@ def test_only_httpx_at_run_time_and_the_frameworks_behind_extras() -> None:
     base = [r for r in requires if "extra ==" not in r]
     assert [r.split(">")[0].split("<")[0].strip() for r in base] == ["httpx"]
     extras = importlib.metadata.metadata("rag-reorder-client").get_all("Provides-Extra") or []
-    assert {"langchain", "llamaindex"} <= set(extras)
+    assert {"langchain", "llamaindex", "haystack"} <= set(extras)
 
 
 def test_the_server_and_its_dependencies_are_not_importable_here(tmp_path: Path) -> None:
     # -I: isolated from the working directory and PYTHON* variables, as an application is.
     probe = (
         "import importlib.util as u\n"
-        "import rag_reorder, rag_reorder.langchain, rag_reorder.llama_index\n"
+        "import rag_reorder, rag_reorder.langchain, rag_reorder.llama_index, rag_reorder.haystack\n"
         "print(','.join(m for m in ('torch', 'fastapi', 'transformers', 'uvicorn', 'app',"
         " 'service', 'solver') if u.find_spec(m) is not None))\n"
     )

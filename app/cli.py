@@ -30,12 +30,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from offline import cli as offline_cli
-from service.commandline import open_pipeline, progress_line, read_examples
+from service.commandline import TRAINING_DATA, open_pipeline, progress_line, read_examples
 from service.errors import ClientError, ReorderError
-from service.prompts import Passage
+from service.passage import Passage
 from service.settings import Settings
 from service.strategies import strategy_names
-from service.strategies.base import DesignKind, Placement
+from service.strategies.request import DesignKind, Placement
 
 log = logging.getLogger("rag_reorder")
 
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 # One example per command, printed at the end of its --help (tests/app/test_cli.py checks
 # that every command has one and that each parses). Arguments, not a string: the test parses
 # them, and shlex quotes them for the help.
-_TRAIN = "../shared/data/nq_open_train.jsonl"
+_TRAIN = TRAINING_DATA
 EXAMPLES: dict[str, tuple[str, ...]] = {
     "serve": ("serve", "--host", "0.0.0.0", "--port", "8000"),
     "reorder": (

@@ -30,10 +30,10 @@ from app.schemas import (
     TrustOut,
     UsageOut,
 )
+from service.passage import Passage
 from service.pipeline import ReorderResult
 from service.profile_store import ProfileTrust, StoredProfile
-from service.prompts import Passage
-from service.strategies.base import AutoReport
+from service.strategies.request import AutoReport
 
 
 def caller_of(request: Request) -> str | None:

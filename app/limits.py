@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from service.errors import LimitExceeded
+from service.passage import Passage
 from service.pipeline import DesignSpec
-from service.prompts import Passage
 from service.settings import Settings
 
 

@@ -45,11 +45,12 @@ from service.errors import (
     EngineUnavailable,
 )
 from service.learning import ProfileLearner, allowed_to_learn
+from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
-from service.prompts import Passage, get_template
 from service.settings import Settings
 from service.solver_pool import close_shared
+from service.templates import get_template
 from service.traffic import TrafficSampler, TrafficSpool
 
 log = logging.getLogger(__name__)

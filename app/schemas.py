@@ -15,11 +15,11 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from service.passage import Passage
 from service.pipeline import DesignSpec, ReorderRequest
-from service.prompts import Passage
 from service.settings import Settings
 from service.strategies import ranking_strategy_names
-from service.strategies.base import DesignKind, Placement, StrategyOptions
+from service.strategies.request import DesignKind, Placement, StrategyOptions
 from service.strategy_names import StrategyName
 
 # Absolute caps of the wire types. The configurable limits in Settings are bounded by the same

@@ -47,7 +47,7 @@ from service.dataset import load_examples
 from service.pipeline import Reorderer
 from service.prompts import BuiltPrompt
 from service.settings import GEMMA_MODEL, Settings
-from service.strategies.base import Answer
+from service.strategies.request import Answer
 
 Rows = list[tuple[Answer | None, tuple[float, ...] | None]]
 

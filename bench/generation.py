@@ -41,8 +41,9 @@ from bench.report import provenance
 from service.backends.base import Generation, GenerationRequest
 from service.backends.factory import create_backend, resolve_backend
 from service.dataset import load_examples
-from service.prompts import build_generation_prompt, get_template
+from service.prompts import build_generation_prompt
 from service.settings import Settings
+from service.templates import get_template
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

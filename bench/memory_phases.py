@@ -50,7 +50,7 @@ from service.backends.transformers_backend import TransformersBackend
 from service.dataset import load_examples
 from service.pipeline import Reorderer
 from service.settings import GEMMA_MODEL, Settings
-from service.strategies.base import ReorderRequest
+from service.strategies.request import ReorderRequest
 
 GIB = float(1 << 30)
 

@@ -157,8 +157,8 @@ def targets(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 async def run_overload(args: argparse.Namespace) -> None:
-    # Imported here: bench/load.py imports this module, and these need the backend stack.
-    from bench.load import capture_prompts, ceiling, load_requests
+    # Imported here: they need the backend stack, which the parser and report do not.
+    from bench.workload import capture_prompts, ceiling, load_requests
     from service.backends.factory import create_backend
     from service.settings import Settings
 

@@ -55,7 +55,8 @@ sys.path.insert(0, str(ROOT))
 from bench import report
 from bench.server_process import free_port, start_server
 from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.prompts import Passage, build_prompt
+from service.passage import Passage
+from service.prompts import build_prompt
 from service.settings import EMBEDDED_MODEL, Settings
 
 MIB = float(1 << 20)

@@ -1,5 +1,9 @@
 """What the benchmarks that drive a real server process share: a free loopback port, starting
-``python -m app serve`` and waiting for ``/ready``, and the latency percentile they report."""
+``python -m app serve`` and waiting for ``/ready``, and the latency percentile they report.
+
+``free_port`` and ``wait_until_up`` are also the tests' (``tests/app/processes.py``, the vLLM
+server fixture in ``tests/conftest.py``): one way to wait for a server process.
+"""
 
 from __future__ import annotations
 
@@ -69,7 +73,7 @@ def start_server(
     into ``log``), returned once ``/ready`` answers 200.
 
     Raises:
-        SystemExit: the server exited, or was not ready within ``ready_s`` (then killed).
+        ServerNotUp: the server exited, or was not ready within ``ready_s`` (then killed).
     """
     cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as fh:
@@ -84,19 +88,25 @@ def start_server(
     return proc
 
 
+class ServerNotUp(RuntimeError):
+    """A server process exited, or did not answer its readiness URL in time (it was killed);
+    the message ends with its log's tail."""
+
+
 def wait_until_up(
     proc: subprocess.Popen[bytes], url: str, log: Path, *, ready_s: float, poll_s: float = 0.2
 ) -> None:
-    """Return once ``url`` answers 200 (a server process's readiness route).
+    """Return once ``url`` answers 200 (a server process's readiness route: ``/ready``, or
+    vLLM's ``/v1/models``).
 
     Raises:
-        SystemExit: the process exited, or ``url`` did not answer 200 within ``ready_s`` (the
+        ServerNotUp: the process exited, or ``url`` did not answer 200 within ``ready_s`` (the
             process is then killed).
     """
     deadline = time.monotonic() + ready_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise SystemExit(f"server exited with {proc.returncode}; see {log}")
+            raise ServerNotUp(f"server exited with {proc.returncode}; {_tail(log)}")
         try:
             if httpx.get(url, timeout=2).status_code == 200:
                 return
@@ -104,4 +114,12 @@ def wait_until_up(
             pass
         time.sleep(poll_s)
     proc.kill()
-    raise SystemExit(f"server not ready in {ready_s:.0f} s; see {log}")
+    raise ServerNotUp(f"{url} not 200 within {ready_s:g} s; {_tail(log)}")
+
+
+def _tail(log: Path, chars: int = 4000) -> str:
+    try:
+        text = log.read_text(errors="replace")
+    except OSError:
+        return f"no log at {log}"
+    return f"its log ({log}) ends:\n{text[-chars:]}"

@@ -52,8 +52,8 @@ sys.path.insert(0, str(ROOT))
 from app.main import create_app
 from bench.server_process import free_port, percentile, start_server
 from service.backends.factory import create_backend
+from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
-from service.prompts import Passage
 from service.settings import Settings
 
 QUERY = "What is the capital of France?"

@@ -48,7 +48,12 @@ if [[ ! -f $OUT/$NAME/profile.json ]] || ! grep -q '"stored": "' "$OUT/$NAME/pro
     $RR profile-generator --base-url "http://127.0.0.1:$PORT/v1" --model "$MODEL" \
         --api "$API" --template "$TEMPLATE" \
         --data "$DATA/nq_open_train.jsonl" --limit "${QUESTIONS:-50}" --slots 10 \
-        --concurrency 8 --no-progress --out "$OUT/$NAME" || true  # a refusal is a result
+        --concurrency 8 --no-progress --out "$OUT/$NAME" || {
+        # Exit 3: measured and refused to store (a flat curve): a result, placed by whatever
+        # profile the folder holds. Anything else is a failure: stop here.
+        rc=$?
+        [ "$rc" -eq 3 ] || { echo "profile-generator failed (exit $rc)" >&2; exit "$rc"; }
+    }
     kill $server; wait $server 2>/dev/null || true
     trap - EXIT
 fi

@@ -46,7 +46,8 @@ from service.backends.engine_client import EngineCall, EngineClient, EngineHTTPE
 from service.dataset import Example
 from service.errors import InvalidRequest
 from service.profile_store import ProfileStore, StoredProfile
-from service.prompts import ApiPrompt, PromptTemplate, api_prompt
+from service.prompts import ApiPrompt, api_prompt
+from service.templates import PromptTemplate
 from solver.answer_profile import AnswerProfileFit, fit_answer_profile
 
 log = logging.getLogger(__name__)

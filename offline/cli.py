@@ -17,14 +17,15 @@ from pathlib import Path
 from typing import Any, get_args
 
 from offline import commands
+from service.commandline import TRAINING_DATA
 from service.settings import Settings
 from service.strategies import strategy_names
-from service.strategies.base import DesignKind, Placement
+from service.strategies.request import DesignKind, Placement
 
 _DESIGNS: tuple[str, ...] = get_args(DesignKind)
 _PLACEMENTS: tuple[str, ...] = get_args(Placement)
 
-_TRAIN = "../shared/data/nq_open_train.jsonl"
+_TRAIN = TRAINING_DATA
 _DEV = "../shared/data/nq_open_dev.jsonl"
 _GEMMA, _SMOLLM2 = "google/gemma-3-270m", "HuggingFaceTB/SmolLM2-135M-Instruct"
 EXAMPLES: dict[str, tuple[str, ...]] = {
@@ -189,7 +190,7 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
     pg.add_argument(
         "--data",
         type=Path,
-        default=Path("../shared/data/nq_open_train.jsonl"),
+        default=Path(TRAINING_DATA),
         help="labelled questions with passages (JSONL in the shared/data schema)",
     )
     pg.add_argument("--limit", type=int, default=50, help="questions to use")

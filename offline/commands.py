@@ -19,6 +19,11 @@ from service.commandline import open_pipeline, progress_line, read_examples
 from service.errors import ClientError
 from service.settings import Settings
 
+NOT_STORED = 3
+"""``profile-generator``'s exit code when it measured but did not store the profile (a curve not
+distinguishable from flat, or no complete question yet): a result, not a failure, which the
+scripts that run it tell apart from the errors (1: the service or endpoint; 2: the request)."""
+
 
 def _require_at_least(
     args: argparse.Namespace, names: Sequence[str], bounds: Mapping[str, int] | None = None
@@ -123,7 +128,7 @@ async def profile_generator(settings: Settings, args: argparse.Namespace) -> int
         run_profile,
     )
     from service.profile_store import ProfileStore
-    from service.prompts import PromptTemplate, get_template
+    from service.templates import PromptTemplate, get_template
 
     _require_at_least(
         args, ("limit", "slots", "max_calls", "concurrency", "max_tokens"), {"slots": 2}
@@ -192,7 +197,7 @@ async def profile_generator(settings: Settings, args: argparse.Namespace) -> int
     )
     if outcome.refused is not None:
         print(f"profile not stored: {outcome.refused}", file=sys.stderr)
-        return 1
+        return NOT_STORED
     return 0
 
 

@@ -49,7 +49,6 @@ from service.dataset import Example
 from service.errors import InvalidRequest, LimitExceeded
 from service.pipeline import Reorderer
 from service.positional_store import PositionalRecord, PositionalStore, SlotMeans, now_fields
-from service.strategies.base import Work
 from service.strategies.distraction import (
     ABSTAIN_TEMPLATE,
     HARD_DE,
@@ -57,6 +56,7 @@ from service.strategies.distraction import (
     passage_effects,
     set_effects,
 )
+from service.strategies.work import Work
 
 log = logging.getLogger(__name__)
 

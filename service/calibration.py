@@ -31,9 +31,9 @@ from service.errors import InvalidRequest, UnidentifiableRequest
 from service.learning import to_profile_trust
 from service.pipeline import Reorderer
 from service.profile_store import ProfileTrust, StoredProfile
-from service.prompts import get_template
-from service.strategies.base import Work
 from service.strategies.moi import score_design
+from service.strategies.work import Work
+from service.templates import get_template
 from service.traffic import TrafficSampler
 from solver import trust as trust_rules
 

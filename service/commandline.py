@@ -20,6 +20,10 @@ if TYPE_CHECKING:
     from service.dataset import Example
     from service.pipeline import Reorderer
 
+TRAINING_DATA = "../shared/data/nq_open_train.jsonl"
+"""The training questions beside the checkout, in the commands' examples and defaults: one
+place, so the two command lines cannot name two files."""
+
 
 @asynccontextmanager
 async def open_pipeline(settings: Settings) -> AsyncIterator[Reorderer]:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from service.errors import InvalidRequest
-from service.prompts import Passage
+from service.passage import Passage
 
 
 @dataclass(frozen=True)

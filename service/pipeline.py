@@ -20,12 +20,14 @@ import numpy as np
 import solver
 from service.backends.base import LogprobBackend
 from service.errors import InvalidRequest, LimitExceeded, ServerError
+from service.passage import Passage
 from service.profile_store import ProfileStore, StoredProfile
-from service.prompts import Passage
 from service.settings import Settings
 from service.strategies import get_strategy
 from service.strategies import moi as _moi
-from service.strategies.base import (
+from service.strategies.placement import apply_placement
+from service.strategies.protocol import check_options
+from service.strategies.request import (
     AutoReport,
     Cost,
     DesignKind,
@@ -38,11 +40,8 @@ from service.strategies.base import (
     Timing,
     Usage,
     VotedAnswer,
-    Work,
-    check_options,
 )
-from service.strategies.placement import apply_placement
-from service.strategies.work import RequestGate
+from service.strategies.work import RequestGate, Work
 from service.strategy_names import StrategyName
 from service.traffic import TrafficSampler
 

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import tempfile
 import time
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
@@ -26,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import InvalidRequest, ServerError
+from service.files import write_atomic
 from service.profile_store import ProfileStore
 
 SCHEMA_VERSION = 1
@@ -139,16 +138,7 @@ class PositionalStore:
             raise InvalidRequest(f"not a valid positional profile: {problem}")
         self.root.mkdir(parents=True, exist_ok=True)
         target = self.path(record.model, record.template, record.slots)
-        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                json.dump({"schema": SCHEMA_VERSION, **asdict(record)}, fh, indent=1)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, target)
-        except BaseException:
-            Path(tmp).unlink(missing_ok=True)
-            raise
+        write_atomic(target, json.dumps({"schema": SCHEMA_VERSION, **asdict(record)}, indent=1))
         return record
 
     def list(self) -> list[PositionalRecord]:

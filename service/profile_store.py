@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -25,6 +23,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from service.errors import InvalidRequest
+from service.files import write_atomic
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # A profile's file name (``profile_id`` + ``.json``); other files in the folder (a calibration
@@ -166,10 +165,7 @@ class ProfileStore:
             trust,
         )
         self.root.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=self.root, suffix=".tmp")
-        with os.fdopen(fd, "w") as fh:
-            json.dump(asdict(prof), fh, indent=1)
-        os.replace(tmp, self.path(model, template, len(coef)))
+        write_atomic(self.path(model, template, len(coef)), json.dumps(asdict(prof), indent=1))
         return prof
 
     def list(self) -> list[StoredProfile]:

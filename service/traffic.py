@@ -30,7 +30,6 @@ import logging
 import os
 import re
 import socket
-import tempfile
 import threading
 import time
 import uuid
@@ -43,6 +42,7 @@ from typing import Any, Literal
 import numpy as np
 
 import solver
+from service.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -244,10 +244,7 @@ class TrafficSpool:
         self._lines[key] += 1
         if self._lines[key] >= 2 * self.max_runs:
             keep = _read_lines(path)[-self.max_runs :]
-            fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".compact-", suffix=".tmp")
-            with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write("".join(json.dumps(r) + "\n" for r in keep))
-            os.replace(tmp, path)
+            write_atomic(path, "".join(json.dumps(r) + "\n" for r in keep))
             self._lines[key] = len(keep)
             self._prune(self._files(path.parent))
 

@@ -6,17 +6,16 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 # Tests never reach the network; a missing file must fail, not download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+from bench.server_process import wait_until_up
 from service.settings import EMBEDDED_MODEL
 from tests.app.processes import ROOT, free_port
 from tests.support.models import build_tiny_llama, embedded_model_dir
@@ -75,20 +74,7 @@ def vllm_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 900
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(
-                    f"vLLM server exited {proc.returncode}:\n{log_path.read_text()[-4000:]}"
-                )
-            try:
-                if httpx.get(f"{url}/v1/models", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"vLLM server not up in 900 s:\n{log_path.read_text()[-4000:]}")
-            time.sleep(1)
+        wait_until_up(proc, f"{url}/v1/models", log_path, ready_s=900, poll_s=1)
         yield url
     finally:
         proc.terminate()

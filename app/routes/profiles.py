@@ -41,7 +41,7 @@ from service.dataset import Example
 from service.errors import InvalidRequest, LimitExceeded, NotFound
 from service.pipeline import DesignSpec, Reorderer
 from service.settings import Settings
-from service.strategies.base import Work
+from service.strategies.work import Work
 
 log = logging.getLogger(__name__)
 

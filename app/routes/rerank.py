@@ -30,8 +30,8 @@ from app.schemas import (
 from app.state import Ctx, RequestId
 from service.backends.base import PromptTokenizer
 from service.errors import LimitExceeded, ReorderError
+from service.passage import Passage
 from service.pipeline import Reorderer, ReorderResult
-from service.prompts import Passage
 
 router = APIRouter(tags=["rerank"])
 

@@ -32,7 +32,7 @@ from offline.evaluation.stats import bootstrap_mean_ci, paired_comparison
 from service.answers import nq_accuracy
 from service.dataset import Example
 from service.pipeline import Reorderer
-from service.strategies.base import DesignSpec, ReorderRequest
+from service.strategies.request import DesignSpec, ReorderRequest
 
 SHUFFLE = "shuffle"
 TEACHER = "teacher"

@@ -30,8 +30,8 @@ import numpy as np
 from offline.evaluation.runner import prepare
 from service.dataset import Example
 from service.errors import InvalidRequest, LimitExceeded
+from service.passage import Passage
 from service.pipeline import Reorderer
-from service.prompts import Passage
 
 log = logging.getLogger(__name__)
 

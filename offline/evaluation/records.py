@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Literal, cast
 
-from service.strategies.base import Usage
+from service.strategies.request import Usage
 
 log = logging.getLogger(__name__)
 

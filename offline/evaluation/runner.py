@@ -86,10 +86,12 @@ from offline.evaluation.variants import Variant, all_variants
 from service.answers import DEFAULT_MAX_ANSWER_TOKENS
 from service.dataset import Example
 from service.errors import ClientError, InvalidRequest, ScoringFailed, UnidentifiableRequest
+from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
 from service.profile_store import StoredProfile
-from service.prompts import BuiltPrompt, Passage
-from service.strategies.base import Answer, Work
+from service.prompts import BuiltPrompt
+from service.strategies.request import Answer
+from service.strategies.work import Work
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from service.errors import InvalidRequest
 from service.strategies import strategy_names
-from service.strategies.base import DesignKind, Placement
+from service.strategies.request import DesignKind, Placement
 from service.strategy_names import StrategyName
 
 MOI_DESIGNS: tuple[DesignKind, ...] = (

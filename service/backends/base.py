@@ -194,6 +194,77 @@ def check_new_tokens(req: GenerationRequest) -> None:
         )
 
 
+def check_span(req: SpanRequest) -> None:
+    """``1 <= span_start < span_end <= len(token_ids)``: the first token has no log-prob.
+
+    Raises:
+        InvalidRequest: the span is out of range (``param="span_start"``).
+    """
+    n = len(req.token_ids)
+    if not 1 <= req.span_start < req.span_end <= n:
+        raise InvalidRequest(
+            f"request {req.request_id!r}: span [{req.span_start}, {req.span_end}) must satisfy "
+            f"1 <= span_start < span_end <= {n} (the first token has no log-prob)",
+            param="span_start",
+        )
+
+
+def check_scoring(requests: Sequence[SpanRequest], *, limit: int, vocab_size: int) -> None:
+    """The one contract for scoring requests, the same in every backend (transformers, vLLM,
+    remote, paced): each span in range, and the tokens up to its end (all a backend forwards:
+    later ones cannot change a causal model's span log-probs) a prompt ``check_prompt`` takes.
+    Checked for the whole call before any forward, so a request a backend cannot take is a
+    client error of the request (422), whichever engine scores it, never a per-prompt failure.
+
+    Args:
+        limit: the longest prompt the engine takes (vLLM: its context less the one token it
+            must generate).
+
+    Raises:
+        InvalidRequest: a span out of range, an empty prompt or an id outside the vocabulary.
+        LimitExceeded: a prompt over ``limit`` tokens.
+    """
+    for req in requests:
+        check_span(req)
+        check_prompt(
+            req.request_id, req.token_ids[: req.span_end], limit=limit, vocab_size=vocab_size
+        )
+
+
+def check_generations(
+    requests: Sequence[GenerationRequest], *, limit: int, scored_limit: int, vocab_size: int
+) -> None:
+    """The one contract for generation requests, the same in every backend: at least one new
+    token, a prompt ``check_prompt`` takes within ``limit`` (room left for the first answer
+    token), and score ids in the vocabulary that fit after the prompt within ``scored_limit``.
+    Checked for the whole call before any forward (``check_scoring``).
+
+    Raises:
+        InvalidRequest: ``max_new_tokens < 1``, an empty prompt, or a prompt or score id
+            outside the vocabulary.
+        LimitExceeded: a prompt over ``limit``, or prompt plus score ids over ``scored_limit``.
+    """
+    for req in requests:
+        check_new_tokens(req)
+        check_prompt(req.request_id, req.token_ids, limit=limit, vocab_size=vocab_size)
+        if not req.score_ids:
+            continue
+        n, m = len(req.token_ids), len(req.score_ids)
+        if n + m > scored_limit:
+            raise LimitExceeded(
+                "score_ids",
+                scored_limit - n,
+                m,
+                what=f"score tokens after a {n}-token prompt, {scored_limit} tokens at most",
+            )
+        bad = out_of_vocab(req.score_ids, vocab_size)
+        if bad is not None:
+            raise InvalidRequest(
+                f"request {req.request_id!r}: score ids must be in [0, {vocab_size}), got {bad}",
+                param="score_ids",
+            )
+
+
 @runtime_checkable
 class LogprobBackend(Protocol):
     """Port to a language model. Implementations: vLLM, transformers, and a deterministic fake.

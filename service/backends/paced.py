@@ -38,11 +38,10 @@ from service.backends.base import (
     ScoreResult,
     SpanLogprobs,
     SpanRequest,
-    check_new_tokens,
-    check_prompt,
+    check_generations,
+    check_scoring,
 )
 from service.backends.scheduler import ForwardScheduler
-from service.backends.transformers_forward import validate_span
 from service.errors import BackendUnavailable
 from service.settings import Settings
 
@@ -195,11 +194,8 @@ class PacedBackend:
             BackendUnavailable: the backend is closed.
         """
         self._require_open()
-        reqs = list(requests)
-        for req in reqs:
-            self._validate(req.request_id, req.token_ids, reserve=0)
-            validate_span(req)
-        return await self._scheduler.score(reqs)
+        check_scoring(requests, limit=self._max_model_len, vocab_size=self._vocab_size)
+        return await self._scheduler.score(list(requests))
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
         """Each prompt's answer: its own last tokens before the template's turn end, up to
@@ -210,9 +206,12 @@ class PacedBackend:
         """
         self._require_open()
         reqs = list(requests)
-        for req in reqs:
-            self._validate(req.request_id, req.token_ids, reserve=1)
-            check_new_tokens(req)
+        check_generations(
+            reqs,
+            limit=self._max_model_len - 1,
+            scored_limit=self._max_model_len,
+            vocab_size=self._vocab_size,
+        )
         if not reqs:
             return []
         steps = max(min(r.max_new_tokens, 4) for r in reqs)
@@ -256,11 +255,6 @@ class PacedBackend:
     def _require_open(self) -> None:
         if self._closed:
             raise BackendUnavailable("the paced backend is closed")
-
-    def _validate(self, request_id: str, token_ids: Sequence[int], *, reserve: int) -> None:
-        check_prompt(
-            request_id, token_ids, limit=self._max_model_len - reserve, vocab_size=self._vocab_size
-        )
 
 
 # Log-probs in [-4, -0.05]; a prompt's values are a slice of this table at an offset hashed from

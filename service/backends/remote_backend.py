@@ -52,8 +52,8 @@ from service.backends.base import (
     PromptFailure,
     ScoreResult,
     SpanRequest,
-    check_new_tokens,
-    check_prompt,
+    check_generations,
+    check_scoring,
     checked_span,
 )
 from service.backends.engine_client import EngineClient, EngineHTTPError
@@ -62,7 +62,6 @@ from service.errors import (
     BackendUnavailable,
     EngineMismatch,
     EngineUnavailable,
-    InvalidRequest,
 )
 from service.settings import Settings
 
@@ -254,14 +253,8 @@ class RemoteBackend:
         """
         reqs = list(requests)
         self._require_connected()
-        for req in reqs:
-            self._validate(req.request_id, req.token_ids[: req.span_end])
-            if not 1 <= req.span_start < req.span_end <= len(req.token_ids):
-                raise InvalidRequest(
-                    f"request {req.request_id!r}: span [{req.span_start}, {req.span_end}) must "
-                    f"satisfy 1 <= span_start < span_end <= {len(req.token_ids)}",
-                    param="span_start",
-                )
+        # vLLM needs room for the one token it must generate.
+        check_scoring(reqs, limit=self._max_model_len - 1, vocab_size=self._vocab_size)
         chunks = [reqs[i : i + self._per_call] for i in range(0, len(reqs), self._per_call)]
         parts = await _gather(self._score_chunk(chunk) for chunk in chunks)
         return [result for part in parts for result in part]
@@ -276,9 +269,10 @@ class RemoteBackend:
         """
         reqs = list(requests)
         self._require_connected()
-        for req in reqs:
-            check_new_tokens(req)
-            self._validate(req.request_id, req.token_ids + req.score_ids)
+        # The score ids go to vLLM as a prompt of their own (prompt + score ids), which needs
+        # room for the one token it must generate, as the generation's prompt does.
+        limit = self._max_model_len - 1
+        check_generations(reqs, limit=limit, scored_limit=limit, vocab_size=self._vocab_size)
         # One completion call takes one max_tokens and one stop list for all its prompts, so
         # prompts are grouped by their own: each cut where the context ends, as the in-process
         # backends do, without cutting a shorter batch-mate's answer with it.
@@ -357,12 +351,6 @@ class RemoteBackend:
                 "RAG_REORDER_ENGINE_API_KEY (or the credentials in RAG_REORDER_ENGINE_URL)"
             )
         return EngineUnavailable(f"the engine answered {path} with HTTP {exc.status}")
-
-    def _validate(self, request_id: str, token_ids: Sequence[int]) -> None:
-        # vLLM needs room for the one token it must generate.
-        check_prompt(
-            request_id, token_ids, limit=self._max_model_len - 1, vocab_size=self._vocab_size
-        )
 
     async def _score_chunk(self, chunk: list[SpanRequest]) -> list[ScoreResult]:
         prompts = [list(r.token_ids[: r.span_end]) for r in chunk]

@@ -40,14 +40,13 @@ from service.backends.base import (
     GenerationRequest,
     ScoreResult,
     SpanRequest,
-    check_new_tokens,
-    check_prompt,
-    out_of_vocab,
+    check_generations,
+    check_scoring,
 )
 from service.backends.batching import HeadMode, plan_generation_batches
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.backends.scheduler import ForwardScheduler
-from service.backends.transformers_forward import token_logprobs, validate_span
+from service.backends.transformers_forward import token_logprobs
 from service.backends.transformers_generation import GreedyGeneration
 from service.backends.transformers_loading import (
     DeviceName,
@@ -61,7 +60,7 @@ from service.backends.transformers_loading import (
     resolve_dtype,
     weight_rows,
 )
-from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
+from service.errors import BackendUnavailable
 from service.model_assets import resolve_model
 from service.model_assets.adapter import adapted_model_id, configured_adapter
 from service.settings import Settings
@@ -306,10 +305,9 @@ class TransformersBackend(GreedyGeneration):
             BackendUnavailable: the backend is closed.
         """
         self._require_open()
-        reqs = list(requests)
-        for req in reqs:
-            self._validate_prompt(req.request_id, req.token_ids, reserve=0)
-            validate_span(req)
+        check_scoring(requests, limit=self._max_model_len, vocab_size=self._vocab_size)
+        # Tokens after a span's end cannot change its log-probs (causal model): not forwarded.
+        reqs = [r if len(r.token_ids) == r.span_end else _cut_at_span_end(r) for r in requests]
         return await self._scheduler.score(reqs)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
@@ -336,11 +334,13 @@ class TransformersBackend(GreedyGeneration):
         """
         self._require_open()
         reqs = list(requests)
-        for req in reqs:
-            self._validate_prompt(req.request_id, req.token_ids, reserve=1)
-            check_new_tokens(req)
-            if req.score_ids:
-                self._validate_score_ids(req)
+        # Room for the first answer token; the score ids are teacher-forced, no answer after.
+        check_generations(
+            reqs,
+            limit=self._max_model_len - 1,
+            scored_limit=self._max_model_len,
+            vocab_size=self._vocab_size,
+        )
         results: dict[int, GenerateResult] = {}
         for batch in plan_generation_batches(
             [(len(r.token_ids), self._steps(r)) for r in reqs],
@@ -407,28 +407,9 @@ class TransformersBackend(GreedyGeneration):
             raise BackendUnavailable("the transformers backend is closed")
         return self._model
 
-    def _validate_prompt(self, request_id: str, token_ids: Sequence[int], *, reserve: int) -> None:
-        check_prompt(
-            request_id, token_ids, limit=self._max_model_len - reserve, vocab_size=self._vocab_size
-        )
 
-    def _validate_score_ids(self, req: GenerationRequest) -> None:
-        n, m = len(req.token_ids), len(req.score_ids)
-        if n + m > self._max_model_len:
-            raise LimitExceeded(
-                "score_ids",
-                self._max_model_len - n,
-                m,
-                what=f"score tokens after a {n}-token prompt in a {self._max_model_len}-token "
-                "context",
-            )
-        bad = out_of_vocab(req.score_ids, self._vocab_size)
-        if bad is not None:
-            raise InvalidRequest(
-                f"request {req.request_id!r}: score ids must be in [0, {self._vocab_size}), "
-                f"got {bad}",
-                param="score_ids",
-            )
+def _cut_at_span_end(req: SpanRequest) -> SpanRequest:
+    return SpanRequest(req.request_id, req.token_ids[: req.span_end], req.span_start, req.span_end)
 
 
 def _forget_orphan(

@@ -21,7 +21,6 @@ from service.backends.base import (
     checked_span,
 )
 from service.backends.batching import HeadMode
-from service.errors import InvalidRequest
 
 logger = logging.getLogger(__name__)
 
@@ -153,13 +152,3 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     logits = logits.float()
     picked = logits.gather(1, targets[:, None]).squeeze(1)
     return picked - torch.logsumexp(logits, dim=-1)
-
-
-def validate_span(req: SpanRequest) -> None:
-    n = len(req.token_ids)
-    if not 1 <= req.span_start < req.span_end <= n:
-        raise InvalidRequest(
-            f"request {req.request_id!r}: span [{req.span_start}, {req.span_end}) must satisfy "
-            f"1 <= span_start < span_end <= {n} (the first token has no log-prob)",
-            param="span_start",
-        )

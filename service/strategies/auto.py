@@ -31,20 +31,20 @@ import solver
 from service.errors import InvalidRequest
 from service.learning import Decision, ProfileLearner, ShadowRun
 from service.settings import Settings
-from service.strategies.base import (
+from service.strategies.moi import MoI, design_cost, plan_design, retriever_scores
+from service.strategies.placement import named_profile
+from service.strategies.request import (
+    AutoReport,
     Cost,
     DesignSpec,
     Outcome,
     Placement,
     ReorderRequest,
-    Work,
     descending,
     retriever_ranking,
 )
-from service.strategies.moi import MoI, design_cost, plan_design, retriever_scores
-from service.strategies.placement import named_profile
-from service.strategies.request import AutoReport
 from service.strategies.retrieval import bm25_scores, cosine_scores, passage_text
+from service.strategies.work import Work
 from service.strategy_names import StrategyName
 
 _MOI = MoI()

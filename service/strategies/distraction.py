@@ -64,20 +64,20 @@ from typing import Literal
 import numpy as np
 
 from service.errors import UnidentifiableRequest
+from service.passage import Passage
 from service.positional_store import PositionalRecord, PositionalStore
-from service.prompts import Passage
 from service.settings import Settings
-from service.strategies.base import (
+from service.strategies.request import (
     Calls,
     Cost,
     Outcome,
     PositionalProfile,
     ReorderRequest,
-    Work,
     descending,
     need_scores,
     retriever_ranking,
 )
+from service.strategies.work import Work
 from service.strategy_names import StrategyName
 
 NO_RESPONSE = "NO-RESPONSE"

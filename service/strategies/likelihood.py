@@ -22,18 +22,18 @@ import numpy as np
 
 from service.errors import InvalidRequest, ScoringFailed
 from service.settings import Settings
-from service.strategies.base import (
+from service.strategies.request import (
     Calls,
     Cost,
     Outcome,
     PromptScore,
     ReorderRequest,
-    Work,
     descending,
     need_scores,
     retriever_ranking,
     rng_for,
 )
+from service.strategies.work import Work
 from service.strategy_names import StrategyName
 
 

@@ -50,17 +50,17 @@ import numpy as np
 from service.answers import DEFAULT_MAX_ANSWER_TOKENS
 from service.errors import InvalidRequest
 from service.settings import Settings
-from service.strategies.base import (
+from service.strategies.request import (
     Calls,
     Cost,
     Outcome,
     ReorderRequest,
     VotedAnswer,
-    Work,
     descending,
     need_scores,
     retriever_ranking,
 )
+from service.strategies.work import Work
 from service.strategy_names import StrategyName
 
 DEFAULT_PROBABILITY_WEIGHT = 0.8

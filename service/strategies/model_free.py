@@ -12,7 +12,8 @@ from collections.abc import Sequence
 
 import solver
 from service.settings import Settings
-from service.strategies.base import Cost, Outcome, ReorderRequest, Work, retriever_ranking, rng_for
+from service.strategies.request import Cost, Outcome, ReorderRequest, retriever_ranking, rng_for
+from service.strategies.work import Work
 from service.strategy_names import StrategyName
 
 

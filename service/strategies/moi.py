@@ -15,18 +15,11 @@ import numpy as np
 
 import solver
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
-from service.prompts import Passage
+from service.passage import Passage
 from service.settings import Settings
-from service.strategies.base import (
-    Calls,
-    Cost,
-    DesignKind,
-    DesignSpec,
-    Outcome,
-    ReorderRequest,
-    Work,
-)
 from service.strategies.placement import named_profile, placed_by
+from service.strategies.request import Calls, Cost, DesignKind, DesignSpec, Outcome, ReorderRequest
+from service.strategies.work import Work
 from service.strategy_names import StrategyName
 
 # The default design: pruned random identifies bias, utilities and orientation from the data

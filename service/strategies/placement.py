@@ -19,7 +19,8 @@ import numpy as np
 import solver
 from service.errors import InvalidRequest, UnidentifiableRequest
 from service.profile_store import StoredProfile
-from service.strategies.base import Outcome, ReorderRequest, Work
+from service.strategies.request import Outcome, ReorderRequest
+from service.strategies.work import Work
 
 
 def named_profile(work: Work, request: ReorderRequest) -> StoredProfile | None:

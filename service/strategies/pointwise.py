@@ -24,17 +24,17 @@ from __future__ import annotations
 import numpy as np
 
 from service.settings import Settings
-from service.strategies.base import (
+from service.strategies.request import (
     Calls,
     Cost,
     Outcome,
     PromptScore,
     ReorderRequest,
-    Work,
     descending,
     need_scores,
     retriever_ranking,
 )
+from service.strategies.work import Work
 from service.strategy_names import StrategyName
 
 

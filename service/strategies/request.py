@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from service.errors import ScoringFailed
-from service.prompts import Passage
+from service.passage import Passage
 from service.settings import Settings
 from service.strategy_names import StrategyName
 

@@ -21,16 +21,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from service.prompts import Passage
+from service.passage import Passage
 from service.settings import Settings
-from service.strategies.base import (
-    Cost,
-    Outcome,
-    ReorderRequest,
-    Work,
-    descending,
-    retriever_ranking,
-)
+from service.strategies.request import Cost, Outcome, ReorderRequest, descending, retriever_ranking
+from service.strategies.work import Work
 from service.strategy_names import StrategyName
 
 K1 = 1.5

@@ -36,18 +36,18 @@ import numpy as np
 from service.answers import normalize, tally
 from service.errors import InvalidRequest
 from service.settings import Settings
-from service.strategies.base import (
+from service.strategies.lore import answer_budget
+from service.strategies.request import (
     Answer,
     Calls,
     Cost,
     Outcome,
     ReorderRequest,
     VotedAnswer,
-    Work,
     need_scores,
     rng_for,
 )
-from service.strategies.lore import answer_budget
+from service.strategies.work import Work
 from service.strategy_names import StrategyName
 
 DEFAULT_SAMPLES = 30  # the MoI paper, section 4.1

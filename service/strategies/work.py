@@ -27,17 +27,12 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.errors import InvalidRequest, ScoringFailed
-from service.prompts import (
-    BuiltPrompt,
-    Passage,
-    build_generation_prompt,
-    build_prompts,
-    get_template,
-    prompt_size,
-)
+from service.passage import Passage
+from service.prompts import BuiltPrompt, build_generation_prompt, build_prompts, prompt_size
 from service.settings import Settings
 from service.solver_pool import shared_pool
 from service.strategies.request import Answer, Cost, Estimate, PromptScore, Usage
+from service.templates import get_template
 
 if TYPE_CHECKING:
     from service.learning import ProfileLearner

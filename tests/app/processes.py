@@ -1,26 +1,44 @@
-"""Starting the real server as a subprocess on a free loopback port, and stopping it."""
+"""Starting the real server as a subprocess on a free loopback port, and stopping it.
+
+Standard library and httpx only: the client's tests load this file in their own virtualenv,
+where the repository root is not on the path (``clients/python/tests/servers.py``). So the
+one readiness wait and port picker, ``bench/server_process.py`` (also standard library and
+httpx), is loaded here by its file rather than imported as ``bench.server_process``.
+"""
 
 from __future__ import annotations
 
+import importlib.util
 import os
-import socket
 import subprocess
 import sys
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-
-import httpx
+from types import ModuleType
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _bench_server_process() -> ModuleType:
+    name = "rag_reorder_bench_server_process"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, ROOT / "bench" / "server_process.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+_helpers = _bench_server_process()
+free_port: Callable[[], int] = _helpers.free_port
+wait_until_up: Callable[..., Any] = _helpers.wait_until_up
+
+__all__ = ["ROOT", "ServerProcess", "free_port", "server_process"]
 
 
 @dataclass
@@ -33,17 +51,11 @@ class ServerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"server exited with {self.proc.returncode}:\n{self.log()}")
-            try:
-                if httpx.get(f"{self.base_url}/ready", timeout=2).status_code == 200:
-                    return
-            except httpx.TransportError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"/ready not 200 within {timeout} s:\n{self.log()}")
+        """Return once ``/ready`` answers 200; ``ServerNotUp`` (with the log's tail) if the
+        server exits or is not ready in ``timeout`` seconds."""
+        wait_until_up(
+            self.proc, f"{self.base_url}/ready", self.log_path, ready_s=timeout, poll_s=0.1
+        )
 
     def wait_exit(self, timeout: float) -> int:
         try:

@@ -16,10 +16,11 @@ from app.metrics import ServiceMetrics
 from service.backends.base import ChatMessage, Encoding
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.fake import FakeBackend
-from service.capacity import ThroughputMeter
 from service.errors import LimitExceeded
-from service.prompts import Passage, build_prompts
+from service.passage import Passage
+from service.prompts import build_prompts
 from service.settings import Settings
+from service.throughput import ThroughputMeter
 from tests.app.conftest import PASSAGES, serving
 
 

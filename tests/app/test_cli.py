@@ -149,7 +149,7 @@ def test_eval_help_lists_the_names_the_server_accepts() -> None:
     from typing import get_args
 
     from service.strategies import strategy_names
-    from service.strategies.base import DesignKind, Placement
+    from service.strategies.request import DesignKind, Placement
 
     text = " ".join(_subcommands()["eval"].format_help().split())  # type: ignore[attr-defined]
     for name in (*strategy_names(), *get_args(DesignKind), *get_args(Placement)):

@@ -74,8 +74,8 @@ async def _calibrate_positions(harness: Any, texts: list[str] = PASSAGES) -> Non
     """Measure and store the positional profiles the two positional strategies need."""
     from offline.positions import calibrate_positions
     from service.dataset import Example
+    from service.passage import Passage
     from service.pipeline import Reorderer
-    from service.prompts import Passage
 
     ctx = harness.ctx
     examples = [

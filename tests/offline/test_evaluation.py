@@ -30,9 +30,10 @@ from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.fake import FakeBackend
 from service.dataset import Example, load_examples
 from service.errors import InvalidRequest
+from service.passage import Passage
 from service.pipeline import Reorderer
 from service.profile_store import ProfileStore
-from service.prompts import Passage, build_generation_prompt
+from service.prompts import build_generation_prompt
 from service.settings import Settings
 
 K = 5  # passages per question

@@ -22,8 +22,8 @@ from service.backends.byte_tokenizer import END_OF_TURN_ID, ByteTokenizer
 from service.backends.fake import FakeBackend
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.backends.transformers_backend import TransformersBackend
+from service.passage import Passage
 from service.profile_store import ProfileStore
-from service.prompts import Passage
 from service.settings import Settings
 from service.strategies.work import Work, _answer
 from tests.support.committed import COMMITTED, committed_lines

@@ -26,9 +26,10 @@ from offline.answer_profile import (
 )
 from service.dataset import Example
 from service.errors import EngineUnavailable, InvalidRequest
+from service.passage import Passage
 from service.profile_store import ProfileStore
-from service.prompts import Passage, get_template
 from service.settings import EMBEDDED_MODEL
+from service.templates import get_template
 
 SLOTS = 4
 

@@ -12,9 +12,9 @@ from service.backends.fake import FakeBackend
 from service.calibration import calibrate_profile
 from service.dataset import Example, load_examples
 from service.errors import InvalidRequest
+from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
-from service.prompts import Passage
 from service.settings import Settings
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"

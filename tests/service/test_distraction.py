@@ -18,6 +18,7 @@ from offline.positions import calibrate_positions, rotations
 from service.backends.fake import FakeBackend
 from service.dataset import Example
 from service.errors import InvalidRequest
+from service.passage import Passage
 from service.positional_store import (
     CorruptPositionalProfile,
     PositionalRecord,
@@ -25,7 +26,7 @@ from service.positional_store import (
     SlotMeans,
 )
 from service.profile_store import ProfileStore
-from service.prompts import Passage, build_generation_prompt
+from service.prompts import build_generation_prompt
 from service.strategies.distraction import (
     ABSTAIN_TEMPLATE,
     NO_RESPONSE,

@@ -9,9 +9,9 @@ import pytest
 
 from service.backends.fake import FakeBackend
 from service.errors import InvalidRequest, LimitExceeded
+from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, StrategyOptions
 from service.profile_store import ProfileStore
-from service.prompts import Passage
 from service.settings import Settings
 from service.strategies import STRATEGIES, get_strategy, strategy_names
 from service.strategies.model_free import litm_order

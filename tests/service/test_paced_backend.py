@@ -14,6 +14,7 @@ from service.backends.factory import resolve_backend
 from service.backends.paced import PROFILES, PacedBackend, PacedProfile
 from service.errors import InvalidRequest, LimitExceeded
 from service.settings import Settings
+from tests.support.prompt_contract import Limits, check_contract
 
 FAST = PacedProfile(
     "test", tokens_per_s=10_000.0, overhead_s=0.01, padded=True, decode_step_s=0.005, source="test"
@@ -102,3 +103,9 @@ def test_generation_takes_prefill_and_decode_steps() -> None:
     out, busy = asyncio.run(main())
     assert len(out[0].token_ids) == 3 and out[0].score_logprobs is not None  # type: ignore[union-attr]
     assert busy == pytest.approx(FAST.forward_s([100]) + 3 * FAST.decode_step_s)
+
+
+def test_the_prompt_contract_of_every_backend() -> None:
+    b = backend()
+    limits = Limits(prompt=512, generation=511, scored=512, vocab=259)
+    asyncio.run(check_contract(b.score, b.generate, limits))

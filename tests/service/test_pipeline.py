@@ -10,9 +10,9 @@ from scipy.stats import kendalltau
 
 from service.backends.fake import FakeBackend
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
+from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
-from service.prompts import Passage
 from service.settings import Settings
 
 N = 12

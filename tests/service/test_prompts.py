@@ -16,19 +16,16 @@ from hypothesis import strategies as st
 from service.backends.base import ChatMessage, Encoding, PromptTokenizer
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.errors import InvalidRequest, LimitExceeded
+from service.passage import Passage
 from service.prompts import (
-    DEFAULT_TEMPLATE,
     MAX_CHARS_PER_TOKEN,
-    Passage,
     PromptAlignmentError,
-    PromptTemplate,
     build_generation_prompt,
     build_prompt,
     build_prompts,
-    get_template,
-    register_template,
-    template_names,
 )
+from service.settings import DEFAULT_TEMPLATE
+from service.templates import PromptTemplate, get_template, register_template, template_names
 
 NQ_DEV = Path("/work/shared/data/nq_open_dev.jsonl")
 

@@ -26,6 +26,7 @@ from service.backends.engine_client import EngineClient
 from service.backends.remote_backend import RemoteBackend, span_from_rows
 from service.backends.tokenizer_files import load_prompt_tokenizer
 from service.errors import EngineMismatch, EngineUnavailable, LimitExceeded
+from tests.support.prompt_contract import Limits, check_contract
 
 
 class ScriptedServer:
@@ -378,3 +379,12 @@ async def test_credentials_in_the_engine_url_stay_out_of_messages(
     del server.status["/tokenize"]
     await b.connect()
     assert "s3cret" not in caplog.text and "***@engine:8000" in caplog.text
+
+
+async def test_the_prompt_contract_of_every_backend(tokenizer: Any) -> None:
+    server = ScriptedServer(tokenizer, context=64)
+    b = backend(server, tokenizer)
+    await b.connect()
+    # vLLM keeps one token of the context for the one it must generate.
+    limits = Limits(prompt=63, generation=63, scored=63, vocab=b._vocab_size)
+    await check_contract(b.score, b.generate, limits, sent=lambda: len(server.bodies))

@@ -32,8 +32,8 @@ import pytest
 from service.backends.base import SpanLogprobs, SpanRequest
 from service.backends.remote_backend import RemoteBackend
 from service.backends.transformers_backend import TransformersBackend
+from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest
-from service.prompts import Passage
 from service.settings import EMBEDDED_MODEL, Settings
 from tests.app.processes import ROOT, free_port, server_process
 from tests.support.fault_proxy import FaultProxy

@@ -14,10 +14,10 @@ import pytest
 
 from service.backends.fake import FakeBackend
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed, UnidentifiableRequest
+from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest, StrategyOptions
 from service.positional_store import CorruptPositionalProfile, PositionalStore
 from service.profile_store import ProfileStore
-from service.prompts import Passage
 from service.settings import Settings
 from service.strategies.distraction import fill_slots, slot_preference
 from tests.service.test_distraction import make_record

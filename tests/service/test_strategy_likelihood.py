@@ -20,10 +20,11 @@ import pytest
 
 from service.backends.fake import FakeBackend, FakePrompt
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed
+from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest, ReorderResult, StrategyOptions
 from service.profile_store import ProfileStore
-from service.prompts import DEFAULT_TEMPLATE, Passage, build_prompts
-from service.settings import Settings
+from service.prompts import build_prompts
+from service.settings import DEFAULT_TEMPLATE, Settings
 from tests.support.pipeline import reorderer_in
 
 QUERY = "which passage helps?"

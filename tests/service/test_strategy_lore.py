@@ -18,9 +18,9 @@ import pytest
 
 from service.backends.fake import FakeBackend
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed
+from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest, ReorderResult, StrategyOptions
 from service.profile_store import ProfileStore
-from service.prompts import Passage
 from service.settings import Settings
 from service.strategies.lore import context_ranks, rrf_scores
 

@@ -11,9 +11,9 @@ import pytest
 
 from service.backends.fake import FakeBackend
 from service.errors import InvalidRequest, UnidentifiableRequest
+from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest
 from service.profile_store import ProfileStore
-from service.prompts import Passage
 from service.settings import Settings
 from service.strategies.retrieval import bm25_scores, cosine_scores
 

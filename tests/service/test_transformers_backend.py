@@ -40,6 +40,7 @@ from service.backends.transformers_backend import (
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
 from service.settings import EMBEDDED_MODEL, Settings
 from tests.support.models import build_tiny_gemma3, cache_dir_for_tests
+from tests.support.prompt_contract import Limits, check_contract
 
 TOL = 1e-4
 T = TypeVar("T")
@@ -508,7 +509,7 @@ def test_prompt_plus_score_ids_must_fit_the_context(tiny_model_dir: Path) -> Non
     with pytest.raises(LimitExceeded) as info:
         run(lambda: short.generate([GenerationRequest("x", prompt, 2, score_ids=(5,) * 5)]))
     assert (info.value.param, info.value.limit, info.value.value) == ("score_ids", 4, 5)
-    assert "after a 12-token prompt in a 16-token context" in info.value.message
+    assert "after a 12-token prompt, 16 tokens at most" in info.value.message
     with pytest.raises(InvalidRequest, match="score ids must be in") as bad:
         run(lambda: short.generate([GenerationRequest("x", prompt, 2, score_ids=(10**7,))]))
     assert bad.value.param == "score_ids"
@@ -566,7 +567,11 @@ def test_bad_token_ids_and_lengths_are_rejected(
 ) -> None:
     ids = chat_ids(tiny_backend, "Hi")
     with pytest.raises(InvalidRequest, match="token ids must be in"):
-        run(lambda: tiny_backend.score([SpanRequest("x", (*ids, 10**7), 1, 3)]))
+        run(lambda: tiny_backend.score([SpanRequest("x", (*ids[:2], 10**7), 1, 3)]))
+    # Tokens after the span's end are not forwarded (they cannot change its log-probs), so
+    # they are not checked either: the same in every backend.
+    [after] = run(lambda: tiny_backend.score([SpanRequest("x", (*ids, 10**7), 1, 3)]))
+    assert isinstance(after, SpanLogprobs)
     with pytest.raises(InvalidRequest, match="token ids must be in"):
         run(lambda: tiny_backend.score([SpanRequest("x", (-1, *ids), 1, 3)]))
     with pytest.raises(InvalidRequest, match="empty prompt"):
@@ -576,7 +581,7 @@ def test_bad_token_ids_and_lengths_are_rejected(
     short = TransformersBackend.load(tiny_model_dir, device="cpu", max_model_len=16)
     long_ids = tuple(range(100, 117))  # 17 tokens
     with pytest.raises(LimitExceeded) as info:
-        run(lambda: short.score([SpanRequest("x", long_ids, 1, 5)]))
+        run(lambda: short.score([SpanRequest("x", long_ids, 1, 17)]))
     assert (info.value.param, info.value.limit, info.value.value) == ("token_ids", 16, 17)
     with pytest.raises(LimitExceeded):
         run(lambda: short.generate([GenerationRequest("x", long_ids[:16], 4)]))
@@ -673,3 +678,10 @@ def test_smollm2_from_settings_batched_logprobs_match_brute_force(smollm2_dir: P
     assert isinstance(answer, SpanLogprobs)
     assert answer.total / len(answer.logprobs) > -1.0
     run(backend.aclose)
+
+
+def test_the_prompt_contract_of_every_backend(tiny_model_dir: Path) -> None:
+    # A short context, so that the at-the-limit forwards stay cheap.
+    short = TransformersBackend.load(tiny_model_dir, device="cpu", max_model_len=64)
+    limits = Limits(prompt=64, generation=63, scored=64, vocab=short._vocab_size)
+    run(lambda: check_contract(short.score, short.generate, limits))

@@ -50,7 +50,7 @@ from vllm.logprobs import FlatLogprobs, Logprob
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-from service.backends import vllm_backend
+from service.backends import vllm_engine
 from service.backends.base import (
     POSITIVE_TOLERANCE,
     ChatMessage,
@@ -62,10 +62,10 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.backends.vllm_backend import (
+from service.backends.vllm_backend import VLLMBackend
+from service.backends.vllm_engine import apply_vllm_env_defaults
+from service.backends.vllm_requests import (
     TOKEN_ID_PARAMS,
-    VLLMBackend,
-    apply_vllm_env_defaults,
     generation_from_output,
     resolve_score_mode,
     span_from_prompt_logprobs,
@@ -73,6 +73,7 @@ from service.backends.vllm_backend import (
     with_score_logprobs,
 )
 from service.errors import BackendUnavailable
+from tests.support.prompt_contract import Limits, check_contract
 
 pytestmark = pytest.mark.vllm
 
@@ -365,34 +366,21 @@ def test_generate_with_score_ids_matches_transformers(
     print(f"max |vLLM - transformers| fused generation = {worst:.3e} nats")
     assert worst <= TOLERANCE
 
-    # The prompt plus its score ids must fit the context; bad score ids fail that prompt.
-    fits = tuple([5] * (CONTEXT - 4))
-    bad = run(
-        runner,
-        backend.generate(
-            [
-                GenerationRequest("over", fits, 2, score_ids=(5,) * 4),
-                GenerationRequest("vocab", prompts[0], 2, score_ids=(vocab,)),
-                GenerationRequest("ok", fits, 2, score_ids=(5,) * 3),
-            ]
-        ),
-    )
-    assert [type(g).__name__ for g in bad] == ["PromptFailure", "PromptFailure", "Generation"]
-    assert all(g.reason.startswith("score_ids: ") for g in bad[:2])
+
+def test_the_prompt_contract_of_every_backend(backend: VLLMBackend, runner: asyncio.Runner) -> None:
+    # A malformed request raises for the whole call before anything reaches the engine, as in
+    # every backend; vLLM keeps one token of its context for the one it must generate.
+    limit = CONTEXT - 1
+    limits = Limits(prompt=limit, generation=limit, scored=limit, vocab=backend._vocab_size)
+    run(runner, check_contract(backend.score, backend.generate, limits))
 
 
-def test_bad_prompts_fail_alone(
+def test_a_prompt_the_engine_fails_fails_alone(
     backend: VLLMBackend, hf_model: Any, runner: asyncio.Runner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    vocab = backend._vocab_size
     good = SpanRequest("good", tuple(range(100, 130)), 10, 30)
     requests = [
-        SpanRequest("span0", good.token_ids, 0, 5),  # the first token has no log-prob
         good,
-        SpanRequest("past-end", good.token_ids, 5, 31),
-        SpanRequest("vocab", (1, 2, vocab), 1, 3),
-        SpanRequest("negative", (1, -1, 2), 1, 3),
-        SpanRequest("too-long", tuple([5] * CONTEXT), 1, CONTEXT),
         SpanRequest("engine-fails", good.token_ids, 10, 30),
         SpanRequest("good2", good.token_ids, 1, 10),
     ]
@@ -411,12 +399,7 @@ def test_bad_prompts_fail_alone(
 
     kinds = {r.request_id: type(r).__name__ for r in results}
     assert kinds == {
-        "span0": "PromptFailure",
         "good": "SpanLogprobs",
-        "past-end": "PromptFailure",
-        "vocab": "PromptFailure",
-        "negative": "PromptFailure",
-        "too-long": "PromptFailure",
         "engine-fails": "PromptFailure",
         "good2": "SpanLogprobs",
     }
@@ -424,18 +407,6 @@ def test_bad_prompts_fail_alone(
         if isinstance(result, SpanLogprobs):
             expected = reference_span(hf_model, req)
             assert max_diff(result.logprobs, expected) <= TOLERANCE
-
-    gens = run(
-        runner,
-        backend.generate(
-            [
-                GenerationRequest("zero", good.token_ids, 0),
-                GenerationRequest("full", tuple([5] * CONTEXT), 4),
-                GenerationRequest("ok", good.token_ids, 2),
-            ]
-        ),
-    )
-    assert [type(g).__name__ for g in gens] == ["PromptFailure", "PromptFailure", "Generation"]
 
 
 def test_engine_death_raises(
@@ -624,11 +595,11 @@ def test_gpu_engines_get_the_llm_class_step_budget(
     monkeypatch.setattr(platform, "is_cpu", lambda: False)
     monkeypatch.setattr(platform, "is_tpu", lambda: False)
     budgets, _ = arg_utils.EngineArgs.get_batch_defaults(1)
-    assert budgets[vllm_backend.engine_usage_context(on_cpu=False)] == tokens
+    assert budgets[vllm_engine.engine_usage_context(on_cpu=False)] == tokens
     assert UsageContext.ENGINE_CONTEXT not in budgets
     assert SchedulerConfig.DEFAULT_MAX_NUM_BATCHED_TOKENS == 2048
     # The CPU keeps AsyncLLM's context: its measurements were made at 2048.
-    assert vllm_backend.engine_usage_context(on_cpu=True) == UsageContext.ENGINE_CONTEXT
+    assert vllm_engine.engine_usage_context(on_cpu=True) == UsageContext.ENGINE_CONTEXT
 
 
 def test_load_starts_a_gpu_engine_in_the_llm_class_context(
@@ -641,8 +612,8 @@ def test_load_starts_a_gpu_engine_in_the_llm_class_context(
         seen.update(kwargs)
         raise RuntimeError("not started in this test")
 
-    monkeypatch.setattr(vllm_backend.current_platform, "is_cpu", lambda: False)
-    monkeypatch.setattr(vllm_backend.AsyncLLM, "from_engine_args", start)
+    monkeypatch.setattr(vllm_engine.current_platform, "is_cpu", lambda: False)
+    monkeypatch.setattr(vllm_engine.AsyncLLM, "from_engine_args", start)
     with pytest.raises(BackendUnavailable):
         VLLMBackend.load(tiny_model_dir)
     assert seen == {"usage_context": UsageContext.LLM_CLASS}
@@ -651,7 +622,7 @@ def test_load_starts_a_gpu_engine_in_the_llm_class_context(
 def test_the_cpu_engine_steps_2048_tokens_by_default(tiny_model_dir: Path) -> None:
     """The step budget load() leaves to vLLM on the CPU, read from the config it would build."""
     args = AsyncEngineArgs(model=str(tiny_model_dir), dtype="float32", enforce_eager=True)
-    config = args.create_engine_config(usage_context=vllm_backend.engine_usage_context(on_cpu=True))
+    config = args.create_engine_config(usage_context=vllm_engine.engine_usage_context(on_cpu=True))
     assert config.scheduler_config.max_num_batched_tokens == 2048
 
 

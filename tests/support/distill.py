@@ -7,7 +7,7 @@ from pathlib import Path
 from offline.distill.preferences import Preference, PreferenceMeta, sample_orders
 from offline.distill.train import DistillConfig, distill
 from service.model_assets.adapter import AdapterManifest, Agreement
-from service.prompts import Passage
+from service.passage import Passage
 
 PASSAGES = (
     Passage(text="Paris is the capital of France.", title="Paris"),

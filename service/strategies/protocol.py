@@ -1,9 +1,9 @@
-"""The strategy port: every reordering method takes one request and returns one ``Outcome``.
+"""The strategy port: the ``Strategy`` protocol every reordering method implements, and the
+option registry that lets a refusal name an option's users.
 
 A strategy reaches the model only through ``Work`` (``service/strategies/work.py``); the
-request and result types are in ``service/strategies/request.py``. This module holds the
-``Strategy`` protocol and the option registry that lets a refusal name an option's users, and
-re-exports the other two so that a strategy imports its whole port from here.
+request, cost and result types are in ``service/strategies/request.py``. Each is imported from
+where it lives.
 """
 
 from __future__ import annotations
@@ -12,55 +12,9 @@ from typing import Protocol
 
 from service.errors import InvalidRequest
 from service.settings import Settings
-from service.strategies.request import (
-    Answer,
-    AutoReport,
-    Calls,
-    Cost,
-    DesignKind,
-    DesignSpec,
-    Outcome,
-    Placement,
-    PositionalProfile,
-    PromptScore,
-    ReorderRequest,
-    StrategyOptions,
-    Timing,
-    Usage,
-    VotedAnswer,
-    descending,
-    need_scores,
-    retriever_ranking,
-    rng_for,
-)
+from service.strategies.request import Cost, Outcome, ReorderRequest
 from service.strategies.work import Work
 from service.strategy_names import StrategyName
-
-__all__ = [
-    "Answer",
-    "AutoReport",
-    "Calls",
-    "Cost",
-    "DesignKind",
-    "DesignSpec",
-    "Outcome",
-    "Placement",
-    "PositionalProfile",
-    "PromptScore",
-    "ReorderRequest",
-    "Strategy",
-    "StrategyOptions",
-    "Timing",
-    "Usage",
-    "VotedAnswer",
-    "Work",
-    "check_options",
-    "descending",
-    "need_scores",
-    "register_option_users",
-    "retriever_ranking",
-    "rng_for",
-]
 
 
 class Strategy(Protocol):
@@ -138,6 +92,3 @@ def register_option_users(strategy: Strategy) -> None:
 
 def _option_users(name: str) -> set[str]:
     return _USERS.get(name, set())
-
-
-# --- small shared rules ---------------------------------------------------------------------

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
@@ -101,9 +100,10 @@ async def run_admitted(
     rid = request_id_of(request.scope)
 
     deadline = time.monotonic() + timeout_s
-    admitted: list[AdmittedBackend] = []
 
     def reorderer() -> Reorderer:
+        # The backend is also the request's gate: ``Reorderer.reorder`` admits the whole
+        # request through it and gives back what its calls did not take, however it ends.
         gate = AdmittedBackend(
             backend,
             ctx.admission,
@@ -112,13 +112,12 @@ async def run_admitted(
             timeout_s=timeout_s,
             timeout_name=timeout_name,
         )
-        admitted.append(gate)
         return Reorderer(
             gate, settings, ctx.engine.profiles, ctx.engine.traffic, ctx.engine.learner, gate
         )
 
     t0 = time.perf_counter()
-    with ctx.admission.request(), _released(admitted):
+    with ctx.admission.request():
         try:
             with anyio.fail_after(timeout_s):
                 result = await cancel_on_disconnect(request, lambda: work(reorderer))
@@ -140,16 +139,6 @@ async def run_admitted(
             raise
     ctx.lifecycle.succeeded()
     return result
-
-
-@contextmanager
-def _released(admitted: list[AdmittedBackend]) -> Iterator[None]:
-    """Whatever happens to the work, its requests' reservations go back to admission."""
-    try:
-        yield
-    finally:
-        for gate in admitted:
-            gate.release()
 
 
 async def cancel_on_disconnect(request: Request, work: Callable[[], Awaitable[T]]) -> T:

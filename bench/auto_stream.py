@@ -60,23 +60,6 @@ BASELINES = {
 """Each baseline's label among the committed evaluation records."""
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            continue  # torn by an interruption
-    return out
-
-
-def append(path: Path, row: dict[str, Any]) -> None:
-    with path.open("a") as fh:
-        fh.write(json.dumps(row) + "\n")
-
-
 def questions(data: Path, passages: int) -> list[Any]:
     from offline.evaluation.runner import prepare
     from service.dataset import load_examples
@@ -107,7 +90,7 @@ def server(args: argparse.Namespace, out: Path) -> tuple[Any, str]:
 async def stream(args: argparse.Namespace, out: Path, qs: list[Any], url: str) -> None:
     """Phase 1: the default strategy from a cold start (resumes from ``requests.jsonl``)."""
     path = out / "requests.jsonl"
-    done = read_jsonl(path)
+    done = report.read_jsonl(path)
     order = np.random.default_rng(args.seed).permutation(len(qs))
     trusted = any(r["path"] in ("profile", "flat") for r in done)
     k = len(done)
@@ -124,7 +107,7 @@ async def stream(args: argparse.Namespace, out: Path, qs: list[Any], url: str) -
             j = r.json()
             auto = j["auto"]
             trusted = trusted or auto["path"] in ("profile", "flat")
-            append(
+            report.append(
                 path,
                 {
                     "k": k,
@@ -148,7 +131,7 @@ async def stream(args: argparse.Namespace, out: Path, qs: list[Any], url: str) -
 async def dense(args: argparse.Namespace, out: Path, qs: list[Any], url: str) -> None:
     """Phase 2: ``dense`` placed by the committed profile, on the same server."""
     path = out / "dense.jsonl"
-    done = {r["question"] for r in read_jsonl(path)}
+    done = {r["question"] for r in report.read_jsonl(path)}
     profile = json.loads(Path(args.profile).read_text())
     pid = Path(args.profile).stem
     shutil.copy(args.profile, out / "state" / "profiles" / f"{pid}.json")
@@ -163,7 +146,7 @@ async def dense(args: argparse.Namespace, out: Path, qs: list[Any], url: str) ->
             latency = time.perf_counter() - t0
             r.raise_for_status()
             j = r.json()
-            append(
+            report.append(
                 path,
                 {
                     "question": q.id,
@@ -199,11 +182,11 @@ async def answers(args: argparse.Namespace, out: Path, qs: list[Any]) -> None:
     from service.settings import Settings
 
     path = out / "answers.jsonl"
-    have = {(r["question"], tuple(r["order"])) for r in read_jsonl(path)}
+    have = {(r["question"], tuple(r["order"])) for r in report.read_jsonl(path)}
     by_id = {q.id: q for q in qs}
     base = baseline_orders(Path(args.records))
     wanted: dict[str, set[tuple[int, ...]]] = {}
-    for r in read_jsonl(out / "requests.jsonl"):
+    for r in report.read_jsonl(out / "requests.jsonl"):
         wanted.setdefault(r["question"], set()).add(tuple(r["order"]))
     # The baselines' orders are answered again here for the first --recompute questions (the
     # committed answers came from another machine); the rest take the committed records'.
@@ -219,7 +202,7 @@ async def answers(args: argparse.Namespace, out: Path, qs: list[Any]) -> None:
                 continue
             got = await ev.answer_orders(by_id[qid], todo)
             for o, g in zip(todo, got, strict=True):
-                append(
+                report.append(
                     path,
                     {
                         "question": qid,
@@ -236,9 +219,9 @@ def summarise(args: argparse.Namespace, out: Path, qs: list[Any]) -> dict[str, A
     """Phase 4: paths, latency against the target, accuracy paired per request."""
     from offline.evaluation.stats import paired_comparison
 
-    reqs = read_jsonl(out / "requests.jsonl")
-    dense_rows = read_jsonl(out / "dense.jsonl")
-    answered = read_jsonl(out / "answers.jsonl")
+    reqs = report.read_jsonl(out / "requests.jsonl")
+    dense_rows = report.read_jsonl(out / "dense.jsonl")
+    answered = report.read_jsonl(out / "answers.jsonl")
     acc = {(r["question"], tuple(r["order"])): r["accuracy"] for r in answered}
     committed = baseline_records(Path(args.records))
     base = {k: list(r["order"]) for k, r in committed.items()}

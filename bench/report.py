@@ -73,3 +73,23 @@ def write(result: dict[str, Any], path: str | Path) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {out}")
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The rows a resumable benchmark appended so far (``append``); a line torn by an
+    interruption is skipped, so the run redoes that row."""
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            continue  # torn by an interruption
+    return out
+
+
+def append(path: Path, row: dict[str, Any]) -> None:
+    """Add one row to a resumable benchmark's JSONL (``read_jsonl``)."""
+    with path.open("a") as fh:
+        fh.write(json.dumps(row) + "\n")

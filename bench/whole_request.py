@@ -52,18 +52,6 @@ STRATEGIES = (
 SIZES = (6, 10)
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue  # torn by an interruption
-    return rows
-
-
 def body(question: Any, strategy: str) -> dict[str, Any]:
     return {
         "query": question.question,
@@ -146,7 +134,7 @@ def main() -> None:
     args.out = Path(args.out)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "requests.jsonl"
-    rows = read_rows(path)
+    rows = report.read_jsonl(path)
     done = {(r["strategy"], r["passages"]) for r in rows}
     todo = [(n, s) for n in SIZES for s in STRATEGIES if (s, n) not in done]
     if args.only:
@@ -174,8 +162,7 @@ def main() -> None:
                 for n, strategy in todo:
                     row = one(client, url, prepare(example, n), strategy, n)
                     print(json.dumps(row), flush=True)
-                    with path.open("a") as fh:
-                        fh.write(json.dumps(row) + "\n")
+                    report.append(path, row)
                     rows.append(row)
         finally:
             proc.terminate()

@@ -14,7 +14,9 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
+from app.admission import Admission
 from app.main import create_app
+from app.metrics import ServiceMetrics
 from app.state import AppContext
 from service.backends.base import ScoreResult, SpanRequest
 from service.backends.fake import FakeBackend
@@ -133,3 +135,14 @@ def reorder_body(**extra: Any) -> dict[str, Any]:
 
 def rerank_body(**extra: Any) -> dict[str, Any]:
     return {"query": QUERY, "documents": PASSAGES, **extra}
+
+
+def measured(rate: float, timeout_s: float = 10.0) -> Admission:
+    """An admission whose meter has measured ``rate`` tokens/s."""
+    admission = Admission(
+        Settings(request_timeout_s=timeout_s), ServiceMetrics(include_default_registry=False)
+    )
+    admission.meter.begin(0.0)
+    admission.meter.end(1.0, int(rate))
+    assert admission.meter.tokens_per_s == pytest.approx(rate)
+    return admission

@@ -21,18 +21,7 @@ from service.passage import Passage
 from service.prompts import build_prompts
 from service.settings import Settings
 from service.throughput import ThroughputMeter
-from tests.app.conftest import PASSAGES, serving
-
-
-def measured(rate: float, timeout_s: float = 10.0) -> Admission:
-    """An admission whose meter has measured ``rate`` tokens/s."""
-    admission = Admission(
-        Settings(request_timeout_s=timeout_s), ServiceMetrics(include_default_registry=False)
-    )
-    admission.meter.begin(0.0)
-    admission.meter.end(1.0, int(rate))
-    assert admission.meter.tokens_per_s == pytest.approx(rate)
-    return admission
+from tests.app.conftest import PASSAGES, measured, serving
 
 
 def test_a_call_is_admitted_while_the_queue_ahead_and_its_own_work_fit_its_deadline() -> None:

@@ -53,6 +53,8 @@ test: lint docs
 	# showed the float32 checks alone miss (2026-11-27, bench/results/gpu_h200_20261127).
 	RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 		.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
+	# redis-server, which the state-store tests run as a real process (apt-get if missing).
+	scripts/redis-server.sh
 	# helm and the PromQL grammar for tests/deploy (chart, Compose, dashboard, Dockerfile checks).
 	scripts/deploy-tools.sh $(VENV)
 	# The client's wheel in its own virtualenv without the server (rebuilt when the client's

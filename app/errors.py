@@ -44,6 +44,7 @@ from service.errors import (
     ReorderError,
     ScoringFailed,
     ServerError,
+    StateUnavailable,
     UnidentifiableRequest,
 )
 
@@ -77,6 +78,7 @@ ERROR_TABLE: Final[Mapping[type[ReorderError], ErrorKind]] = {
     Overloaded: ErrorKind(503, "overloaded_error", retry_after=True),
     NotReady: ErrorKind(503, "unavailable_error", retry_after=True),
     BackendUnavailable: ErrorKind(503, "unavailable_error", retry_after=True),
+    StateUnavailable: ErrorKind(503, "unavailable_error", retry_after=True),
     DeadlineExceeded: ErrorKind(504, "timeout_error"),
     EngineTimeout: ErrorKind(504, "timeout_error"),
     ScoringFailed: ErrorKind(502, "server_error"),

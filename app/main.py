@@ -47,11 +47,11 @@ from service.errors import (
 from service.learning import ProfileLearner, allowed_to_learn
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
-from service.profile_store import ProfileStore
 from service.settings import Settings
 from service.solver_pool import close_shared
+from service.state_store import open_state
 from service.templates import get_template
-from service.traffic import TrafficSampler, TrafficSpool
+from service.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,9 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         ValueError: ``api_key`` or ``admin_api_key`` is set but blank.
     """
     metrics = ServiceMetrics()
-    store = ProfileStore(settings.profiles_path)
+    # The folder, or Redis (`state_url`): nothing connects before the lifespan starts it.
+    state = open_state(settings)
+    store = state.profiles
     ctx = AppContext(
         settings=settings,
         version=_version(),
@@ -100,8 +102,8 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
             TrafficSampler(
                 settings.traffic_sample_rate,
                 settings.traffic_sample_max_runs,
-                spool=TrafficSpool(settings.traffic_sample_dir, settings.traffic_sample_max_runs)
-                if settings.traffic_sample_dir is not None and settings.traffic_sample_rate > 0
+                spool=state.spool("sample", settings.traffic_sample_max_runs, None)
+                if settings.traffic_sample_rate > 0
                 else None,
             ),
             ProfileLearner(
@@ -109,7 +111,9 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
                 store,
                 allowed=allowed_to_learn(settings),
                 prepare=_ranker_loader(settings),
+                state=state,
             ),
+            state,
         ),
         admission=Admission(settings, metrics),
         metrics=metrics,
@@ -123,6 +127,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
     )
     metrics.track_traffic(ctx.engine.traffic)
     metrics.track_auto(ctx.engine.learner)
+    metrics.track_state(state)
     metrics.track_capacity(
         lambda: ctx.admission.estimated_wait_s, lambda: ctx.admission.meter.tokens_per_s
     )
@@ -174,6 +179,11 @@ def _lifespan(
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         ctx.lifecycle.wake = anyio.Event()
+        state = ctx.engine.state
+        state.start()
+        # A restarted replica places by what Redis holds from its first request when Redis
+        # answers at once; one that does not answer delays the start by this much only.
+        await anyio.to_thread.run_sync(state.wait_loaded, 2 * ctx.settings.state_timeout_s)
         # A plain task rather than a task group held across the yield: a task group would wrap
         # every exception thrown into the lifespan (test failures, shutdown) in a group.
         loop = asyncio.get_running_loop()
@@ -198,6 +208,8 @@ def _lifespan(
         # The last sampled runs still on their way to the shared traffic folder.
         await anyio.to_thread.run_sync(ctx.engine.traffic.close)
         await anyio.to_thread.run_sync(ctx.engine.learner.close)
+        # Then what is still queued for Redis (a bounded wait).
+        await anyio.to_thread.run_sync(ctx.engine.state.close)
         await anyio.to_thread.run_sync(close_shared)
 
     return lifespan

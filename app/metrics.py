@@ -23,6 +23,7 @@ from service.backends.engine_client import EngineCall, EngineClient
 from service.backends.scheduler import ForwardScheduler, ForwardStats
 from service.learning import ProfileLearner
 from service.pipeline import ReorderResult
+from service.state_store import StateStore
 from service.traffic import TrafficSampler
 
 PREFIX = "rag_reorder"
@@ -68,6 +69,39 @@ class _TrafficSample(Collector):
         for design, runs in held.items():
             family.add_metric([design], runs)
         yield family
+
+
+class _State(Collector):
+    """The state store's health, failures and queue (read at scrape)."""
+
+    def __init__(self, state: StateStore) -> None:
+        self._state = state
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._state
+        yield GaugeMetricFamily(
+            f"{PREFIX}_state_store_up",
+            "1 when the state store (the folder, or Redis with state_url) answered its last "
+            "operation; 0 while Redis cannot be reached (requests are then served from memory).",
+            value=1 if s.up else 0,
+        )
+        yield _labelled(
+            "state_store_failures",
+            "Operations on the state store that failed, by operation (read, write, lock).",
+            "operation",
+            {op: s.failures.get(op, 0) for op in ("read", "write", "lock")},
+        )
+        yield GaugeMetricFamily(
+            f"{PREFIX}_state_store_pending_writes",
+            "Writes (profiles, sampled runs) queued for the state store, not yet stored.",
+            value=s.pending,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_state_store_dropped_writes",
+            "Sampled runs dropped from a full queue while the state store could not be reached "
+            "(state_max_pending_writes).",
+            value=s.dropped,
+        )
 
 
 _Label = TypeVar("_Label", bound=str)
@@ -426,6 +460,10 @@ class ServiceMetrics:
     def track_auto(self, learner: ProfileLearner) -> None:
         """Expose what the auto strategy does and how far it trusts its profiles."""
         self.registry.register(_Auto(learner))
+
+    def track_state(self, state: StateStore) -> None:
+        """Expose the state store's health (Redis; the folder is always up)."""
+        self.registry.register(_State(state))
 
     def track_traffic(self, sampler: TrafficSampler) -> None:
         """Expose the size of the live-traffic calibration sample."""

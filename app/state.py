@@ -21,6 +21,7 @@ from service.errors import EngineUnavailable
 from service.learning import ProfileLearner
 from service.profile_store import ProfileStore
 from service.settings import Settings
+from service.state_store import FolderState, StateStore
 from service.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
@@ -131,10 +132,15 @@ class Lifecycle:
 
 class Engine:
     """The scoring backend once the lifespan has loaded it, the bias-profile store, the
-    sample of live MoI runs kept for calibration from traffic, and what ``auto`` learns."""
+    sample of live MoI runs kept for calibration from traffic, what ``auto`` learns, and the
+    state store that keeps them (the folder, or Redis)."""
 
     def __init__(
-        self, profiles: ProfileStore, traffic: TrafficSampler, learner: ProfileLearner
+        self,
+        profiles: ProfileStore,
+        traffic: TrafficSampler,
+        learner: ProfileLearner,
+        state: StateStore | None = None,
     ) -> None:
         self.backend: LogprobBackend | None = None
         self.score_mode_check: ScoreModeCheck | None = None
@@ -142,6 +148,7 @@ class Engine:
         self.profiles = profiles
         self.traffic = traffic
         self.learner = learner
+        self.state: StateStore = state or FolderState(profiles.root)
 
     def require(self) -> LogprobBackend:
         if self.backend is None:

@@ -36,12 +36,13 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]
 
 from offline.evaluation.metrics import score_answer
+from offline.generator_api import GeneratorEndpoint, parse_answer, refusal, request_body
 from service.backends.engine_client import EngineCall, EngineClient, EngineHTTPError
 from service.dataset import Example
 from service.errors import InvalidRequest
@@ -56,26 +57,8 @@ ANSWERS_FILE = "answers.jsonl"
 RUN_FILE = "profile-run.json"
 REPORT_FILE = "profile.json"
 PLOT_FILE = "position_curve.png"
-ApiKind = Literal["chat", "completions"]
 _CHARS_PER_TOKEN = 4
 """For the estimate printed before a run: English text is about 4 characters a token."""
-
-
-@dataclass(frozen=True)
-class GeneratorEndpoint:
-    """The generator's OpenAI-compatible API."""
-
-    base_url: str
-    """Up to and including ``/v1`` (``https://api.openai.com/v1``, ``http://vllm:8000/v1``)."""
-    model: str
-    api: ApiKind = "chat"
-    api_key: str | None = None
-    max_tokens: int = 32
-    logprobs: bool = True
-    """Ask for the answer tokens' log-probabilities (recorded beside the accuracy)."""
-    timeout_s: float = 120.0
-    retries: int = 5
-    concurrency: int = 4
 
 
 @dataclass(frozen=True)
@@ -160,48 +143,6 @@ def plan_trials(
             chars = len(prompt.text or "") + sum(len(m.content) for m in prompt.messages or ())
             trials.append(Trial(ex.id, slot, order, prompt, ex.answers, chars))
     return trials, skipped
-
-
-def _request(endpoint: GeneratorEndpoint, prompt: ApiPrompt) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {
-        "model": endpoint.model,
-        "max_tokens": endpoint.max_tokens,
-        "temperature": 0.0,
-    }
-    if prompt.messages is not None:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in prompt.messages]
-        if endpoint.logprobs:
-            body["logprobs"] = True
-        return "/chat/completions", body
-    body["prompt"] = prompt.text
-    if endpoint.logprobs:
-        body["logprobs"] = 1
-    return "/completions", body
-
-
-def _answer(data: Any) -> tuple[str, float | None, int | None, int | None]:
-    """The answer text, its tokens' summed log-probability (if given) and the usage.
-
-    Raises:
-        InvalidRequest: the answer is not an OpenAI completion.
-    """
-    try:
-        choice = data["choices"][0]
-        if "message" in choice:
-            text = choice["message"].get("content") or ""
-            rows = ((choice.get("logprobs") or {}).get("content")) or []
-            values = [r.get("logprob") for r in rows]
-        else:
-            text = choice.get("text") or ""
-            values = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
-    except (KeyError, IndexError, TypeError, AttributeError) as exc:
-        raise InvalidRequest(
-            f"the generator's answer is not an OpenAI completion: {exc!r}", param="base_url"
-        ) from exc
-    finite = [float(v) for v in values if isinstance(v, int | float)]
-    logprob = sum(finite) if values and len(finite) == len(values) else None
-    usage = data.get("usage") or {}
-    return str(text), logprob, usage.get("prompt_tokens"), usage.get("completion_tokens")
 
 
 def _run_settings(job: ProfileJob) -> dict[str, Any]:
@@ -319,7 +260,7 @@ async def run_profile(
             if budget is not None and attempts + in_flight >= budget:
                 return  # retries spent part of --max-calls: stop, a rerun continues
             trial = queue.get_nowait()
-            path, body = _request(ep, trial.prompt)
+            path, body = request_body(ep, trial.prompt)
             in_flight += 1
             try:
                 data = await client.post(
@@ -329,10 +270,10 @@ async def run_profile(
                     request_id=f"{trial.question_id}-{trial.slot}",
                 )
             except EngineHTTPError as exc:
-                raise _refused(exc, ep) from exc
+                raise refusal(exc, ep) from exc
             finally:
                 in_flight -= 1
-            text, logprob, p_tokens, c_tokens = _answer(data)
+            text, logprob, p_tokens, c_tokens = parse_answer(data)
             rec = {
                 "question_id": trial.question_id,
                 "slot": trial.slot,
@@ -363,19 +304,6 @@ async def run_profile(
     finally:
         await client.aclose()
     return _finish(job, store, est, made, done, attempts)
-
-
-def _refused(exc: EngineHTTPError, ep: GeneratorEndpoint) -> InvalidRequest:
-    if exc.status in (401, 403):
-        why = "refused the API key (set it in the environment variable --api-key-env names)"
-    elif exc.status == 404:
-        why = f"has no such route or model ({ep.model!r} at {ep.base_url})"
-    else:
-        why = "refused the call"
-    return InvalidRequest(
-        f"the generator at {ep.base_url} {why}: HTTP {exc.status}: {exc.detail}",
-        param="base_url",
-    )
 
 
 def _finish(

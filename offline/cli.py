@@ -35,8 +35,13 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     ),
     "eval": (
         "eval",
-        *("--data", _DEV, "--limit", "200", "--max-passages", "10"),
-        *("--strategies", "moi,dense:bias_matched,shuffle", "--out", "eval/results/nq_open_dev"),
+        *("--data", "my_questions.jsonl", "--limit", "50", "--max-passages", "10"),
+        *("--generator-url", "http://vllm:8000/v1", "--generator-model", "my-generator"),
+        *("--reorder-url", "http://rag-reorder:8000", "--out", "eval/results/mine"),
+    ),
+    "convert-data": (
+        *("convert-data", "--from", "litm"),
+        *("nq-open-10_total_documents_gold_at_4.jsonl.gz", "my_questions.jsonl"),
     ),
     "distill": (
         "distill",
@@ -152,6 +157,60 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
         action="store_true",
         help="start afresh in --out: its earlier records are moved aside, not resumed",
     )
+
+    g = e.add_argument_group(
+        "your generator, through the service you deploy",
+        "answer with the generator you serve (any OpenAI-compatible API) and take the orders "
+        "from a running rag-reorder server; variants default to the server's default strategy "
+        "(`default`), and the retriever's order and a shuffle are always included",
+    )
+    g.add_argument("--generator-url", help="the generator API's root, up to /v1")
+    g.add_argument("--generator-model", help="the model name the generator API serves")
+    g.add_argument(
+        "--generator-api",
+        choices=("chat", "completions"),
+        default="chat",
+        help="/chat/completions (chat models) or /completions (base models, with a completion "
+        "template such as qa_completion via --generator-template)",
+    )
+    g.add_argument(
+        "--api-key-env",
+        default="OPENAI_API_KEY",
+        help="environment variable holding the generator's API key (unset: no key sent)",
+    )
+    g.add_argument(
+        "--reorder-url", help="a running rag-reorder server (default: the in-process scorer)"
+    )
+    g.add_argument(
+        "--reorder-key-env",
+        default="RAG_REORDER_API_KEY",
+        help="environment variable holding the rag-reorder server's API key",
+    )
+    g.add_argument(
+        "--reorder-timeout",
+        type=float,
+        default=300.0,
+        help="seconds per reorder call (above the server's RAG_REORDER_REQUEST_TIMEOUT_S, "
+        "so that its own deadline answers first)",
+    )
+    g.add_argument("--max-calls", type=int, help="most generator calls this invocation makes")
+    g.add_argument("--concurrency", type=int, default=4, help="questions in flight")
+    g.add_argument("--timeout", type=float, default=120.0, help="seconds per generator call")
+    g.add_argument("--retries", type=int, default=5, help="retries of 429/502-504 and refusals")
+    g.add_argument(
+        "--dry-run", action="store_true", help="print the cost estimate and call nothing"
+    )
+
+    cv = sub.add_parser(
+        "convert-data",
+        epilog=example("convert-data"),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        help="convert a QA set from another format into the JSONL eval takes: `litm` (the "
+        "lost-in-the-middle / DPR / FiD files: question, answers, ctxs)",
+    )
+    cv.add_argument("--from", dest="source_format", choices=("litm",), required=True)
+    cv.add_argument("input", type=Path, help="the file to convert (.jsonl, .json or .gz)")
+    cv.add_argument("output", type=Path, help="the JSONL to write")
 
     er = sub.add_parser(
         "eval-report",
@@ -310,6 +369,8 @@ async def run(command: str, settings: Settings, args: argparse.Namespace) -> int
         return await commands.calibrate_positions(settings, args)
     if command == "eval":
         return await commands.eval(settings, args)
+    if command == "convert-data":
+        return commands.convert_data(args)
     if command == "eval-report":
         from offline.evaluation.rebuild import rebuild_report
 

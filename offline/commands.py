@@ -73,6 +73,8 @@ async def eval(settings: Settings, args: argparse.Namespace) -> int:
     _require_at_least(
         args, ("limit", "max_passages", "positional_limit", "resamples", "max_answer_tokens")
     )
+    if args.generator_url or args.reorder_url:
+        return await eval_deployed(settings, args)
     # for_model: a base model (Gemma-3-270m) gets its completion template unless one is set.
     scorer_settings = settings.for_model(args.scorer or settings.model)
     generator_settings = scorer_settings.for_model(args.generator or scorer_settings.model)
@@ -121,12 +123,8 @@ async def eval(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def profile_generator(settings: Settings, args: argparse.Namespace) -> int:
-    from offline.answer_profile import (
-        Estimate,
-        GeneratorEndpoint,
-        ProfileJob,
-        run_profile,
-    )
+    from offline.answer_profile import Estimate, ProfileJob, run_profile
+    from offline.generator_api import GeneratorEndpoint
     from service.profile_store import ProfileStore
     from service.templates import PromptTemplate, get_template
 
@@ -296,4 +294,102 @@ async def distill_eval(settings: Settings, args: argparse.Namespace) -> int:
     print(file=sys.stderr)
     write_distill_plot(args.out, summary)
     print(json.dumps(summary, indent=2))
+    return 0
+
+
+async def eval_deployed(settings: Settings, args: argparse.Namespace) -> int:
+    """``eval --generator-url``: the user's generator, orders from their server (or in process)."""
+    from offline.evaluation.deployed import DeployedJob, Estimate, run_deployed
+    from offline.evaluation.orderers import InProcessOrderer, Orderer, ServerOrderer, targets
+    from offline.generator_api import GeneratorEndpoint
+    from service.templates import get_template
+
+    _require_at_least(args, ("max_calls", "concurrency"))
+    if not args.generator_url or not args.generator_model:
+        raise ClientError(
+            "evaluating your generator needs both --generator-url and --generator-model "
+            f"(got {args.generator_url!r}, {args.generator_model!r})",
+            param="generator_url",
+        )
+    if args.generator or args.cached_only or args.bias_profile:
+        raise ClientError(
+            "--generator, --bias-profile and --cached-only are for the in-process evaluation; "
+            "with --generator-url the generator is the API and the orders are the deployment's",
+            param="generator",
+        )
+    if args.metric == "rouge_l":
+        raise ClientError(
+            "--metric rouge_l is for the in-process evaluation; with --generator-url: "
+            "accuracy, em or f1",
+            param="metric",
+        )
+    job = DeployedJob(
+        endpoint=GeneratorEndpoint(
+            base_url=args.generator_url,
+            model=args.generator_model,
+            api=args.generator_api,
+            api_key=os.environ.get(args.api_key_env) or None,
+            max_tokens=args.max_answer_tokens,
+            logprobs=False,
+            timeout_s=args.timeout,
+            retries=args.retries,
+            concurrency=args.concurrency,
+        ),
+        template=get_template(args.generator_template or "qa_default"),
+        examples=read_examples(args.data, args.limit),
+        data_name=args.data.name,
+        targets=tuple(targets(args.strategies.split(",") if args.strategies else None)),
+        out=args.out,
+        max_passages=args.max_passages,
+        max_calls=args.max_calls,
+        metric=args.metric,
+        resamples=args.resamples,
+        progress=not args.no_progress,
+    )
+
+    def announce(est: Estimate) -> None:
+        print(
+            f"eval: {est.questions} questions x {est.variants} variants "
+            f"({', '.join(t.label for t in job.targets)}); {est.done} answered in {args.out}; "
+            f"this run: at most {est.max_generator_calls} generator calls, about "
+            f"{est.approx_prompt_tokens} prompt tokens"
+            + (f" (--max-calls {args.max_calls} of {est.todo})" if args.max_calls else ""),
+            file=sys.stderr,
+        )
+
+    async with AsyncExitStack() as stack:
+        orderer: Orderer
+        if args.reorder_url:
+            orderer = ServerOrderer(
+                args.reorder_url,
+                api_key=os.environ.get(args.reorder_key_env) or None,
+                timeout_s=args.reorder_timeout,
+                retries=args.retries,
+                concurrency=args.concurrency,
+            )
+        else:
+            scorer = settings.for_model(args.scorer or settings.model)
+            orderer = InProcessOrderer(await stack.enter_async_context(open_pipeline(scorer)))
+        outcome = await run_deployed(job, orderer, on_estimate=announce, dry_run=args.dry_run)
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "verdict": outcome.report["verdict"],
+                "generator_calls": outcome.generator_calls,
+                "attempts": outcome.attempts,
+                "files": [str(f) for f in outcome.files],
+            },
+            indent=2,
+        )
+    )
+    return 0
+
+
+def convert_data(args: argparse.Namespace) -> int:
+    """``convert-data``: another format's QA set as the JSONL ``eval`` takes."""
+    from offline.convert import convert_litm
+
+    written = convert_litm(args.input, args.output)
+    print(json.dumps({"out": str(args.output), "questions": written}, indent=2))
     return 0

@@ -94,3 +94,11 @@ class EngineMismatch(ServerError):
     configuration error found at start-up, fatal."""
 
     code = "engine_mismatch"
+
+
+class StateUnavailable(ServerError):
+    """The shared state store (Redis) cannot be reached; what needs its contents now (a
+    calibration from the pooled traffic sample) can be retried later. Requests never see it:
+    they are served from what the replica holds."""
+
+    code = "state_unavailable"

@@ -22,11 +22,11 @@ in ``run_forever``, a background task, on a thread at the lowest CPU priority, a
 once per ``auto_recalibrate_s`` per key and only when new runs arrived.
 
 Learning runs live in a folder (``<bias_profile_dir>/auto/runs``, explore runs in ``.../explore``,
-one append-only file per replica: ``service.traffic.TrafficSpool``), so a restart keeps what was
-learned, and replicas that share the profile folder pool their runs. Of those replicas only the
-holder of a lock file (with an expiry, so a killed holder does not block the rest) fits and
-stores; every replica reads the stored profile, which carries its trust figures
-(``StoredProfile.trust``).
+one append-only file per replica: ``service.traffic.TrafficSpool``), or with ``state_url`` in
+Redis (``service.state_store``), so a restart keeps what was learned, and replicas that share
+the folder or the Redis pool their runs. Of those replicas only the holder of a lock (with an
+expiry, so a killed holder does not block the rest) fits and stores; every replica reads the
+stored profile, which carries its trust figures (``StoredProfile.trust``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import socket
 import threading
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -49,9 +49,16 @@ import anyio.to_thread
 import numpy as np
 
 import solver
+from service.errors import StateUnavailable
 from service.profile_store import ProfileStore, ProfileTrust, StoredProfile, profile_id
 from service.settings import Settings
-from service.traffic import Run, SampleKey, TrafficSpool
+from service.state_store import (
+    FolderState,
+    StateStore,
+    held,
+    lock_name,
+)
+from service.traffic import Run, RunSpool, SampleKey
 from solver import trust as trust_rules
 
 if TYPE_CHECKING:
@@ -124,8 +131,8 @@ class KeyStatus:
     """Explore runs since the stored profile was trusted, at the last drift test."""
     assessed_at: float = 0.0
     """Monotonic time of the last assessment."""
-    stamp: tuple[int, int] | None = None
-    """(mtime_ns, size) of the stored profile's file when last read."""
+    stamp: object = None
+    """``ProfileStore.stamp`` of the stored profile when last read."""
 
     @property
     def trusted(self) -> bool:
@@ -158,12 +165,14 @@ class ProfileLearner:
     Args:
         settings: the ``auto_*`` settings and the profile folder.
         profiles: where trusted profiles are stored and read.
-        root: the runs' folder (default ``<profiles_path>/auto``).
+        root: the runs' folder (default ``<profiles_path>/auto``), for the folder store.
         replica: this process's file name in the shared folders (default: host, pid, random).
         allowed: whether a profile learned from the scoring model may place requests (false
             when the operator says the generator is another model and did not allow it).
         prepare: loads what the cheap path needs (the dense encoder); run once, in a worker
             thread, before the first trusted profile is used, so no request waits for it.
+        state: where runs and locks are kept (default: the folder, ``root``); its
+            ``profiles`` should be ``profiles``.
     """
 
     def __init__(
@@ -175,6 +184,7 @@ class ProfileLearner:
         replica: str | None = None,
         allowed: bool = True,
         prepare: Callable[[], object] | None = None,
+        state: StateStore | None = None,
     ) -> None:
         self.settings = settings
         self.profiles = profiles
@@ -190,8 +200,13 @@ class ProfileLearner:
         self.root = root or settings.profiles_path / "auto"
         name = replica or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.replica = name
-        self.runs = TrafficSpool(self.root / "runs", settings.auto_max_runs, name)
-        self.explore = TrafficSpool(self.root / "explore", settings.auto_max_runs, name)
+        store = state or FolderState(settings.profiles_path, auto_root=self.root)
+        self.locks = store.locks
+        runs = store.spool("auto/runs", settings.auto_max_runs, name)
+        explore = store.spool("auto/explore", settings.auto_max_runs, name)
+        assert runs is not None and explore is not None  # every store keeps auto's runs
+        self.runs: RunSpool = runs
+        self.explore: RunSpool = explore
         self.counters = LearnerCounters()
         self._status: dict[LearnKey, KeyStatus] = {}
         self._recorded: dict[LearnKey, int] = {}
@@ -401,6 +416,10 @@ class ProfileLearner:
             for key in list(self._status):
                 try:
                     await self.cycle(key)
+                except StateUnavailable as exc:
+                    # The runs cannot be read now; the state store's own metric and log line
+                    # say so, and the next cycle tries again.
+                    log.debug("auto: %s not assessed: %s", key, exc)
                 except Exception:
                     log.exception("auto: the profile of %s could not be assessed", key)
                     self.counters.recalibrations["failed"] += 1
@@ -425,10 +444,16 @@ class ProfileLearner:
         self._recorded[key] = self._recorded.get(key, 0) - recorded
         if len(runs) == st.pooled_runs and st.last is not None:
             return
-        with self._lock(key) as held:
-            if not held:
-                return  # another replica assesses; its result is read on the next reload
+        # Taken and given back in a worker thread: with Redis each is a network call.
+        name, ttl = lock_name(key.model, key.template, key.slots), self.settings.auto_lock_ttl_s
+        token = await anyio.to_thread.run_sync(self.locks.acquire, name, ttl)
+        if token is None:
+            return  # another replica assesses; its result is read on the next reload
+        try:
             await self._assess(st, runs)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self.locks.release, name, token)
 
     async def _assess(self, st: KeyStatus, runs: list[Run]) -> None:
         """Reassess ``st``'s key from its pooled ``runs``.
@@ -496,7 +521,7 @@ class ProfileLearner:
                 # More runs made it undecided: stop placing by it, on every replica.
                 st.stored = self._store(key, found, st.last, len(runs))
                 log.warning("auto: profile %s no longer trusted: %s", st.stored.id, found.reason)
-        st.stamp = _stamp(self.profiles.path(key.model, key.template, key.slots))
+        st.stamp = self.profiles.stamp(key.model, key.template, key.slots)
 
     def _drifted(self, st: KeyStatus, result: trust_rules.Drift) -> None:
         prof = st.stored
@@ -537,7 +562,7 @@ class ProfileLearner:
             oriented_by=prof.oriented_by,
             trust=reset,
         )
-        st.stamp = _stamp(self.profiles.path(prof.model, prof.template, prof.slots))
+        st.stamp = self.profiles.stamp(prof.model, prof.template, prof.slots)
         st.last = reset
         st.pooled_runs = 0
         st.explore_runs = 0
@@ -567,17 +592,17 @@ class ProfileLearner:
             st.stored = stored
 
     def _read(self, st: KeyStatus) -> tuple[bool, StoredProfile | None]:
-        """Whether the stored profile's file changed since ``st`` read it, and what it holds
-        now (``st.stamp`` is updated; ``st.stored`` is the caller's to set)."""
-        path = self.profiles.path(st.key.model, st.key.template, st.key.slots)
-        stamp = _stamp(path)
+        """Whether the stored profile changed since ``st`` read it, and what it holds now
+        (``st.stamp`` is updated; ``st.stored`` is the caller's to set)."""
+        stamp = self.profiles.stamp(st.key.model, st.key.template, st.key.slots)
         if stamp == st.stamp:
             return False, st.stored
         st.stamp = stamp
         try:
             return True, self.profiles.get(st.key.model, st.key.template, st.key.slots)
         except (OSError, ValueError, TypeError, KeyError) as exc:
-            log.warning("auto: cannot read the stored profile %s: %s", path, exc)
+            pid = profile_id(st.key.model, st.key.template, st.key.slots)
+            log.warning("auto: cannot read the stored profile %s: %s", pid, exc)
             return True, None
 
     async def ready_ranker(self) -> None:
@@ -598,30 +623,11 @@ class ProfileLearner:
         if any(p.trust is not None and p.trust.trusted for p in stored):
             await self.ready_ranker()
 
-    @contextlib.contextmanager
-    def _lock(self, key: LearnKey) -> Iterator[bool]:
-        """Hold ``<root>/<key>.lock`` (created exclusively; taken over once older than
-        ``auto_lock_ttl_s``, so a killed holder does not block the others)."""
-        self.root.mkdir(parents=True, exist_ok=True)
-        path = self.root / f"{profile_id(key.model, key.template, key.slots)}.lock"
-        ttl = self.settings.auto_lock_ttl_s
-        try:
-            if path.exists() and time.time() - path.stat().st_mtime > ttl:
-                path.unlink(missing_ok=True)  # a holder that died (or hung) past the expiry
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            yield False
-            return
-        except OSError as exc:
-            log.warning("auto: cannot take the lock %s: %s", path, exc)
-            yield False
-            return
-        try:
-            os.write(fd, self.replica.encode())
-            os.close(fd)
-            yield True
-        finally:
-            path.unlink(missing_ok=True)
+    def _lock(self, key: LearnKey) -> contextlib.AbstractContextManager[bool]:
+        """Hold ``key``'s assessment lock for a block (blocks: tests and worker threads; the
+        folder's is a file taken over once older than ``auto_lock_ttl_s``)."""
+        name = lock_name(key.model, key.template, key.slots)
+        return held(self.locks, name, self.settings.auto_lock_ttl_s)
 
     async def _off_loop(self, fn: Callable[[], _T]) -> _T:
         """Run ``fn`` on a thread of the lowest CPU priority and await it.
@@ -641,11 +647,11 @@ class ProfileLearner:
         threading.Thread(target=target, name="auto-fit", daemon=True).start()
         return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
 
-    def _append(self, spool: TrafficSpool, key: LearnKey, run: Run, at: float) -> None:
+    def _append(self, spool: RunSpool, key: LearnKey, run: Run, at: float) -> None:
         try:
             spool.append(key.sample(), run, at)
         except OSError as exc:  # a full or read-only volume must not fail requests
-            log.warning("auto: could not keep a run in %s: %s", spool.root, exc)
+            log.warning("auto: could not keep a run in %s: %s", spool.where, exc)
 
     def close(self) -> None:
         """Finish pending appends (blocks); later runs are not kept."""
@@ -691,14 +697,6 @@ def _lowest_priority() -> None:
     # Linux schedules threads individually: this one yields the CPU to request work.
     with contextlib.suppress(AttributeError, OSError):
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-def _stamp(path: Path) -> tuple[int, int] | None:
-    try:
-        st = path.stat()
-    except FileNotFoundError:
-        return None
-    return (st.st_mtime_ns, st.st_size)
 
 
 def _order(key: LearnKey) -> tuple[str, str, int]:

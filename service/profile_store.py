@@ -164,9 +164,21 @@ class ProfileStore:
             oriented_by or _default_orientation(identification),
             trust,
         )
-        self.root.mkdir(parents=True, exist_ok=True)
-        write_atomic(self.path(model, template, len(coef)), json.dumps(asdict(prof), indent=1))
+        self._write(prof)
         return prof
+
+    def _write(self, prof: StoredProfile) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        write_atomic(self.path(prof.model, prof.template, prof.slots), dump_profile(prof))
+
+    def stamp(self, model: str, template: str, slots: int) -> object:
+        """A value that changes whenever this key's stored profile does (``None``: none
+        stored); cheap, what ``auto`` polls to see another replica's store."""
+        try:
+            st = self.path(model, template, slots).stat()
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size)
 
     def list(self) -> list[StoredProfile]:
         """Every stored profile, sorted by model, template and slot count: the files named
@@ -217,7 +229,18 @@ def _default_orientation(identification: str) -> str:
 
 
 def _load(path: Path) -> StoredProfile:
-    data = json.loads(path.read_text())
+    return parse_profile(path.read_text())
+
+
+def dump_profile(prof: StoredProfile) -> str:
+    """A profile as its stored JSON document."""
+    return json.dumps(asdict(prof), indent=1)
+
+
+def parse_profile(text: str) -> StoredProfile:
+    """A stored JSON document as a profile. Raises ``ValueError``, ``TypeError`` or
+    ``KeyError`` for one that is not."""
+    data = json.loads(text)
     data["coefficients"] = tuple(float(c) for c in data["coefficients"])
     data.setdefault("oriented_by", _default_orientation(str(data.get("identification"))))
     if data.get("trust") is not None:

@@ -284,6 +284,28 @@ class Settings(BaseSettings):
     `traffic_sample_max_runs` of all of them, across restarts. A gone replica's file is
     deleted once none of its runs is among those and it is a minute unwritten, so pod churn
     does not grow the folder. Unset: each replica calibrates from its own in-memory sample."""
+    state_url: SecretStr | None = None
+    """Redis URL (`redis://host:6379/0`, `rediss://` for TLS) where bias profiles, the
+    traffic sample and `auto`'s learning runs and lock are kept, shared by every replica and
+    kept across restarts without a shared volume (docs/operations.md, "State in Redis").
+    Requests read profiles from memory, refreshed every `state_refresh_s`; writes are queued
+    and retried in the background; Redis down never fails a request or `/ready`. Unset: the
+    folder (`bias_profile_dir`, `traffic_sample_dir`). Positional profiles stay in the folder."""
+    state_password: SecretStr | None = None
+    """Password for `state_url` (e.g. from a Kubernetes secret), unless the URL carries one.
+    Never logged: log lines show the URL with its password as `***`."""
+    state_key_prefix: str = Field(default="rag-reorder", min_length=1, max_length=128)
+    """Prefix of every Redis key: deployments that share one Redis keep apart by it."""
+    state_refresh_s: float = Field(default=2.0, gt=0.0, le=300.0)
+    """Seconds between two checks of Redis for profiles another replica stored (one GET of
+    a version counter; the profiles are read again only when it moved), and between retries
+    while Redis cannot be reached."""
+    state_timeout_s: float = Field(default=0.5, gt=0.0, le=30.0)
+    """Connect and read timeout of one Redis call. Calls run beside requests, never in
+    their path."""
+    state_max_pending_writes: int = Field(default=10_000, ge=1, le=1_000_000)
+    """Most sampled runs queued for Redis while it cannot be reached; past it the oldest
+    queued run is dropped (counted). Profiles queue one write each, the latest."""
     solver_processes: int | None = Field(default=None, ge=0, le=64)
     """Worker processes that run MoI's fits (with the jackknife) beside the event loop, so the
     service's CPU work uses more than one core (`service/solver_pool.py`). Default: one per
@@ -333,6 +355,17 @@ class Settings(BaseSettings):
                 f"RAG_REORDER_ENGINE_URL is set but RAG_REORDER_BACKEND is {self.backend!r}: "
                 "set RAG_REORDER_BACKEND=remote to score with that engine, or unset the URL"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _state_url_is_redis(self) -> Settings:
+        if self.state_url is not None:
+            scheme = self.state_url.get_secret_value().partition("://")[0].lower()
+            if scheme not in ("redis", "rediss"):
+                # The URL may carry a password: name the scheme only.
+                raise ValueError(
+                    f"RAG_REORDER_STATE_URL must start with redis:// or rediss://, not {scheme!r}"
+                )
         return self
 
     def for_model(self, model: str) -> Settings:

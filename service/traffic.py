@@ -37,7 +37,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -82,6 +82,37 @@ class SampleCount:
 Run = tuple[np.ndarray, np.ndarray]
 
 
+SpoolName = Literal["sample", "auto/runs", "auto/explore"]
+"""The run spools: the calibration-from-traffic sample and ``auto``'s learning and explore
+runs."""
+
+
+class RunSpool(Protocol):
+    """Sampled runs pooled by every replica, bounded per key (the latest ``max_runs``)."""
+
+    max_runs: int
+
+    @property
+    def where(self) -> str:
+        """Where the runs are kept, for log lines (no secrets)."""
+        ...
+
+    def append(self, key: SampleKey, run: Run, at: float) -> None:
+        """Keep one run of ``key`` kept at ``at`` (``time.time()``)."""
+        ...
+
+    def runs(self, key: SampleKey, *, since: float | None = None) -> list[Run]:
+        """The latest ``max_runs`` runs of ``key``, oldest first; with ``since``, only those
+        kept at or after it. Blocks; raises ``service.errors.StateUnavailable`` if they
+        cannot be read."""
+        ...
+
+    def counts(self) -> list[SampleCount]:
+        """Runs ``runs`` would pool, per key. Blocks; may raise
+        ``service.errors.StateUnavailable``."""
+        ...
+
+
 class TrafficSampler:
     """Keeps a random share of live MoI runs (module docstring)."""
 
@@ -91,7 +122,7 @@ class TrafficSampler:
         max_runs: int,
         *,
         seed: int | None = None,
-        spool: TrafficSpool | None = None,
+        spool: RunSpool | None = None,
     ) -> None:
         if not 0.0 <= rate <= 1.0:
             raise ValueError("rate must be in [0, 1]")
@@ -181,7 +212,7 @@ class TrafficSampler:
             now = time.monotonic()
             if now - self._last_warning >= _WARN_EVERY_S:
                 self._last_warning = now
-                log.warning("traffic sample: could not append to %s: %s", self.spool.root, exc)
+                log.warning("traffic sample: could not append to %s: %s", self.spool.where, exc)
 
 
 class TrafficSpool:
@@ -214,6 +245,10 @@ class TrafficSpool:
         self._parsed: dict[Path, tuple[tuple[int, int, int], list[dict[str, Any]]]] = {}
         self._lock = threading.Lock()
 
+    @property
+    def where(self) -> str:
+        return str(self.root)
+
     def folder(self, key: SampleKey) -> Path:
         name = f"{key.model}__{key.template}__{key.design}__L{key.slots}"
         return self.root / _SAFE.sub("_", name)
@@ -227,18 +262,7 @@ class TrafficSpool:
             self._lines[key] = len(_read_lines(path))
             if path.is_file() and path.stat().st_size and not _ends_with_newline(path):
                 lead = "\n"  # a crash tore the last line: do not glue this one to it
-        line = json.dumps(
-            {
-                "t": at,
-                "model": key.model,
-                "template": key.template,
-                "design": key.design,
-                "slots": key.slots,
-                "perms": run[0].tolist(),
-                "scores": run[1].tolist(),
-            },
-            allow_nan=False,
-        )
+        line = run_record(key, run, at)
         with path.open("a", encoding="utf-8") as fh:
             fh.write(lead + line + "\n")
         self._lines[key] += 1
@@ -262,10 +286,7 @@ class TrafficSpool:
             key=lambda r: float(r["t"]),
         )[-self.max_runs :]
         self._prune(files)
-        return [
-            (np.asarray(r["perms"], dtype=np.int64), np.asarray(r["scores"], dtype=np.float64))
-            for r in records
-        ]
+        return [run_of(r) for r in records]
 
     def counts(self) -> list[SampleCount]:
         """Runs ``runs`` would pool, per key found in the folder."""
@@ -326,6 +347,35 @@ class TrafficSpool:
                     log.debug("traffic sample: could not prune %s: %s", path, exc)
 
 
+def run_record(key: SampleKey, run: Run, at: float) -> str:
+    """One kept run as its stored JSON line (numbers only; no newline)."""
+    return json.dumps(
+        {
+            "t": at,
+            "model": key.model,
+            "template": key.template,
+            "design": key.design,
+            "slots": key.slots,
+            "perms": run[0].tolist(),
+            "scores": run[1].tolist(),
+        },
+        allow_nan=False,
+    )
+
+
+def run_of(record: dict[str, Any]) -> Run:
+    """A stored record's run."""
+    return (
+        np.asarray(record["perms"], dtype=np.int64),
+        np.asarray(record["scores"], dtype=np.float64),
+    )
+
+
+def well_formed(record: object) -> bool:
+    """Whether a parsed line is a run record (a torn or foreign line is skipped)."""
+    return isinstance(record, dict) and record.keys() >= _FIELDS
+
+
 def _key_of(record: dict[str, Any]) -> SampleKey:
     return SampleKey(
         str(record["model"]), str(record["template"]), record["design"], int(record["slots"])
@@ -349,7 +399,7 @@ def _read_lines(path: Path) -> list[dict[str, Any]]:
             rec = json.loads(line)
         except ValueError:
             continue  # torn by a crash, or being appended right now
-        if isinstance(rec, dict) and rec.keys() >= _FIELDS:
+        if well_formed(rec):
             out.append(rec)
     return out
 

@@ -206,3 +206,48 @@ def write_position_curve(path: Path, fit: AnswerProfileFit, *, title: str) -> Pa
     finally:
         plt.close(fig)
     return path
+
+
+def write_comparison_plot(path: Path, report: Mapping[str, Any]) -> Path:
+    """``rag-reorder eval --generator-url``'s verdict: each variant's accuracy with its 95%
+    interval (left), and each paired difference against the retriever's order and a shuffle
+    with its 95% interval (right), zero marked."""
+    metric = report["metric"]
+    rows = [v for v in report["variants"] if v[metric]]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10.0, 0.5 * max(3, len(rows)) + 1.4))
+    if not rows:
+        _empty(fig, "no variant answered yet")
+    else:
+        names = [v["variant"] for v in rows]
+        means = [v[metric]["mean"] for v in rows]
+        err = [
+            [v[metric]["mean"] - v[metric]["low"] for v in rows],
+            [v[metric]["high"] - v[metric]["mean"] for v in rows],
+        ]
+        left.errorbar(means, range(len(rows)), xerr=err, fmt="o", capsize=3)
+        left.set_yticks(range(len(rows)), names)
+        left.set_xlabel(f"{metric} (95% CI)")
+        left.grid(alpha=0.3)
+        comps = list(report["comparisons"])
+        labels = [f"{c['variant']} - {c['baseline']}" for c in comps]
+        right.errorbar(
+            [c["diff"] for c in comps],
+            range(len(comps)),
+            xerr=[[c["diff"] - c["low"] for c in comps], [c["high"] - c["diff"] for c in comps]],
+            fmt="s",
+            capsize=3,
+            color="tab:orange",
+        )
+        right.axvline(0.0, color="grey", lw=1)
+        right.set_yticks(range(len(comps)), labels)
+        right.set_xlabel(f"paired difference in {metric} (95% CI)")
+        right.grid(alpha=0.3)
+    fig.suptitle(
+        f"{report['generator']['model']} on {report['data']} ({report['questions']} questions)",
+        fontsize="small",
+    )
+    try:
+        fig.savefig(path, dpi=_DPI, bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    return path

@@ -107,10 +107,18 @@ class EvalQuestion:
     gold: tuple[int, ...]
 
 
-def prepare(example: Example, max_passages: int | None) -> EvalQuestion:
-    """Strip labels and cut to ``max_passages`` keeping the gold passages (module rules)."""
+def prepare(
+    example: Example, max_passages: int | None, *, keep_scores: bool = False
+) -> EvalQuestion:
+    """Strip labels and cut to ``max_passages`` keeping the gold passages (module rules).
+
+    ``keep_scores``: keep the retriever's scores (a user's data, where "the retriever's order"
+    and ``auto``'s ranker read them); the development sets have none."""
     n = len(example.passages)
-    clean = [Passage(text=p.text, title=p.title) for p in example.passages]
+    clean = [
+        Passage(text=p.text, title=p.title, score=p.score if keep_scores else None)
+        for p in example.passages
+    ]
     if max_passages is None or n <= max_passages:
         return EvalQuestion(
             example.id, example.question, example.answers, tuple(clean), tuple(example.gold)

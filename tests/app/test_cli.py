@@ -202,3 +202,33 @@ def test_profile_generator_refuses_bad_settings_before_any_call(
     assert main([*base, *out, "--template-file", str(bad)]) == 2
     assert "--template-file" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
+
+
+def test_eval_of_your_generator_checks_everything_before_any_call(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Nothing listens on these ports: every refusal below comes before a call, and the dry
+    run estimates without one."""
+    from app.cli import main
+
+    api = ["--generator-url", "http://127.0.0.1:9/v1", "--reorder-url", "http://127.0.0.1:9"]
+    out = ["--data", str(DATA), "--out", str(tmp_path / "e")]
+    assert main(["eval", *out, *api]) == 2
+    assert "needs both --generator-url and --generator-model" in capsys.readouterr().err
+    named = [*api, "--generator-model", "m"]
+    assert main(["eval", *out, *named, "--max-calls", "0"]) == 2
+    assert "--max-calls must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["eval", *out, *named, "--generator", "google/gemma-3-270m"]) == 2
+    assert "for the in-process evaluation" in capsys.readouterr().err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q?", "answers": ["a"], "passages": [{"text": 3}]}\n')
+    assert main(["eval", "--data", str(bad), "--out", str(tmp_path / "b"), *named]) == 2
+    assert "bad.jsonl:1: passages[0].text: expected a non-empty string, got 3" in (
+        capsys.readouterr().err
+    )
+    assert main(["eval", *out, *named, "--limit", "3", "--dry-run", "--no-progress"]) == 0
+    err = capsys.readouterr().err
+    assert "eval: 3 questions x 3 variants (default, retriever, shuffle)" in err
+    assert "at most 9 generator calls" in err
+    assert main(["convert-data", "--from", "litm", str(bad), str(tmp_path / "c.jsonl")]) == 2
+    assert "bad.jsonl:1: ctxs: expected a non-empty list" in capsys.readouterr().err

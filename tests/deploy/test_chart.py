@@ -80,6 +80,8 @@ MANAGED_SETTINGS = {
     "ENGINE_API_KEY",
     "API_KEY",
     "ADMIN_API_KEY",
+    "STATE_URL",
+    "STATE_PASSWORD",
     "DRAIN_TIMEOUT_S",
 }
 

@@ -41,11 +41,12 @@ def compose_errors(path: Path) -> str:
 # --- Compose ---------------------------------------------------------------------------------
 
 
-def test_there_are_the_five_compose_files() -> None:
+def test_there_are_the_six_compose_files() -> None:
     assert [p.name for p in COMPOSE_FILES] == [
         "compose.admin-key.yaml",
         "compose.api-key.yaml",
         "compose.gpu.yaml",
+        "compose.redis.yaml",
         "compose.remote.yaml",
         "compose.yaml",
     ]

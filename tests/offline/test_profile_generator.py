@@ -19,11 +19,11 @@ from offline.answer_profile import (
     ANSWERS_FILE,
     PLOT_FILE,
     REPORT_FILE,
-    GeneratorEndpoint,
     ProfileJob,
     plan_trials,
     run_profile,
 )
+from offline.generator_api import GeneratorEndpoint
 from service.dataset import Example
 from service.errors import EngineUnavailable, InvalidRequest
 from service.passage import Passage

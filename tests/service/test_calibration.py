@@ -172,7 +172,7 @@ def test_dataset_loader_reads_the_dev_sets_without_leaking_labels() -> None:
 
 def test_dataset_loader_names_the_bad_line(tmp_path: Path) -> None:
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"id": 1, "question": "q", "passages": []}\n{"nope": 1}\n')
+    bad.write_text('{"id": 1, "question": "q", "passages": ["p"]}\n{"nope": 1}\n')
     with pytest.raises(InvalidRequest, match=r"bad\.jsonl:2"):
         load_examples(bad)
 

@@ -1,0 +1,523 @@
+"""The state store in Redis (``service.state_store``; settings ``state_*``).
+
+Keys, all under ``<state_key_prefix>:``:
+
+- ``profiles``: a hash, one field per profile id holding its whole JSON document. Writing one
+  field is atomic: a reader gets the old document or the new one, never half of one.
+- ``profiles:version``: a counter bumped in the same transaction as every profile write.
+  Each replica GETs it every ``state_refresh_s`` and reads the hash again only when it moved.
+- ``runs:<spool>:<key>``: one list per sample key, newest first, trimmed to the spool's
+  ``max_runs`` on every push (the latest runs of every replica: oldest out);
+  ``runs:<spool>``: the set of its keys, for ``counts``.
+- ``lock:<name>``: ``SET NX PX`` with a random token, released by a compare-and-delete script,
+  so a holder whose lock expired never releases the next holder's.
+
+A cache-like dependency: the service is never less available with it than without it.
+Requests read profiles from this replica's memory (``RedisProfileStore``: no network call per
+request); one background thread writes what is queued and refreshes the memory. Writes
+(profiles, runs) go to that queue and return at once; while Redis cannot be reached they stay
+queued (runs up to ``state_max_pending_writes``, then the oldest is dropped and counted; a
+profile keeps its latest write) and are retried every ``state_refresh_s``. Redis down at start:
+no stored profile is known, so requests take the MoI path; ``/ready`` does not wait for it.
+When it is back, the queue is written and the memory refreshed; a Redis that comes back empty
+(restarted without persistence) gets this replica's profiles written back. The health is in
+``up``, the failure counts in ``failures`` (``rag_reorder_state_store_*`` metrics) and a log
+line at each change, with the URL's password shown as ``***``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, cast
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from service.errors import StateUnavailable
+from service.profile_store import (
+    ProfileStore,
+    StoredProfile,
+    dump_profile,
+    parse_profile,
+    profile_id,
+)
+from service.traffic import (
+    Run,
+    SampleCount,
+    SampleKey,
+    SpoolName,
+    run_of,
+    run_record,
+    well_formed,
+)
+
+if TYPE_CHECKING:
+    from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+Operation = Literal["read", "write", "lock"]
+_PUSH_BATCH = 256
+# Compare-and-delete: only the token's holder releases the lock (the Redis documentation's
+# single-instance lock pattern).
+_RELEASE = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('del', KEYS[1])
+end
+return 0
+"""
+
+
+def redact(url: str) -> str:
+    """``url`` with its password (if any) as ``***``: what log lines show."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+@dataclass(frozen=True)
+class _QueuedRun:
+    seq: int
+    spool: SpoolName
+    key: SampleKey
+    record: str
+    max_runs: int
+
+
+class RedisState:
+    """Profiles, run spools and locks in one Redis (module docstring).
+
+    Args:
+        client: a ``redis.Redis`` with short timeouts and no retries of its own
+            (``from_settings`` builds it); ``decode_responses=True``.
+        where: the URL as log lines show it (password redacted).
+        prefix: every key's prefix.
+        refresh_s: seconds between version checks, and between retries while down.
+        max_pending: most runs queued while Redis cannot be reached.
+        local_root: the folder of what stays in files (positional profiles).
+    """
+
+    kind: Literal["folder", "redis"] = "redis"
+
+    def __init__(
+        self,
+        client: redis.Redis,
+        *,
+        where: str,
+        prefix: str,
+        refresh_s: float,
+        max_pending: int,
+        local_root: Path,
+        timeout_s: float = 0.5,
+    ) -> None:
+        self.client = client
+        self.where = where
+        self.prefix = prefix
+        self.refresh_s = refresh_s
+        self.timeout_s = timeout_s
+        self.max_pending = max_pending
+        self.failures: dict[str, int] = {"read": 0, "write": 0, "lock": 0}
+        self.dropped = 0
+        self._lock = threading.Lock()
+        # Replaced, never mutated: a reader holds a consistent snapshot without a lock.
+        self._documents: dict[str, str] = {}
+        self._generation = 0
+        self._pending_profiles: dict[str, str] = {}
+        self._pending_runs: deque[_QueuedRun] = deque()
+        self._seq = itertools.count()
+        self._version: str | None = None
+        self._epoch: str | None = None
+        self._stale = True
+        self._up: bool | None = None
+        self.loaded = threading.Event()
+        """Set once the profiles were read from Redis (not while it has been unreachable)."""
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._release = client.register_script(_RELEASE)
+        self._profiles = RedisProfileStore(self, local_root)
+        self._locks = RedisLocks(self)
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> RedisState:
+        """The store ``settings.state_url`` names (does no I/O)."""
+        assert settings.state_url is not None
+        url = settings.state_url.get_secret_value()
+        password = settings.state_password
+        timeout = settings.state_timeout_s
+        client = redis.Redis.from_url(
+            url,
+            # A password in the URL wins over this one (redis-py's rule).
+            password=password.get_secret_value() if password is not None else None,
+            socket_timeout=timeout,
+            socket_connect_timeout=timeout,
+            # Retries are ours (the background queue): a call fails fast and is counted.
+            retry=Retry(NoBackoff(), 0),
+            retry_on_timeout=False,
+            decode_responses=True,
+            client_name="rag-reorder",
+        )
+        return cls(
+            client,
+            where=redact(url),
+            prefix=settings.state_key_prefix,
+            refresh_s=settings.state_refresh_s,
+            max_pending=settings.state_max_pending_writes,
+            local_root=settings.profiles_path,
+            timeout_s=timeout,
+        )
+
+    @property
+    def profiles(self) -> ProfileStore:
+        return self._profiles
+
+    @property
+    def locks(self) -> RedisLocks:
+        return self._locks
+
+    # --- health -----------------------------------------------------------------------
+
+    @property
+    def up(self) -> bool:
+        return bool(self._up)
+
+    @property
+    def pending(self) -> int:
+        """Writes queued for Redis (runs and profiles)."""
+        with self._lock:
+            return len(self._pending_runs) + len(self._pending_profiles)
+
+    def _mark(
+        self, ok: bool, operation: Operation | None = None, exc: Exception | None = None
+    ) -> None:
+        if not ok and operation is not None:
+            self.failures[operation] += 1
+        if ok == self._up:
+            return
+        was, self._up = self._up, ok
+        if ok:
+            log.info("state store %s reachable%s", self.where, " again" if was is False else "")
+        else:
+            log.warning(
+                "state store %s unreachable (%s): requests are served from what this replica "
+                "holds, writes are queued and retried every %g s",
+                self.where, type(exc).__name__ if exc else "error", self.refresh_s,
+            )  # fmt: skip
+
+    # --- the background thread --------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="state-redis", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self.flush(timeout=2 * self.timeout_s + 1.0)
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.timeout_s + 1.0)
+            self._thread = None
+        self.client.close()
+
+    def wait_loaded(self, timeout: float) -> bool:
+        """Wait until the profiles were first read (or ``timeout``): a restarted replica
+        places by them from its first request when Redis answers at once."""
+        return self.loaded.wait(timeout)
+
+    def flush(self, timeout: float) -> bool:
+        """Wait until nothing is queued (or ``timeout``); returns whether nothing is."""
+        deadline = time.monotonic() + timeout
+        while self.pending:
+            if time.monotonic() >= deadline or self._thread is None:
+                return False
+            self._wake.set()
+            time.sleep(0.005)
+        return True
+
+    def _run(self) -> None:
+        next_pull = 0.0
+        while not self._stop.is_set():
+            self._wake.clear()
+            operation: Operation = "write"
+            try:
+                # Read before writing: a Redis that lost its data is recognised (``_pull``)
+                # before this replica's queued writes make it look written to.
+                if time.monotonic() >= next_pull:
+                    operation = "read"
+                    self._pull()
+                    next_pull = time.monotonic() + self.refresh_s
+                operation = "write"
+                self._push()
+                self._mark(True)
+                wait = next_pull - time.monotonic()
+            except (redis.RedisError, OSError) as exc:
+                self._mark(False, operation, exc)
+                self._stale = True  # read everything again once it answers
+                next_pull = 0.0
+                wait = self.refresh_s
+            self._wake.wait(max(wait, 0.0))
+
+    def _push(self) -> None:
+        """Write the queued profiles (one transaction with the version) and runs."""
+        with self._lock:
+            profiles = dict(self._pending_profiles)
+        if profiles:
+            pipe = self.client.pipeline(transaction=True)
+            pipe.hset(self._key("profiles"), mapping=cast("Mapping[Any, Any]", profiles))
+            pipe.incr(self._key("profiles:version"))
+            pipe.execute()
+            with self._lock:
+                for pid, doc in profiles.items():
+                    if self._pending_profiles.get(pid) is doc:  # not replaced meanwhile
+                        del self._pending_profiles[pid]
+        while True:
+            with self._lock:
+                batch = list(itertools.islice(self._pending_runs, _PUSH_BATCH))
+            if not batch:
+                return
+            pipe = self.client.pipeline(transaction=False)
+            for q in batch:
+                key = self._run_key(q.spool, q.key)
+                pipe.lpush(key, q.record)
+                pipe.ltrim(key, 0, q.max_runs - 1)
+                pipe.sadd(self._key(f"runs:{q.spool}"), _key_json(q.key))
+            pipe.execute()
+            with self._lock:  # by sequence: runs dropped meanwhile shifted the queue
+                while self._pending_runs and self._pending_runs[0].seq <= batch[-1].seq:
+                    self._pending_runs.popleft()
+
+    def _pull(self) -> None:
+        """Read the profiles again if their version moved (or after being down).
+
+        ``profiles:epoch`` is a random id set once by the first replica that finds it
+        missing: another epoch than the one this replica loaded means Redis lost its data
+        (restarted without persistence, flushed, failed over to an empty one). Then every
+        profile this replica holds that Redis lacks is written back, rather than every
+        replica forgetting what was learned.
+        """
+        epoch_key = self._key("profiles:epoch")
+        epoch, version = cast(
+            "list[str | None]", self.client.mget(epoch_key, self._key("profiles:version"))
+        )
+        if epoch is None:
+            self.client.set(epoch_key, uuid.uuid4().hex, nx=True)
+            epoch = cast("str | None", self.client.get(epoch_key))
+        lost = self._epoch is not None and epoch != self._epoch
+        if not lost and not self._stale and version == self._version:
+            return
+        docs = cast("dict[str, str]", self.client.hgetall(self._key("profiles")))
+        with self._lock:
+            missing = {p: d for p, d in self._documents.items() if p not in docs}
+            if lost and missing:
+                log.warning(
+                    "state store %s lost its data: writing back this replica's %d profile(s)",
+                    self.where, len(missing),
+                )  # fmt: skip
+                for pid, doc in missing.items():
+                    self._pending_profiles.setdefault(pid, doc)
+            merged = {**docs, **self._pending_profiles}
+            if merged != self._documents:
+                self._documents = merged
+                self._generation += 1
+            self._version, self._epoch, self._stale = version, epoch, False
+        self.loaded.set()
+
+    # --- profiles ---------------------------------------------------------------------
+
+    def documents(self) -> tuple[int, dict[str, str]]:
+        """``(generation, id -> JSON)`` of the profiles this replica holds (memory only)."""
+        return self._generation, self._documents
+
+    def put_document(self, pid: str, doc: str) -> None:
+        """Hold ``doc`` at once and queue its write (returns without a network call)."""
+        with self._lock:
+            self._documents = {**self._documents, pid: doc}
+            self._generation += 1
+            self._pending_profiles[pid] = doc
+        self._wake.set()
+
+    # --- runs -------------------------------------------------------------------------
+
+    def append_run(self, spool: SpoolName, key: SampleKey, record: str, max_runs: int) -> None:
+        """Queue one run's record (returns without a network call)."""
+        with self._lock:
+            if len(self._pending_runs) >= self.max_pending:
+                self._pending_runs.popleft()
+                self.dropped += 1
+            self._pending_runs.append(_QueuedRun(next(self._seq), spool, key, record, max_runs))
+        self._wake.set()
+
+    def read_runs(self, spool: SpoolName, key: SampleKey, max_runs: int) -> list[str]:
+        """The latest ``max_runs`` records of ``key``, newest first (blocks; raises
+        ``StateUnavailable``)."""
+        self.flush(timeout=self.timeout_s)  # this replica's queued runs first, if it can
+        try:
+            out = cast("list[str]", self.client.lrange(self._run_key(spool, key), 0, max_runs - 1))
+        except (redis.RedisError, OSError) as exc:
+            raise self._unavailable("read", exc) from None
+        self._mark(True)
+        return out
+
+    def run_counts(self, spool: SpoolName, max_runs: int) -> list[SampleCount]:
+        """Runs held per key of ``spool`` (blocks; raises ``StateUnavailable``)."""
+        self.flush(timeout=self.timeout_s)
+        try:
+            members = sorted(self.client.smembers(self._key(f"runs:{spool}")))
+            keys = [SampleKey(*json.loads(m)) for m in members]
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.llen(self._run_key(spool, k))
+            lengths = pipe.execute()
+        except (redis.RedisError, OSError) as exc:
+            raise self._unavailable("read", exc) from None
+        self._mark(True)
+        held = [SampleCount(k, min(int(n), max_runs)) for k, n in zip(keys, lengths, strict=True)]
+        return sorted(
+            (c for c in held if c.runs),
+            key=lambda c: (c.key.model, c.key.template, c.key.design, c.key.slots),
+        )
+
+    def _unavailable(self, operation: Operation, exc: Exception) -> StateUnavailable:
+        self._mark(False, operation, exc)
+        return StateUnavailable(f"the state store cannot be reached ({type(exc).__name__})")
+
+    # --- locks ------------------------------------------------------------------------
+
+    def try_lock(self, name: str, ttl_s: float, token: str) -> bool:
+        try:
+            got = self.client.set(self._key(f"lock:{name}"), token, nx=True, px=_ms(ttl_s))
+        except (redis.RedisError, OSError) as exc:
+            self._mark(False, "lock", exc)
+            return False
+        return bool(got)
+
+    def unlock(self, name: str, token: str) -> None:
+        try:
+            self._release(keys=[self._key(f"lock:{name}")], args=[token])
+        except (redis.RedisError, OSError) as exc:  # it expires on its own
+            self._mark(False, "lock", exc)
+
+    # --- spools -----------------------------------------------------------------------
+
+    def spool(self, name: SpoolName, max_runs: int, replica: str | None) -> RedisSpool:
+        del replica  # one list per key holds every replica's runs
+        return RedisSpool(self, name, max_runs)
+
+    def _key(self, suffix: str) -> str:
+        return f"{self.prefix}:{suffix}"
+
+    def _run_key(self, spool: SpoolName, key: SampleKey) -> str:
+        return self._key(f"runs:{spool}:{_key_json(key)}")
+
+
+class RedisProfileStore(ProfileStore):
+    """``ProfileStore`` on ``RedisState``'s memory: a read is a dictionary lookup (parsed once
+    per change), a write is held at once and queued for Redis.
+
+    ``root`` is the local folder of what stays in files (``PositionalStore.beside``).
+    """
+
+    def __init__(self, state: RedisState, root: Path) -> None:
+        super().__init__(root)
+        self._state = state
+        self._view: tuple[int, dict[str, StoredProfile]] = (-1, {})
+        self._bad: set[str] = set()
+
+    def _profiles(self) -> dict[str, StoredProfile]:
+        generation, docs = self._state.documents()
+        view = self._view
+        if view[0] == generation:
+            return view[1]
+        parsed: dict[str, StoredProfile] = {}
+        for pid, doc in docs.items():
+            try:
+                parsed[pid] = parse_profile(doc)
+            except (ValueError, TypeError, KeyError) as exc:
+                if doc not in self._bad:  # once per document, not per request
+                    self._bad.add(doc)
+                    log.warning("skipping unreadable bias profile %s in Redis: %s", pid, exc)
+        self._view = (generation, parsed)
+        return parsed
+
+    def get(self, model: str, template: str, slots: int) -> StoredProfile | None:
+        return self._profiles().get(profile_id(model, template, slots))
+
+    def list(self) -> list[StoredProfile]:
+        return sorted(self._profiles().values(), key=lambda s: (s.model, s.template, s.slots))
+
+    def _write(self, prof: StoredProfile) -> None:
+        self._state.put_document(prof.id, dump_profile(prof))
+
+    def stamp(self, model: str, template: str, slots: int) -> object:
+        return self._state.documents()[1].get(profile_id(model, template, slots))
+
+
+class RedisSpool:
+    """A ``RunSpool`` in Redis: one capped list per key, shared by every replica."""
+
+    def __init__(self, state: RedisState, name: SpoolName, max_runs: int) -> None:
+        self._state = state
+        self.name = name
+        self.max_runs = max_runs
+
+    @property
+    def where(self) -> str:
+        return f"{self._state.where} ({self.name})"
+
+    def append(self, key: SampleKey, run: Run, at: float) -> None:
+        self._state.append_run(self.name, key, run_record(key, run, at), self.max_runs)
+
+    def runs(self, key: SampleKey, *, since: float | None = None) -> list[Run]:
+        records = []
+        for line in reversed(self._state.read_runs(self.name, key, self.max_runs)):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if well_formed(rec) and (since is None or float(rec["t"]) >= since):
+                records.append(rec)
+        # LPUSH order is push order; replicas' clocks decide "oldest first" as in the folder.
+        records.sort(key=lambda r: float(r["t"]))
+        return [run_of(r) for r in records]
+
+    def counts(self) -> list[SampleCount]:
+        return self._state.run_counts(self.name, self.max_runs)
+
+
+class RedisLocks:
+    """``Locks`` in Redis (``SET NX PX`` with a random token, compare-and-delete release)."""
+
+    def __init__(self, state: RedisState) -> None:
+        self._state = state
+
+    def acquire(self, name: str, ttl_s: float) -> str | None:
+        token = uuid.uuid4().hex
+        return token if self._state.try_lock(name, ttl_s, token) else None
+
+    def release(self, name: str, token: str) -> None:
+        self._state.unlock(name, token)
+
+
+def _key_json(key: SampleKey) -> str:
+    return json.dumps([key.model, key.template, key.design, key.slots])
+
+
+def _ms(seconds: float) -> int:
+    return max(1, round(seconds * 1000))

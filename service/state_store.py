@@ -1,0 +1,226 @@
+"""Where the service keeps what it learns, behind one interface with two implementations.
+
+What is kept: the bias profiles (``ProfileStore``), the sampled runs they are calibrated from
+(``RunSpool``: the traffic sample and ``auto``'s learning and explore runs) and the lock that
+lets one replica at a time assess a learned profile (``Locks``).
+
+- **folder** (the default): files under ``profiles_path`` (and ``traffic_sample_dir``), as
+  they always were. Replicas share them only through a volume every one of them mounts.
+- **redis** (``state_url``; ``service.redis_state``): one Redis every replica reaches, for
+  clusters without ReadWriteMany storage. A cache-like dependency: requests read profiles from
+  memory and writes are queued and retried in the background, so a Redis that is down or slow
+  never fails or holds up a request (docs/operations.md, "State in Redis").
+
+``open_state(settings)`` picks one; both pass the same contract tests
+(tests/service/test_state_store.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal, Protocol
+
+from service.profile_store import ProfileStore, profile_id
+from service.traffic import RunSpool, SpoolName, TrafficSpool
+
+if TYPE_CHECKING:
+    from service.settings import Settings
+
+log = logging.getLogger(__name__)
+
+
+class Locks(Protocol):
+    """Named locks with an expiry: a holder that dies does not block the others for longer
+    than ``ttl_s``."""
+
+    def acquire(self, name: str, ttl_s: float) -> str | None:
+        """Take ``name`` if nobody holds it; returns the token that releases it, or ``None``
+        (held elsewhere, or the store cannot be reached). Blocks briefly."""
+        ...
+
+    def release(self, name: str, token: str) -> None:
+        """Give ``name`` back if ``token`` still holds it; never raises."""
+        ...
+
+
+class StateStore(Protocol):
+    """The three things kept (module docstring) and the store's health."""
+
+    kind: Literal["folder", "redis"]
+
+    @property
+    def profiles(self) -> ProfileStore:
+        """The bias profiles (what requests read: from memory or a local file)."""
+        ...
+
+    @property
+    def locks(self) -> Locks: ...
+
+    @property
+    def failures(self) -> Mapping[str, int]:
+        """Operations that failed, by kind (``read``, ``write``, ``lock``)."""
+        ...
+
+    @property
+    def pending(self) -> int:
+        """Writes queued, not yet stored."""
+        ...
+
+    @property
+    def dropped(self) -> int:
+        """Queued writes dropped (the queue was full)."""
+        ...
+
+    def spool(self, name: SpoolName, max_runs: int, replica: str | None) -> RunSpool | None:
+        """The spool ``name`` (``None``: this store keeps no such spool, e.g. the folder's
+        traffic sample without ``traffic_sample_dir``: it then lives in memory only)."""
+        ...
+
+    @property
+    def up(self) -> bool:
+        """Whether the store answered its last operation."""
+        ...
+
+    def start(self) -> None:
+        """Begin background work (Redis: connect, load, write what is queued)."""
+        ...
+
+    def close(self) -> None:
+        """Write what is queued (bounded wait) and stop; later writes are lost."""
+        ...
+
+    def wait_loaded(self, timeout: float) -> bool:
+        """Wait (at most ``timeout``) until the stored profiles are loaded; whether they are."""
+        ...
+
+
+class FolderLocks:
+    """Locks as files ``<root>/<name>.lock``, created exclusively; a file older than the
+    expiry belongs to a holder that died (or hung) and is taken over."""
+
+    def __init__(self, root: Path, replica: str) -> None:
+        self.root = root
+        self.replica = replica
+
+    def path(self, name: str) -> Path:
+        return self.root / f"{name}.lock"
+
+    def acquire(self, name: str, ttl_s: float) -> str | None:
+        path = self.path(name)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if path.exists() and time.time() - path.stat().st_mtime > ttl_s:
+                path.unlink(missing_ok=True)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return None
+        except OSError as exc:
+            log.warning("cannot take the lock %s: %s", path, exc)
+            return None
+        token = f"{self.replica}-{uuid.uuid4().hex}"
+        try:
+            os.write(fd, token.encode())
+        finally:
+            os.close(fd)
+        return token
+
+    def release(self, name: str, token: str) -> None:
+        path = self.path(name)
+        with contextlib.suppress(OSError):
+            # Not ours any more (it expired and another replica took it): leave it.
+            if path.read_text() == token:
+                path.unlink(missing_ok=True)
+
+
+class FolderState:
+    """The folder implementation: today's files, nothing in the background.
+
+    Args:
+        profiles: the profile folder (``settings.profiles_path``).
+        sample_dir: the traffic sample's shared folder (``traffic_sample_dir``), if any.
+        auto_root: ``auto``'s runs and locks (default ``<profiles>/auto``).
+    """
+
+    kind: Literal["folder", "redis"] = "folder"
+
+    def __init__(
+        self, profiles: Path, sample_dir: Path | None = None, auto_root: Path | None = None
+    ) -> None:
+        self._profiles = ProfileStore(profiles)
+        self.sample_dir = sample_dir
+        self.auto_root = auto_root or profiles / "auto"
+        self._locks = FolderLocks(self.auto_root, f"pid{os.getpid()}")
+
+    @property
+    def profiles(self) -> ProfileStore:
+        return self._profiles
+
+    @property
+    def locks(self) -> Locks:
+        return self._locks
+
+    def spool(self, name: SpoolName, max_runs: int, replica: str | None) -> RunSpool | None:
+        if name == "sample":
+            if self.sample_dir is None:
+                return None
+            return TrafficSpool(self.sample_dir, max_runs, replica)
+        return TrafficSpool(self.auto_root / name.removeprefix("auto/"), max_runs, replica)
+
+    @property
+    def up(self) -> bool:
+        return True
+
+    @property
+    def failures(self) -> Mapping[str, int]:
+        return {}  # a failed file operation raises where it happens, as it always did
+
+    @property
+    def pending(self) -> int:
+        return 0
+
+    @property
+    def dropped(self) -> int:
+        return 0
+
+    def start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def wait_loaded(self, timeout: float) -> bool:
+        del timeout  # every read goes to the files
+        return True
+
+
+def lock_name(model: str, template: str, slots: int) -> str:
+    """The assessment lock of one learned profile's key."""
+    return profile_id(model, template, slots)
+
+
+@contextlib.contextmanager
+def held(locks: Locks, name: str, ttl_s: float) -> Iterator[bool]:
+    """``with held(locks, name, ttl) as ok``: hold ``name`` for the block if it could be
+    taken (blocks briefly: not for the event loop thread with a network store)."""
+    token = locks.acquire(name, ttl_s)
+    try:
+        yield token is not None
+    finally:
+        if token is not None:
+            locks.release(name, token)
+
+
+def open_state(settings: Settings) -> StateStore:
+    """The store ``settings`` name: Redis with ``state_url``, else the folder. Does no I/O
+    (``start`` connects)."""
+    if settings.state_url is None:
+        return FolderState(settings.profiles_path, settings.traffic_sample_dir)
+    from service.redis_state import RedisState
+
+    return RedisState.from_settings(settings)

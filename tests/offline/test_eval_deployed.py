@@ -1,0 +1,358 @@
+"""``rag-reorder eval --generator-url``: the user's data checked, the user's generator called
+with a budget, resumed, refused, and the verdict in words.
+
+The fast tests answer through an httpx transport standing in for the generator's API, with the
+orders from the in-process pipeline on the fake backend (the product's own fake); the last test
+runs it for real: vLLM's OpenAI server answering, a rag-reorder server process ordering.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from offline.convert import convert_litm
+from offline.evaluation.deployed import ANSWERS_FILE, DeployedJob, run_deployed
+from offline.evaluation.orderers import InProcessOrderer, ServerOrderer, Target, targets
+from offline.evaluation.verdict import REPORT_JSON, questions_needed, verdict
+from offline.generator_api import GeneratorEndpoint
+from service.backends.fake import FakeBackend
+from service.dataset import Example, load_examples
+from service.errors import InvalidRequest
+from service.passage import Passage
+from service.pipeline import Reorderer
+from service.profile_store import ProfileStore
+from service.settings import Settings
+from service.templates import get_template
+
+ROOT = Path(__file__).resolve().parents[2]
+SAMPLE = ROOT / "tests" / "data" / "litm_sample.jsonl"
+SMOLLM2 = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+# -- the user's data ---------------------------------------------------------------------
+
+
+GOOD = {"id": "q1", "question": "who?", "answers": ["Ada"], "passages": [{"text": "Ada did."}]}
+
+
+@pytest.mark.parametrize(
+    ("change", "where"),
+    [
+        ({"question": ""}, "question: expected a non-empty string"),
+        ({"passages": []}, "passages: expected a non-empty list"),
+        ({"passages": [{"title": "t"}]}, "passages[0].text: expected a non-empty string"),
+        ({"passages": [{"text": "a", "score": "high"}]}, "passages[0].score: expected a finite"),
+        ({"passages": [{"text": "a", "is_gold": "yes"}]}, "passages[0].is_gold: expected true"),
+        ({"answers": "Ada"}, "answers: expected a list of strings"),
+        ({"gold_position": 3}, "gold_position: expected indices in [0, 0], got 3"),
+        ({"id": ""}, "id: expected a non-empty string"),
+    ],
+)
+def test_a_bad_record_names_its_line_and_field(
+    tmp_path: Path, change: dict[str, Any], where: str
+) -> None:
+    path = tmp_path / "mine.jsonl"
+    path.write_text(json.dumps(GOOD | {"id": "q0"}) + "\n\n" + json.dumps(GOOD | change) + "\n")
+    with pytest.raises(InvalidRequest) as err:
+        load_examples(path)
+    assert err.value.message.startswith(f"mine.jsonl:3: {where}"), err.value.message
+
+
+def test_optional_fields_and_duplicate_ids(tmp_path: Path) -> None:
+    path = tmp_path / "mine.jsonl"
+    rows = [
+        {"question": "q?", "answers": ["a"], "passages": ["plain text", {"text": "t", "score": 2}]},
+        {"id": 7, "question": "q?", "passages": [{"text": "x"}, {"text": "y"}], "gold_position": 1},
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    first, second = load_examples(path)
+    assert first.id == "line-1" and first.passages[1].score == 2.0 and first.gold == ()
+    assert second.id == "7" and second.gold == (1,) and second.answers == ()
+    path.write_text(json.dumps(GOOD) + "\n" + json.dumps(GOOD) + "\n")
+    with pytest.raises(InvalidRequest, match=r"mine\.jsonl:2: id: 'q1' is already the id of l"):
+        load_examples(path)
+
+
+def test_the_lost_in_the_middle_format_converts(tmp_path: Path) -> None:
+    out = tmp_path / "mine.jsonl"
+    assert convert_litm(SAMPLE, out) == 3
+    examples = load_examples(out)
+    raw = [json.loads(line) for line in SAMPLE.read_text().splitlines()]
+    for ex, rec in zip(examples, raw, strict=True):
+        assert ex.question == rec["question"] and list(ex.answers) == rec["answers"]
+        assert [p.text for p in ex.passages] == [c["text"] for c in rec["ctxs"]]
+        assert list(ex.gold) == [i for i, c in enumerate(rec["ctxs"]) if c["isgold"]]
+        assert [p.score for p in ex.passages] == [float(c["score"]) for c in rec["ctxs"]]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "q", "answers": ["a"], "ctxs": []}) + "\n")
+    with pytest.raises(InvalidRequest, match=r"bad.jsonl:1: ctxs: expected a non-empty list"):
+        convert_litm(bad, tmp_path / "never.jsonl")
+    assert not (tmp_path / "never.jsonl").exists()
+
+
+# -- variants and the verdict ------------------------------------------------------------
+
+
+def test_variants_always_hold_the_baselines() -> None:
+    assert [(t.label, t.body) for t in targets(None)] == [
+        ("default", {}),
+        ("retriever", {"strategy": "retriever"}),
+        ("shuffle", {"strategy": "shuffle"}),
+    ]
+    labels = [t.label for t in targets(["moi:pruned_random:bias_matched", "dense:litm", "shuffle"])]
+    assert labels == ["moi:pruned_random:bias_matched", "dense:litm", "shuffle", "retriever"]
+    moi = targets(["moi:pruned_random:bias_matched"])[0].body
+    assert moi == {
+        "strategy": "moi",
+        "design": {"kind": "pruned_random"},
+        "placement": "bias_matched",
+    }
+    with pytest.raises(InvalidRequest, match="unknown strategy or variant 'nope'"):
+        targets(["nope"])
+
+
+def test_the_verdict_in_words() -> None:
+    helps = [(1.0, 0.0)] * 30 + [(1.0, 1.0)] * 70
+    v = verdict("default", "retriever", helps, resamples=2000)
+    assert v.diff == pytest.approx(0.3) and v.low > 0 and v.questions_needed is None
+    assert v.sentence.startswith(
+        "On these 100 questions, `default` changed accuracy by +0.300 ["
+    ) and v.sentence.endswith(
+        "against your retriever's order: it helps your generator on this data."
+    )
+    hurts = [(0.0, 1.0)] * 30 + [(1.0, 1.0)] * 70
+    assert "it hurts" in verdict("x", "shuffle", hurts, resamples=2000).sentence
+    # One win and one loss in 20: the interval holds 0. Differences +1, -1 and 18 zeros:
+    # sample variance 2/19; n = (1.959964 + 0.841621)^2 * (2/19) / 0.05^2 = 330.4 -> 331.
+    close = [(1.0, 0.0), (0.0, 1.0)] + [(0.0, 0.0)] * 18
+    v = verdict("auto", "retriever", close, resamples=2000)
+    assert v.questions_needed == 331 == questions_needed([1, -1] + [0] * 18)
+    assert "too close to tell; about 331 questions would show a difference of 0.05" in v.sentence
+    assert v.short == "cannot tell (~331 questions for 0.05)"
+    same = verdict("auto", "retriever", [(1.0, 1.0)] * 5, resamples=200)
+    assert "nothing to tell apart" in same.sentence and same.questions_needed is None
+
+
+# -- the run: budget, resume, refusals ---------------------------------------------------
+
+
+K = 4
+
+
+def _examples(n: int) -> list[Example]:
+    out = []
+    for q in range(n):
+        passages = tuple(Passage(text=f"Note {q}.{i}: the word is w{q}x{i}.") for i in range(K))
+        out.append(Example(f"q{q}", f"What is word {q}?", (f"w{q}x0",), passages, (0,), q + 1))
+    return out
+
+
+class Generator:
+    """The generator's API: answers the word of the passage it sees first; ``fail`` maps a
+    call number (1-based) to the status answered instead."""
+
+    def __init__(self, fail: dict[int, int] | None = None) -> None:
+        self.calls = 0
+        self.fail = fail or {}
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.calls += 1
+        if self.calls in self.fail:
+            status = self.fail[self.calls]
+            return httpx.Response(status, headers={"Retry-After": "0"}, json={"error": "no"})
+        body = json.loads(request.content)
+        content = body["messages"][-1]["content"]
+        first = content.split("the word is ", 1)[1].split(".", 1)[0]
+        return httpx.Response(
+            200,
+            json={
+                "choices": [{"message": {"content": first}}],
+                "usage": {"prompt_tokens": len(content) // 4, "completion_tokens": 2},
+            },
+        )
+
+
+def _job(tmp_path: Path, **kw: Any) -> DeployedJob:
+    fields: dict[str, Any] = {
+        "endpoint": GeneratorEndpoint("http://generator/v1", "mine", retries=2, concurrency=2),
+        "template": get_template("qa_default"),
+        "examples": _examples(6),
+        "data_name": "mine.jsonl",
+        "targets": tuple(targets(["inverse"])),
+        "out": tmp_path / "out",
+        "resamples": 500,
+        "progress": False,
+    }
+    return DeployedJob(**(fields | kw))
+
+
+def _orderer(tmp_path: Path) -> InProcessOrderer:
+    backend = FakeBackend({})
+    return InProcessOrderer(
+        Reorderer(backend, Settings(cache_dir=tmp_path), ProfileStore(tmp_path / "profiles"))
+    )
+
+
+async def test_answers_scores_and_reports(tmp_path: Path) -> None:
+    gen = Generator()
+    seen: list[Any] = []
+    out = await run_deployed(
+        _job(tmp_path),
+        _orderer(tmp_path),
+        on_estimate=seen.append,
+        transport=httpx.MockTransport(gen),
+    )
+    (est,) = seen
+    assert (est.questions, est.variants, est.todo, est.max_generator_calls) == (6, 3, 18, 18)
+    # inverse puts the gold passage (index 0) last, the retriever first; the shuffle differs
+    # per question. Identical orders within a question are answered once.
+    records = [json.loads(x) for x in (tmp_path / "out" / ANSWERS_FILE).read_text().splitlines()]
+    by = {(r["question_id"], r["variant"]): r for r in records}
+    assert len(records) == 18
+    assert all(by[(f"q{q}", "retriever")]["accuracy"] == 1.0 for q in range(6))
+    assert all(by[(f"q{q}", "inverse")]["accuracy"] == 0.0 for q in range(6))
+    assert all(by[(f"q{q}", "inverse")]["gold_slots"] == [K] for q in range(6))
+    shared = sum(1 for r in records if r.get("shared"))
+    assert gen.calls == 18 - shared == out.generator_calls
+    report = json.loads((tmp_path / "out" / REPORT_JSON).read_text())
+    acc = {v["variant"]: v["accuracy"]["mean"] for v in report["variants"]}
+    assert acc["retriever"] == 1.0 and acc["inverse"] == 0.0
+    assert report["verdict"].startswith(
+        "On these 6 questions, `inverse` changed accuracy by -1.000"
+    )
+    assert "it hurts" in report["verdict"]
+    assert (tmp_path / "out" / "report.md").read_text().count("| `") >= 3
+    assert (tmp_path / "out" / "accuracy.png").stat().st_size > 0
+
+
+async def test_the_budget_stops_and_a_rerun_continues(tmp_path: Path) -> None:
+    gen = Generator()
+    first = await run_deployed(
+        _job(tmp_path, max_calls=5), _orderer(tmp_path), transport=httpx.MockTransport(gen)
+    )
+    assert first.attempts == 5 == gen.calls
+    again = Generator()
+    await run_deployed(_job(tmp_path), _orderer(tmp_path), transport=httpx.MockTransport(again))
+    lines = (tmp_path / "out" / ANSWERS_FILE).read_text().splitlines()
+    keys = [(json.loads(x)["question_id"], json.loads(x)["variant"]) for x in lines]
+    assert len(keys) == len(set(keys)) == 18
+    # Another generator in the same folder is refused, before any call.
+    never = Generator()
+    other = _job(tmp_path, endpoint=GeneratorEndpoint("http://elsewhere/v1", "theirs"))
+    with pytest.raises(InvalidRequest, match="differs in generator_url, generator_model"):
+        await run_deployed(other, _orderer(tmp_path), transport=httpx.MockTransport(never))
+    assert never.calls == 0
+    # A dry run estimates and calls nothing.
+    dry = await run_deployed(
+        _job(tmp_path, out=tmp_path / "dry"),
+        _orderer(tmp_path),
+        dry_run=True,
+        transport=httpx.MockTransport(never),
+    )
+    assert dry.estimate.todo == 18 and never.calls == 0
+
+
+async def test_a_refusal_stops_at_once_and_429_is_retried(tmp_path: Path) -> None:
+    refused = Generator(fail={1: 401})
+    with pytest.raises(InvalidRequest, match=r"refused the API key.*HTTP 401"):
+        await run_deployed(
+            _job(tmp_path, endpoint=GeneratorEndpoint("http://g/v1", "mine", concurrency=1)),
+            _orderer(tmp_path),
+            transport=httpx.MockTransport(refused),
+        )
+    assert refused.calls == 1
+    busy = Generator(fail={1: 429, 3: 503})
+    out = await run_deployed(
+        _job(tmp_path, out=tmp_path / "busy"),
+        _orderer(tmp_path),
+        transport=httpx.MockTransport(busy),
+    )
+    assert out.attempts == busy.calls == out.generator_calls + 2
+
+
+async def test_data_without_answers_is_refused_before_any_call(tmp_path: Path) -> None:
+    unanswered = [*_examples(2), Example("z", "q?", (), _examples(1)[0].passages, (0,), 9)]
+    never = Generator()
+    with pytest.raises(InvalidRequest, match=r"mine\.jsonl:9: answers: expected at least one"):
+        await run_deployed(
+            _job(tmp_path, examples=unanswered),
+            _orderer(tmp_path),
+            transport=httpx.MockTransport(never),
+        )
+    assert never.calls == 0
+
+
+# -- for real: vLLM's OpenAI server answers, a rag-reorder server orders -------------------
+
+
+@pytest.mark.slow
+async def test_against_a_real_generator_and_server(vllm_server: str, tmp_path: Path) -> None:
+    from tests.app.processes import server_process
+
+    data = tmp_path / "mine.jsonl"
+    convert_litm(SAMPLE, data)
+    examples = load_examples(data, limit=2)
+    env = {
+        "RAG_REORDER_API_KEY": "eval-key",
+        "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
+        "HF_HUB_OFFLINE": "1",
+    }
+    args = ["-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    job = _job(
+        tmp_path,
+        endpoint=GeneratorEndpoint(f"{vllm_server}/v1", SMOLLM2, retries=1, concurrency=2),
+        examples=examples,
+        data_name=data.name,
+        targets=tuple(targets(["default", "bm25:litm", "dense:bias_matched"])),
+        max_passages=3,
+    )
+    with server_process(args, tmp_path / "server.log", env, python=sys.executable) as server:
+        server.wait_ready(180)
+
+        def orderer(key: str | None) -> ServerOrderer:
+            return ServerOrderer(
+                server.base_url, api_key=key, timeout_s=300, retries=1, concurrency=2
+            )
+
+        with pytest.raises(InvalidRequest, match=r"refused the API key.*HTTP 401"):
+            await run_deployed(job, orderer(None))
+        out = await run_deployed(job, orderer("eval-key"))
+    report = out.report
+    variants = {v["variant"]: v for v in report["variants"]}
+    assert set(variants) == {"default", "bm25:litm", "dense:bias_matched", "retriever", "shuffle"}
+    # The cold server's default is auto on its MoI path; dense:bias_matched has no profile
+    # of this generator to place by: refused, recorded, left out of the comparisons.
+    assert variants["default"]["answered"] == 2 and variants["default"]["auto_paths"] == {"moi": 2}
+    assert variants["default"]["model_prompts_mean"] > 0
+    assert variants["dense:bias_matched"]["errors"] == 2
+    assert "HTTP 422" in variants["dense:bias_matched"]["error_example"]
+    assert variants["retriever"]["model_prompts_mean"] == 0
+    records = [json.loads(x) for x in (tmp_path / "out" / ANSWERS_FILE).read_text().splitlines()]
+    answered = [r for r in records if r.get("answer") is not None]
+    assert all(isinstance(r["answer"], str) and r["generator_prompt_tokens"] > 50 for r in answered)
+    assert {c["variant"] for c in report["comparisons"]} == {"default", "bm25:litm", "retriever"}
+    assert report["verdict"].startswith("On these 2 questions, `default` changed accuracy by")
+    assert os.path.getsize(tmp_path / "out" / "accuracy.png") > 0
+    # Target is the type every variant is.
+    assert all(isinstance(t, Target) for t in job.targets)
+
+
+async def test_a_variant_the_orderer_refuses_is_recorded_and_asked_again(tmp_path: Path) -> None:
+    # max_relevance needs a measured positional profile, which this machine has none of.
+    job = _job(tmp_path, targets=tuple(targets(["max_relevance"])), examples=_examples(2))
+    gen = Generator()
+    out = await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(gen))
+    (refused,) = [v for v in out.report["variants"] if v["variant"] == "max_relevance"]
+    assert refused["answered"] == 0 and refused["errors"] == 2
+    assert "positional" in refused["error_example"]
+    assert {c["variant"] for c in out.report["comparisons"]} == {"retriever"}
+    assert gen.calls == out.generator_calls <= 4  # the baselines' orders, none for the refused
+    again = await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(gen))
+    assert again.estimate.todo == 2 and again.estimate.done == 4

@@ -1,0 +1,265 @@
+"""The state store's contract, run against both implementations (the folder and a real
+``redis-server``), and Redis's faults: down at start, killed and restarted during traffic.
+
+Two "replicas" are two store objects on one folder or one Redis, as two pods are.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from pydantic import SecretStr
+
+from service.errors import StateUnavailable
+from service.profile_store import StoredProfile
+from service.redis_state import RedisState, redact
+from service.settings import Settings
+from service.state_store import FolderState, StateStore, held, open_state
+from service.traffic import SampleKey
+from tests.support.redis_server import RedisServer
+
+KEY = SampleKey("m", "qa_default", "pruned_random", 3)
+Factory = Callable[[], StateStore]
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.kill()
+
+
+def redis_settings(tmp: Path, url: str, prefix: str, **extra: object) -> Settings:
+    return Settings(
+        cache_dir=tmp,
+        state_url=SecretStr(url),
+        state_key_prefix=prefix,
+        state_refresh_s=0.05,
+        state_timeout_s=0.2,
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+@pytest.fixture(params=["folder", "redis"])
+def replicas(
+    request: pytest.FixtureRequest, tmp_path: Path, redis_server: RedisServer
+) -> Iterator[Factory]:
+    """Makes replicas of one store: the same folder, or the same Redis and key prefix."""
+    made: list[StateStore] = []
+    prefix = uuid.uuid4().hex
+
+    def make() -> StateStore:
+        if request.param == "folder":
+            store: StateStore = FolderState(tmp_path / "profiles", tmp_path / "sample")
+        else:
+            settings = redis_settings(
+                tmp_path, redis_server.url, prefix, state_password=redis_server.password
+            )
+            store = open_state(settings)
+            store.start()
+            assert isinstance(store, RedisState) and store.wait_loaded(5)
+        made.append(store)
+        return store
+
+    yield make
+    for store in made:
+        store.close()
+
+
+def put(store: StateStore, coefficients: tuple[float, ...], model: str = "m") -> StoredProfile:
+    return store.profiles.put(
+        model=model,
+        template="qa_default",
+        coefficients=coefficients,
+        identification="full",
+        runs=3,
+        prompts=12,
+        r2=0.9,
+        source="test",
+    )
+
+
+def eventually(check: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the timeout"
+        time.sleep(0.02)
+
+
+def run(seed: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return np.stack([rng.permutation(6)[:3] for _ in range(4)]), rng.normal(size=4)
+
+
+def test_a_profile_one_replica_stores_is_read_by_another(replicas: Factory) -> None:
+    a, b = replicas(), replicas()
+    stored = put(a, (0.5, 0.3, 0.2))
+    assert a.profiles.get("m", "qa_default", 3) == stored  # at once, on the writer
+    eventually(lambda: b.profiles.get("m", "qa_default", 3) == stored)
+    assert [p.id for p in b.profiles.list()] == [stored.id]
+    assert b.profiles.by_id(stored.id) == stored
+    assert b.profiles.orienting("m", "qa_default") == stored
+    before = b.profiles.stamp("m", "qa_default", 3)
+    newer = put(a, (0.6, 0.3, 0.1))
+    eventually(lambda: b.profiles.get("m", "qa_default", 3) == newer)
+    assert b.profiles.stamp("m", "qa_default", 3) != before
+    assert b.profiles.get("m", "qa_default", 4) is None
+
+
+def test_a_reader_never_sees_half_a_profile(replicas: Factory) -> None:
+    a, b = replicas(), replicas()
+    put(a, (0.5, 0.5))
+    eventually(lambda: b.profiles.get("m", "qa_default", 2) is not None)
+    stop = threading.Event()
+    seen: list[tuple[float, ...]] = []
+
+    def read() -> None:
+        while not stop.is_set():
+            prof = b.profiles.get("m", "qa_default", 2)
+            if prof is not None:
+                seen.append(prof.coefficients)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    written = {(0.5, 0.5)}
+    for k in range(1, 150):
+        c = (k / 150, 1 - k / 150)
+        written.add(c)
+        last = put(a, c)
+    eventually(lambda: b.profiles.get("m", "qa_default", 2) == last)
+    stop.set()
+    reader.join()
+    assert seen and set(seen) <= written
+
+
+def test_runs_are_pooled_across_replicas_latest_first_out(replicas: Factory) -> None:
+    a, b = replicas(), replicas()
+    sa, sb = a.spool("auto/runs", 5, "a"), b.spool("auto/runs", 5, "b")
+    assert sa is not None and sb is not None
+    t0 = time.time()
+    for k in range(8):
+        replica = a if k % 2 else b
+        (sa if k % 2 else sb).append(KEY, run(k), t0 + k)
+        if isinstance(replica, RedisState):  # in Redis "latest" is the order runs arrive
+            assert replica.flush(5)
+    got = sa.runs(KEY)
+    want = [run(k) for k in range(3, 8)]  # the latest 5 of both replicas, oldest first
+    assert len(got) == 5
+    for (gp, gs), (wp, ws) in zip(got, want, strict=True):
+        np.testing.assert_array_equal(gp, wp)
+        np.testing.assert_allclose(gs, ws)
+    assert len(sb.runs(KEY, since=t0 + 6)) == 2
+    assert [(c.key, c.runs) for c in sa.counts()] == [(KEY, 5)]
+    other = a.spool("auto/explore", 5, "a")
+    assert other is not None and other.runs(KEY) == []
+
+
+def test_one_replica_holds_a_lock_until_released_or_expired(replicas: Factory) -> None:
+    a, b = replicas(), replicas()
+    token = a.locks.acquire("key", 30.0)
+    assert token is not None
+    assert b.locks.acquire("key", 30.0) is None
+    b.locks.release("key", "not-the-token")  # only the holder releases it
+    assert b.locks.acquire("key", 30.0) is None
+    a.locks.release("key", token)
+    ttl = 0.5  # every replica's (auto_lock_ttl_s)
+    with held(b.locks, "key", ttl) as ok:
+        assert ok
+        time.sleep(ttl + 0.1)  # b hangs past the expiry: a takes over
+        later = a.locks.acquire("key", ttl)
+        assert later is not None
+    # b's release after its expiry must not free a's lock
+    assert b.locks.acquire("key", ttl) is None
+
+
+def test_redis_down_at_start_serves_from_memory_and_never_raises(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    dead = RedisServer(tmp_path / "dead")  # a port nothing listens on
+    url = f"redis://:hunter2-secret@127.0.0.1:{dead.port}/0"
+    store = open_state(redis_settings(tmp_path, url, "p"))
+    assert isinstance(store, RedisState)
+    with caplog.at_level(logging.INFO):
+        store.start()
+        eventually(lambda: store.failures["read"] > 0)
+    assert not store.up and not store.loaded.is_set()
+    assert store.profiles.get("m", "qa_default", 2) is None  # absent: requests run MoI
+    t = time.perf_counter()
+    stored = put(store, (0.5, 0.5))
+    spool = store.spool("sample", 10, "a")
+    spool.append(KEY, run(0), time.time())
+    assert time.perf_counter() - t < 0.05  # queued, not waited for
+    assert store.profiles.get("m", "qa_default", 2) == stored
+    assert store.pending == 2
+    with pytest.raises(StateUnavailable):
+        spool.runs(KEY)
+    assert store.locks.acquire("key", 1.0) is None
+    store.close()
+    assert "hunter2-secret" not in caplog.text
+    assert f"redis://:***@127.0.0.1:{dead.port}/0 unreachable" in caplog.text
+
+
+def test_redis_killed_and_restarted_during_traffic(tmp_path: Path) -> None:
+    server = RedisServer(tmp_path / "redis")
+    server.start()
+    make = lambda: open_state(  # noqa: E731
+        redis_settings(tmp_path, server.url, "p", state_password=server.password)
+    )
+    a, b = make(), make()
+    assert isinstance(a, RedisState) and isinstance(b, RedisState)
+    a.start()
+    b.start()
+    try:
+        first = put(a, (0.5, 0.3, 0.2))
+        eventually(lambda: b.profiles.get("m", "qa_default", 3) == first)
+        spool = a.spool("sample", 100, "a")
+        stop = threading.Event()
+        served = [0]
+
+        def traffic() -> None:  # the request path: reads from memory, queued writes
+            k = 0
+            while not stop.is_set():
+                assert b.profiles.get("m", "qa_default", 3) is not None
+                spool.append(KEY, run(k), time.time())
+                served[0] += 1
+                k += 1
+                time.sleep(0.001)
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        server.kill()
+        eventually(lambda: not a.up and not b.up)
+        second = put(a, (0.2, 0.3, 0.5), model="n")  # queued while down
+        time.sleep(0.2)
+        server.start()  # empty: no persistence
+        eventually(lambda: b.profiles.get("n", "qa_default", 3) == second)
+        # a wrote back what it held: the first profile too, though Redis lost it
+        eventually(lambda: b.profiles.get("m", "qa_default", 3) == first)
+        stop.set()
+        thread.join()
+        assert served[0] > 50
+        assert a.flush(5)
+        assert len(b.spool("sample", 100, "b").runs(KEY)) == 100  # bounded, oldest out
+        assert a.up and b.up and a.dropped == 0
+    finally:
+        a.close()
+        b.close()
+        server.kill()
+
+
+def test_the_url_is_logged_without_its_password() -> None:
+    assert redact("rediss://user:s3cret@redis.example:6380/1") == (
+        "rediss://user:***@redis.example:6380/1"
+    )
+    assert redact("redis://redis:6379/0") == "redis://redis:6379/0"
+    with pytest.raises(ValueError, match="redis:// or rediss://"):
+        Settings(state_url=SecretStr("http://:pw@x"))
+    assert "pw" not in repr(Settings(state_url=SecretStr("redis://:pw@x:1/0")))

@@ -42,7 +42,7 @@ until curl -sf "http://127.0.0.1:$VPORT/v1/models" >/dev/null \
 done
 .venv/bin/rag-reorder eval --data "$DATA/nq_open_dev.jsonl" --limit "${QUESTIONS:-200}" \
     --max-passages 10 --generator-url "http://127.0.0.1:$VPORT/v1" --generator-model "$MODEL" \
-    --reorder-url "http://127.0.0.1:$RPORT" --reorder-timeout 900 --concurrency "${CONCURRENCY:-4}" --no-progress \
+    --reorder-url "http://127.0.0.1:$RPORT" --timeout 600 --reorder-timeout 900 --concurrency "${CONCURRENCY:-4}" --no-progress \
     --out "$OUT"
 .venv/bin/python eval/compare_deployed.py --deployed "$OUT" \
     --in-process eval/results/nq_open_dev --auto-stream bench/results/auto_stream_smollm2 \

@@ -41,9 +41,9 @@ from typing import Any
 import httpx
 from tqdm import tqdm  # type: ignore[import-untyped]
 
+from offline import run_folder
 from offline.evaluation.metrics import score_answer
-from offline.generator_api import GeneratorEndpoint, parse_answer, refusal, request_body
-from service.backends.engine_client import EngineCall, EngineClient, EngineHTTPError
+from offline.generator_api import BudgetedClient, GeneratorEndpoint, parse_answer, run_workers
 from service.dataset import Example
 from service.errors import InvalidRequest
 from service.profile_store import ProfileStore, StoredProfile
@@ -164,28 +164,13 @@ def _check_folder(job: ProfileJob) -> dict[tuple[str, int], dict[str, Any]]:
     Raises:
         InvalidRequest: the folder holds a run with other settings.
     """
-    ours = _run_settings(job)
-    path = job.out / RUN_FILE
-    if path.is_file():
-        theirs = json.loads(path.read_text())
-        differ = [k for k in ours if theirs.get(k) != ours[k]]
-        if differ:
-            raise InvalidRequest(
-                f"{job.out} holds answers of another measurement (it differs in "
-                f"{', '.join(differ)}): choose another --out",
-                param="out",
-            )
-    job.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ours, indent=1) + "\n")
+    run_folder.claim(job.out, RUN_FILE, _run_settings(job), "answers of another measurement")
     done: dict[tuple[str, int], dict[str, Any]] = {}
-    answers = job.out / ANSWERS_FILE
-    if answers.is_file():
-        for line in answers.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-                done[(str(rec["question_id"]), int(rec["slot"]))] = rec
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line: that call is made again
+    for rec in run_folder.records(job.out / ANSWERS_FILE):
+        try:
+            done[(str(rec["question_id"]), int(rec["slot"]))] = rec
+        except (ValueError, KeyError, TypeError):
+            continue  # a record without its key: that call is made again
     return done
 
 
@@ -229,50 +214,24 @@ async def run_profile(
     if on_estimate is not None:
         on_estimate(est)
     ep = job.endpoint
-    client = EngineClient(
-        ep.base_url,
-        api_key=ep.api_key,
-        timeout_s=ep.timeout_s,
-        max_concurrency=ep.concurrency,
-        retries=ep.retries,
-        transport=transport,
-    )
+    client = BudgetedClient(ep, job.max_calls, transport)
     answers = job.out / ANSWERS_FILE
     made = 0
-    # Every HTTP attempt counts against max_calls, retries included: the observer sees each
-    # call as it ends with its retries; a call in flight counts as one until then.
-    attempts = 0
-    in_flight = 0
-
-    def count(call: EngineCall) -> None:
-        nonlocal attempts
-        attempts += 1 + call.retries
-
-    client.add_observer(count)
-    budget = job.max_calls
     queue: asyncio.Queue[Trial] = asyncio.Queue()
     for t in todo:
         queue.put_nowait(t)
 
     async def worker(bar: Any) -> None:
-        nonlocal made, in_flight
+        nonlocal made
         while not queue.empty():
-            if budget is not None and attempts + in_flight >= budget:
+            if client.spent:
                 return  # retries spent part of --max-calls: stop, a rerun continues
             trial = queue.get_nowait()
-            path, body = request_body(ep, trial.prompt)
-            in_flight += 1
-            try:
-                data = await client.post(
-                    path,
-                    body,
-                    tokens=trial.chars // _CHARS_PER_TOKEN,
-                    request_id=f"{trial.question_id}-{trial.slot}",
-                )
-            except EngineHTTPError as exc:
-                raise refusal(exc, ep) from exc
-            finally:
-                in_flight -= 1
+            data = await client.answer(
+                trial.prompt,
+                tokens=trial.chars // _CHARS_PER_TOKEN,
+                request_id=f"{trial.question_id}-{trial.slot}",
+            )
             text, logprob, p_tokens, c_tokens = parse_answer(data)
             rec = {
                 "question_id": trial.question_id,
@@ -294,16 +253,10 @@ async def run_profile(
         with tqdm(
             total=len(todo), desc="profile", unit="call", file=sys.stderr, disable=not job.progress
         ) as bar:
-            tasks = [asyncio.create_task(worker(bar)) for _ in range(max(1, ep.concurrency))]
-            try:
-                await asyncio.gather(*tasks)
-            finally:
-                for task in tasks:
-                    task.cancel()
-                await asyncio.gather(*tasks, return_exceptions=True)
+            await run_workers(ep.concurrency, lambda: worker(bar))
     finally:
         await client.aclose()
-    return _finish(job, store, est, made, done, attempts)
+    return _finish(job, store, est, made, done, client.attempts)
 
 
 def _finish(

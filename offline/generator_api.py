@@ -6,10 +6,12 @@ for a prompt (``/chat/completions`` for chat models, the server applying the cha
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from service.backends.engine_client import EngineHTTPError
+from service.backends.engine_client import EngineCall, EngineClient, EngineHTTPError
 from service.errors import InvalidRequest
 from service.prompts import ApiPrompt
 
@@ -86,3 +88,63 @@ def refusal(exc: EngineHTTPError, ep: GeneratorEndpoint) -> InvalidRequest:
         f"the generator at {ep.base_url} {why}: HTTP {exc.status}: {exc.detail}",
         param="base_url",
     )
+
+
+class BudgetedClient:
+    """The generator's ``EngineClient`` under ``max_calls``: every HTTP attempt counts,
+    retries included (the observer sees each call as it ends with its retries; a call in
+    flight counts as one until then), so the budget is what was sent. A refusal (an answer
+    retrying will not change) is raised as ``refusal``'s ``InvalidRequest``.
+    """
+
+    def __init__(
+        self, endpoint: GeneratorEndpoint, max_calls: int | None, transport: Any = None
+    ) -> None:
+        self.endpoint = endpoint
+        self.max_calls = max_calls
+        self.attempts = 0
+        self._in_flight = 0
+        self._client = EngineClient(
+            endpoint.base_url,
+            api_key=endpoint.api_key,
+            timeout_s=endpoint.timeout_s,
+            max_concurrency=endpoint.concurrency,
+            retries=endpoint.retries,
+            transport=transport,
+        )
+        self._client.add_observer(self._count)
+
+    def _count(self, call: EngineCall) -> None:
+        self.attempts += 1 + call.retries
+
+    @property
+    def spent(self) -> bool:
+        """No further call fits ``max_calls`` (a rerun continues)."""
+        return self.max_calls is not None and self.attempts + self._in_flight >= self.max_calls
+
+    async def answer(self, prompt: ApiPrompt, **kw: Any) -> dict[str, Any]:
+        """The endpoint's answer to ``prompt`` (``kw``: ``EngineClient.post``'s ``tokens``,
+        ``request_id``)."""
+        path, body = request_body(self.endpoint, prompt)
+        self._in_flight += 1
+        try:
+            return await self._client.post(path, body, **kw)
+        except EngineHTTPError as exc:
+            raise refusal(exc, self.endpoint) from exc
+        finally:
+            self._in_flight -= 1
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+
+async def run_workers(count: int, worker: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    """Run ``count`` copies of ``worker`` (at least one); the first failure cancels the rest
+    and is raised once they have stopped."""
+    tasks = [asyncio.create_task(worker()) for _ in range(max(1, count))]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

@@ -41,12 +41,12 @@ from typing import Any
 
 from tqdm import tqdm  # type: ignore[import-untyped]
 
+from offline import run_folder
 from offline.evaluation.metrics import MetricName, score_answer
 from offline.evaluation.orderers import Orderer, OrderRefused, Target
 from offline.evaluation.runner import EvalQuestion, prepare
 from offline.evaluation.verdict import build_report, write_report
-from offline.generator_api import GeneratorEndpoint, parse_answer, refusal, request_body
-from service.backends.engine_client import EngineCall, EngineClient, EngineHTTPError
+from offline.generator_api import BudgetedClient, GeneratorEndpoint, parse_answer, run_workers
 from service.dataset import Example
 from service.errors import InvalidRequest
 from service.prompts import api_prompt
@@ -117,32 +117,17 @@ def _done(job: DeployedJob, orderer: Orderer) -> dict[tuple[str, str], dict[str,
     Raises:
         InvalidRequest: the folder holds an evaluation with other settings.
     """
-    ours = _settings(job, orderer)
-    path = job.out / RUN_FILE
-    if path.is_file():
-        theirs = json.loads(path.read_text())
-        differ = [k for k in ours if theirs.get(k) != ours[k]]
-        if differ:
-            raise InvalidRequest(
-                f"{job.out} holds another evaluation (it differs in {', '.join(differ)}): "
-                "choose another --out",
-                param="out",
-            )
-    job.out.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(ours, indent=1) + "\n")
+    run_folder.claim(job.out, RUN_FILE, _settings(job, orderer), "another evaluation")
     done: dict[tuple[str, str], dict[str, Any]] = {}
-    answers = job.out / ANSWERS_FILE
-    if answers.is_file():
-        for line in answers.read_text(encoding="utf-8").splitlines():
-            try:
-                rec = json.loads(line)
-                key = (str(rec["question_id"]), str(rec["variant"]))
-            except (ValueError, KeyError, TypeError):
-                continue  # a torn last line: that pair is done again
-            if rec.get("error") is None:
-                done[key] = rec
-            # A refused order is asked again: the server may serve it now (a profile stored
-            # since, a deadline raised); it cost no generator call.
+    for rec in run_folder.records(job.out / ANSWERS_FILE):
+        try:
+            key = (str(rec["question_id"]), str(rec["variant"]))
+        except (KeyError, TypeError):
+            continue  # a record without its key: that pair is done again
+        if rec.get("error") is None:
+            done[key] = rec
+        # A refused order is asked again: the server may serve it now (a profile stored
+        # since, a deadline raised); it cost no generator call.
     return done
 
 
@@ -209,24 +194,8 @@ async def run_deployed(
     est = estimate(job, questions, done)
     if on_estimate is not None:
         on_estimate(est)
-    ep = job.endpoint
-    client = EngineClient(
-        ep.base_url,
-        api_key=ep.api_key,
-        timeout_s=ep.timeout_s,
-        max_concurrency=ep.concurrency,
-        retries=ep.retries,
-        transport=transport,
-    )
-    attempts = 0
-    in_flight = 0
+    client = BudgetedClient(job.endpoint, job.max_calls, transport)
     calls = 0
-
-    def count(call: EngineCall) -> None:
-        nonlocal attempts
-        attempts += 1 + call.retries
-
-    client.add_observer(count)
     answers_path = job.out / ANSWERS_FILE
     queue: asyncio.Queue[EvalQuestion] = asyncio.Queue()
     for q in questions:
@@ -235,19 +204,13 @@ async def run_deployed(
     stop = asyncio.Event()
 
     async def answer(q: EvalQuestion, order: list[int]) -> dict[str, Any] | None:
-        nonlocal in_flight, calls
-        if job.max_calls is not None and attempts + in_flight >= job.max_calls:
+        nonlocal calls
+        if client.spent:
             stop.set()  # the budget is spent (retries count): a rerun continues
             return None
-        path, body = request_body(ep, api_prompt(job.template, q.question, q.passages, order))
-        in_flight += 1
         start = time.perf_counter()
-        try:
-            data = await client.post(path, body, request_id=f"eval-{q.id}")
-        except EngineHTTPError as exc:
-            raise refusal(exc, ep) from exc
-        finally:
-            in_flight -= 1
+        prompt = api_prompt(job.template, q.question, q.passages, order)
+        data = await client.answer(prompt, request_id=f"eval-{q.id}")
         calls += 1
         text, _, p_tokens, c_tokens = parse_answer(data)
         return {
@@ -307,16 +270,10 @@ async def run_deployed(
             quiet = not job.progress
             bar_args = {"desc": "eval", "unit": "answer", "file": sys.stderr, "disable": quiet}
             with tqdm(total=est.todo, **bar_args) as bar:
-                tasks = [asyncio.create_task(worker(bar)) for _ in range(max(1, ep.concurrency))]
-                try:
-                    await asyncio.gather(*tasks)
-                finally:
-                    for task in tasks:
-                        task.cancel()
-                    await asyncio.gather(*tasks, return_exceptions=True)
+                await run_workers(job.endpoint.concurrency, lambda: worker(bar))
     finally:
         await client.aclose()
         await orderer.aclose()
     report = build_report(job, questions, done, orderer.describe)
     files = write_report(job.out, report)
-    return DeployedOutcome(est, calls, attempts, report, files)
+    return DeployedOutcome(est, calls, client.attempts, report, files)

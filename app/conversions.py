@@ -15,6 +15,7 @@ from typing import Any, Literal, cast
 from starlette.requests import Request
 
 from app.schemas import (
+    AdaptiveOut,
     AnswerOut,
     AutoOut,
     DiagnosticsOut,
@@ -33,7 +34,7 @@ from app.schemas import (
 from service.passage import Passage
 from service.pipeline import ReorderResult
 from service.profile_store import ProfileTrust, StoredProfile
-from service.strategies.request import AutoReport
+from service.strategies.request import AdaptiveReport, AutoReport
 
 
 def caller_of(request: Request) -> str | None:
@@ -101,6 +102,20 @@ def trust_out(t: ProfileTrust | None) -> TrustOut | None:
         source=cast(Literal["traffic", "calibration"], t.source),
         assessed_at=t.assessed_at,
         trusted_since=t.trusted_since,
+    )
+
+
+def adaptive_out(a: AdaptiveReport | None) -> AdaptiveOut | None:
+    if a is None:
+        return None
+    return AdaptiveOut(
+        rounds=a.rounds,
+        prompts=a.prompts,
+        max_prompts=a.max_prompts,
+        stopped=a.stopped,
+        confidence=a.confidence,
+        target=a.target,
+        bias=a.bias,
     )
 
 
@@ -235,6 +250,7 @@ def reorder_meta(
             prior_sensitivity=_finite(fit.prior_sensitivity) if fit is not None else None,
             warnings=list(result.warnings),
             details=_json_safe(result.details),
+            adaptive=adaptive_out(result.adaptive),
         ),
         usage=UsageOut(
             prompt_tokens=result.usage.prompt_tokens,

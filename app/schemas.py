@@ -99,6 +99,11 @@ class DesignIn(_Strict):
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     variable_pruning: bool = False
     """Shorter prompts where the retriever is confident; needs a score on every passage."""
+    stop_confidence: float | None = Field(default=None, ge=0.5, lt=1.0)
+    """`adaptive` only: stop once the top passage is above every other with this probability
+    (default 0.9). With `adaptive`, `num_prompts` is the budget (default: half the default
+    design's passage-slots) and `prompt_passages` the passages per prompt (default
+    ceil(0.3 N))."""
 
     def spec(self) -> DesignSpec:
         return DesignSpec(
@@ -107,6 +112,7 @@ class DesignIn(_Strict):
             prompt_passages=self.prompt_passages,
             seed=self.seed,
             variable_pruning=self.variable_pruning,
+            stop_confidence=self.stop_confidence,
         )
 
 
@@ -485,6 +491,25 @@ class AutoOut(_Model):
     """Whether this request's MoI run was kept (learning, or the drift test)."""
 
 
+class AdaptiveOut(_Model):
+    """How MoI's `adaptive` design ran (docs/method.md, "The adaptive design")."""
+
+    rounds: int
+    prompts: int
+    """Prompts scored over all rounds."""
+    max_prompts: int
+    """The budget."""
+    stopped: Literal["settled", "budget", "small_request"]
+    """`settled`: the top passage reached `target`; `budget`: the budget was spent first;
+    `small_request`: too few passages to adapt, the default design ran in one round."""
+    confidence: float
+    """Reached: the smallest probability that the top passage is above another."""
+    target: float
+    bias: Literal["profile", "resampled_profile", "fitted"]
+    """The bias the fit used: the stored profile for these slots, a stored profile of another
+    slot count resampled, or fitted jointly with the utilities."""
+
+
 class DiagnosticsOut(_Model):
     strategy: Strategy
     design: DesignKind | None
@@ -509,6 +534,8 @@ class DiagnosticsOut(_Model):
     warnings: list[str]
     details: dict[str, Any]
     """Strategy-specific figures (e.g. the chosen shuffle's per-token log-likelihood)."""
+    adaptive: AdaptiveOut | None = None
+    """`moi` with the `adaptive` design: rounds, prompts, why it stopped."""
 
 
 class UsageOut(_Model):

@@ -28,6 +28,7 @@ from service.strategies import moi as _moi
 from service.strategies.placement import apply_placement
 from service.strategies.protocol import check_options
 from service.strategies.request import (
+    AdaptiveReport,
     AutoReport,
     Cost,
     DesignKind,
@@ -85,6 +86,7 @@ class ReorderResult:
     positional_profile: PositionalProfile | None
     answer: VotedAnswer | None
     auto: AutoReport | None  # what `auto` did (path, reason, profile and its trust)
+    adaptive: AdaptiveReport | None  # how MoI's adaptive design ran
     passage_answers: tuple[str | None, ...] | None
     distracting_effect: np.ndarray | None
     details: dict[str, object]
@@ -216,6 +218,7 @@ class Reorderer:
             positional_profile=outcome.positional_profile,
             answer=outcome.answer,
             auto=outcome.auto,
+            adaptive=outcome.adaptive,
             passage_answers=outcome.passage_answers,
             distracting_effect=outcome.distracting_effect,
             details=dict(outcome.details),

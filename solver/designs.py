@@ -25,8 +25,15 @@ from numpy.typing import ArrayLike, NDArray
 from solver.errors import DesignError
 
 IntArray = NDArray[np.int64]
-DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
-KINDS: tuple[DesignKind, ...] = ("random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid")
+DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid", "adaptive"]
+KINDS: tuple[DesignKind, ...] = (
+    "random",
+    "cyclic",
+    "pruned_random",
+    "pruned_cyclic",
+    "hybrid",
+    "adaptive",
+)
 # Below this many possible rows, sample without replacement from the full list.
 _ENUMERATE_LIMIT = 40_320  # 8!
 
@@ -93,6 +100,9 @@ def _plan(
         raise DesignError(f"n_passages must be >= 1, got {n_passages}")
     if kind not in KINDS:
         raise DesignError(f"unknown design kind {kind!r}; expected one of {', '.join(KINDS)}")
+    if kind == "adaptive":
+        # Its rows depend on the scores of earlier rounds: solver.adaptive plans them.
+        raise DesignError("an adaptive design is planned round by round (solver.adaptive)")
     if num_prompts is not None and num_prompts < 1:
         raise DesignError(f"num_prompts must be >= 1, got {num_prompts}")
     rng = np.random.default_rng(seed)

@@ -85,6 +85,9 @@ class Fit:
     utility_stderr: FloatArray | None
     prior_sensitivity: float | None
     method: Method
+    utility_cov: FloatArray | None = None
+    """The utilities' covariance behind ``confidence`` (score units, ``N x N``, NaN rows for
+    never-shown passages); ``None`` where ``confidence`` is."""
 
 
 def fit(
@@ -96,6 +99,7 @@ def fit(
     n_passages: int | None = None,
     uncertainty: bool = True,
     variance: Variance = "delta",
+    fixed_bias: ArrayLike | None = None,
 ) -> Fit:
     """Fit utilities and position bias, and order the passages by debiased utility.
 
@@ -117,6 +121,9 @@ def fit(
             delete-one-prompt (at most 20 groups) refits warm-started from the fit
             (``_jackknife_cov``; the service's default, ``Settings.confidence_method``),
             2.5-8x the solver time (bench/jackknife_cost.py).
+        fixed_bias: ``L`` coefficients taken as the bias (a calibrated profile), whatever the
+            design identifies: the fit is then linear in the utilities and needs only ``N``
+            independent prompts (the adaptive design, ``solver.adaptive``).
 
     Returns:
         A ``Fit``.
@@ -167,14 +174,17 @@ def fit(
         ref = validate_reference(ref, slots)
     groups = np.ones((comp.prompts, 1)) if comp.ragged else None
     prob = lm.Problem(comp, z, groups)
-    if ident.level == "none":
+    if fixed_bias is not None:
+        core = _fixed_bias(prob, validate_reference(fixed_bias, slots), uncertainty, variance)
+        orientation: Orientation = "reference"
+    elif ident.level == "none":
         if ref is None:
             raise UnidentifiableDesign(
                 f"{ident.reason}; pass a calibrated reference_bias for {slots} slots, or use a "
                 "random or pruned_random design"
             )
         core = _fixed_bias(prob, ref, uncertainty, variance)
-        orientation: Orientation = "reference"
+        orientation = "reference"
     else:
         if ident.level == "full":
             orientation = "data"
@@ -190,16 +200,18 @@ def fit(
     utilities = np.full(n, np.nan)
     utilities[old] = u_shown
     order = _order(utilities, retr)
-    confidence = stderr = None
+    confidence = stderr = cov_full = None
     if core.cov_u is not None:
         stderr = np.full(n, np.nan)
         stderr[old] = np.sqrt(np.maximum(np.diag(core.cov_u), 0.0)) * std
         confidence = _adjacent_confidence(order, utilities, old, core.cov_u * std * std, core.dof)
+        cov_full = np.full((n, n), np.nan)
+        cov_full[np.ix_(old, old)] = core.cov_u * std * std
     return Fit(
         order=order,
         utilities=utilities,
         position_bias=core.a,
-        bias_identified=ident.level != "none",
+        bias_identified=ident.level != "none" and fixed_bias is None,
         identification=ident.level,
         orientation=orientation,
         orientation_strength=core.orientation_strength,
@@ -216,6 +228,7 @@ def fit(
         utility_stderr=stderr,
         prior_sensitivity=core.prior_sensitivity,
         method=core.method,
+        utility_cov=cov_full,
     )
 
 

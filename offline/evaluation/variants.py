@@ -16,6 +16,7 @@ MOI_DESIGNS: tuple[DesignKind, ...] = (
     "hybrid",
     "cyclic",
     "pruned_cyclic",
+    "adaptive",
 )
 PLACEMENTS: tuple[Placement, ...] = ("descending_utility", "bias_matched")
 # The cheap rankers evaluated also under the placements a request can ask for (issue 20):

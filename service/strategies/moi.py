@@ -8,8 +8,10 @@ identifiability is re-checked on the rest.
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -18,9 +20,23 @@ from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage
 from service.settings import Settings
 from service.strategies.placement import named_profile, placed_by
-from service.strategies.request import Calls, Cost, DesignKind, DesignSpec, Outcome, ReorderRequest
+from service.strategies.request import (
+    AdaptiveReport,
+    Calls,
+    Cost,
+    DesignKind,
+    DesignSpec,
+    Outcome,
+    ReorderRequest,
+)
 from service.strategies.work import Work
 from service.strategy_names import StrategyName
+from solver import adaptive
+
+if TYPE_CHECKING:
+    from service.profile_store import StoredProfile
+
+BiasSource = Literal["profile", "resampled_profile", "fitted"]
 
 # The default design: pruned random identifies bias, utilities and orientation from the data
 # at about M * L = N^2 passage-tokens, against 3 N^2 for the paper's random design
@@ -41,6 +57,10 @@ def plan_design(
     """
     n = len(passages)
     kind: DesignKind = spec.kind or DEFAULT_DESIGN
+    if spec.stop_confidence is not None and kind != "adaptive":
+        raise InvalidRequest(
+            "design.stop_confidence applies to the adaptive design", param="design"
+        )
     retr = None
     if spec.variable_pruning:
         if kind not in CYCLIC_KINDS and kind != "pruned_random":
@@ -106,6 +126,14 @@ class MoI:
     ranks = True
 
     def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
+        if request.design.kind == "adaptive":
+            # The budget, the most it may score: admission and the request limits count
+            # that; what the rounds do not use is given back when the request ends. Whether
+            # a profile fixes the bias is not known here: the larger of the two plans.
+            n = len(request.passages)
+            plans = [adaptive_plan(request.design, n, fixed_bias=f) for f in (True, False)]
+            worst = max(plans, key=lambda q: q.max_prompts * q.slots)
+            return Cost((Calls(worst.max_prompts, worst.slots),), param="design.num_prompts")
         _, perms = plan_design(request.design, request.passages, self._seed(request, settings))
         return design_cost(perms)
 
@@ -123,6 +151,8 @@ class MoI:
         Raises:
             as ``run``.
         """
+        if request.design.kind == "adaptive":
+            return await self._run_adaptive(work, request)
         passages = request.passages
         n = len(passages)
         kind, perms = plan_design(request.design, passages, self._seed(request, work.settings))
@@ -149,66 +179,191 @@ class MoI:
                 profile = orienting
                 reference = solver.resample(orienting.coefficients, slots)
         scores = await score_design(work, request.query, passages, perms, joint=request.joint)
-        retr = retriever_scores(passages)
-        failed = work.usage().prompts_failed
         if work.traffic is not None and not request.joint:
             # Joint scores add the passages' own tokens: not the quantity a profile fits.
             work.traffic.offer(
                 model=work.model_id, template=work.template, kind=kind, perms=perms, scores=scores
             )
-        try:
-            fit = await work.solve(
-                solver.fit,
-                perms,
-                scores,
-                reference_bias=reference,
-                retriever_scores=retr,
-                n_passages=n,
-                variance=work.settings.confidence_method,
-            )
-        except solver.UnidentifiableDesign as exc:
-            if failed:
-                raise ScoringFailed(
-                    f"{failed} of {work.usage().prompts_scored} prompts failed to score and the "
-                    f"rest cannot identify the fit: {exc}"
-                ) from None
-            raise UnidentifiableRequest(str(exc), param="design") from None
-        except solver.InvalidReference as exc:
-            raise UnidentifiableRequest(f"stored profile unusable: {exc}") from None
-        placement = request.placement or work.settings.placement
-        # A named profile (the generator's, when this model only scores) replaces the fitted
-        # bias in the placement; the utilities stay this model's.
-        named = named_profile(work, request) if placement == "bias_matched" else None
-        if named is None and request.bias_profile is not None:
-            raise InvalidRequest(
-                f"bias_profile applies with placement 'bias_matched', not {placement!r}",
-                param="bias_profile",
-            )
-        order = solver.place(fit, placement)
-        warnings = list(fit.warnings)
-        if fit.orientation == "default_reference":
-            warnings.append(
-                "the order's direction comes from the generic primacy prior, not from the data: "
-                "it is reversed for a model whose bias favours the end of the prompt; "
-                "`rag-reorder calibrate` (or the default pruned_random design) fixes it"
-            )
-        if failed:
-            warnings.append(f"{failed} prompt(s) failed to score and were dropped")
-        outcome = Outcome(
-            order=order,
-            ranking=list(fit.order),
-            score_name="debiased_utility",
-            scores=np.asarray(fit.utilities, dtype=np.float64),
-            fit=fit,
-            design=kind,
-            placement=placement,
-            slots=slots,
-            profile=profile,
-            warnings=tuple(warnings),
-        )
-        if named is not None:
-            outcome = placed_by(outcome, list(fit.order), named)
+        fit = await _fit(work, perms, scores, passages, reference=reference)
+        outcome = _outcome(work, request, fit, kind, slots, profile)
         return ScoredOutcome(outcome, perms, scores)
+
+    async def _run_adaptive(self, work: Work, request: ReorderRequest) -> ScoredOutcome:
+        """The ``adaptive`` design (``solver.adaptive``): a first round that identifies the fit,
+        then leader/challenger pairs, refitting after each round, until the leader is settled
+        or the budget is spent. Each round goes through ``Work`` like any prompts, so the
+        cross-request scheduler fills the forwards between rounds with other requests'."""
+        passages = request.passages
+        n = len(passages)
+        spec = request.design
+        seed = self._seed(request, work.settings) if spec.seed is None else spec.seed
+        slots = adaptive.default_slots(n) if spec.prompt_passages is None else spec.prompt_passages
+        profile, bias, source = _adaptive_bias(work, slots, n)
+        p = adaptive_plan(spec, n, fixed_bias=bias is not None)
+        if p.small:
+            profile, bias, source = None, None, "fitted"
+        rows = adaptive.first_rows(p, seed)
+        scores = await score_design(work, request.query, passages, rows, joint=request.joint)
+        # The pairs' filler passages are drawn from the request's own stream: reproducible.
+        rng = np.random.default_rng([seed, zlib.crc32(request.query.encode("utf-8"))])
+        rounds = 1
+        while True:
+            fit = await _fit(work, rows, scores, passages, reference=None, fixed_bias=bias)
+            done, reached = adaptive.settled(fit, p.confidence)
+            if p.small or done:
+                break
+            weights = bias if bias is not None else np.asarray(fit.position_bias)
+            more = adaptive.next_rows(fit, rows, p, weights, rng)
+            if more.shape[0] == 0:
+                break
+            new = await score_design(work, request.query, passages, more, joint=request.joint)
+            rows = np.vstack([rows, more])
+            scores = np.concatenate([scores, new])
+            rounds += 1
+        report = AdaptiveReport(
+            rounds=rounds,
+            prompts=int(rows.shape[0]),
+            max_prompts=p.max_prompts,
+            stopped="small_request" if p.small else ("settled" if done else "budget"),
+            confidence=reached,
+            target=p.confidence,
+            bias=source,
+        )
+        # A fixed bias is the model's stored profile: bias_matched places by its profile for
+        # the request's N slots (as the profile-first path does), not by the fit's few slots
+        # resampled, when one is stored.
+        place = None if bias is None else work.profiles.for_slots(work.model_id, work.template, n)
+        outcome = _outcome(work, request, fit, "adaptive", p.slots, profile, place_by=place)
+        return ScoredOutcome(replace(outcome, adaptive=report), rows, scores)
+
+
+def adaptive_plan(spec: DesignSpec, n: int, *, fixed_bias: bool) -> adaptive.AdaptivePlan:
+    """The adaptive design's sizes for a request.
+
+    Raises:
+        InvalidRequest: options the design cannot satisfy.
+    """
+    if spec.variable_pruning:
+        raise InvalidRequest("design.variable_pruning applies to pruned designs", param="design")
+    try:
+        return adaptive.make_plan(
+            n,
+            fixed_bias=fixed_bias,
+            max_prompts=spec.num_prompts,
+            slots=spec.prompt_passages,
+            confidence=(
+                adaptive.DEFAULT_CONFIDENCE
+                if spec.stop_confidence is None
+                else spec.stop_confidence
+            ),
+        )
+    except solver.SolverError as exc:
+        raise InvalidRequest(str(exc), param="design") from None
+
+
+def _adaptive_bias(
+    work: Work, slots: int, n: int
+) -> tuple[StoredProfile | None, np.ndarray | None, BiasSource]:
+    """The bias an adaptive design fixes: the stored profile for its slots, else a stored
+    data-oriented profile of another slot count resampled; else none (fitted jointly)."""
+    if n < 2:
+        return None, None, "fitted"
+    profile = work.profiles.get(work.model_id, work.template, slots)
+    if profile is not None:
+        return profile, np.asarray(profile.coefficients, dtype=np.float64), "profile"
+    orienting = work.profiles.orienting(work.model_id, work.template)
+    if orienting is not None:
+        return orienting, solver.resample(orienting.coefficients, slots), "resampled_profile"
+    return None, None, "fitted"
+
+
+async def _fit(
+    work: Work,
+    perms: np.ndarray,
+    scores: np.ndarray,
+    passages: Sequence[Passage],
+    *,
+    reference: np.ndarray | None,
+    fixed_bias: np.ndarray | None = None,
+) -> solver.Fit:
+    """The solver's fit in the worker pool, its refusals as the request's errors.
+
+    Raises:
+        ScoringFailed: failed prompts left a design that identifies nothing.
+        UnidentifiableRequest: the design (or the stored profile) cannot give a fit.
+    """
+    failed = work.usage().prompts_failed
+    try:
+        return await work.solve(
+            solver.fit,
+            perms,
+            scores,
+            reference_bias=reference,
+            retriever_scores=retriever_scores(passages),
+            n_passages=len(passages),
+            variance=work.settings.confidence_method,
+            fixed_bias=fixed_bias,
+        )
+    except solver.UnidentifiableDesign as exc:
+        if failed:
+            raise ScoringFailed(
+                f"{failed} of {work.usage().prompts_scored} prompts failed to score and the "
+                f"rest cannot identify the fit: {exc}"
+            ) from None
+        raise UnidentifiableRequest(str(exc), param="design") from None
+    except solver.InvalidReference as exc:
+        raise UnidentifiableRequest(f"stored profile unusable: {exc}") from None
+
+
+def _outcome(
+    work: Work,
+    request: ReorderRequest,
+    fit: solver.Fit,
+    kind: DesignKind,
+    slots: int,
+    profile: StoredProfile | None,
+    *,
+    place_by: StoredProfile | None = None,
+) -> Outcome:
+    """The fit placed (the request's placement, else the server's) with its warnings;
+    ``bias_matched`` by the named profile, else ``place_by``, else the fitted bias."""
+    failed = work.usage().prompts_failed
+    placement = request.placement or work.settings.placement
+    # A named profile (the generator's, when this model only scores) replaces the fitted
+    # bias in the placement; the utilities stay this model's.
+    named = named_profile(work, request) if placement == "bias_matched" else None
+    if named is None and placement == "bias_matched":
+        named = place_by
+    if named is None and request.bias_profile is not None:
+        raise InvalidRequest(
+            f"bias_profile applies with placement 'bias_matched', not {placement!r}",
+            param="bias_profile",
+        )
+    order = solver.place(fit, placement)
+    warnings = list(fit.warnings)
+    if fit.orientation == "default_reference":
+        warnings.append(
+            "the order's direction comes from the generic primacy prior, not from the data: "
+            "it is reversed for a model whose bias favours the end of the prompt; "
+            "`rag-reorder calibrate` (or the default pruned_random design) fixes it"
+        )
+    if failed:
+        warnings.append(f"{failed} prompt(s) failed to score and were dropped")
+    outcome = Outcome(
+        order=order,
+        ranking=list(fit.order),
+        score_name="debiased_utility",
+        scores=np.asarray(fit.utilities, dtype=np.float64),
+        fit=fit,
+        design=kind,
+        placement=placement,
+        slots=slots,
+        profile=profile,
+        warnings=tuple(warnings),
+    )
+    if named is not None:
+        outcome = placed_by(outcome, list(fit.order), named)
+    return outcome
 
 
 def design_cost(perms: np.ndarray) -> Cost:

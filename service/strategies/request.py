@@ -40,6 +40,9 @@ class DesignSpec:
     prompt_passages: int | None = None
     seed: int | None = None
     variable_pruning: bool = False
+    stop_confidence: float | None = None
+    """``adaptive`` only: stop once the leader is above every other passage with this
+    probability (default ``solver.adaptive.DEFAULT_CONFIDENCE``)."""
 
 
 @dataclass(frozen=True)
@@ -218,6 +221,23 @@ class AutoReport:
 
 
 @dataclass(frozen=True)
+class AdaptiveReport:
+    """How an ``adaptive`` design ran (``solver.adaptive``)."""
+
+    rounds: int
+    prompts: int
+    """Prompts scored (all rounds)."""
+    max_prompts: int
+    stopped: Literal["settled", "budget", "small_request"]
+    confidence: float
+    """Reached: the smallest probability that the leader is above another passage."""
+    target: float
+    bias: Literal["profile", "resampled_profile", "fitted"]
+    """Where the bias came from: the stored profile for these slots, a stored profile of
+    another slot count resampled, or the joint fit."""
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What a strategy decided, before the pipeline adds ids, usage and timing.
 
@@ -244,6 +264,8 @@ class Outcome:
     warnings: tuple[str, ...] = ()
     auto: AutoReport | None = None
     """Set by ``auto``: the path it took and why."""
+    adaptive: AdaptiveReport | None = None
+    """Set by MoI's ``adaptive`` design: rounds, prompts, why it stopped."""
 
 
 @dataclass(frozen=True)

@@ -252,3 +252,41 @@ async def test_no_query_or_passage_text_in_logs(
     assert "zebra-42" not in logged
     assert not any(t in logged for t in TRUTH)
     assert "request " in logged  # the per-request summary line is there, without the text
+
+
+async def test_adaptive_design_reports_how_it_ran(served: Harness) -> None:
+    r = await served.client.post(
+        "/v1/reorder", json=reorder_body(design={"kind": "adaptive", "stop_confidence": 0.8})
+    )
+    assert r.status_code == 200, r.text
+    diag = r.json()["diagnostics"]
+    # Four passages are too few to adapt: the default design in one round, said so.
+    assert diag["design"] == "adaptive" and diag["prompts"] == 8
+    assert diag["adaptive"] == {
+        "rounds": 1,
+        "prompts": 8,
+        "max_prompts": 8,
+        "stopped": "small_request",
+        "confidence": pytest.approx(diag["adaptive"]["confidence"]),
+        "target": 0.8,
+        "bias": "fitted",
+    }
+    plain = await served.client.post("/v1/reorder", json=reorder_body())
+    assert plain.json()["diagnostics"]["adaptive"] is None
+
+
+@pytest.mark.parametrize(
+    ("design", "field"),
+    [
+        ({"kind": "adaptive", "stop_confidence": 1.0}, "stop_confidence"),
+        ({"kind": "adaptive", "stop_confidence": 0.2}, "stop_confidence"),
+        ({"kind": "pruned_random", "stop_confidence": 0.9}, "stop_confidence"),
+        ({"kind": "adaptive", "num_prompts": 3}, "num_prompts"),
+    ],
+)
+async def test_adaptive_options_out_of_range_are_422(
+    served: Harness, design: dict[str, object], field: str
+) -> None:
+    r = await served.client.post("/v1/reorder", json=reorder_body(design=design))
+    assert r.status_code == 422, r.text
+    assert field in r.text

@@ -11,7 +11,7 @@ from scipy.stats import kendalltau
 from service.backends.fake import FakeBackend
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage
-from service.pipeline import DesignSpec, Reorderer, ReorderRequest
+from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
 from service.profile_store import ProfileStore
 from service.settings import Settings
 
@@ -195,3 +195,91 @@ async def test_confidence_method_setting_picks_the_covariance_estimate(tmp_path:
     assert jack.utility_stderr is not None and delta.utility_stderr is not None
     assert not np.allclose(jack.utility_stderr, delta.utility_stderr)
     assert Settings().confidence_method == "jackknife"
+
+
+def _store_bias(r: Reorderer, backend: FakeBackend, slots: int) -> None:
+    r.profiles.put(
+        model=backend.model_id,
+        template=r.settings.chat_template,
+        coefficients=backend.bias_for(slots),
+        identification="full",
+        runs=1,
+        prompts=1,
+        r2=1.0,
+        source="test",
+    )
+
+
+@pytest.mark.parametrize("profiled", [False, True])
+async def test_adaptive_design_runs_in_rounds_within_its_budget(
+    profiled: bool, tmp_path: Path
+) -> None:
+    """Without a profile the bias is fitted with the utilities (14 prompts first); with one
+    for its slots the bias is fixed (12 first) and bias_matched places by the profile of the
+    request's N slots. Either way the truth is recovered at a fraction of the default's
+    prompt tokens, and the diagnostics say how it ran."""
+    passages, truth = _world(n=10)
+
+    async def run(folder: Path) -> ReorderResult:
+        backend = FakeBackend(truth, noise=0.1, seed=1)
+        r = _reorderer(backend, folder)
+        if profiled:
+            _store_bias(r, backend, 3)
+            _store_bias(r, backend, 10)
+        res = await r.reorder(req)
+        assert res.usage.prompts_scored == backend.stats.prompts_scored
+        return res
+
+    req = ReorderRequest("q", passages, design=DesignSpec(kind="adaptive"))
+    res = await run(tmp_path)
+    rep = res.adaptive
+    assert rep is not None and res.design == "adaptive" and res.slots == 3
+    assert rep.bias == ("profile" if profiled else "fitted")
+    assert rep.max_prompts == 15 and rep.prompts <= 15
+    assert rep.prompts == res.usage.prompts_scored
+    assert rep.prompts >= (12 if profiled else 14)
+    assert rep.stopped in ("settled", "budget") and rep.target == 0.9
+    assert (rep.stopped == "settled") == (rep.confidence >= 0.9)
+    assert rep.rounds == 1 + (rep.prompts - (12 if profiled else 14)) // 2
+    u_true = np.array([truth[p.text] for p in passages])
+    assert kendalltau(res.fit.utilities, u_true)[0] > 0.7
+    default = await _reorderer(FakeBackend(truth), tmp_path / "d").reorder(
+        ReorderRequest("q", passages)
+    )
+    # Passage-slots at most half the default's (the fake's passages are a few tokens, so its
+    # template dominates prompt_tokens; real passages' tokens are in docs/evaluation.md).
+    assert rep.prompts * res.slots <= 0.5 * default.usage.prompts * default.slots
+    assert res.usage.prompt_tokens < 0.6 * default.usage.prompt_tokens
+    if profiled:
+        assert res.details["placement_profile"].endswith("L10")
+    # The same request gives the same rounds (the pairs' fillers are seeded by the query).
+    again = await run(tmp_path / "again")
+    assert again.order == res.order and again.adaptive == rep
+
+
+async def test_a_clear_leader_stops_the_adaptive_design_early(tmp_path: Path) -> None:
+    passages, truth = _world(n=10)
+    truth = {k: 0.0 for k in truth}
+    truth[passages[6].text] = 20.0
+    backend = FakeBackend(truth, noise=0.01)
+    r = _reorderer(backend, tmp_path)
+    _store_bias(r, backend, 3)
+    res = await r.reorder(ReorderRequest("q", passages, design=DesignSpec(kind="adaptive")))
+    assert res.adaptive is not None
+    assert (res.adaptive.stopped, res.adaptive.rounds, res.adaptive.prompts) == ("settled", 1, 12)
+    assert res.ranking[0] == 6
+
+
+async def test_adaptive_options_are_checked_before_any_call(tmp_path: Path) -> None:
+    passages, truth = _world(n=10)
+    backend = FakeBackend(truth)
+    r = _reorderer(backend, tmp_path)
+    for spec, match in [
+        (DesignSpec(kind="adaptive", num_prompts=5), "num_prompts >= "),
+        (DesignSpec(kind="adaptive", variable_pruning=True), "variable_pruning"),
+        (DesignSpec(kind="pruned_random", stop_confidence=0.95), "stop_confidence"),
+        (DesignSpec(kind="adaptive", prompt_passages=10), "prompt_passages"),
+    ]:
+        with pytest.raises(InvalidRequest, match=match):
+            await r.reorder(ReorderRequest("q", passages, design=spec))
+    assert backend.stats.score_calls == 0

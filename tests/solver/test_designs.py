@@ -23,6 +23,8 @@ def test_random_design_is_distinct_full_permutations(n: int) -> None:
 
 def test_designs_are_seeded_and_reproducible() -> None:
     for kind in solver.KINDS:
+        if kind == "adaptive":  # planned round by round (tests/solver/test_adaptive.py)
+            continue
         a = plan(kind, 12, seed=7)
         assert np.array_equal(a, plan(kind, 12, seed=7))
     assert not np.array_equal(plan("random", 12, seed=1), plan("random", 12, seed=2))

@@ -159,6 +159,10 @@ class Record:
     generator_error: str | None = None
     position_bias: tuple[float, ...] | None = None
     warnings: tuple[str, ...] = ()
+    ranking: tuple[int, ...] | None = None
+    """The strategy's judgement, best first (records written before 2026-11-28 have none)."""
+    adaptive: dict[str, Any] | None = None
+    """MoI's adaptive design: how it ran (``AdaptiveReport`` as a dict)."""
 
     @property
     def variant(self) -> str:
@@ -350,7 +354,7 @@ def record_from_json(data: dict[str, Any]) -> AnyRecord:
     for name in ("cost", "generator_cost"):
         if data.get(name) is not None:
             data[name] = Cost(**data[name])
-    for name in ("gold", "order", "position_bias", "warnings"):
+    for name in ("gold", "order", "position_bias", "warnings", "ranking"):
         if data.get(name) is not None:
             data[name] = tuple(data[name])
     known = {f.name for f in fields(Record)}

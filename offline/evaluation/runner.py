@@ -52,7 +52,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -543,6 +543,8 @@ class Evaluator:
                 else None
             ),
             warnings=result.warnings,
+            ranking=tuple(result.ranking),
+            adaptive=asdict(result.adaptive) if result.adaptive is not None else None,
         )
 
     async def answer_orders(

@@ -38,7 +38,15 @@ from service.settings import Settings
 
 K = 5  # passages per question
 QUESTIONS = 3
-FAST = ("retriever", "shuffle", "inverse", "moi:pruned_random", "moi:cyclic", "max_relevance")
+FAST = (
+    "retriever",
+    "shuffle",
+    "inverse",
+    "moi:pruned_random",
+    "moi:cyclic",
+    "moi:adaptive:bias_matched",
+    "max_relevance",
+)
 
 
 # --- metrics --------------------------------------------------------------------------------
@@ -216,6 +224,11 @@ async def test_records_measure_order_answer_likelihood_rank_and_cost(tmp_path: P
         assert moi.position_bias is not None and len(moi.position_bias) == math.ceil(K / 2)
         bm = recs[(ex.id, "moi:pruned_random:bias_matched")]
         assert bm.cost == moi.cost  # one MoI run per design, both placements applied to it
+        assert moi.ranking is not None and moi.ranking[0] == ex.gold[0] and moi.adaptive is None
+        ad = recs[(ex.id, "moi:adaptive:bias_matched")]
+        # Five passages and no profile: too few to adapt, the default design in one round.
+        assert ad.adaptive is not None and ad.adaptive["stopped"] == "small_request"
+        assert ad.cost is not None and ad.cost.prompts_scored == ad.adaptive["prompts"] == 2 * K
         for label in ("moi:cyclic:descending_utility", "max_relevance"):
             assert recs[(ex.id, label)].status == "skipped"
             assert "profile" in (recs[(ex.id, label)].error or "")

@@ -33,7 +33,8 @@ from service.backends.base import SpanLogprobs, SpanRequest
 from service.backends.remote_backend import RemoteBackend
 from service.backends.transformers_backend import TransformersBackend
 from service.passage import Passage
-from service.pipeline import Reorderer, ReorderRequest
+from service.pipeline import DesignSpec, Reorderer, ReorderRequest
+from service.profile_store import ProfileStore
 from service.settings import EMBEDDED_MODEL, Settings
 from tests.app.processes import ROOT, free_port, server_process
 from tests.support.fault_proxy import FaultProxy
@@ -304,3 +305,27 @@ def test_every_scoring_command_checks_the_engine_and_scores_through_it(
     # An engine URL with another backend is a contradiction, refused before anything loads.
     mixed = run(*commands["reorder"], RAG_REORDER_BACKEND="transformers")
     assert mixed.returncode == 2 and "RAG_REORDER_BACKEND=remote" in mixed.stderr
+
+
+async def test_adaptive_rounds_score_through_the_remote_engine(
+    vllm_server: str, tmp_path: Path
+) -> None:
+    """The adaptive design's rounds are prompts like any others: through the remote engine
+    they are scored, refitted and stopped, and the ledger counts every round."""
+    remote = RemoteBackend.from_settings(remote_settings(vllm_server))
+    await remote.connect()
+    towns = ["Linz", "Graz", "Salzburg", "Innsbruck", "Bregenz", "Krems", "Melk"]
+    passages = [Passage(text=p) for p in PASSAGES] + [
+        Passage(text=f"{t} is a town in Austria with a market square.") for t in towns
+    ][: 10 - len(PASSAGES)]
+    assert len(passages) == 10
+    settings = Settings(cache_dir=cache_dir_for_tests())
+    profiles = ProfileStore(tmp_path / "profiles")  # none stored: the bias is fitted
+    request = ReorderRequest(QUERY, passages, design=DesignSpec(kind="adaptive"))
+    result = await Reorderer(remote, settings, profiles).reorder(request)
+    rep = result.adaptive
+    assert rep is not None and rep.bias == "fitted" and rep.stopped in ("settled", "budget")
+    assert 14 <= rep.prompts <= rep.max_prompts == 15
+    assert result.usage.prompts_scored == rep.prompts and result.usage.prompts_failed == 0
+    assert sorted(result.order) == list(range(10))
+    await remote.aclose()

@@ -145,7 +145,7 @@ def _parser() -> argparse.ArgumentParser:
         type=Path,
         help="JSON file: a list of strings or of objects with text (title, id, score optional)",
     )
-    r.add_argument("--design", choices=_DESIGNS, help="default: pruned_random")
+    r.add_argument("--design", choices=_DESIGNS, help="default: adaptive")
     r.add_argument("--num-prompts", type=int)
     r.add_argument("--prompt-passages", type=int)
     r.add_argument("--seed", type=int)

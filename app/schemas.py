@@ -91,7 +91,9 @@ class DesignIn(_Strict):
     """Which permutations to score; absent fields take the design's defaults."""
 
     kind: DesignKind | None = None
-    """Default `pruned_random`: the best identifiability per scored token. Cyclic kinds need
+    """Default `adaptive`: rounds until the top passage is settled, at most half
+    `pruned_random`'s prompt tokens (`pruned_random`: the best identifiability per scored
+    token; it runs in one round for requests too small to adapt). Cyclic kinds need
     a calibrated bias profile."""
     num_prompts: int | None = Field(default=None, ge=1, le=MAX_NUM_PROMPTS)
     prompt_passages: int | None = Field(default=None, ge=1, le=MAX_PASSAGES)

@@ -283,7 +283,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def reorderer_design() -> Any:
     from service.pipeline import DesignSpec
 
-    return DesignSpec()
+    # A design planned up front (the default before the adaptive one), so the captured
+    # prompts do not depend on the scores.
+    return DesignSpec(kind="pruned_random")
 
 
 def main() -> int:

@@ -38,7 +38,7 @@ from bench import report
 from bench.report import provenance
 from service.backends.factory import create_backend, resolve_backend
 from service.dataset import load_examples
-from service.pipeline import Reorderer, ReorderRequest
+from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.prompts import build_prompts
 from service.settings import Settings
 
@@ -67,7 +67,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     await reorderer.reorder(ReorderRequest(warm.question, warm.passages[: args.passages]))
     for k, ex in enumerate(examples[1:]):
         passages = ex.passages[: args.passages]
-        req = ReorderRequest(ex.question, passages, request_id=f"bench-{k}")
+        # pruned_random: planned up front (the adaptive default plans round by round).
+        req = ReorderRequest(
+            ex.question, passages, request_id=f"bench-{k}", design=DesignSpec(kind="pruned_random")
+        )
         kind, perms = reorderer.plan(req.design, passages)
         orders = [tuple(int(p) for p in row if p >= 0) for row in perms]
         prompts = build_prompts(

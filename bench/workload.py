@@ -23,7 +23,7 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.passage import Passage
-from service.pipeline import Reorderer, ReorderRequest
+from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.settings import Settings
 
 
@@ -35,8 +35,11 @@ def load_requests(data: Path, queries: int, passages: Sequence[int]) -> list[dic
             "query": row["question"],
             "passages": [f"{p['title']}: {p['text']}" for p in row["passages"][:n]],
             # MoI by name: this measures the engine under load, and the default (auto) stops
-            # calling it once a trusted profile is in the folder.
+            # calling it once a trusted profile is in the folder. Its pruned random design by
+            # name: planned up front, so capture_prompts sees the server's very prompts (the
+            # adaptive default's later rounds depend on the scores).
             "strategy": "moi",
+            "design": {"kind": "pruned_random"},
         }
         for n in passages
         for row in rows
@@ -85,7 +88,11 @@ async def capture_prompts(backend: Any, bodies: list[dict[str, Any]]) -> list[Sp
     prompts: list[SpanRequest] = []
     for k, body in enumerate(bodies):
         recorder = RecordingBackend(backend)
-        request = ReorderRequest(body["query"], [Passage(text=p) for p in body["passages"]])
+        request = ReorderRequest(
+            body["query"],
+            [Passage(text=p) for p in body["passages"]],
+            design=DesignSpec(kind=body["design"]["kind"]),
+        )
         await Reorderer(recorder, settings).reorder(request)  # type: ignore[arg-type]
         prompts.extend(
             SpanRequest(f"{k}-{i}", r.token_ids, r.span_start, r.span_end)

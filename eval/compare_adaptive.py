@@ -35,6 +35,7 @@ RESAMPLES = 10_000
 ADAPTIVE = "moi:adaptive:bias_matched"
 DEFAULT = "moi:pruned_random:bias_matched"
 DEFAULT_RANKING = "moi:pruned_random:descending_utility"
+SHUFFLE = "shuffle"
 BAR = -0.03
 
 
@@ -59,7 +60,7 @@ def top_is_gold(rec: Record, first: int) -> float:
 
 def compare(name: str, adaptive_dir: Path, default_dir: Path) -> dict[str, Any]:
     ad = records(adaptive_dir, {ADAPTIVE})
-    base = records(default_dir, {DEFAULT, DEFAULT_RANKING})
+    base = records(default_dir, {DEFAULT, DEFAULT_RANKING, SHUFFLE})
     qs = sorted(
         q
         for (q, _) in ad
@@ -76,6 +77,22 @@ def compare(name: str, adaptive_dir: Path, default_dir: Path) -> dict[str, Any]:
         [(float(x.accuracy or 0.0), float(y.accuracy or 0.0)) for x, y in zip(a, d, strict=True)],
         resamples=RESAMPLES,
     )
+
+    shuffled = [q for q in qs if (q, SHUFFLE) in base]
+    vs_shuffle = paired_comparison(
+        "accuracy",
+        ADAPTIVE,
+        SHUFFLE,
+        [
+            (float(ad[(q, ADAPTIVE)].accuracy or 0.0), float(base[(q, SHUFFLE)].accuracy or 0.0))
+            for q in shuffled
+        ],
+        resamples=RESAMPLES,
+    )
+
+    def slot(rs: list[Record]) -> float:
+        ranks = [r.gold_rank_best for r in rs if r.gold_rank_best is not None]
+        return sum(ranks) / len(ranks) if ranks else float("nan")
 
     def cost(rs: list[Record], field: str) -> float:
         return sum(float(getattr(r.cost, field)) for r in rs if r.cost is not None) / len(rs)
@@ -129,6 +146,15 @@ def compare(name: str, adaptive_dir: Path, default_dir: Path) -> dict[str, Any]:
             "losses": acc.losses,
             "meets_bar": acc.ci_low > BAR,
         },
+        "against_shuffle": {
+            "n": vs_shuffle.n,
+            "mean": vs_shuffle.mean_diff,
+            "low": vs_shuffle.ci_low,
+            "high": vs_shuffle.ci_high,
+            "p": vs_shuffle.p_value,
+        },
+        "gold_slot_adaptive": slot(a),
+        "gold_slot_default": slot(d),
         "prompt_tokens_adaptive": tok_a,
         "prompt_tokens_default": tok_d,
         "prompt_tokens_ratio": {"mean": ratio.mean, "low": ratio.low, "high": ratio.high},
@@ -164,6 +190,18 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"| {r['prompt_tokens_adaptive']:.0f} / {r['prompt_tokens_default']:.0f} "
             f"| {t['mean']:.3f} [{t['low']:.3f}, {t['high']:.3f}] "
             f"| {r['prompts_adaptive']:.1f} / {r['prompts_default']:.1f} |"
+        )
+    out += [
+        "",
+        "| set | adaptive against shuffle [95%] | gold passage's mean slot: adaptive / default |",
+        "|---|---|---|",
+    ]
+    for r in rows:
+        v = r["against_shuffle"]
+        out.append(
+            f"| {r['set']} | {v['mean']:+.3f} [{v['low']:+.3f}, {v['high']:+.3f}], "
+            f"p = {v['p']:.2g} (n {v['n']}) "
+            f"| {r['gold_slot_adaptive']:.2f} / {r['gold_slot_default']:.2f} |"
         )
     out += [
         "",

@@ -62,6 +62,8 @@ _GROUP_OF: dict[str, DesignGroup] = {
     "random": "random",
     "hybrid": "random",
     "pruned_random": "pruned_random",
+    # Its rows are distinct prompts of L passages, as pruned random's: pooled with them.
+    "adaptive": "pruned_random",
 }
 
 

@@ -112,18 +112,31 @@ def make_plan(
     if slots is not None and n > 1 and not 1 <= slots < n:
         raise DesignError(f"prompt_passages must be in [1, {n - 1}] for N = {n}, got {slots}")
     L = default_slots(n) if slots is None else int(slots)
-    budget = default_budget(n, L) if max_prompts is None else int(max_prompts)
+    distinct = math.perm(n, L)
+    budget = min(default_budget(n, L), distinct) if max_prompts is None else int(max_prompts)
     first = first_round_size(n, L, fixed_bias)
-    small = n < 4 or first > min(budget, math.perm(n, L))
-    if small:
+    tiny = n < 4
+    if not tiny and max_prompts is not None and first > max_prompts:
+        raise DesignError(
+            f"an adaptive design of {n} passages in prompts of {L} needs num_prompts >= "
+            f"{first} (its first round identifies the fit), got {max_prompts}"
+        )
+    if tiny or first > min(budget, distinct):
+        # Too small to adapt: pruned random's design in one round (the caller's num_prompts,
+        # else its default 2N).
         base_l = default_prompt_passages(n)
-        base_m = 1 if n == 1 else min(2 * n, math.perm(n, base_l))
-        if max_prompts is not None and max_prompts < base_m and n > 1:
+        available = math.perm(n, base_l)
+        base_m = 1 if n == 1 else (min(2 * n, available) if max_prompts is None else max_prompts)
+        if base_m > available:
             raise DesignError(
-                f"an adaptive design of {n} passages needs num_prompts >= {min(first, base_m)} "
-                f"(its first round), got {max_prompts}"
+                f"num_prompts = {base_m} exceeds the {available} distinct prompts of {base_l} "
+                f"of {n} passages"
             )
         return AdaptivePlan(n, base_l, base_m, base_m, confidence, fixed_bias, True)
+    if budget > distinct:
+        raise DesignError(
+            f"num_prompts = {budget} exceeds the {distinct} distinct prompts of {L} of {n} passages"
+        )
     return AdaptivePlan(n, L, budget, first, confidence, fixed_bias, False)
 
 

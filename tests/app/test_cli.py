@@ -53,6 +53,7 @@ def test_reorder_calibrate_and_cyclic_on_smollm2(tmp_path: Path, smollm2_dir: Pa
     res = json.loads(out.stdout)
     assert sorted(res["order"]) == [0, 1, 2, 3]
     assert res["model"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    # The default strategy, auto, learns from MoI's pruned random design.
     assert res["diagnostics"]["design"] == "pruned_random" and res["diagnostics"]["converged"]
     assert res["usage"]["prompts_scored"] == 8 and res["usage"]["scored_tokens"] > 0
     assert res["order"][0] == 1  # the passage that answers the question leads

@@ -281,7 +281,7 @@ async def test_adaptive_design_reports_how_it_ran(served: Harness) -> None:
         ({"kind": "adaptive", "stop_confidence": 1.0}, "stop_confidence"),
         ({"kind": "adaptive", "stop_confidence": 0.2}, "stop_confidence"),
         ({"kind": "pruned_random", "stop_confidence": 0.9}, "stop_confidence"),
-        ({"kind": "adaptive", "num_prompts": 3}, "num_prompts"),
+        ({"kind": "adaptive", "num_prompts": 99}, "num_prompts"),
     ],
 )
 async def test_adaptive_options_out_of_range_are_422(

@@ -53,17 +53,26 @@ async def test_known_truth_is_recovered_through_the_pipeline(kind: str, tmp_path
         np.testing.assert_allclose(res.fit.position_bias, backend.bias_for(res.slots), atol=0.02)
 
 
-async def test_default_design_is_pruned_random(tmp_path: Path) -> None:
+async def test_default_design_is_adaptive(tmp_path: Path) -> None:
     passages, truth = _world()
     res = await _reorderer(FakeBackend(truth), tmp_path).reorder(ReorderRequest("q", passages))
-    assert res.design == "pruned_random"
-    assert res.slots == N // 2 and res.prompts == 2 * N
+    assert res.design == "adaptive" and res.adaptive is not None
+    assert res.slots == 4 and res.adaptive.max_prompts == 17  # N = 12: 0.3 N, half the tokens
+    assert res.adaptive.stopped != "small_request"
+    # Too few passages to adapt: pruned random's design in one round, labelled as such.
+    small = await _reorderer(FakeBackend(truth), tmp_path / "s").reorder(
+        ReorderRequest("q", passages[:3])
+    )
+    assert small.design == "adaptive" and small.adaptive is not None
+    assert small.adaptive.stopped == "small_request" and small.prompts == 6 and small.slots == 2
 
 
 async def test_failed_prompts_degrade_instead_of_failing(tmp_path: Path) -> None:
     passages, truth = _world()
     backend = FakeBackend(truth, fail_rule=lambda p: p.request_id.endswith(("-3", "-5")))
-    res = await _reorderer(backend, tmp_path).reorder(ReorderRequest("q", passages))
+    res = await _reorderer(backend, tmp_path).reorder(
+        ReorderRequest("q", passages, design=DesignSpec(kind="pruned_random"))
+    )
     assert res.usage.prompts_failed == 2 and res.fit.prompts_dropped == 2
     assert any("failed to score" in w for w in res.warnings)
     u_true = np.array([truth[p.text] for p in passages])
@@ -244,7 +253,7 @@ async def test_adaptive_design_runs_in_rounds_within_its_budget(
     u_true = np.array([truth[p.text] for p in passages])
     assert kendalltau(res.fit.utilities, u_true)[0] > 0.7
     default = await _reorderer(FakeBackend(truth), tmp_path / "d").reorder(
-        ReorderRequest("q", passages)
+        ReorderRequest("q", passages, design=DesignSpec(kind="pruned_random"))
     )
     # Passage-slots at most half the default's (the fake's passages are a few tokens, so its
     # template dominates prompt_tokens; real passages' tokens are in docs/evaluation.md).

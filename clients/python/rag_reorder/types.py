@@ -41,8 +41,8 @@ Placement = Literal["descending_utility", "bias_matched", "litm"]
 """How a ranking goes into the prompt: ``bias_matched`` (the k-th best passage into the slot
 the generator weights k-th most), ``descending_utility`` (best first) or ``litm`` (best at both
 ends, "lost in the middle")."""
-DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid"]
-"""MoI's permutation design."""
+DesignKind = Literal["random", "cyclic", "pruned_random", "pruned_cyclic", "hybrid", "adaptive"]
+"""MoI's permutation design (the server's default: ``adaptive``)."""
 ResultsOrder = Literal["ranking", "placement"]
 """The order of a rerank route's ``results``: best first, or the prompt order."""
 
@@ -56,6 +56,9 @@ class Design(TypedDict, total=False):
     prompt_passages: int
     seed: int
     variable_pruning: bool
+    stop_confidence: float
+    """``adaptive`` only: stop once the top passage is above every other with this
+    probability (the server's default 0.9)."""
 
 
 def retry_after(headers: Mapping[str, str]) -> float | None:

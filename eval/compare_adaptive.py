@@ -175,6 +175,30 @@ def compare(name: str, adaptive_dir: Path, default_dir: Path) -> dict[str, Any]:
     }
 
 
+def pooled_pairs(adaptive_dir: Path, default_dir: Path) -> dict[str, Any]:
+    """Every question of both sets, paired: the bar applied to the whole evaluation."""
+    pairs = []
+    for s in ("nq_open_dev", "hotpot_dev"):
+        if not (adaptive_dir / s).is_dir():
+            continue
+        ad = records(adaptive_dir / s, {ADAPTIVE})
+        base = records(default_dir / s, {DEFAULT})
+        for q, _ in ad:
+            a, d = ad[(q, ADAPTIVE)], base.get((q, DEFAULT))
+            if d is not None and a.accuracy is not None and d.accuracy is not None:
+                pairs.append((float(a.accuracy), float(d.accuracy)))
+    c = paired_comparison("accuracy", ADAPTIVE, DEFAULT, pairs, resamples=RESAMPLES)
+    return {
+        "n": c.n,
+        "mean": c.mean_diff,
+        "low": c.ci_low,
+        "high": c.ci_high,
+        "p": c.p_value,
+        "wins": c.wins,
+        "losses": c.losses,
+    }
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     out = [
         "| set | questions | accuracy adaptive | accuracy default | paired difference [95%] "
@@ -235,8 +259,14 @@ def main() -> None:
         for s in ("nq_open_dev", "hotpot_dev")
         if (args.adaptive / s).is_dir()
     ]
-    args.out.with_suffix(".json").write_text(json.dumps(rows, indent=2) + "\n")
-    md = markdown(rows)
+    pooled = pooled_pairs(args.adaptive, args.default)
+    result = {"sets": rows, "pooled": pooled}
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=2) + "\n")
+    md = markdown(rows) + (
+        f"\nBoth sets pooled ({pooled['n']} questions): {pooled['mean']:+.3f} "
+        f"[{pooled['low']:+.3f}, {pooled['high']:+.3f}] (wins {pooled['wins']}, losses "
+        f"{pooled['losses']}); above -0.03: {'yes' if pooled['low'] > BAR else 'no'}.\n"
+    )
     args.out.with_suffix(".md").write_text(md)
     print(md)
 

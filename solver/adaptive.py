@@ -32,11 +32,10 @@ from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
-from scipy.special import stdtr
 
 from solver.designs import default_prompt_passages, plan
 from solver.errors import DesignError
-from solver.fit import Fit
+from solver.fit import Fit, above_probability
 
 IntArray = NDArray[np.int64]
 StopReason = Literal["settled", "budget", "small_request"]
@@ -172,11 +171,7 @@ def leader_confidence(f: Fit) -> tuple[int, NDArray[np.float64]]:
             continue
         delta = float(f.utilities[lead] - f.utilities[p])
         var = float(cov[lead, lead] + cov[p, p] - 2.0 * cov[lead, p])
-        out[p] = (
-            (1.0 if delta > 0 else 0.5)
-            if var <= 0
-            else float(stdtr(max(f.residual_dof, 1), delta / math.sqrt(var)))
-        )
+        out[p] = above_probability(delta, var, max(f.residual_dof, 1))
     return lead, out
 
 

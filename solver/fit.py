@@ -654,11 +654,16 @@ def _adjacent_confidence(
             continue
         delta = float(utilities[order[k]] - utilities[order[k + 1]])
         var = float(cov[i, i] + cov[j, j] - 2.0 * cov[i, j])
-        if var <= 0.0:
-            out[k] = 1.0 if delta > 0 else 0.5
-        else:
-            out[k] = float(stdtr(dof, delta / math.sqrt(var)))
+        out[k] = above_probability(delta, var, dof)
     return out
+
+
+def above_probability(delta: float, var: float, dof: int) -> float:
+    """P(one utility is above another) given their difference ``delta``, its variance ``var``
+    and the fit's residual degrees of freedom (Student's t; ``_adjacent_confidence``)."""
+    if var <= 0.0:
+        return 1.0 if delta > 0 else 0.5
+    return float(stdtr(dof, delta / math.sqrt(var)))
 
 
 def _trivial(

@@ -101,16 +101,7 @@ async def test_cyclic_needs_a_calibrated_profile(tmp_path: Path) -> None:
     with pytest.raises(UnidentifiableRequest, match="calibrate"):
         await r.reorder(req)
     assert backend.stats.score_calls == 0  # refused before spending compute
-    r.profiles.put(
-        model=backend.model_id,
-        template=r.settings.chat_template,
-        coefficients=backend.bias_for(N),
-        identification="full",
-        runs=1,
-        prompts=1,
-        r2=1.0,
-        source="test",
-    )
+    _store_bias(r, backend, N)
     res = await r.reorder(req)
     assert res.profile is not None and res.fit.orientation == "reference"
     u_true = np.array([truth[p.text] for p in passages])

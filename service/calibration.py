@@ -28,7 +28,7 @@ import numpy as np
 import solver
 from service.dataset import Example
 from service.errors import InvalidRequest, UnidentifiableRequest
-from service.learning import to_profile_trust
+from service.learning import rules_of, to_profile_trust
 from service.pipeline import Reorderer
 from service.profile_store import ProfileTrust, StoredProfile
 from service.strategies.moi import score_design
@@ -162,11 +162,12 @@ async def calibrate_profile(
             template,
             p_prof,
             f"{source} (the pruned_random runs that orient it)",
-            trust=await assess_trust(pruned, max_passages),
+            trust=await assess_trust(pruned, max_passages, rules_of(reorderer.settings)),
         )
         reference = solver.resample(p_prof.coefficients, max_passages)
     prof, oriented = await _fit_oriented(runs, reference, warnings)
-    trust = await assess_trust(runs, max_passages) if design == "pruned_random" else None
+    rules = rules_of(reorderer.settings)
+    trust = await assess_trust(runs, max_passages, rules) if design == "pruned_random" else None
     stored = _store(reorderer, template, prof, source, "profile" if oriented else None, trust=trust)
     log.info("stored bias profile for %s / %s / L=%d", stored.model, template, stored.slots)
     return CalibrationReport(
@@ -237,7 +238,11 @@ async def calibrate_from_traffic(
         prof,
         source or f"live traffic: {len(runs)} sampled {design} runs",
         "profile" if oriented else None,
-        trust=await assess_trust(runs, 2 * slots) if design == "pruned_random" else None,
+        trust=(
+            await assess_trust(runs, 2 * slots, rules_of(reorderer.settings))
+            if design == "pruned_random"
+            else None
+        ),
     )
     log.info("stored bias profile for %s / %s / L=%d from traffic", model, template, slots)
     return CalibrationReport(
@@ -298,14 +303,17 @@ async def _fit(
 
 
 async def assess_trust(
-    runs: list[tuple[np.ndarray, np.ndarray]], placement_slots: int
+    runs: list[tuple[np.ndarray, np.ndarray]],
+    placement_slots: int,
+    rules: trust_rules.TrustRules,
 ) -> ProfileTrust | None:
     """``solver.trust``'s figures for pruned-random ``runs`` (what ``auto`` needs to place by
-    the profile without measuring), in a worker thread; ``None`` when they cannot be computed
-    (ragged prompts, a failed fit): the profile is then stored without them."""
+    the profile without measuring), judged by ``rules`` (the operator's ``auto_*``
+    thresholds, ``learning.rules_of``), in a worker thread; ``None`` when they cannot be
+    computed (ragged prompts, a failed fit): the profile is then stored without them."""
     try:
         found = await anyio.to_thread.run_sync(
-            lambda: trust_rules.assess(runs, placement_slots=placement_slots)
+            lambda: trust_rules.assess(runs, placement_slots=placement_slots, rules=rules)
         )
     except solver.SolverError as exc:
         log.info("no trust figures for this calibration: %s", exc)

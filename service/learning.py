@@ -191,12 +191,7 @@ class ProfileLearner:
         self.allowed = allowed
         self._prepare = prepare
         self._prepared = False
-        self.rules = trust_rules.TrustRules(
-            alpha=settings.auto_alpha,
-            min_stability=settings.auto_min_stability,
-            flat_effect=settings.auto_flat_effect,
-            min_runs=settings.auto_min_runs,
-        )
+        self.rules = rules_of(settings)
         self.root = root or settings.profiles_path / "auto"
         name = replica or f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.replica = name
@@ -664,6 +659,17 @@ def allowed_to_learn(settings: Settings) -> bool:
     generator (``generator_model`` unset or the same), or the operator allowed it."""
     gen = settings.generator_model
     return gen is None or gen == settings.model or settings.auto_learn_from_scorer
+
+
+def rules_of(settings: Settings) -> trust_rules.TrustRules:
+    """The trust thresholds the operator set (``auto_*``): what ``auto`` and every
+    calibration judge a profile by, so both call the same profile trusted."""
+    return trust_rules.TrustRules(
+        alpha=settings.auto_alpha,
+        min_stability=settings.auto_min_stability,
+        flat_effect=settings.auto_flat_effect,
+        min_runs=settings.auto_min_runs,
+    )
 
 
 def to_profile_trust(

@@ -38,7 +38,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, cast
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -80,15 +80,22 @@ return 0
 
 
 def redact(url: str) -> str:
-    """``url`` with its password (if any) as ``***``: what log lines show."""
+    """``url`` with its password (if any) as ``***``: what log lines show. redis-py also
+    reads a password from the query (``?password=``), so that is hidden too; the host is
+    kept as written (an IPv6 address keeps its brackets)."""
     parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    netloc = parts.netloc
+    if parts.password is not None:
+        user, _, host = netloc.rpartition("@")
+        netloc = f"{user.partition(':')[0]}:***@{host}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        if any(k.lower() == "password" for k, _ in pairs):
+            query = "&".join(
+                f"{k}=***" if k.lower() == "password" else urlencode({k: v}) for k, v in pairs
+            )
+    return urlunsplit(parts._replace(netloc=netloc, query=query))
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,9 @@ def leader_confidence(f: Fit) -> tuple[int, NDArray[np.float64]]:
         if p == lead:
             continue
         if not (math.isfinite(f.utilities[p]) and math.isfinite(f.utilities[lead])):
-            out[p] = 1.0 if not math.isfinite(f.utilities[p]) else 0.5
+            # A passage never scored (NaN utility) is unknown, not beaten: counting it settled
+            # would stop the design with a leader nobody compared it to.
+            out[p] = 0.0
             continue
         delta = float(f.utilities[lead] - f.utilities[p])
         var = float(cov[lead, lead] + cov[p, p] - 2.0 * cov[lead, p])

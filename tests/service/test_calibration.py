@@ -220,3 +220,19 @@ def test_the_store_lists_only_profile_files(
     assert (
         "skipping unreadable bias profile" in caplog.text and "m_2__qa_default__L3" in caplog.text
     )
+
+
+async def test_calibration_judges_trust_by_the_operators_auto_settings(tmp_path: Path) -> None:
+    # Six queries are enough runs for the default `auto_min_runs` (5), not for an operator's
+    # 10: the stored trust must say the operator's rule, as auto's own assessment would.
+    examples, truth = _examples(6, 8)
+    trusts = []
+    for min_runs in (5, 10):
+        backend = FakeBackend(truth, bias=_bias, noise=0.01)
+        settings = Settings(cache_dir=tmp_path / str(min_runs), auto_min_runs=min_runs)
+        r = Reorderer(backend, settings, ProfileStore(tmp_path / str(min_runs) / "p"))
+        report = await calibrate_profile(r, examples, max_passages=8, design="pruned_random")
+        assert report.profile.trust is not None
+        trusts.append(report.profile.trust)
+    assert trusts[0].trusted
+    assert not trusts[1].trusted and "fewer than 10" in trusts[1].reason

@@ -260,6 +260,12 @@ def test_the_url_is_logged_without_its_password() -> None:
         "rediss://user:***@redis.example:6380/1"
     )
     assert redact("redis://redis:6379/0") == "redis://redis:6379/0"
+    # redis-py reads a password from the query too; an IPv6 host keeps its brackets.
+    assert redact("redis://redis:6379/0?password=s3cret&db=2") == (
+        "redis://redis:6379/0?password=***&db=2"
+    )
+    assert redact("redis://:s3cret@[::1]:6379/0") == "redis://:***@[::1]:6379/0"
+    assert redact("redis://[fd00::5]:6379") == "redis://[fd00::5]:6379"
     with pytest.raises(ValueError, match="redis:// or rediss://"):
         Settings(state_url=SecretStr("http://:pw@x"))
     assert "pw" not in repr(Settings(state_url=SecretStr("redis://:pw@x:1/0")))

@@ -136,3 +136,21 @@ def test_fixed_bias_fit_is_linear_and_recovers_utilities() -> None:
     # The deconvolution is ridge-regularised (1e-4 of the mean eigenvalue): close, not exact.
     np.testing.assert_allclose(f.utilities, u - u.mean(), atol=2e-3)
     assert f.utility_cov is not None and f.utility_cov.shape == (10, 10)
+
+
+def test_a_passage_never_scored_is_not_settled() -> None:
+    # Passage 9 is in no prompt, so its utility is unknown (NaN): the leader may be below it,
+    # and the stop rule must not stop as if it had been compared.
+    rng = np.random.default_rng(1)
+    a = np.array([0.3, 0.4, 0.3])
+    p = adaptive.make_plan(10, fixed_bias=True)
+    rows = adaptive.first_rows(adaptive.make_plan(9, fixed_bias=True), seed=0)
+    u = np.zeros(10)
+    u[4] = 8.0
+    f = solver.fit(rows, _scores(rows, u, a, rng, 0.05), fixed_bias=a, variance="jackknife",
+                   n_passages=10)  # fmt: skip
+    assert f.order[0] == 4 and not math.isfinite(f.utilities[9])
+    _, probs = adaptive.leader_confidence(f)
+    assert probs[9] == 0.0
+    ok, reached = adaptive.settled(f, p.confidence)
+    assert not ok and reached == 0.0

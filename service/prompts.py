@@ -634,19 +634,26 @@ class PromptSize:
 
 
 def prompt_size(
-    tokenizer: PromptTokenizer, template_name: str, query: str, passages: Sequence[Passage]
+    tokenizer: PromptTokenizer,
+    template_name: str,
+    query: str,
+    passages: Sequence[Passage],
+    *,
+    generation: bool = False,
 ) -> PromptSize:
     """Tokens of the request's prompt without passages, and of each passage's block.
 
     One prompt rendered and each block tokenised once (a block in slot 1; the slot number
     changes a token or two): far less than building the prompts, and the same tokenizer.
+    ``generation``: the prompt ends in the assistant turn (``build_generation_prompt``), whose
+    header (or a completion template's answer prefix) adds a few tokens.
 
     Raises:
         InvalidRequest: as ``build_prompt`` (an empty query, a chat layout on a base model).
     """
     template = get_template(template_name)
     clean_query = _check_inputs(query, passages)
-    rendered = _render(tokenizer, template, clean_query, passages, (), False)
+    rendered = _render(tokenizer, template, clean_query, passages, (), generation)
     blocks = [template.render_document(0, p)[0] + template.separator for p in passages]
     encoded = tokenizer.encode_batch([rendered.text, *blocks])
     return PromptSize(fixed=len(encoded[0].ids), passages=tuple(len(e.ids) for e in encoded[1:]))

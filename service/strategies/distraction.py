@@ -224,7 +224,10 @@ class MinDistraction:
     ranks = False
 
     def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
-        return Cost((Calls(len(request.passages), 1),))
+        # One abstain prompt per passage, NO-RESPONSE teacher-forced after it
+        # (``passage_effects``), whatever the request's template.
+        calls = Calls(len(request.passages), 1, template=ABSTAIN_TEMPLATE, continuation=NO_RESPONSE)
+        return Cost((calls,))
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         passages = request.passages

@@ -209,9 +209,9 @@ class ConvexScore:
       the scored ones (by retriever order among themselves), with a warning. No passage scored
       (every prompt failed, or each passage lost one): ``ScoringFailed``.
 
-    Cost: N * N planned prompts of N passages each (fewer scored when orders repeat); no
-    generation. The request limit (``max_prompts_per_request``) refuses large N before any
-    scoring.
+    Cost: N * N planned prompts of N passages each (fewer scored when orders repeat: the
+    estimate counts the distinct orders); no generation. The request limit
+    (``max_prompts_per_request``) refuses large N before any scoring.
     """
 
     name: StrategyName = "convex_score"
@@ -221,7 +221,10 @@ class ConvexScore:
 
     def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
         n = len(request.passages)
-        return Cost((Calls(n * n, n),))
+        # The orders ``run`` draws, from the same stream: few passages repeat orders (N = 2
+        # has 2 of 4), and ``Work`` scores each distinct one once.
+        distinct = len(set(position_orders(n, rng_for(request, settings))))
+        return Cost((Calls(n * n, n, distinct=distinct),))
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         passages = request.passages

@@ -117,6 +117,17 @@ class Calls:
     distinct: int | None = None
     """Prompts left after identical ones are merged (``Work`` sends each once), when fewer
     than ``prompts``; the request limits count ``prompts``, the estimate ``distinct``."""
+    template: str | None = None
+    """The prompts' template when it is not the request's (``min_distraction`` asks its
+    abstain template whatever the request's is)."""
+    continuation: str = ""
+    """Text teacher-forced after each prompt (``Work.continuation_logprobs``): its tokens
+    are prefilled with the prompt."""
+
+    @property
+    def generation(self) -> bool:
+        """The prompts end in the assistant turn: they generate, or score a continuation."""
+        return self.new_tokens > 0 or bool(self.continuation)
 
     @property
     def sent(self) -> int:

@@ -28,7 +28,13 @@ from service.backends.base import (
 )
 from service.errors import InvalidRequest, ScoringFailed
 from service.passage import Passage
-from service.prompts import BuiltPrompt, build_generation_prompt, build_prompts, prompt_size
+from service.prompts import (
+    BuiltPrompt,
+    PromptSize,
+    build_generation_prompt,
+    build_prompts,
+    prompt_size,
+)
 from service.settings import Settings
 from service.solver_pool import shared_pool
 from service.strategies.request import Answer, Cost, Estimate, PromptScore, Usage
@@ -131,12 +137,26 @@ class Work:
         if self.gate is None or not cost.calls:
             return
         tokenizer = self.backend.tokenizer
-        size = await self.off_loop(
-            lambda: prompt_size(tokenizer, self.template, query, passages), timer="tokenize"
-        )
+
+        def per_prompt() -> list[int]:
+            # Each shape's prompt as it will be built: its template, a generation prompt's
+            # assistant header, and the continuation scored after it.
+            sizes: dict[tuple[str, bool], PromptSize] = {}
+            tokens: list[int] = []
+            for c in cost.calls:
+                key = (c.template or self.template, c.generation)
+                if key not in sizes:
+                    sizes[key] = prompt_size(
+                        tokenizer, key[0], query, passages, generation=c.generation
+                    )
+                extra = len(tokenizer.encode(c.continuation).ids) if c.continuation else 0
+                tokens.append(sizes[key].tokens(c.passages) + extra)
+            return tokens
+
+        tokens = await self.off_loop(per_prompt, timer="tokenize")
         estimate = Estimate(
             prompts=sum(c.sent for c in cost.calls),
-            prompt_tokens=sum(c.sent * size.tokens(c.passages) for c in cost.calls),
+            prompt_tokens=sum(c.sent * t for c, t in zip(cost.calls, tokens, strict=True)),
             new_tokens=sum(c.sent * c.new_tokens for c in cost.calls),
             param=cost.param,
         )

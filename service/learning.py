@@ -445,10 +445,25 @@ class ProfileLearner:
         if token is None:
             return  # another replica assesses; its result is read on the next reload
         try:
-            await self._assess(st, runs)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._keep_lock, name, token, tg.cancel_scope)
+                await self._assess(st, runs)
+                tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self.locks.release, name, token)
+
+    async def _keep_lock(self, name: str, token: str, assessment: anyio.CancelScope) -> None:
+        """Refresh the held lock every third of its expiry while an assessment runs, so a
+        slow fit is not taken for a dead holder; if it was lost anyway, cancel the
+        assessment before it stores (another replica may be assessing)."""
+        ttl = self.settings.auto_lock_ttl_s
+        while True:
+            await anyio.sleep(ttl / 3)
+            if not await anyio.to_thread.run_sync(self.locks.refresh, name, ttl, token):
+                log.warning("auto: lost the assessment lock %s; this assessment stops", name)
+                assessment.cancel()
+                return
 
     async def _assess(self, st: KeyStatus, runs: list[Run]) -> None:
         """Reassess ``st``'s key from its pooled ``runs``.

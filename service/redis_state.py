@@ -77,6 +77,13 @@ if redis.call('get', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# Compare-and-expire: only the token's holder extends the lock.
+_REFRESH = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
 
 
 def redact(url: str) -> str:
@@ -158,6 +165,7 @@ class RedisState:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._release = client.register_script(_RELEASE)
+        self._refresh = client.register_script(_REFRESH)
         self._profiles = RedisProfileStore(self, local_root)
         self._locks = RedisLocks(self)
 
@@ -421,6 +429,14 @@ class RedisState:
         except (redis.RedisError, OSError) as exc:  # it expires on its own
             self._mark(False, "lock", exc)
 
+    def extend(self, name: str, ttl_s: float, token: str) -> bool:
+        try:
+            got = self._refresh(keys=[self._key(f"lock:{name}")], args=[token, _ms(ttl_s)])
+        except (redis.RedisError, OSError) as exc:
+            self._mark(False, "lock", exc)
+            return False
+        return bool(got)
+
     # --- spools -----------------------------------------------------------------------
 
     def spool(self, name: SpoolName, max_runs: int, replica: str | None) -> RedisSpool:
@@ -520,6 +536,9 @@ class RedisLocks:
 
     def release(self, name: str, token: str) -> None:
         self._state.unlock(name, token)
+
+    def refresh(self, name: str, ttl_s: float, token: str) -> bool:
+        return self._state.extend(name, ttl_s, token)
 
 
 def _key_json(key: SampleKey) -> str:

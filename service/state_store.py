@@ -48,6 +48,12 @@ class Locks(Protocol):
         """Give ``name`` back if ``token`` still holds it; never raises."""
         ...
 
+    def refresh(self, name: str, ttl_s: float, token: str) -> bool:
+        """Restart ``name``'s expiry if ``token`` still holds it; whether it does (``False``:
+        it expired and another replica may hold it). A holder busy for longer than the
+        expiry calls this every fraction of it. Never raises."""
+        ...
+
 
 class StateStore(Protocol):
     """The three things kept (module docstring) and the store's health."""
@@ -101,8 +107,16 @@ class StateStore(Protocol):
 
 
 class FolderLocks:
-    """Locks as files ``<root>/<name>.lock``, created exclusively; a file older than the
-    expiry belongs to a holder that died (or hung) and is taken over."""
+    """Locks as files ``<root>/<name>.lock`` holding their holder's token, created
+    exclusively (``O_EXCL``); the holder refreshes the file's time while it works, so a file
+    older than the expiry belongs to a holder that died (or hung) and is taken over.
+
+    The takeover is atomic: the stale file is renamed to a name of the taker's own (a rename
+    of one file succeeds once), then checked to be the very file found stale (same inode and
+    time); a file another replica took or refreshed meanwhile is linked back, untouched. Then
+    the lock is created exclusively as on a first take, so of replicas racing for an expired
+    lock exactly one gets it (unlink-then-create let two both believe they held it).
+    """
 
     def __init__(self, root: Path, replica: str) -> None:
         self.root = root
@@ -113,22 +127,21 @@ class FolderLocks:
 
     def acquire(self, name: str, ttl_s: float) -> str | None:
         path = self.path(name)
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-            if path.exists() and time.time() - path.stat().st_mtime > ttl_s:
-                path.unlink(missing_ok=True)
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-        except FileExistsError:
-            return None
-        except OSError as exc:
-            log.warning("cannot take the lock %s: %s", path, exc)
-            return None
         token = f"{self.replica}-{uuid.uuid4().hex}"
         try:
-            os.write(fd, token.encode())
-        finally:
-            os.close(fd)
-        return token
+            self.root.mkdir(parents=True, exist_ok=True)
+            for _ in range(2):  # once more after breaking an expired lock
+                if _create(path, token):
+                    return token
+                try:
+                    seen = os.stat(path)
+                except FileNotFoundError:
+                    continue  # released since: take it
+                if time.time() - seen.st_mtime <= ttl_s or not _break(path, seen):
+                    return None
+        except OSError as exc:
+            log.warning("cannot take the lock %s: %s", path, exc)
+        return None
 
     def release(self, name: str, token: str) -> None:
         path = self.path(name)
@@ -136,6 +149,51 @@ class FolderLocks:
             # Not ours any more (it expired and another replica took it): leave it.
             if path.read_text() == token:
                 path.unlink(missing_ok=True)
+
+    def refresh(self, name: str, ttl_s: float, token: str) -> bool:
+        del ttl_s  # every replica judges the file's age by its own expiry
+        path = self.path(name)
+        try:
+            if path.read_text() != token:
+                return False
+            os.utime(path)
+        except OSError:
+            return False
+        return True
+
+
+def _create(path: Path, token: str) -> bool:
+    """Create the lock file with ``token`` if none exists (the one atomic test-and-set)."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return True
+
+
+def _break(path: Path, seen: os.stat_result) -> bool:
+    """Remove the expired lock file ``seen`` if it is still the one at ``path``; whether it
+    was (``False``: another replica broke, took or refreshed it first)."""
+    aside = path.with_name(f"{path.name}.{uuid.uuid4().hex}.broken")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False  # another replica broke it first
+    try:
+        now = os.stat(aside)
+        if (now.st_ino, now.st_mtime_ns) != (seen.st_ino, seen.st_mtime_ns):
+            # Taken or refreshed since it was found expired: not ours to break. Put it back
+            # (a link fails rather than replace a lock created in the gap).
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, path)
+            return False
+        return True
+    finally:
+        aside.unlink(missing_ok=True)
 
 
 class FolderState:

@@ -3,9 +3,11 @@ the lock between replicas that share a folder, and what a read-only learner does
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import numpy as np
 import pytest
 
@@ -13,6 +15,8 @@ import solver
 from service.learning import Decision, LearnKey, ProfileLearner, allowed_to_learn
 from service.profile_store import ProfileStore
 from service.settings import Settings
+from service.state_store import lock_name
+from solver import trust as trust_rules
 from tests.solver.conftest import bias_shape, synthesize
 
 pytestmark = pytest.mark.anyio
@@ -242,3 +246,31 @@ async def test_explore_runs_wait_for_an_idle_engine_and_yield_to_requests(
     lr._writer.submit(lambda: None).result()
     assert len(lr.explore.runs(KEY.sample())) == 1 and len(lr.runs.runs(KEY.sample())) == 1
     lr.close()
+
+
+async def test_a_slow_assessment_refreshes_its_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A fit that takes longer than the lock's expiry: the holder refreshes the lock, so
+    # another replica does not take it for a dead holder's and assess beside it.
+    a, b = learner(tmp_path, auto_lock_ttl_s=0.3), learner(tmp_path, auto_lock_ttl_s=0.3)
+    d = a.decide(MODEL, TEMPLATE, N, None)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        assert a.record(d, *run(bias_shape("recency", 5), rng))
+    real = trust_rules.assess
+
+    def slow(*args: Any, **kw: Any) -> trust_rules.Trust:
+        time.sleep(1.0)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(trust_rules, "assess", slow)
+    name = lock_name(MODEL, TEMPLATE, 5)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(a.cycle, KEY)
+        await anyio.sleep(0.7)  # more than twice the expiry into the fit
+        assert b.locks.acquire(name, 0.3) is None
+    assert a.decide(MODEL, TEMPLATE, N, None).path == "profile"
+    assert b.locks.acquire(name, 0.3) is not None  # released once done
+    a.close()
+    b.close()

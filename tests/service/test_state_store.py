@@ -7,6 +7,7 @@ Two "replicas" are two store objects on one folder or one Redis, as two pods are
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import uuid
@@ -178,6 +179,60 @@ def test_one_replica_holds_a_lock_until_released_or_expired(replicas: Factory) -
         assert later is not None
     # b's release after its expiry must not free a's lock
     assert b.locks.acquire("key", ttl) is None
+
+
+def test_a_holder_that_refreshes_keeps_its_lock_past_the_expiry(replicas: Factory) -> None:
+    a, b = replicas(), replicas()
+    ttl = 0.5
+    token = a.locks.acquire("key", ttl)
+    assert token is not None
+    for _ in range(4):  # a slow fit: twice the expiry, refreshed every fraction of it
+        time.sleep(ttl / 4)
+        assert a.locks.refresh("key", ttl, token)
+        assert b.locks.acquire("key", ttl) is None
+    assert not b.locks.refresh("key", ttl, "not-the-token")
+    time.sleep(ttl + 0.1)  # a hangs: b takes over, and a's refresh says it lost the lock
+    later = b.locks.acquire("key", ttl)
+    assert later is not None
+    assert not a.locks.refresh("key", ttl, token)
+    assert b.locks.refresh("key", ttl, later)
+
+
+def test_replicas_racing_for_an_expired_folder_lock_never_both_hold_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a finds the lock expired; before it acts on that, b takes it over (the race the old
+    # unlink-then-create lost: a then removed b's fresh lock and both held it).
+    a, b = FolderState(tmp_path / "p"), FolderState(tmp_path / "p")
+    path = a.auto_root / "key.lock"
+    path.parent.mkdir(parents=True)
+    path.write_text("a replica that died")
+    old = time.time() - 10
+    os.utime(path, (old, old))
+    got: dict[str, str | None] = {}
+    real_unlink, real_rename = os.unlink, os.rename
+
+    def b_first(target: object) -> None:
+        if os.fspath(target) == os.fspath(path) and "b" not in got:  # type: ignore[arg-type]
+            got["b"] = None  # b's own takeover is not interrupted
+            got["b"] = b.locks.acquire("key", 1.0)
+
+    def unlink(target: object, *args: object, **kw: object) -> None:
+        b_first(target)
+        real_unlink(target, *args, **kw)  # type: ignore[arg-type]
+
+    def rename(src: object, dst: object, *args: object, **kw: object) -> None:
+        b_first(src)
+        real_rename(src, dst, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "unlink", unlink)
+    monkeypatch.setattr(os, "rename", rename)
+    got["a"] = a.locks.acquire("key", 1.0)
+    monkeypatch.undo()
+    assert got["b"] is not None  # b broke the expired lock and holds it
+    assert got["a"] is None  # a did not take b's fresh lock
+    assert path.read_text() == got["b"] and b.locks.refresh("key", 1.0, got["b"])
+    assert sorted(p.name for p in path.parent.iterdir()) == ["key.lock"]
 
 
 def test_redis_down_at_start_serves_from_memory_and_never_raises(

@@ -43,7 +43,14 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from offline import run_folder
 from offline.evaluation.metrics import score_answer
-from offline.generator_api import BudgetedClient, GeneratorEndpoint, parse_answer, run_workers
+from offline.generator_api import (
+    BudgetedClient,
+    BudgetSpent,
+    GeneratorEndpoint,
+    parse_answer,
+    public_url,
+    run_workers,
+)
 from service.dataset import Example
 from service.errors import InvalidRequest
 from service.profile_store import ProfileStore, StoredProfile
@@ -147,7 +154,7 @@ def plan_trials(
 
 def _run_settings(job: ProfileJob) -> dict[str, Any]:
     return {
-        "base_url": job.endpoint.base_url,
+        "base_url": public_url(job.endpoint.base_url),
         "model": job.endpoint.model,
         "api": job.endpoint.api,
         "template": dataclasses.asdict(job.template),
@@ -227,11 +234,14 @@ async def run_profile(
             if client.spent:
                 return  # retries spent part of --max-calls: stop, a rerun continues
             trial = queue.get_nowait()
-            data = await client.answer(
-                trial.prompt,
-                tokens=trial.chars // _CHARS_PER_TOKEN,
-                request_id=f"{trial.question_id}-{trial.slot}",
-            )
+            try:
+                data = await client.answer(
+                    trial.prompt,
+                    tokens=trial.chars // _CHARS_PER_TOKEN,
+                    request_id=f"{trial.question_id}-{trial.slot}",
+                )
+            except BudgetSpent:
+                return  # a retry would pass --max-calls: stop, a rerun continues
             text, logprob, p_tokens, c_tokens = parse_answer(data)
             rec = {
                 "question_id": trial.question_id,
@@ -243,8 +253,7 @@ async def run_profile(
                 "prompt_tokens": p_tokens,
                 "completion_tokens": c_tokens,
             }
-            with answers.open("a", encoding="utf-8") as fh:
-                fh.write(json.dumps(rec) + "\n")
+            run_folder.append(answers, rec)
             done[(trial.question_id, trial.slot)] = rec
             made += 1
             bar.update(1)
@@ -306,7 +315,7 @@ def _finish(
         )
     report = {
         "model": job.endpoint.model,
-        "base_url": job.endpoint.base_url,
+        "base_url": public_url(job.endpoint.base_url),
         "api": job.endpoint.api,
         "template": job.template.name,
         "data": job.data_name,

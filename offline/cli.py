@@ -175,8 +175,8 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
     )
     g.add_argument(
         "--api-key-env",
-        default="OPENAI_API_KEY",
-        help="environment variable holding the generator's API key (unset: no key sent)",
+        help="environment variable holding the generator's API key (unset: no key sent; "
+        "default: OPENAI_API_KEY, sent only to an https --generator-url)",
     )
     g.add_argument(
         "--reorder-url", help="a running rag-reorder server (default: the in-process scorer)"
@@ -193,7 +193,19 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
         help="seconds per reorder call (above the server's RAG_REORDER_REQUEST_TIMEOUT_S, "
         "so that its own deadline answers first)",
     )
-    g.add_argument("--max-calls", type=int, help="most generator calls this invocation makes")
+    g.add_argument(
+        "--reorder-retries",
+        type=int,
+        default=5,
+        help="retries of a reorder call answered 429, 502, 503 (after its Retry-After) or "
+        "504, or whose connection dropped; then that question fails for that variant, the run "
+        "goes on and a rerun asks it again",
+    )
+    g.add_argument(
+        "--max-calls",
+        type=int,
+        help="most generator HTTP attempts this invocation sends, retries included",
+    )
     g.add_argument("--concurrency", type=int, default=4, help="questions in flight")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds per generator call")
     g.add_argument("--retries", type=int, default=5, help="retries of 429/502-504 and refusals")
@@ -243,8 +255,8 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
     )
     pg.add_argument(
         "--api-key-env",
-        default="OPENAI_API_KEY",
-        help="environment variable holding the API key (unset: no key sent)",
+        help="environment variable holding the API key (unset: no key sent; default: "
+        "OPENAI_API_KEY, sent only to an https --base-url)",
     )
     pg.add_argument(
         "--data",

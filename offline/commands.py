@@ -124,7 +124,7 @@ async def eval(settings: Settings, args: argparse.Namespace) -> int:
 
 async def profile_generator(settings: Settings, args: argparse.Namespace) -> int:
     from offline.answer_profile import Estimate, ProfileJob, run_profile
-    from offline.generator_api import GeneratorEndpoint
+    from offline.generator_api import GeneratorEndpoint, api_key
     from service.profile_store import ProfileStore
     from service.templates import PromptTemplate, get_template
 
@@ -145,7 +145,7 @@ async def profile_generator(settings: Settings, args: argparse.Namespace) -> int
             base_url=args.base_url,
             model=args.model,
             api=args.api,
-            api_key=os.environ.get(args.api_key_env) or None,
+            api_key=api_key(args.base_url, args.api_key_env, os.environ),
             max_tokens=args.max_tokens,
             logprobs=not args.no_logprobs,
             timeout_s=args.timeout,
@@ -299,12 +299,13 @@ async def distill_eval(settings: Settings, args: argparse.Namespace) -> int:
 
 async def eval_deployed(settings: Settings, args: argparse.Namespace) -> int:
     """``eval --generator-url``: the user's generator, orders from their server (or in process)."""
-    from offline.evaluation.deployed import DeployedJob, Estimate, run_deployed
+    from offline.evaluation.deployed import DeployedJob, Estimate, file_sha256, run_deployed
     from offline.evaluation.orderers import InProcessOrderer, Orderer, ServerOrderer, targets
-    from offline.generator_api import GeneratorEndpoint
+    from offline.generator_api import GeneratorEndpoint, api_key
     from service.templates import get_template
 
     _require_at_least(args, ("max_calls", "concurrency"))
+    _require_at_least(args, ("reorder_retries",), {"reorder_retries": 0})
     if not args.generator_url or not args.generator_model:
         raise ClientError(
             "evaluating your generator needs both --generator-url and --generator-model "
@@ -328,7 +329,7 @@ async def eval_deployed(settings: Settings, args: argparse.Namespace) -> int:
             base_url=args.generator_url,
             model=args.generator_model,
             api=args.generator_api,
-            api_key=os.environ.get(args.api_key_env) or None,
+            api_key=api_key(args.generator_url, args.api_key_env, os.environ),
             max_tokens=args.max_answer_tokens,
             logprobs=False,
             timeout_s=args.timeout,
@@ -338,6 +339,7 @@ async def eval_deployed(settings: Settings, args: argparse.Namespace) -> int:
         template=get_template(args.generator_template or "qa_default"),
         examples=read_examples(args.data, args.limit),
         data_name=args.data.name,
+        data_sha256=file_sha256(args.data),
         targets=tuple(targets(args.strategies.split(",") if args.strategies else None)),
         out=args.out,
         max_passages=args.max_passages,
@@ -364,7 +366,7 @@ async def eval_deployed(settings: Settings, args: argparse.Namespace) -> int:
                 args.reorder_url,
                 api_key=os.environ.get(args.reorder_key_env) or None,
                 timeout_s=args.reorder_timeout,
-                retries=args.retries,
+                retries=args.reorder_retries,
                 concurrency=args.concurrency,
             )
         else:
@@ -376,6 +378,12 @@ async def eval_deployed(settings: Settings, args: argparse.Namespace) -> int:
             {
                 "out": str(args.out),
                 "verdict": outcome.report["verdict"],
+                # What a rerun asks again, per variant: a long run finishes and says so.
+                "unanswered": {
+                    v["variant"]: {k: v[k] for k in ("failed", "refused", "not_asked") if v[k]}
+                    for v in outcome.report["variants"]
+                    if v["failed"] or v["refused"] or v["not_asked"]
+                },
                 "generator_calls": outcome.generator_calls,
                 "attempts": outcome.attempts,
                 "files": [str(f) for f in outcome.files],

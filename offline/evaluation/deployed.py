@@ -11,19 +11,23 @@ paired against what the team has today and against no order at all.
 Rules decided here (docs/evaluation.md, "Your generator, your questions"):
 
 - **Trust, as ``profile-generator``**: the data is checked and the cost estimated before any
-  call; ``max_calls`` bounds the generator's HTTP attempts (retries included); calls go through
-  ``EngineClient`` (bounded concurrency, timeouts, backoff on 429/502/503/504 honouring
-  ``Retry-After``); a refusal of the generator (401, 403, 404, or any other answer retrying will
-  not change) stops the run at once with the status. The reorder server's 401/403 stop it too;
-  its other 4xx (a strategy that cannot serve the request) are recorded on that variant, which
-  is left out of the comparisons, and the run goes on; a rerun asks them again.
-- **Resumable**: each (question, variant) is appended to ``answers.jsonl`` as it ends; a rerun
-  with the same settings continues, one with other settings in the folder is refused. Orders
-  identical within a question are answered once (the baselines and a strategy that keeps the
-  retriever's order cost one call).
+  call; ``max_calls`` is a hard bound on the generator's HTTP attempts (retries included: the
+  attempt that would pass it is never sent); calls go through ``EngineClient`` (bounded
+  concurrency, timeouts, backoff on 429/503 and refused connections honouring
+  ``Retry-After``; a 502/504 or a call cut mid-way is not retried, since it may have been
+  paid); a refusal of the generator (401, 403, 404, or any other answer retrying will not
+  change) or a generator failing after its retries stops the run at once. The reorder
+  server's 401/403/404 stop it too; its other answers are retried or recorded on that
+  question and variant (``orderers`` module rules), and the run goes on.
+- **Resumable**: each (question, variant) is appended to ``answers.jsonl`` as it ends (a torn
+  last line is skipped and never glued to the next record); a rerun with the same settings
+  (the generator, the orderer's identity, the data file's hash) continues, one with other
+  settings in the folder is refused. A refused or failed order is asked again by a rerun (it
+  cost no generator call). Orders identical within a question are answered once (the
+  baselines and a strategy that keeps the retriever's order cost one call).
 - **Honest when it cannot tell**: each variant's accuracy has a bootstrap interval, each
-  comparison a paired one; when a paired interval holds 0, the verdict says so and how many
-  questions would show a difference of ``DETECTABLE`` at the variance observed.
+  comparison a paired one and an exact test (``verdict`` module rules), on the questions
+  every compared variant answered; the report counts what was refused, failed or left out.
 - **Questions in flight**: ``concurrency`` questions at a time, each question's variants one
   after the other (a stateful default such as ``auto`` sees a stream, as in production).
 """
@@ -31,11 +35,13 @@ Rules decided here (docs/evaluation.md, "Your generator, your questions"):
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +52,20 @@ from offline.evaluation.metrics import MetricName, score_answer
 from offline.evaluation.orderers import Orderer, OrderRefused, Target
 from offline.evaluation.runner import EvalQuestion, prepare
 from offline.evaluation.verdict import build_report, write_report
-from offline.generator_api import BudgetedClient, GeneratorEndpoint, parse_answer, run_workers
+from offline.generator_api import (
+    BudgetedClient,
+    BudgetSpent,
+    GeneratorEndpoint,
+    parse_answer,
+    public_url,
+    run_workers,
+)
 from service.dataset import Example
 from service.errors import InvalidRequest
 from service.prompts import api_prompt
 from service.templates import PromptTemplate
+
+log = logging.getLogger(__name__)
 
 ANSWERS_FILE = "answers.jsonl"
 RUN_FILE = "deployed-run.json"
@@ -73,6 +88,27 @@ class DeployedJob:
     resamples: int = 10_000
     seed: int = 0
     progress: bool = True
+    data_sha256: str | None = None
+    """The data file's hash (the settings check's identity of the data); None: a hash of
+    ``examples`` (a caller without a file)."""
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 of a file's bytes (the data's identity in the run folder)."""
+    digest = hashlib.sha256()
+    with path.open("rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _data_identity(job: DeployedJob) -> str:
+    if job.data_sha256 is not None:
+        return job.data_sha256
+    digest = hashlib.sha256()
+    for ex in job.examples:
+        digest.update(json.dumps(asdict(ex), sort_keys=True, default=str).encode())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)
@@ -98,27 +134,34 @@ class DeployedOutcome:
 
 
 def _settings(job: DeployedJob, orderer: Orderer) -> dict[str, Any]:
+    # Credentials never reach the file (nor a comparison: a rotated key is the same run).
     return {
         "data": job.data_name,
-        "generator_url": job.endpoint.base_url,
+        "data_sha256": _data_identity(job),
+        "generator_url": public_url(job.endpoint.base_url),
         "generator_model": job.endpoint.model,
         "api": job.endpoint.api,
         "template": job.template.name,
         "max_tokens": job.endpoint.max_tokens,
         "max_passages": job.max_passages,
-        "orderer": orderer.describe,
+        **orderer.identity,
         "seed": job.seed,
     }
 
 
-def _done(job: DeployedJob, orderer: Orderer) -> dict[tuple[str, str], dict[str, Any]]:
-    """The answers already in the folder, after checking they are this evaluation's.
+Records = dict[tuple[str, str], dict[str, Any]]
+
+
+def _done(job: DeployedJob, orderer: Orderer) -> tuple[Records, Records]:
+    """The answers already in the folder, after checking they are this evaluation's, and the
+    last refusal or failure of each pair not answered.
 
     Raises:
         InvalidRequest: the folder holds an evaluation with other settings.
     """
     run_folder.claim(job.out, RUN_FILE, _settings(job, orderer), "another evaluation")
-    done: dict[tuple[str, str], dict[str, Any]] = {}
+    done: Records = {}
+    errors: Records = {}
     for rec in run_folder.records(job.out / ANSWERS_FILE):
         try:
             key = (str(rec["question_id"]), str(rec["variant"]))
@@ -126,9 +169,11 @@ def _done(job: DeployedJob, orderer: Orderer) -> dict[tuple[str, str], dict[str,
             continue  # a record without its key: that pair is done again
         if rec.get("error") is None:
             done[key] = rec
-        # A refused order is asked again: the server may serve it now (a profile stored
-        # since, a deadline raised); it cost no generator call.
-    return done
+        else:
+            # Asked again: the server may serve it now (a profile stored since, a deadline
+            # raised, the engine back); it cost no generator call.
+            errors[key] = rec
+    return done, {k: r for k, r in errors.items() if k not in done}
 
 
 def check_examples(examples: Sequence[Example], data_name: str) -> None:
@@ -190,7 +235,7 @@ async def run_deployed(
     """
     check_examples(job.examples, job.data_name)
     questions = [prepare(ex, job.max_passages, keep_scores=True) for ex in job.examples]
-    done = _done(job, orderer)
+    done, errors = _done(job, orderer)
     est = estimate(job, questions, done)
     if on_estimate is not None:
         on_estimate(est)
@@ -202,6 +247,8 @@ async def run_deployed(
         if any((q.id, t.label) not in done for t in job.targets):
             queue.put_nowait(q)
     stop = asyncio.Event()
+    unanswered: dict[str, dict[str, int]] = {"failed": {}, "refused": {}}
+    """This run's orders failed and refused, per variant (the progress line)."""
 
     async def answer(q: EvalQuestion, order: list[int]) -> dict[str, Any] | None:
         nonlocal calls
@@ -210,7 +257,11 @@ async def run_deployed(
             return None
         start = time.perf_counter()
         prompt = api_prompt(job.template, q.question, q.passages, order)
-        data = await client.answer(prompt, request_id=f"eval-{q.id}")
+        try:
+            data = await client.answer(prompt, request_id=f"eval-{q.id}")
+        except BudgetSpent:
+            stop.set()  # a retry would have passed --max-calls: a rerun continues
+            return None
         calls += 1
         text, _, p_tokens, c_tokens = parse_answer(data)
         return {
@@ -233,7 +284,8 @@ async def run_deployed(
             try:
                 got = await orderer.order(q, t)
             except OrderRefused as exc:
-                rec.update(error=str(exc))
+                rec.update(error=str(exc), error_kind=exc.kind)
+                log.warning("%s on %s: order %s: %s", t.label, q.id, exc.kind, exc)
             else:
                 rec.update(
                     order=got.order,
@@ -256,9 +308,16 @@ async def run_deployed(
                     answered[tuple(got.order)] = rec
                 scores = score_answer(rec["answer"], q.answers)
                 rec.update(accuracy=scores.accuracy, em=scores.em, f1=scores.f1)
-            with answers_path.open("a", encoding="utf-8") as fh:
-                fh.write(json.dumps(rec) + "\n")
-            done[(q.id, t.label)] = rec
+            run_folder.append(answers_path, rec)
+            if rec.get("error") is None:
+                done[(q.id, t.label)] = rec
+                errors.pop((q.id, t.label), None)
+            else:
+                errors[(q.id, t.label)] = rec
+                unanswered[rec["error_kind"]][t.label] = (
+                    unanswered[rec["error_kind"]].get(t.label, 0) + 1
+                )
+                bar.set_postfix_str(_postfix(unanswered), refresh=False)
             bar.update(1)
 
     async def worker(bar: Any) -> None:
@@ -274,6 +333,16 @@ async def run_deployed(
     finally:
         await client.aclose()
         await orderer.aclose()
-    report = build_report(job, questions, done, orderer.describe)
+    report = build_report(job, questions, done, orderer.describe, errors, orderer.bound)
     files = write_report(job.out, report)
     return DeployedOutcome(est, calls, client.attempts, report, files)
+
+
+def _postfix(unanswered: dict[str, dict[str, int]]) -> str:
+    """``failed: default 2; refused: dense:litm 1`` (this run's, per variant)."""
+    parts = [
+        f"{kind}: " + ", ".join(f"{label} {n}" for label, n in sorted(counts.items()))
+        for kind, counts in unanswered.items()
+        if counts
+    ]
+    return "; ".join(parts)

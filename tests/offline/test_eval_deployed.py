@@ -20,6 +20,13 @@ import pytest
 from offline.convert import convert_litm
 from offline.evaluation.deployed import ANSWERS_FILE, DeployedJob, run_deployed
 from offline.evaluation.orderers import InProcessOrderer, ServerOrderer, Target, targets
+from offline.evaluation.stats import (
+    SIGN_TEST,
+    WILCOXON_EXACT,
+    WILCOXON_NORMAL,
+    paired_test,
+    wilcoxon_p,
+)
 from offline.evaluation.verdict import REPORT_JSON, questions_needed, verdict
 from offline.generator_api import GeneratorEndpoint
 from service.backends.fake import FakeBackend
@@ -125,19 +132,57 @@ def test_the_verdict_in_words() -> None:
     assert v.sentence.startswith(
         "On these 100 questions, `default` changed accuracy by +0.300 ["
     ) and v.sentence.endswith(
-        "against your retriever's order: it helps your generator on this data."
+        "against your retriever's order: it helps your generator on this data (30 wins, "
+        "0 losses; exact sign test (McNemar) p = 1.9e-09)."
     )
     hurts = [(0.0, 1.0)] * 30 + [(1.0, 1.0)] * 70
     assert "it hurts" in verdict("x", "shuffle", hurts, resamples=2000).sentence
     # One win and one loss in 20: the interval holds 0. Differences +1, -1 and 18 zeros:
-    # sample variance 2/19; n = (1.959964 + 0.841621)^2 * (2/19) / 0.05^2 = 330.4 -> 331.
+    # m2 = 2/20; n = (1.959964 sqrt(0.1) + 0.841621 sqrt(0.1 - 0.0025))^2 / 0.05^2 = 311.6.
     close = [(1.0, 0.0), (0.0, 1.0)] + [(0.0, 0.0)] * 18
     v = verdict("auto", "retriever", close, resamples=2000)
-    assert v.questions_needed == 331 == questions_needed([1, -1] + [0] * 18)
-    assert "too close to tell; about 331 questions would show a difference of 0.05" in v.sentence
-    assert v.short == "cannot tell (~331 questions for 0.05)"
+    assert v.questions_needed == 312 == questions_needed([1, -1] + [0] * 18)
+    assert "too close to tell (1 wins, 1 losses; exact sign test (McNemar) p = 1)" in v.sentence
+    assert "about 312 questions would show a difference of 0.05" in v.sentence
+    assert v.short == "cannot tell (~312 questions for 0.05)"
     same = verdict("auto", "retriever", [(1.0, 1.0)] * 5, resamples=200)
     assert "nothing to tell apart" in same.sentence and same.questions_needed is None
+
+
+def test_four_wins_of_200_are_not_evidence_that_it_helps() -> None:
+    # The bootstrap interval excludes 0 ([+0.005, +0.040]); the signed-rank test on all-tied
+    # differences falls back to its normal approximation (0.046); the exact sign test: 2/16.
+    pairs = [(1.0, 0.0)] * 4 + [(1.0, 1.0)] * 196
+    v = verdict("default", "retriever", pairs, resamples=2000)
+    assert v.low > 0 and wilcoxon_p([1] * 4 + [0] * 196) == pytest.approx(0.0455, abs=1e-4)
+    assert (v.p_value, v.test, v.wins, v.losses) == (0.125, SIGN_TEST, 4, 0)
+    assert v.short == "probably below 0.05" and v.questions_needed is None
+    assert "the interval excludes 0 but the exact sign test (McNemar) does not" in v.sentence
+    # m2 = 4/200: n = (1.96 sqrt(0.02) + 0.8416 sqrt(0.0175))^2 / 0.0025 = 60.4.
+    assert "61 questions would show a difference of 0.05" in v.sentence
+    assert "probably below 0.05" in v.sentence and "helps" not in v.sentence
+
+
+def test_questions_needed_is_never_fewer_than_answered() -> None:
+    # 10 wins, 8 losses of 400: the variance at the observed effect asked for 142 questions
+    # "more" after 400 were answered; at the planning effect 139 would do, so the difference
+    # is probably below 0.05 and no count is asked for.
+    pairs = [(1.0, 0.0)] * 10 + [(0.0, 1.0)] * 8 + [(1.0, 1.0)] * 382
+    v = verdict("default", "retriever", pairs, resamples=2000)
+    assert v.questions_needed is None and v.short == "probably below 0.05"
+    assert "139 questions would show a difference of 0.05" in v.sentence
+    small = verdict("default", "retriever", pairs[:9] + pairs[10:12], resamples=2000)
+    assert small.questions_needed is not None and small.questions_needed > small.n
+
+
+def test_the_test_names_itself() -> None:
+    assert paired_test([1, 1, 1, 0]) == (pytest.approx(0.25), SIGN_TEST)  # 2 / 2^3
+    assert paired_test([0.5, -0.5, 0.5]) == (pytest.approx(1.0), SIGN_TEST)
+    assert paired_test([1, 2, 3, 4, 5]) == (pytest.approx(0.0625), WILCOXON_EXACT)
+    # Tied sizes (F1 steps): the signed-rank test's normal approximation, and it says so.
+    p, test = paired_test([0.5, 0.5, 1.0, -0.5, 0.5, 1.0, 0.25, 0.5])
+    assert test == WILCOXON_NORMAL and 0 < p < 1
+    assert paired_test([0.0, 0.0]) == (1.0, SIGN_TEST)
 
 
 # -- the run: budget, resume, refusals ---------------------------------------------------

@@ -99,7 +99,7 @@ class _State(Collector):
         yield CounterMetricFamily(
             f"{PREFIX}_state_store_dropped_writes",
             "Sampled runs dropped from a full queue while the state store could not be reached "
-            "(state_max_pending_writes).",
+            "(state_max_pending_bytes).",
             value=s.dropped,
         )
 

@@ -8,7 +8,13 @@ Keys, all under ``<state_key_prefix>:``:
   Each replica GETs it every ``state_refresh_s`` and reads the hash again only when it moved.
 - ``runs:<spool>:<key>``: one list per sample key, newest first, trimmed to the spool's
   ``max_runs`` on every push (the latest runs of every replica: oldest out);
-  ``runs:<spool>``: the set of its keys, for ``counts``.
+  ``runs:<spool>``: the set of its keys, for ``counts``. Each run carries a random id and is
+  pushed by a script that first adds the id to ``runs:<spool>:<key>:ids`` (the latest
+  ``2 max_runs`` ids): a run already there is not pushed again, so a write Redis applied but
+  whose reply was lost, sent again, counts once; readers also drop a repeated id.
+  ``runs:<spool>:<key>:n`` counts the runs pushed: a reader that holds the runs up to count
+  ``c`` downloads only the ``n - c`` newest (none when it did not move), and ``auto`` reads
+  nothing until it moved (``watermark``).
 - ``lock:<name>``: ``SET NX PX`` with a random token, released by a compare-and-delete script,
   so a holder whose lock expired never releases the next holder's.
 
@@ -16,13 +22,14 @@ A cache-like dependency: the service is never less available with it than withou
 Requests read profiles from this replica's memory (``RedisProfileStore``: no network call per
 request); one background thread writes what is queued and refreshes the memory. Writes
 (profiles, runs) go to that queue and return at once; while Redis cannot be reached they stay
-queued (runs up to ``state_max_pending_writes``, then the oldest is dropped and counted; a
-profile keeps its latest write) and are retried every ``state_refresh_s``. Redis down at start:
-no stored profile is known, so requests take the MoI path; ``/ready`` does not wait for it.
-When it is back, the queue is written and the memory refreshed; a Redis that comes back empty
-(restarted without persistence) gets this replica's profiles written back. The health is in
-``up``, the failure counts in ``failures`` (``rag_reorder_state_store_*`` metrics) and a log
-line at each change, with the URL's password shown as ``***``.
+queued (runs up to ``state_max_pending_bytes`` of records, then the oldest is dropped and
+counted; a profile keeps its latest write) and are retried every ``state_refresh_s``. Redis
+down at start: no stored profile is known, so requests take the MoI path; ``/ready`` does
+not wait for it. When it is back, the queue is written and the memory refreshed; a Redis
+that comes back empty (restarted without persistence) gets this replica's profiles written
+back. The health is in ``up``, the failure counts in ``failures``
+(``rag_reorder_state_store_*`` metrics) and a log line at each change, with the URL's
+password shown as ``***``.
 """
 
 from __future__ import annotations
@@ -77,6 +84,20 @@ if redis.call('get', KEYS[1]) == ARGV[1] then
 end
 return 0
 """
+# An idempotent push of one run (module docstring): KEYS list, ids, count, key set;
+# ARGV record, run id, max_runs, the key's JSON.
+_PUSH = """
+local n = tonumber(redis.call('get', KEYS[3]) or '0') + 1
+if redis.call('zadd', KEYS[2], 'NX', n, ARGV[2]) == 0 then
+    return 0
+end
+redis.call('zremrangebyrank', KEYS[2], 0, -2 * tonumber(ARGV[3]) - 1)
+redis.call('lpush', KEYS[1], ARGV[1])
+redis.call('ltrim', KEYS[1], 0, tonumber(ARGV[3]) - 1)
+redis.call('incr', KEYS[3])
+redis.call('sadd', KEYS[4], ARGV[4])
+return 1
+"""
 # Compare-and-expire: only the token's holder extends the lock.
 _REFRESH = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
@@ -111,7 +132,17 @@ class _QueuedRun:
     spool: SpoolName
     key: SampleKey
     record: str
+    run_id: str
     max_runs: int
+
+
+@dataclass
+class _Pool:
+    """One key's runs as this replica last read them: the push count they go up to and the
+    parsed records, newest first (``(time, id, run)``)."""
+
+    count: int
+    records: list[tuple[float, str | None, Run]]
 
 
 class RedisState:
@@ -123,7 +154,7 @@ class RedisState:
         where: the URL as log lines show it (password redacted).
         prefix: every key's prefix.
         refresh_s: seconds between version checks, and between retries while down.
-        max_pending: most runs queued while Redis cannot be reached.
+        max_pending_bytes: most bytes of run records queued while Redis cannot be reached.
         local_root: the folder of what stays in files (positional profiles).
     """
 
@@ -136,7 +167,7 @@ class RedisState:
         where: str,
         prefix: str,
         refresh_s: float,
-        max_pending: int,
+        max_pending_bytes: int,
         local_root: Path,
         timeout_s: float = 0.5,
     ) -> None:
@@ -145,7 +176,7 @@ class RedisState:
         self.prefix = prefix
         self.refresh_s = refresh_s
         self.timeout_s = timeout_s
-        self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
         self.failures: dict[str, int] = {"read": 0, "write": 0, "lock": 0}
         self.dropped = 0
         self._lock = threading.Lock()
@@ -154,6 +185,9 @@ class RedisState:
         self._generation = 0
         self._pending_profiles: dict[str, str] = {}
         self._pending_runs: deque[_QueuedRun] = deque()
+        self._pending_bytes = 0
+        self._pools: dict[tuple[SpoolName, SampleKey], _Pool] = {}
+        self._pools_lock = threading.Lock()
         self._seq = itertools.count()
         self._version: str | None = None
         self._epoch: str | None = None
@@ -165,6 +199,7 @@ class RedisState:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._release = client.register_script(_RELEASE)
+        self._push_run = client.register_script(_PUSH)
         self._refresh = client.register_script(_REFRESH)
         self._profiles = RedisProfileStore(self, local_root)
         self._locks = RedisLocks(self)
@@ -193,7 +228,7 @@ class RedisState:
             where=redact(url),
             prefix=settings.state_key_prefix,
             refresh_s=settings.state_refresh_s,
-            max_pending=settings.state_max_pending_writes,
+            max_pending_bytes=settings.state_max_pending_bytes,
             local_root=settings.profiles_path,
             timeout_s=timeout,
         )
@@ -310,13 +345,17 @@ class RedisState:
             pipe = self.client.pipeline(transaction=False)
             for q in batch:
                 key = self._run_key(q.spool, q.key)
-                pipe.lpush(key, q.record)
-                pipe.ltrim(key, 0, q.max_runs - 1)
-                pipe.sadd(self._key(f"runs:{q.spool}"), _key_json(q.key))
+                self._push_run(
+                    keys=[key, f"{key}:ids", f"{key}:n", self._key(f"runs:{q.spool}")],
+                    args=[q.record, q.run_id, q.max_runs, _key_json(q.key)],
+                    client=pipe,
+                )
+            # Sent again whole if this raises after Redis applied some of it: the script
+            # skips a run whose id it already holds.
             pipe.execute()
             with self._lock:  # by sequence: runs dropped meanwhile shifted the queue
                 while self._pending_runs and self._pending_runs[0].seq <= batch[-1].seq:
-                    self._pending_runs.popleft()
+                    self._pending_bytes -= len(self._pending_runs.popleft().record)
 
     def _pull(self) -> None:
         """Read the profiles again if their version moved (or after being down).
@@ -370,25 +409,78 @@ class RedisState:
 
     # --- runs -------------------------------------------------------------------------
 
-    def append_run(self, spool: SpoolName, key: SampleKey, record: str, max_runs: int) -> None:
-        """Queue one run's record (returns without a network call)."""
+    def append_run(
+        self, spool: SpoolName, key: SampleKey, record: str, run_id: str, max_runs: int
+    ) -> None:
+        """Queue one run's record (returns without a network call). The queue holds at most
+        ``max_pending_bytes`` of records: a run is 43 KiB at 100 passages, so a count would
+        let a long outage hold gigabytes."""
         with self._lock:
-            if len(self._pending_runs) >= self.max_pending:
-                self._pending_runs.popleft()
+            self._pending_runs.append(
+                _QueuedRun(next(self._seq), spool, key, record, run_id, max_runs)
+            )
+            self._pending_bytes += len(record)
+            while self._pending_bytes > self.max_pending_bytes and self._pending_runs:
+                self._pending_bytes -= len(self._pending_runs.popleft().record)
                 self.dropped += 1
-            self._pending_runs.append(_QueuedRun(next(self._seq), spool, key, record, max_runs))
         self._wake.set()
 
-    def read_runs(self, spool: SpoolName, key: SampleKey, max_runs: int) -> list[str]:
-        """The latest ``max_runs`` records of ``key``, newest first (blocks; raises
-        ``StateUnavailable``)."""
+    def run_count(self, spool: SpoolName, key: SampleKey) -> int | None:
+        """Runs ever pushed for ``key`` (``None``: none counted; blocks; raises
+        ``StateUnavailable``). One GET: the watermark a reader compares before reading."""
         self.flush(timeout=self.timeout_s)  # this replica's queued runs first, if it can
         try:
-            out = cast("list[str]", self.client.lrange(self._run_key(spool, key), 0, max_runs - 1))
+            n = self.client.get(f"{self._run_key(spool, key)}:n")
         except (redis.RedisError, OSError) as exc:
             raise self._unavailable("read", exc) from None
         self._mark(True)
-        return out
+        return None if n is None else int(cast("str", n))
+
+    def read_runs(
+        self, spool: SpoolName, key: SampleKey, max_runs: int
+    ) -> list[tuple[float, str | None, Run]]:
+        """The latest ``max_runs`` runs of ``key`` as ``(time, id, run)``, newest first, each
+        id once (blocks; raises ``StateUnavailable``). Incremental: only runs pushed since
+        this replica's last read are downloaded and parsed, none when the count is unmoved."""
+        count = self.run_count(spool, key)
+        list_key = self._run_key(spool, key)
+        with self._pools_lock:
+            pool = self._pools.get((spool, key))
+        try:
+            if pool is not None and count is not None and count == pool.count:
+                return pool.records
+            new = None if pool is None or count is None else count - pool.count
+            if new is not None and 0 < new < max_runs:
+                got, lines = self._count_and_range(list_key, new)
+                if got == count:  # nothing pushed between the two reads: the delta is exact
+                    assert pool is not None
+                    records = _unique(_parse(lines) + pool.records)[:max_runs]
+                    return self._keep(spool, key, got, records)
+            got, lines = self._count_and_range(list_key, max_runs)
+        except (redis.RedisError, OSError) as exc:
+            raise self._unavailable("read", exc) from None
+        self._mark(True)
+        return self._keep(spool, key, got, _unique(_parse(lines)))
+
+    def _count_and_range(self, list_key: str, n: int) -> tuple[int | None, list[str]]:
+        """The push count and the ``n`` newest records, read in one transaction."""
+        pipe = self.client.pipeline(transaction=True)
+        pipe.get(f"{list_key}:n")
+        pipe.lrange(list_key, 0, n - 1)
+        got, lines = pipe.execute()
+        return (None if got is None else int(got)), cast("list[str]", lines)
+
+    def _keep(
+        self,
+        spool: SpoolName,
+        key: SampleKey,
+        count: int | None,
+        records: list[tuple[float, str | None, Run]],
+    ) -> list[tuple[float, str | None, Run]]:
+        if count is not None:  # lists written before the count was kept are read whole
+            with self._pools_lock:
+                self._pools[(spool, key)] = _Pool(count, records)
+        return records
 
     def run_counts(self, spool: SpoolName, max_runs: int) -> list[SampleCount]:
         """Runs held per key of ``spool`` (blocks; raises ``StateUnavailable``)."""
@@ -505,20 +597,18 @@ class RedisSpool:
         return f"{self._state.where} ({self.name})"
 
     def append(self, key: SampleKey, run: Run, at: float) -> None:
-        self._state.append_run(self.name, key, run_record(key, run, at), self.max_runs)
+        run_id = uuid.uuid4().hex
+        record = run_record(key, run, at, run_id)
+        self._state.append_run(self.name, key, record, run_id, self.max_runs)
 
     def runs(self, key: SampleKey, *, since: float | None = None) -> list[Run]:
-        records = []
-        for line in reversed(self._state.read_runs(self.name, key, self.max_runs)):
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if well_formed(rec) and (since is None or float(rec["t"]) >= since):
-                records.append(rec)
+        held = self._state.read_runs(self.name, key, self.max_runs)
         # LPUSH order is push order; replicas' clocks decide "oldest first" as in the folder.
-        records.sort(key=lambda r: float(r["t"]))
-        return [run_of(r) for r in records]
+        kept = sorted((r for r in held if since is None or r[0] >= since), key=lambda r: r[0])
+        return [r[2] for r in kept]
+
+    def watermark(self, key: SampleKey) -> object:
+        return self._state.run_count(self.name, key)
 
     def counts(self) -> list[SampleCount]:
         return self._state.run_counts(self.name, self.max_runs)
@@ -539,6 +629,34 @@ class RedisLocks:
 
     def refresh(self, name: str, ttl_s: float, token: str) -> bool:
         return self._state.extend(name, ttl_s, token)
+
+
+def _parse(lines: list[str]) -> list[tuple[float, str | None, Run]]:
+    """Stored records as ``(time, id, run)``, in their order; torn or foreign ones skipped."""
+    out = []
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if well_formed(rec):
+            rid = rec.get("id")
+            out.append((float(rec["t"]), rid if isinstance(rid, str) else None, run_of(rec)))
+    return out
+
+
+def _unique(records: list[tuple[float, str | None, Run]]) -> list[tuple[float, str | None, Run]]:
+    """``records`` with each run id once (the first, i.e. newest, kept): a run pushed twice
+    must not count as two independent runs, which would narrow the trust intervals."""
+    seen: set[str] = set()
+    out = []
+    for r in records:
+        if r[1] is not None:
+            if r[1] in seen:
+                continue
+            seen.add(r[1])
+        out.append(r)
+    return out
 
 
 def _key_json(key: SampleKey) -> str:

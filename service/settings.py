@@ -303,9 +303,10 @@ class Settings(BaseSettings):
     state_timeout_s: float = Field(default=0.5, gt=0.0, le=30.0)
     """Connect and read timeout of one Redis call. Calls run beside requests, never in
     their path."""
-    state_max_pending_writes: int = Field(default=10_000, ge=1, le=1_000_000)
-    """Most sampled runs queued for Redis while it cannot be reached; past it the oldest
-    queued run is dropped (counted). Profiles queue one write each, the latest."""
+    state_max_pending_bytes: int = Field(default=64 * 2**20, ge=2**16, le=2**34)
+    """Most bytes of sampled runs queued for Redis while it cannot be reached (a run is
+    about 43 KiB at 100 passages); past it the oldest queued runs are dropped (counted).
+    Profiles queue one write each, the latest."""
     solver_processes: int | None = Field(default=None, ge=0, le=64)
     """Worker processes that run MoI's fits (with the jackknife) beside the event loop, so the
     service's CPU work uses more than one core (`service/solver_pool.py`). Default: one per

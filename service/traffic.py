@@ -114,6 +114,13 @@ class RunSpool(Protocol):
         ``service.errors.StateUnavailable``."""
         ...
 
+    def watermark(self, key: SampleKey) -> object:
+        """A value that changes whenever any replica appends a run of ``key`` (and only
+        rarely otherwise): equal to an earlier one, nothing new arrived, whether or not the
+        pool is at ``max_runs``. Cheap (no run is read); blocks; may raise
+        ``service.errors.StateUnavailable``."""
+        ...
+
 
 class TrafficSampler:
     """Keeps a random share of live MoI runs (module docstring)."""
@@ -290,6 +297,18 @@ class TrafficSpool:
         self._prune(files)
         return [run_of(r) for r in records]
 
+    def watermark(self, key: SampleKey) -> object:
+        """Every replica's file of ``key`` with its inode, size and time: an append grows
+        one, a compaction replaces one, so equal watermarks mean no run arrived."""
+        out = []
+        for path in sorted(self.folder(key).glob("*.jsonl")):
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue  # pruned by another replica since the glob
+            out.append((path.name, st.st_ino, st.st_size, st.st_mtime_ns))
+        return tuple(out)
+
     def counts(self) -> list[SampleCount]:
         """Runs ``runs`` would pool, per key found in the folder."""
         held: dict[SampleKey, int] = {}
@@ -349,10 +368,13 @@ class TrafficSpool:
                     log.debug("traffic sample: could not prune %s: %s", path, exc)
 
 
-def run_record(key: SampleKey, run: Run, at: float) -> str:
-    """One kept run as its stored JSON line (numbers only; no newline)."""
+def run_record(key: SampleKey, run: Run, at: float, run_id: str | None = None) -> str:
+    """One kept run as its stored JSON line (numbers only and a random id; no newline). The
+    id makes a write idempotent: a store that is sent the run twice (a retried write it had
+    applied) keeps it once, and readers count it once."""
     return json.dumps(
         {
+            "id": run_id or uuid.uuid4().hex,
             "t": at,
             "model": key.model,
             "template": key.template,

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import redis
 from pydantic import SecretStr
 
 from service.errors import StateUnavailable
@@ -233,6 +234,126 @@ def test_replicas_racing_for_an_expired_folder_lock_never_both_hold_it(
     assert got["a"] is None  # a did not take b's fresh lock
     assert path.read_text() == got["b"] and b.locks.refresh("key", 1.0, got["b"])
     assert sorted(p.name for p in path.parent.iterdir()) == ["key.lock"]
+
+
+def redis_replica(tmp_path: Path, server: RedisServer, prefix: str, **extra: object) -> RedisState:
+    store = open_state(
+        redis_settings(tmp_path, server.url, prefix, state_password=server.password, **extra)
+    )
+    assert isinstance(store, RedisState)
+    store.start()
+    assert store.wait_loaded(5)
+    return store
+
+
+def lrange_calls(server: RedisServer) -> int:
+    client = redis.Redis(port=server.port, password=server.password)
+    try:
+        stats = client.info("commandstats").get("cmdstat_lrange", {"calls": 0})
+        return int(stats["calls"])
+    finally:
+        client.close()
+
+
+def test_redis_runs_are_read_again_only_when_new_ones_arrived(
+    tmp_path: Path, redis_server: RedisServer
+) -> None:
+    # auto reads its pools every few seconds: a replica must not download and parse every
+    # key's whole pool each time when nothing changed, and only the new runs when some did.
+    a = redis_replica(tmp_path, redis_server, uuid.uuid4().hex)
+    b = redis_replica(tmp_path, redis_server, a.prefix)
+    try:
+        sa, sb = a.spool("auto/runs", 50, "a"), b.spool("auto/runs", 50, "b")
+        t0 = time.time()
+        for k in range(20):
+            sa.append(KEY, run(k), t0 + k)
+        assert a.flush(5)
+        mark = sb.watermark(KEY)
+        assert len(sb.runs(KEY)) == 20
+        calls = lrange_calls(redis_server)
+        for _ in range(3):  # nothing new: no run is downloaded
+            assert sb.watermark(KEY) == mark and len(sb.runs(KEY)) == 20
+        assert lrange_calls(redis_server) == calls
+        for k in range(20, 23):
+            sa.append(KEY, run(k), t0 + k)
+        assert a.flush(5)
+        assert sb.watermark(KEY) != mark
+        before = b._count_and_range
+        asked: list[int] = []
+
+        def spy(list_key: str, n: int) -> tuple[int | None, list[str]]:
+            asked.append(n)
+            return before(list_key, n)
+
+        b._count_and_range = spy  # type: ignore[method-assign]
+        got = sb.runs(KEY)
+        assert asked == [3]  # the three new runs, not the pool
+        want = [run(k) for k in range(23)]
+        assert len(got) == 23
+        for (gp, gs), (wp, ws) in zip(got, want, strict=True):
+            np.testing.assert_array_equal(gp, wp)
+            np.testing.assert_allclose(gs, ws)
+        assert len(sb.runs(KEY, since=t0 + 21)) == 2
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_redis_write_sent_twice_counts_once(
+    tmp_path: Path, redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Redis applies a pipeline but the reply is lost (a timeout, a dropped connection): the
+    # store sends it again. The runs must not be pooled twice (they would narrow the trust
+    # intervals as if independent).
+    real = redis.client.Pipeline.execute
+    lost = [0]
+
+    def reply_lost(self: redis.client.Pipeline, *args: object, **kw: object) -> object:
+        pushes = any("lpush" in str(c).lower() or "evalsha" in str(c).lower()
+                     for c in self.command_stack)  # fmt: skip
+        out = real(self, *args, **kw)  # type: ignore[arg-type]
+        if pushes and lost[0] == 0:
+            lost[0] = 1
+            raise redis.ConnectionError("reply lost after Redis applied the pipeline")
+        return out
+
+    a = redis_replica(tmp_path, redis_server, uuid.uuid4().hex)
+    try:
+        monkeypatch.setattr(redis.client.Pipeline, "execute", reply_lost)
+        spool = a.spool("auto/runs", 50, "a")
+        for k in range(3):
+            spool.append(KEY, run(k), time.time())
+        eventually(lambda: lost[0] == 1 and a.pending == 0)
+        monkeypatch.undo()
+        assert a.failures["write"] >= 1
+        assert len(spool.runs(KEY)) == 3
+        # A duplicate already in the list (e.g. written before pushes were idempotent) is
+        # read once.
+        client = redis.Redis(port=redis_server.port, password=redis_server.password)
+        list_key = a._run_key("auto/runs", KEY)
+        client.lpush(list_key, client.lindex(list_key, 0))
+        client.close()
+        assert len(a.spool("auto/runs", 50, "b").runs(KEY)) == 3
+    finally:
+        a.close()
+
+
+def test_runs_queued_while_redis_is_down_are_bounded_by_bytes(tmp_path: Path) -> None:
+    dead = RedisServer(tmp_path / "dead")  # a port nothing listens on
+    limit = 2**16
+    store = open_state(redis_settings(tmp_path, dead.url, "p", state_max_pending_bytes=limit))
+    assert isinstance(store, RedisState)
+    store.start()
+    try:
+        spool = store.spool("auto/runs", 50, "a")
+        big = (np.tile(np.arange(50), (100, 1)), np.linspace(-1.0, 1.0, 100))  # ~20 KiB
+        for _ in range(10):
+            spool.append(KEY, big, time.time())
+        held = store._pending_bytes
+        assert 0 < held <= limit and store.pending < 10
+        assert store.dropped == 10 - store.pending
+    finally:
+        store.close()
 
 
 def test_redis_down_at_start_serves_from_memory_and_never_raises(

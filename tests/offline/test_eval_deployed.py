@@ -8,6 +8,7 @@ runs it for real: vLLM's OpenAI server answering, a rag-reorder server process o
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -28,7 +29,7 @@ from offline.evaluation.stats import (
     wilcoxon_p,
 )
 from offline.evaluation.verdict import REPORT_JSON, questions_needed, verdict
-from offline.generator_api import GeneratorEndpoint
+from offline.generator_api import GeneratorEndpoint, api_key
 from service.backends.fake import FakeBackend
 from service.dataset import Example, load_examples
 from service.errors import InvalidRequest
@@ -401,3 +402,268 @@ async def test_a_variant_the_orderer_refuses_is_recorded_and_asked_again(tmp_pat
     assert gen.calls == out.generator_calls <= 4  # the baselines' orders, none for the refused
     again = await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(gen))
     assert again.estimate.todo == 2 and again.estimate.done == 4
+
+
+# -- credentials (issue 71, item 14) -----------------------------------------------------
+
+
+async def test_credentials_in_the_urls_reach_no_file_and_no_message(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    url = "http://user:s3cret-pass@generator/v1?api-key=s3cret-query"
+    job = _job(tmp_path, endpoint=GeneratorEndpoint(url, "mine", retries=0, concurrency=2))
+    gen = Generator()
+    await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(gen))
+    assert gen.calls > 0
+    out = tmp_path / "out"
+    for name in ("deployed-run.json", REPORT_JSON, "report.md"):
+        text = (out / name).read_text()
+        assert "s3cret" not in text and "http://***@generator/v1?api-key=%2A%2A%2A" in text, name
+    # A refusal's message names the generator without its credentials.
+    refused = Generator(fail={1: 404})
+    with pytest.raises(InvalidRequest) as err:
+        await run_deployed(
+            _job(tmp_path, out=tmp_path / "o2", endpoint=job.endpoint),
+            _orderer(tmp_path),
+            transport=httpx.MockTransport(refused),
+        )
+    assert "s3cret" not in err.value.message and "***@generator" in err.value.message
+    orderer = ServerOrderer(
+        "http://eval:tok3n@rag-reorder:8000", api_key=None, timeout_s=1, retries=0, concurrency=1
+    )
+    assert orderer.describe == "server http://***@rag-reorder:8000"
+    await orderer.aclose()
+    assert "s3cret" not in caplog.text and "tok3n" not in caplog.text
+
+
+def test_the_default_key_goes_to_https_only() -> None:
+    env = {"OPENAI_API_KEY": "sk-default", "MINE": "sk-mine"}
+    assert api_key("http://vllm:8000/v1", None, env) is None
+    assert api_key("https://api.openai.com/v1", None, env) == "sk-default"
+    assert api_key("HTTPS://api.openai.com/v1", None, {}) is None
+    # A variable the user named is sent where they point it, http included.
+    assert api_key("http://vllm:8000/v1", "MINE", env) == "sk-mine"
+    assert api_key("http://vllm:8000/v1", "OPENAI_API_KEY", env) == "sk-default"
+    assert api_key("https://x/v1", "UNSET", env) is None
+
+
+# -- resume (issue 71, item 15) ----------------------------------------------------------
+
+
+def _keys(out: Path) -> list[tuple[str, str]]:
+    from offline import run_folder
+
+    return [
+        (r["question_id"], r["variant"])
+        for r in run_folder.records(out / ANSWERS_FILE)
+        if r.get("error") is None
+    ]
+
+
+async def test_a_torn_last_record_is_asked_again_and_never_glues_the_next(
+    tmp_path: Path,
+) -> None:
+    job = _job(tmp_path, targets=tuple(targets(["inverse"])), examples=_examples(3))
+    await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(Generator()))
+    path = tmp_path / "out" / ANSWERS_FILE
+    lines = path.read_text().splitlines()
+    assert len(lines) == 9
+    torn = next(i for i, x in enumerate(lines) if not json.loads(x).get("shared"))
+    # Killed mid-write: the record half written, then a complete one without its newline
+    # (killed between the two): the first is asked again, the second kept, nothing glued.
+    complete = lines[torn + 1]
+    kept = [x for i, x in enumerate(lines) if i not in (torn, torn + 1)]
+    path.write_text("\n".join(kept) + "\n" + lines[torn][:40] + "\n" + complete)
+    again = Generator()
+    second = await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(again))
+    assert second.estimate.todo == 1 and again.calls == 1
+    keys = _keys(tmp_path / "out")
+    assert len(keys) == len(set(keys)) == 9
+    # A third run has nothing left to ask.
+    third = Generator()
+    last = await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(third))
+    assert last.estimate.todo == 0 and third.calls == 0
+
+
+async def test_a_torn_run_file_does_not_fail_the_rerun(tmp_path: Path) -> None:
+    job = _job(tmp_path, examples=_examples(2))
+    await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(Generator()))
+    run_file = tmp_path / "out" / "deployed-run.json"
+    run_file.write_text(run_file.read_text()[:25])
+    again = Generator()
+    out = await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(again))
+    assert out.estimate.todo == 0 and again.calls == 0
+    assert json.loads(run_file.read_text())["generator_model"] == "mine"
+
+
+async def test_the_settings_check_holds_the_data_and_the_in_process_strategy(
+    tmp_path: Path,
+) -> None:
+    job = _job(tmp_path, examples=_examples(2))
+    await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(Generator()))
+    never = Generator()
+    other = [dataclasses.replace(ex, question="Another question?") for ex in _examples(2)]
+    with pytest.raises(InvalidRequest, match=r"differs in data_sha256\)"):
+        await run_deployed(
+            _job(tmp_path, examples=other), _orderer(tmp_path), transport=httpx.MockTransport(never)
+        )
+    moi = InProcessOrderer(
+        Reorderer(
+            FakeBackend({}),
+            Settings(cache_dir=tmp_path, strategy="moi"),
+            ProfileStore(tmp_path / "profiles"),
+        )
+    )
+    with pytest.raises(InvalidRequest, match=r"differs in strategy\)"):
+        await run_deployed(job, moi, transport=httpx.MockTransport(never))
+    assert never.calls == 0
+
+
+async def test_max_calls_is_a_hard_bound_with_retries_in_flight(tmp_path: Path) -> None:
+    # Every call answered 503: two calls in flight, each retried twice, would send 6.
+    busy = Generator(fail={k: 503 for k in range(1, 100)})
+    job = _job(tmp_path, max_calls=3)  # 2 in flight, 2 retries each
+    out = await run_deployed(job, _orderer(tmp_path), transport=httpx.MockTransport(busy))
+    assert busy.calls == 3 == out.attempts and out.generator_calls == 0
+
+
+# -- a slow or failing orderer (issue 78) ------------------------------------------------
+
+
+async def test_reorder_faults_fail_questions_not_the_run_and_a_rerun_fills_them(
+    tmp_path: Path,
+) -> None:
+    """A real rag-reorder server process (the fake backend, cold auto as its default) behind a
+    fault proxy that answers some reorder calls 504 and 503; a fake generator answers."""
+    from tests.app.processes import free_port, server_process
+    from tests.support.fault_proxy import FaultProxy
+
+    env = {"RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles")}
+    args = ["-m", "tests.app.fake_server", "--port", "{port}"]
+    job = _job(tmp_path, targets=tuple(targets(None)), examples=_examples(3))
+    reorder = b"POST /v1/reorder"
+    with server_process(args, tmp_path / "server.log", env) as server:
+        server.wait_ready(60)
+        proxy = FaultProxy(int(server.base_url.rsplit(":", 1)[1]), free_port())
+        try:
+            proxy.set("pass")
+
+            def orderer() -> ServerOrderer:
+                return ServerOrderer(
+                    f"http://127.0.0.1:{proxy.port}",
+                    api_key=None,
+                    timeout_s=30,
+                    retries=1,
+                    concurrency=2,
+                    backoff_s=0.01,
+                )
+
+            # The first reorder call (a cold auto's, alone) meets 504 twice: failed after its
+            # one retry; the next meets 503 and is served on its retry.
+            proxy.answer_next(reorder, 504, 504, 503)
+            gen = Generator()
+            first = await run_deployed(job, orderer(), transport=httpx.MockTransport(gen))
+            assert proxy.scripted == 3
+            report = first.report
+            by = {v["variant"]: v for v in report["variants"]}
+            assert (by["default"]["answered"], by["default"]["failed"]) == (2, 1)
+            assert by["default"]["refused"] == 0 and by["retriever"]["answered"] == 3
+            assert (
+                "HTTP 504: deadline_exceeded: the request did not finish in 600 s"
+                in (by["default"]["failure_example"])
+            )
+            assert "(after 1 retries)" in by["default"]["failure_example"]
+            assert report["compared_on"] == 2 and report["left_out"]["questions"] == 1
+            assert report["left_out"]["why"] == {"default": {"failed": 1}}
+            assert report["verdict"].startswith("On these 2 questions")
+            assert report["verdict"].endswith(
+                "1 of 3 questions are left out of the comparisons (`default` failed on 1): a "
+                "rerun asks them again."
+            )
+            assert all(c["n"] == 2 for c in report["comparisons"])
+            assert "one at a time until it trusts a profile" in report["orders_bound"]
+            md = (tmp_path / "out" / "report.md").read_text()
+            assert "| 2 (1 failed) |" in md and "`default` failed 1 times, e.g. HTTP 504" in md
+            # The rerun asks the failed one again, and only it: no generator call paid twice.
+            again = Generator()
+            second = await run_deployed(job, orderer(), transport=httpx.MockTransport(again))
+        finally:
+            proxy.close()
+    assert second.estimate.todo == 1 and again.calls <= 1
+    by = {v["variant"]: v for v in second.report["variants"]}
+    assert (by["default"]["answered"], by["default"]["failed"]) == (3, 0)
+    assert second.report["compared_on"] == 3 and second.report["left_out"]["questions"] == 0
+    keys = _keys(tmp_path / "out")
+    assert len(keys) == len(set(keys)) == 9
+
+
+async def test_the_orderer_retries_what_is_safe_and_holds_a_cold_auto_to_one_call() -> None:
+    import asyncio
+
+    from offline.evaluation.orderers import OrderFailed, OrderRefused
+    from offline.evaluation.runner import prepare
+
+    state = {"in_flight": 0, "most_cold": 0, "most_warm": 0, "served": 0}
+    script: dict[str, list[Any]] = {}
+    seen: dict[str, int] = {}
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/info":
+            limits = {"max_concurrent_requests": 3}
+            return httpx.Response(200, json={"default_strategy": "auto", "limits": limits})
+        rid = request.headers["X-Request-Id"]
+        seen[rid] = seen.get(rid, 0) + 1
+        todo = script.get(rid)
+        if todo:
+            fault = todo.pop(0)
+            if isinstance(fault, Exception):
+                raise fault
+            return httpx.Response(fault, headers={"Retry-After": "0"}, json={"error": "busy"})
+        state["in_flight"] += 1
+        cold = state["served"] < 3  # trusted from the fourth answer on
+        key = "most_cold" if cold else "most_warm"
+        state[key] = max(state[key], state["in_flight"])
+        await asyncio.sleep(0.02)
+        state["in_flight"] -= 1
+        state["served"] += 1
+        n = len(json.loads(request.content)["passages"])
+        return httpx.Response(
+            200,
+            json={
+                "order": list(range(n)),
+                "strategy": "auto",
+                "auto": {"path": "moi" if cold else "profile"},
+                "usage": {"prompts_scored": 1, "generations": 0, "prompt_tokens": 9},
+            },
+        )
+
+    orderer = ServerOrderer(
+        "http://rr",
+        api_key=None,
+        timeout_s=5,
+        retries=3,
+        concurrency=4,
+        transport=httpx.MockTransport(handle),
+        backoff_s=0.001,
+    )
+    questions = [prepare(ex, None) for ex in _examples(12)]
+    default = targets(None)[0]
+    script["eval-q0-default"] = [httpx.RemoteProtocolError("dropped"), 503, 504]
+    script["eval-q1-default"] = [502] * 4
+    script["eval-q2-default"] = [500]
+    script["eval-q3-default"] = [422]
+    script["eval-q4-default"] = [httpx.ReadTimeout("slow")]
+    got = await asyncio.gather(
+        *(orderer.order(q, default) for q in questions), return_exceptions=True
+    )
+    await orderer.aclose()
+    assert not isinstance(got[0], BaseException) and seen["eval-q0-default"] == 4
+    assert isinstance(got[1], OrderFailed) and seen["eval-q1-default"] == 4
+    assert "HTTP 502: busy (after 3 retries)" in str(got[1])
+    assert isinstance(got[2], OrderFailed) and seen["eval-q2-default"] == 1  # not retried
+    assert type(got[3]) is OrderRefused and got[3].kind == "refused"
+    assert isinstance(got[4], OrderFailed) and seen["eval-q4-default"] == 1  # still running
+    assert all(not isinstance(g, BaseException) for g in got[5:])
+    # One at a time until auto trusted a profile, then up to what /info admits (3 of 4).
+    assert state["most_cold"] == 1 and 1 < state["most_warm"] <= 3
+    assert orderer.bound.startswith("at most 3 reorder calls in flight")

@@ -16,7 +16,10 @@ Rules decided here (docs/evaluation.md, "Your generator, your questions"):
   concurrency, timeouts, backoff on 429/503 and refused connections honouring
   ``Retry-After``; a 502/504 or a call cut mid-way is not retried, since it may have been
   paid); a refusal of the generator (401, 403, 404, or any other answer retrying will not
-  change) or a generator failing after its retries stops the run at once. The reorder
+  change) stops the run at once. A generator call that fails after its retries (a 502/504,
+  a timeout, the generator unreachable) is recorded failed on that question and variant and
+  the run goes on, until ``GENERATOR_FAILURES_IN_A_ROW`` fail with no answer between: then it
+  stops (the generator is down, or loses answers it may have been paid for). The reorder
   server's 401/403/404 stop it too; its other answers are retried or recorded on that
   question and variant (``orderers`` module rules), and the run goes on.
 - **Resumable**: each (question, variant) is appended to ``answers.jsonl`` as it ends (a torn
@@ -61,7 +64,7 @@ from offline.generator_api import (
     run_workers,
 )
 from service.dataset import Example
-from service.errors import InvalidRequest
+from service.errors import EngineTimeout, EngineUnavailable, InvalidRequest
 from service.prompts import api_prompt
 from service.templates import PromptTemplate
 
@@ -227,8 +230,8 @@ async def run_deployed(
     Raises:
         InvalidRequest: bad data or settings, a folder of another evaluation, or the generator
             or reorder server refusing the calls: nothing further is sent.
-        EngineUnavailable, EngineTimeout: a server unreachable or too slow after the retries;
-            the answers so far are kept and a rerun continues.
+        EngineUnavailable, EngineTimeout: the generator failed ``GENERATOR_FAILURES_IN_A_ROW``
+            calls in a row; the answers so far are kept and a rerun continues.
 
     ``dry_run``: estimate and report what is in the folder; call nothing.
     ``transport``: an httpx transport for the generator in place of the network (tests).
@@ -249,6 +252,8 @@ async def run_deployed(
     stop = asyncio.Event()
     unanswered: dict[str, dict[str, int]] = {"failed": {}, "refused": {}}
     """This run's orders failed and refused, per variant (the progress line)."""
+    failing: list[Exception] = []
+    """The generator's failures since its last answer."""
 
     async def answer(q: EvalQuestion, order: list[int]) -> dict[str, Any] | None:
         nonlocal calls
@@ -301,13 +306,21 @@ async def run_deployed(
                     keys = ("answer", "generator_prompt_tokens", "generator_completion_tokens")
                     rec.update({k: prior.get(k) for k in keys}, generator_s=0.0, shared=True)
                 else:
-                    made = await answer(q, got.order)
+                    try:
+                        made = await answer(q, got.order)
+                    except (EngineUnavailable, EngineTimeout) as exc:
+                        made = _generator_failed(exc, failing)
+                        log.warning("%s on %s: %s", t.label, q.id, made["error"])
+                    else:
+                        failing.clear()
                     if made is None:
                         return
                     rec.update(made)
-                    answered[tuple(got.order)] = rec
-                scores = score_answer(rec["answer"], q.answers)
-                rec.update(accuracy=scores.accuracy, em=scores.em, f1=scores.f1)
+                    if rec.get("error") is None:
+                        answered[tuple(got.order)] = rec
+                if rec.get("error") is None:
+                    scores = score_answer(rec["answer"], q.answers)
+                    rec.update(accuracy=scores.accuracy, em=scores.em, f1=scores.f1)
             run_folder.append(answers_path, rec)
             if rec.get("error") is None:
                 done[(q.id, t.label)] = rec
@@ -336,6 +349,23 @@ async def run_deployed(
     report = build_report(job, questions, done, orderer.describe, errors, orderer.bound)
     files = write_report(job.out, report)
     return DeployedOutcome(est, calls, client.attempts, report, files)
+
+
+GENERATOR_FAILURES_IN_A_ROW = 3
+"""Generator failures with no answer between them that stop the run (module rules)."""
+
+
+def _generator_failed(
+    exc: EngineUnavailable | EngineTimeout, failing: list[Exception]
+) -> dict[str, Any]:
+    """One generator call failed after its retries, never retried since it may have been paid:
+    that question's variant is recorded failed and the run goes on, unless the generator has
+    failed ``GENERATOR_FAILURES_IN_A_ROW`` times without an answer between (it is down, or
+    every call is lost after it ran: going on would pay for nothing), then ``exc`` is raised."""
+    failing.append(exc)
+    if len(failing) >= GENERATOR_FAILURES_IN_A_ROW:
+        raise exc
+    return {"error": f"the generator: {exc.message} (not retried)", "error_kind": "failed"}
 
 
 def _postfix(unanswered: dict[str, dict[str, int]]) -> str:

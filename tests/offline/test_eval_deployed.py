@@ -667,3 +667,28 @@ async def test_the_orderer_retries_what_is_safe_and_holds_a_cold_auto_to_one_cal
     # One at a time until auto trusted a profile, then up to what /info admits (3 of 4).
     assert state["most_cold"] == 1 and 1 < state["most_warm"] <= 3
     assert orderer.bound.startswith("at most 3 reorder calls in flight")
+
+
+async def test_a_failed_generator_call_is_recorded_not_retried_and_three_in_a_row_stop(
+    tmp_path: Path,
+) -> None:
+    from service.errors import EngineUnavailable
+
+    one = _job(tmp_path, endpoint=GeneratorEndpoint("http://g/v1", "mine", concurrency=1))
+    gen = Generator(fail={2: 504})  # may have run: never sent again in this run
+    out = await run_deployed(one, _orderer(tmp_path), transport=httpx.MockTransport(gen))
+    failed = [v for v in out.report["variants"] if v["failed"]]
+    assert [v["failed"] for v in failed] == [1] and gen.calls == out.attempts
+    assert failed[0]["failure_example"].startswith("the generator: the engine failed")
+    assert out.report["left_out"]["questions"] == 1
+    again = Generator()
+    rerun = await run_deployed(one, _orderer(tmp_path), transport=httpx.MockTransport(again))
+    assert rerun.estimate.todo == 1 and again.calls == 1 and rerun.report["compared_on"] == 6
+    down = Generator(fail={2: 504, 3: 504, 4: 502})
+    with pytest.raises(EngineUnavailable):
+        await run_deployed(
+            _job(tmp_path, out=tmp_path / "down", endpoint=one.endpoint),
+            _orderer(tmp_path),
+            transport=httpx.MockTransport(down),
+        )
+    assert down.calls == 4

@@ -40,10 +40,17 @@ until curl -sf "http://127.0.0.1:$VPORT/v1/models" >/dev/null \
     kill -0 $vllm $server || { tail -20 "$OUT"/state/*.log; exit 1; }
     sleep 2
 done
+# Toward the orderer (issue 78): the cold server's `auto` runs MoI on every request, and four
+# at once on this CPU queued one past the 600 s deadline (504). So `eval` reads the server's
+# /info, sends the calls that teach `auto` one at a time until it answers by a trusted profile
+# (then up to --concurrency, never more than /info's max_concurrent_requests), and logs that
+# bound at its start and in report.md. A reorder call answered 502/503/504 or cut is retried
+# (--reorder-retries, 5, honouring Retry-After); one still failing is recorded on its question,
+# the run goes on, and running this script again asks it again.
 .venv/bin/rag-reorder eval --data "$DATA/nq_open_dev.jsonl" --limit "${QUESTIONS:-200}" \
     --max-passages 10 --generator-url "http://127.0.0.1:$VPORT/v1" --generator-model "$MODEL" \
     --reorder-url "http://127.0.0.1:$RPORT" --timeout 600 --reorder-timeout 900 --concurrency "${CONCURRENCY:-4}" --no-progress \
-    --out "$OUT"
+    --reorder-retries 5 --out "$OUT"
 .venv/bin/python eval/compare_deployed.py --deployed "$OUT" \
     --in-process eval/results/nq_open_dev --auto-stream bench/results/auto_stream_smollm2 \
     --out "$OUT/agreement"

@@ -215,7 +215,8 @@ class ServerOrderer:
         admits = limits.get("max_concurrent_requests")
         if isinstance(admits, int) and admits > 0:
             cap = min(cap, admits)
-        self._default_learns = info.get("default_strategy") == "auto"
+        # Unknown (no /info): taken as auto, the shipped default, until an answer says.
+        self._default_learns = info.get("default_strategy", "auto") == "auto"
         for p in (info.get("auto") or {}).get("profiles") or []:
             if p.get("trusted") and isinstance(p.get("slots"), int):
                 self._trusted.add(p["slots"])
@@ -247,7 +248,8 @@ class ServerOrderer:
         if slots is not None and slots not in self._trusted:
             # The cold lock first: a call waiting for it holds no slot the others could use.
             async with self._cold:
-                if slots not in self._trusted:  # the call before may have lifted it
+                # The call before may have lifted it (a trusted profile, or no auto at all).
+                if self._learns(target) and slots not in self._trusted:
                     async with calls:
                         return await self._order(q, target, slots)
         async with calls:
@@ -284,6 +286,8 @@ class ServerOrderer:
                 f"{self.describe}/v1/reorder did not answer a reorder response: {exc!r}",
                 param="reorder_url",
             ) from exc
+        if slots is not None and target.body.get("strategy") is None and got.strategy != "auto":
+            self._default_learns = False  # the server's default learns nothing
         if slots is not None and got.path in _TRUSTED_PATHS and slots not in self._trusted:
             self._trusted.add(slots)
             log.info("auto trusts a profile for %d slots: its calls now run up to the bound", slots)

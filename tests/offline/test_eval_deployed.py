@@ -692,3 +692,38 @@ async def test_a_failed_generator_call_is_recorded_not_retried_and_three_in_a_ro
             transport=httpx.MockTransport(down),
         )
     assert down.calls == 4
+
+
+async def test_without_info_the_gate_holds_until_the_default_shows_it_is_not_auto() -> None:
+    import asyncio
+
+    from offline.evaluation.runner import prepare
+
+    state = {"in_flight": 0, "most": 0, "served": 0}
+
+    async def handle(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/info":
+            return httpx.Response(404, json={"error": "no"})
+        state["in_flight"] += 1
+        state["most"] = max(state["most"], state["in_flight"])
+        await asyncio.sleep(0.02)
+        state["in_flight"] -= 1
+        state["served"] += 1
+        usage = {"prompts_scored": 0, "generations": 0, "prompt_tokens": 0}
+        return httpx.Response(200, json={"order": [0, 1, 2, 3], "strategy": "bm25", "usage": usage})
+
+    orderer = ServerOrderer(
+        "http://rr",
+        api_key=None,
+        timeout_s=5,
+        retries=0,
+        concurrency=4,
+        transport=httpx.MockTransport(handle),
+    )
+    questions = [prepare(ex, None) for ex in _examples(9)]
+    default = targets(None)[0]
+    await orderer.order(questions[0], default)  # alone: a cold auto, as far as it knows
+    assert state["most"] == 1
+    await asyncio.gather(*(orderer.order(q, default) for q in questions[1:]))
+    await orderer.aclose()
+    assert state["served"] == 9 and state["most"] == 4

@@ -14,8 +14,9 @@ use unchanged (at any passage count: placement resamples a profile by relative p
 One OpenAI-compatible client covers OpenAI, Azure, vLLM, SGLang, Ollama and LiteLLM proxies:
 ``/chat/completions`` (chat models; the server applies the model's chat template) or
 ``/completions`` (base models, with a ``completion`` prompt template). Calls go through
-``EngineClient``: bounded concurrency, timeouts, retries with backoff and jitter on 429, 502,
-503, 504 and connection errors, honouring ``Retry-After``. Every answer is appended to
+``EngineClient``: bounded concurrency, timeouts, retries with backoff and jitter on 429, 503
+and refused connections, honouring ``Retry-After`` (never of a 502, 504 or cut call, which may
+have run and been paid). Every answer is appended to
 ``answers.jsonl`` in the output folder as it arrives, so a killed run continues where it
 stopped; ``max_calls`` bounds the HTTP attempts of one invocation, retries included (a retry
 is counted even when it provably did no billed work: the budget is what was sent).

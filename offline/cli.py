@@ -208,7 +208,13 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
     )
     g.add_argument("--concurrency", type=int, default=4, help="questions in flight")
     g.add_argument("--timeout", type=float, default=120.0, help="seconds per generator call")
-    g.add_argument("--retries", type=int, default=5, help="retries of 429/502-504 and refusals")
+    g.add_argument(
+        "--retries",
+        type=int,
+        default=5,
+        help="retries of a call refused with 429 or 503 or a refused connection (never of "
+        "a 502, 504 or cut call: it may have run and been paid)",
+    )
     g.add_argument(
         "--dry-run", action="store_true", help="print the cost estimate and call nothing"
     )
@@ -283,7 +289,13 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
     pg.add_argument("--concurrency", type=int, default=4, help="calls in flight")
     pg.add_argument("--max-tokens", type=int, default=32, help="answer tokens per call")
     pg.add_argument("--timeout", type=float, default=120.0, help="seconds per call")
-    pg.add_argument("--retries", type=int, default=5, help="retries of 429/502-504 and refusals")
+    pg.add_argument(
+        "--retries",
+        type=int,
+        default=5,
+        help="retries of a call refused with 429 or 503 or a refused connection (never of "
+        "a 502, 504 or cut call: it may have run and been paid)",
+    )
     pg.add_argument("--no-logprobs", action="store_true", help="do not ask for output log-probs")
     pg.add_argument("--seed", type=int, default=0, help="the distractors' arrangement")
     pg.add_argument("--alpha", type=float, default=0.05, help="level of the flatness test")

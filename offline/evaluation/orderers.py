@@ -171,9 +171,17 @@ class ServerOrderer:
         """May hold credentials: shown as ``describe``."""
         self._retries = retries
         self._backoff_s = backoff_s
+        bearer = f"Bearer {api_key}" if api_key else None
+
+        def auth(request: httpx.Request) -> httpx.Request:
+            # As auth, not a header: httpx would replace a header by the URL's credentials.
+            if bearer is not None:
+                request.headers["Authorization"] = bearer
+            return request
+
         self._http = httpx.AsyncClient(
             base_url=self.base_url,
-            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            auth=auth if api_key else None,
             timeout=httpx.Timeout(timeout_s, connect=10.0, pool=None),
             limits=httpx.Limits(max_connections=concurrency),
             transport=transport,

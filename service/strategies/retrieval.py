@@ -43,6 +43,10 @@ def bm25_scores(query: str, documents: Sequence[str]) -> np.ndarray:
     import bm25s  # imported on first use: the server's start does not pay for it
 
     corpus = bm25s.tokenize(list(documents), stopwords="en", show_progress=False)
+    if not any(len(ids) for ids in corpus.ids):
+        # Stop words, single characters or emoji only: bm25s cannot index an empty corpus
+        # (it raises on the empty vocabulary), and no query token could occur in it anyway.
+        return np.zeros(len(documents), dtype=np.float64)
     index = bm25s.BM25(method="lucene", k1=K1, b=B)
     index.index(corpus, show_progress=False)
     words = bm25s.tokenize([query], stopwords="en", show_progress=False, return_ids=False)[0]

@@ -43,6 +43,16 @@ def test_bm25_matches_the_lucene_formula_by_hand() -> None:
     assert list(bm25_scores("the of a", DOCS)) == [0.0, 0.0, 0.0]
 
 
+@pytest.mark.parametrize(
+    "docs", [["a b", "c d"], ["the of", "and a"], ["x", "y"], ["\U0001f600", "\U0001f389"]]
+)
+def test_bm25_scores_zeros_when_no_passage_has_an_indexable_token(docs: list[str]) -> None:
+    # bm25s cannot index an empty vocabulary (it raised "max() arg is an empty sequence").
+    assert bm25_scores("what is the river", docs).tolist() == [0.0] * len(docs)
+    # One indexable passage among them still scores.
+    assert bm25_scores("river", [*docs, "river flows"])[-1] > 0
+
+
 def test_dense_ranks_a_toy_set_by_meaning() -> None:
     """all-MiniLM-L6-v2 from the vendored wheel: paraphrases beat unrelated text, with no
     word in common with the query ("feline" vs "cat")."""

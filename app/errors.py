@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 from starlette.types import Scope
 
 from app.exceptions import (
@@ -159,6 +160,8 @@ def error_response(scope: Scope, exc: ReorderError) -> JSONResponse:
         headers["Retry-After"] = str(retry)
     if kind.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
+    if isinstance(exc, MethodNotAllowed) and exc.allow:
+        headers["Allow"] = ", ".join(exc.allow)
     if ctx is not None:
         ctx.metrics.failures.labels(kind.type, exc.code).inc()
     return JSONResponse({"error": body}, status_code=kind.status, headers=headers)
@@ -219,13 +222,44 @@ async def _on_http_exception(request: Request, exc: Exception) -> JSONResponse:
     if exc.status_code == 404:
         err = RouteNotFound(f"no route {request.url.path}")
     elif exc.status_code == 405:
-        err = MethodNotAllowed(f"{request.method} is not allowed on {request.url.path}")
+        allow = _allowed_methods(request)
+        err = MethodNotAllowed(
+            f"{request.method} is not allowed on {request.url.path}; it answers "
+            f"{', '.join(allow) or 'no method'}",
+            allow=allow,
+        )
     elif exc.status_code < 500:
         # FastAPI raises 400 for a body it cannot decode (e.g. not UTF-8).
         err = MalformedRequest(f"the request body could not be read: {exc.detail}")
     else:
         err = ServerError("internal error")
     return error_response(request.scope, err)
+
+
+_METHODS: Final = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+
+
+def _allowed_methods(request: Request) -> tuple[str, ...]:
+    """The methods some route of the app answers on the request's path, found by asking each
+    route whether it would take the path with that method.
+
+    Starlette's own ``Allow`` names only the first route whose path matched; a path served by
+    two routes (a GET and a POST) would lose the second. A fresh scope, not the request's:
+    routing has rewritten that one for the route it tried.
+    """
+    allowed: list[str] = []
+    for method in _METHODS:
+        scope = {
+            "type": "http",
+            "method": method,
+            "path": request.scope["path"],
+            "root_path": request.scope.get("root_path", ""),
+            "headers": [],
+            "query_string": b"",
+        }
+        if any(route.matches(scope)[0] is Match.FULL for route in request.app.router.routes):
+            allowed.append(method)
+    return tuple(allowed)
 
 
 def install_error_handlers(app: FastAPI) -> None:

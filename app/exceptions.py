@@ -26,6 +26,11 @@ class RouteNotFound(ClientError):
 class MethodNotAllowed(ClientError):
     code = "method_not_allowed"
 
+    def __init__(self, message: str, *, allow: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.allow = allow
+        """The methods the path answers: the response's ``Allow`` header (RFC 9110, 15.5.6)."""
+
 
 class MalformedRequest(ClientError):
     """The body could not be read as a request at all (not UTF-8, not JSON)."""

@@ -532,6 +532,26 @@ async def test_404_and_405_use_the_envelope(served: Harness) -> None:
 
 
 @pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [
+        ("GET", "/v1/reorder", "POST"),
+        ("PUT", "/v1/rerank", "POST"),
+        ("POST", "/health", "GET"),
+        # Two routes answer this path (the POST and GET /v1/bias-profiles/{profile_id}):
+        # both are named, not only the first one matched.
+        ("DELETE", "/v1/bias-profiles/calibrate", "GET, POST"),
+    ],
+)
+async def test_405_names_the_allowed_methods(
+    served: Harness, method: str, path: str, allow: str
+) -> None:
+    r = await served.client.request(method, path)
+    err = envelope(r, 405, "method_not_allowed")
+    assert r.headers["allow"] == allow  # RFC 9110 15.5.6: a 405 must carry Allow
+    assert allow in err["message"]
+
+
+@pytest.mark.parametrize(
     ("reorder", "param", "code"),
     [
         ({"design": {"kind": "cyclic"}}, "reorder.design.kind", "unidentifiable_design"),

@@ -33,7 +33,7 @@ from app.exceptions import (
     ValidationFailed,
     WritesClosed,
 )
-from app.schemas import ErrorEnvelope, ErrorType
+from app.schemas import NOT_BLANK, ErrorEnvelope, ErrorType
 from app.state import context_of, request_id_of
 from service.errors import (
     BackendUnavailable,
@@ -194,12 +194,20 @@ def validation_error(exc: RequestValidationError) -> ReorderError:
             f"request body is not valid JSON: {first.get('ctx', {}).get('error', 'parse error')}"
         )
     param = _param(tuple(first.get("loc", ())))
+    more = f"; and {len(errors) - 1} more error(s)" if len(errors) > 1 else ""
+    if first.get("type") == "string_pattern_mismatch" and (
+        first.get("ctx", {}).get("pattern") == NOT_BLANK
+    ):
+        # The pattern spells out every whitespace character: say what it means, with the
+        # code the service gave a blank text before the schema said so (invalid_request).
+        return InvalidRequest(
+            f"{param} is empty: it holds only whitespace (got {_echo(first.get('input'))})" + more,
+            param=param,
+        )
     msg = str(first.get("msg", "invalid value"))
     if "input" in first and first.get("type") != "missing":
         msg += f" (got {_echo(first['input'])})"
-    if len(errors) > 1:
-        msg += f"; and {len(errors) - 1} more error(s)"
-    return ValidationFailed(f"{param or 'body'}: {msg}", param=param)
+    return ValidationFailed(f"{param or 'body'}: {msg}{more}", param=param)
 
 
 async def _on_reorder_error(request: Request, exc: Exception) -> JSONResponse:

@@ -36,6 +36,30 @@ MAX_ANSWER_TOKENS = 1024
 MAX_CALIBRATION_QUERIES = 4096
 
 Strategy = StrategyName
+
+
+def _whitespace_class() -> str:
+    """The characters ``str.strip`` removes (``str.isspace``), as a regex class body of
+    ``\\uHHHH`` ranges: ECMA 262 (the OpenAPI document's), Rust (pydantic's) and Python read
+    it alike, where ``\\s`` differs between them (U+001C-U+001F, U+0085, U+FEFF)."""
+    # All of them are in the Basic Multilingual Plane (tests/app/test_schema_text.py).
+    spaces = [c for c in range(0x10000) if chr(c).isspace()]
+    runs: list[tuple[int, int]] = []
+    for c in spaces:
+        if runs and runs[-1][1] == c - 1:
+            runs[-1] = (runs[-1][0], c)
+        else:
+            runs.append((c, c))
+    return "".join(f"\\u{a:04x}" if a == b else f"\\u{a:04x}-\\u{b:04x}" for a, b in runs)
+
+
+NOT_BLANK = f"[^{_whitespace_class()}]"
+"""Pattern of a text with a character that is not whitespace: what the server needs of a
+query, a passage and a document (``service.prompts`` refuses one that strips to nothing), so
+the schema says it and a blank one is refused by name before any work."""
+
+QueryText = Annotated[str, Field(min_length=1, max_length=MAX_QUERY_CHARS, pattern=NOT_BLANK)]
+PassageText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS, pattern=NOT_BLANK)]
 PlacementName = Placement
 ResultsOrder = Literal["ranking", "placement"]
 ErrorType = Literal[
@@ -71,7 +95,7 @@ class _Lenient(_Model):
 class PassageIn(_Strict):
     """A retrieved passage. A bare JSON string is accepted as ``{"text": ...}``."""
 
-    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    text: PassageText
     title: str | None = Field(default=None, max_length=MAX_TITLE_CHARS)
     id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     score: float | None = Field(default=None, allow_inf_nan=False)
@@ -83,7 +107,9 @@ def _text_object(value: Any) -> Any:
 
 
 PassageItem = Annotated[
-    PassageIn, BeforeValidator(_text_object, json_schema_input_type=str | PassageIn)
+    PassageIn,
+    # The bare string is the passage's text: the same bounds as ``PassageIn.text``.
+    BeforeValidator(_text_object, json_schema_input_type=PassageText | PassageIn),
 ]
 
 
@@ -254,7 +280,7 @@ class RerankOptions(ReorderOptions):
 class ReorderBody(ReorderOptions):
     """`POST /v1/reorder`."""
 
-    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    query: QueryText
     passages: list[PassageItem] = Field(min_length=1, max_length=MAX_PASSAGES)
     top_n: int | None = Field(default=None, ge=1, le=MAX_PASSAGES)
     """Keep the top_n best passages in `order` (all passages are still scored)."""
@@ -264,7 +290,7 @@ class CalibrationQueryIn(_Strict):
     """One query of a calibration set with its passages (in any order: the design permutes
     them)."""
 
-    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    query: QueryText
     passages: list[PassageItem] = Field(min_length=2, max_length=MAX_PASSAGES)
 
 
@@ -302,11 +328,12 @@ class CalibrateBody(_Strict):
 
 
 class RerankDocument(_Lenient):
-    text: str = Field(min_length=1, max_length=MAX_TEXT_CHARS)
+    text: PassageText
 
 
 DocumentItem = Annotated[
-    RerankDocument, BeforeValidator(_text_object, json_schema_input_type=str | RerankDocument)
+    RerankDocument,
+    BeforeValidator(_text_object, json_schema_input_type=PassageText | RerankDocument),
 ]
 
 
@@ -318,7 +345,7 @@ class RerankBody(_Lenient):
 
     model: str | None = Field(default=None, max_length=256)
     """Accepted for compatibility and ignored: the service scores with its own model."""
-    query: str = Field(min_length=1, max_length=MAX_QUERY_CHARS)
+    query: QueryText
     documents: list[DocumentItem] = Field(min_length=1, max_length=MAX_PASSAGES)
     top_n: int | None = Field(default=None, ge=0, le=MAX_PASSAGES)
     """0 or absent: all documents."""

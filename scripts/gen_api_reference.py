@@ -52,7 +52,18 @@ def _bounds(schema: Schema) -> str:
             if isinstance(value, float) and value.is_integer():
                 value = int(value)
             parts.append(f"{label} {value}")
+    pattern = schema.get("pattern")
+    if pattern is not None:
+        parts.append(_pattern(pattern))
     return ", ".join(parts)
+
+
+def _pattern(pattern: str) -> str:
+    # app.schemas.NOT_BLANK spells out every character str.isspace() knows (tab to space
+    # first); shown by what it means, not by its forty characters of escapes.
+    if pattern.startswith("[^\\u0009-\\u000d") and "\\u0020" in pattern:
+        return "not only whitespace"
+    return f"pattern `{pattern}`"
 
 
 def type_of(schema: Schema) -> str:

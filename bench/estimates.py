@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -63,6 +64,8 @@ def one(client: httpx.Client, url: str, question: Any, strategy: str) -> dict[st
         "question": question.id,
         "status": r.status_code,
         "elapsed_s": round(time.perf_counter() - t, 3),
+        # The machine's load when it ended: "quiet" is only quiet if nothing else ran.
+        "load_1m": round(os.getloadavg()[0], 2),
     }
     data = r.json()
     if r.status_code == 200:
@@ -123,6 +126,11 @@ def summarise(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
                 else None
             ),
             "elapsed_s_max": max(r["elapsed_s"] for r in mine),
+            "load_1m_median": (
+                statistics.median(r["load_1m"] for r in mine if "load_1m" in r)
+                if any("load_1m" in r for r in mine)
+                else None
+            ),
             "504": sum(r["status"] == 504 for r in mine),
         }
     return out
@@ -149,7 +157,14 @@ def table(summary: dict[str, dict[str, Any]], condition: str, note: str) -> str:
             f"{s['elapsed_s_max']:.1f} |"
         )
     n504 = sum(s["504"] for s in summary.values())
+    loads = [s["load_1m_median"] for s in summary.values() if s["load_1m_median"] is not None]
     lines += ["", f"{n504} admitted request(s) got a 504."]
+    if loads:
+        load = statistics.median(loads)
+        lines.append(
+            f"Machine load (1-minute average) at the requests' ends: median {load:.1f} on "
+            f"{os.cpu_count()} CPUs."
+        )
     return "\n".join(lines) + "\n"
 
 

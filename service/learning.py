@@ -133,6 +133,9 @@ class KeyStatus:
     """Monotonic time of the last assessment."""
     stamp: object = None
     """``ProfileStore.stamp`` of the stored profile when last read."""
+    watermark: object = field(default_factory=object)
+    """``RunSpool.watermark`` of the runs the last completed assessment saw (at first a
+    value no spool returns): it is assessed again only once it moves."""
 
     @property
     def trusted(self) -> bool:
@@ -434,24 +437,37 @@ class ProfileLearner:
         # Every run recorded until now is in the pool once the writer is flushed.
         recorded = self._recorded.get(key, 0)
         await anyio.to_thread.run_sync(lambda: self._writer.submit(lambda: None).result())
+        # Gated on the pool's watermark, not its length: at auto_max_runs each new run pushes
+        # the oldest out and the length stays put, and a key gated on it was never tested for
+        # drift again (nor an undecided one reassessed). The watermark moves on every append.
+        mark = await anyio.to_thread.run_sync(self.runs.watermark, key.sample())
+        if mark == st.watermark:
+            self._recorded[key] = self._recorded.get(key, 0) - recorded
+            return
         since = st.stored.trust.learning_since if st.stored and st.stored.trust else None
         runs = await anyio.to_thread.run_sync(lambda: self.runs.runs(key.sample(), since=since))
         self._recorded[key] = self._recorded.get(key, 0) - recorded
-        if len(runs) == st.pooled_runs and st.last is not None:
-            return
         # Taken and given back in a worker thread: with Redis each is a network call.
         name, ttl = lock_name(key.model, key.template, key.slots), self.settings.auto_lock_ttl_s
         token = await anyio.to_thread.run_sync(self.locks.acquire, name, ttl)
         if token is None:
             return  # another replica assesses; its result is read on the next reload
+        failed: Exception | None = None
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._keep_lock, name, token, tg.cancel_scope)
-                await self._assess(st, runs)
+                try:
+                    await self._assess(st, runs)
+                    # Only once assessed and stored: a failed store is tried again next cycle.
+                    st.watermark = mark
+                except Exception as exc:  # raised below as itself, not in an ExceptionGroup
+                    failed = exc
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):
                 await anyio.to_thread.run_sync(self.locks.release, name, token)
+        if failed is not None:
+            raise failed
 
     async def _keep_lock(self, name: str, token: str, assessment: anyio.CancelScope) -> None:
         """Refresh the held lock every third of its expiry while an assessment runs, so a

@@ -274,3 +274,66 @@ async def test_a_slow_assessment_refreshes_its_lock(
     assert b.locks.acquire(name, 0.3) is not None  # released once done
     a.close()
     b.close()
+
+
+def explore_decision(lr: ProfileLearner) -> Decision:
+    """An explore request's decision (built here: whether ``decide`` draws one also depends
+    on the background queue, which these tests do not run)."""
+    st = lr._status[KEY]
+    assert st.trusted and st.stored is not None
+    return Decision("explore", "test", st.stored, KEY)
+
+
+async def test_drift_is_still_tested_once_the_pool_is_full(tmp_path: Path) -> None:
+    # At auto_max_runs the pool's length stops changing (each run pushes the oldest out);
+    # the drift test must not stop with it.
+    lr = learner(tmp_path, auto_max_runs=10, auto_explore_rate=1.0)
+    await feed(lr, lr.decide(MODEL, TEMPLATE, N, None), 10, bias_shape("recency", 5))
+    assert lr.decide(MODEL, TEMPLATE, N, None).path in ("profile", "explore")
+    rng = np.random.default_rng(1)
+    for _ in range(4):  # the generator changed: reversed
+        for _ in range(5):
+            assert lr.record(explore_decision(lr), *run(bias_shape("primacy", 5), rng))
+        await lr.cycle(KEY)
+        if lr.counters.drift_events:
+            break
+    assert lr.counters.drift_events == 1
+    assert lr.decide(MODEL, TEMPLATE, N, None).path == "moi"
+    lr.close()
+
+
+async def test_an_undecided_key_at_the_cap_is_reassessed(tmp_path: Path) -> None:
+    lr = learner(tmp_path, auto_max_runs=10, auto_explore_rate=0.0)
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    rng = np.random.default_rng(0)
+    for _ in range(10):  # scores that are noise: nothing can be told from them
+        perms = solver.plan("pruned_random", N, seed=0)
+        assert lr.record(d, perms, rng.normal(size=perms.shape[0]))
+    await lr.cycle(KEY)
+    assert lr.decide(MODEL, TEMPLATE, N, None).path == "moi"
+    # The pool is full; ten clear runs replace the noise and must be assessed.
+    await feed(lr, d, 10, bias_shape("recency", 5))
+    assert lr.decide(MODEL, TEMPLATE, N, None).path == "profile"
+    lr.close()
+
+
+async def test_a_failed_store_is_tried_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    lr = learner(tmp_path, auto_explore_rate=0.0)
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        assert lr.record(d, *run(bias_shape("recency", 5), rng))
+
+    def full(**kw: Any) -> None:
+        raise OSError("No space left on device")
+
+    monkeypatch.setattr(lr.profiles, "put", full)
+    with pytest.raises(OSError, match="No space"):
+        await lr.cycle(KEY)  # run_forever logs it and counts a failed recalibration
+    monkeypatch.undo()
+    await lr.cycle(KEY)  # no new run, but the trusted profile was never stored
+    assert lr.decide(MODEL, TEMPLATE, N, None).path == "profile"
+    assert lr.profiles.get(MODEL, TEMPLATE, 5) is not None
+    lr.close()

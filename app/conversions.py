@@ -116,6 +116,8 @@ def adaptive_out(a: AdaptiveReport | None) -> AdaptiveOut | None:
         confidence=a.confidence,
         target=a.target,
         bias=a.bias,
+        bias_profile=a.bias_profile,
+        bias_basis=a.bias_basis,
     )
 
 

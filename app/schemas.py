@@ -537,6 +537,13 @@ class AdaptiveOut(_Model):
     bias: Literal["profile", "resampled_profile", "fitted"]
     """The bias the fit used: the stored profile for these slots, a stored profile of another
     slot count resampled, or fitted jointly with the utilities."""
+    bias_profile: str | None = None
+    """The stored profile the bias was fixed at (null: fitted)."""
+    bias_basis: Literal["trusted", "data_oriented"] | None = None
+    """Why it could be: `trusted` (`auto` or a calibration found it trustworthy) or
+    `data_oriented` (an operator's calibration oriented by data, with no verdict against it).
+    A profile `auto` has not trusted (still learning, or after a drift) is never fixed; a
+    warning names one passed over."""
 
 
 class DiagnosticsOut(_Model):

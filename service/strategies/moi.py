@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from service.profile_store import StoredProfile
 
 BiasSource = Literal["profile", "resampled_profile", "fitted"]
+BiasBasis = Literal["trusted", "data_oriented"]
 
 # The default design: adaptive (solver.adaptive) spends at most half pruned random's prompt
 # tokens and, on SmolLM2 with NQ-Open and HotpotQA, answered no worse (docs/evaluation.md,
@@ -208,7 +209,7 @@ class MoI:
         spec = request.design
         seed = self._seed(request, work.settings) if spec.seed is None else spec.seed
         slots = adaptive.default_slots(n) if spec.prompt_passages is None else spec.prompt_passages
-        profile, bias, source = _adaptive_bias(work, slots, n)
+        profile, bias, source, skipped = _adaptive_bias(work, slots, n)
         p = adaptive_plan(spec, n, fixed_bias=bias is not None)
         if p.small:
             profile, bias, source = None, None, "fitted"
@@ -246,13 +247,19 @@ class MoI:
             confidence=reached,
             target=p.confidence,
             bias=source,
+            bias_profile=profile.id if profile is not None else None,
+            bias_basis=bias_basis(profile) if profile is not None else None,
         )
         # A fixed bias is the model's stored profile: bias_matched places by its profile for
         # the request's N slots (as the profile-first path does), not by the fit's few slots
-        # resampled, when one is stored.
-        place = None if bias is None else work.profiles.for_slots(work.model_id, work.template, n)
+        # resampled, when one it may use is stored.
+        place = None
+        if bias is not None:
+            place, _ = _usable(work, n)
+            place = place or profile
         outcome = _outcome(work, request, fit, "adaptive", p.slots, profile, place_by=place)
-        return ScoredOutcome(replace(outcome, adaptive=report), rows, scores)
+        warnings = outcome.warnings + tuple(skipped)
+        return ScoredOutcome(replace(outcome, adaptive=report, warnings=warnings), rows, scores)
 
 
 def adaptive_plan(spec: DesignSpec, n: int, *, fixed_bias: bool) -> adaptive.AdaptivePlan:
@@ -279,20 +286,72 @@ def adaptive_plan(spec: DesignSpec, n: int, *, fixed_bias: bool) -> adaptive.Ada
         raise InvalidRequest(str(exc), param="design") from None
 
 
+def bias_basis(profile: StoredProfile) -> BiasBasis | None:
+    """On what ground the adaptive design may fix its bias at ``profile``: ``trusted`` (its
+    trust figures say so), ``data_oriented`` (an operator's calibration, oriented by data,
+    with no verdict against it); ``None`` when it may not: a profile ``auto`` learned and
+    has not trusted (still learning, or rejected after a drift), or one oriented by a prior.
+
+    A fixed bias is taken as true: the fit, the stop rule's confidence and the placement all
+    rest on it, so a profile ``auto`` itself would not place by must not be fixed either.
+    """
+    trust = profile.trust
+    if trust is not None:
+        if trust.trusted:
+            return "trusted"
+        if trust.source == "traffic":
+            return None
+    return "data_oriented" if profile.oriented_by in ("data", "profile") else None
+
+
+def _usable(work: Work, slots: int) -> tuple[StoredProfile | None, str | None]:
+    """The stored profile for ``slots`` if the adaptive design may fix it (``bias_basis``),
+    and why not when one is stored that it may not."""
+    profile = work.profiles.get(work.model_id, work.template, slots)
+    if profile is None:
+        return None, None
+    if bias_basis(profile) is not None:
+        return profile, None
+    why = profile.trust.reason if profile.trust is not None else "oriented by a prior"
+    return None, (
+        f"the stored bias profile {profile.id!r} is not trusted ({why}): the adaptive design "
+        "did not fix its bias at it"
+    )
+
+
 def _adaptive_bias(
     work: Work, slots: int, n: int
-) -> tuple[StoredProfile | None, np.ndarray | None, BiasSource]:
+) -> tuple[StoredProfile | None, np.ndarray | None, BiasSource, list[str]]:
     """The bias an adaptive design fixes: the stored profile for its slots, else a stored
-    data-oriented profile of another slot count resampled; else none (fitted jointly)."""
+    data-oriented profile of another slot count resampled; else none (fitted jointly). Only
+    a profile ``bias_basis`` allows is fixed; each stored one passed over is named in the
+    returned warnings."""
     if n < 2:
-        return None, None, "fitted"
-    profile = work.profiles.get(work.model_id, work.template, slots)
+        return None, None, "fitted", []
+    profile, why = _usable(work, slots)
+    skipped = [why] if why is not None else []
     if profile is not None:
-        return profile, np.asarray(profile.coefficients, dtype=np.float64), "profile"
-    orienting = work.profiles.orienting(work.model_id, work.template)
-    if orienting is not None:
-        return orienting, solver.resample(orienting.coefficients, slots), "resampled_profile"
-    return None, None, "fitted"
+        return profile, np.asarray(profile.coefficients, dtype=np.float64), "profile", skipped
+    found = [
+        p
+        for p in work.profiles.list()
+        if p.model == work.model_id
+        and p.template == work.template
+        and p.oriented_by == "data"
+        and p.slots != slots
+    ]
+    allowed = [p for p in found if bias_basis(p) is not None]
+    if not allowed and found:
+        best = max(found, key=lambda p: p.slots)
+        skipped.append(
+            f"the stored bias profile {best.id!r} is not trusted: the adaptive design did not "
+            "fix its bias at it"
+        )
+    if allowed:
+        orienting = max(allowed, key=lambda p: p.slots)
+        coef = solver.resample(orienting.coefficients, slots)
+        return orienting, coef, "resampled_profile", skipped
+    return None, None, "fitted", skipped
 
 
 async def _fit(

@@ -246,6 +246,11 @@ class AdaptiveReport:
     bias: Literal["profile", "resampled_profile", "fitted"]
     """Where the bias came from: the stored profile for these slots, a stored profile of
     another slot count resampled, or the joint fit."""
+    bias_profile: str | None = None
+    """The id of the stored profile the bias was fixed at (``None``: fitted)."""
+    bias_basis: Literal["trusted", "data_oriented"] | None = None
+    """Why that profile could be fixed: ``auto`` trusts it, or an operator's calibration
+    oriented it by data (``strategies.moi.bias_basis``)."""
 
 
 @dataclass(frozen=True)

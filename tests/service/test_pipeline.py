@@ -270,6 +270,51 @@ async def test_a_clear_leader_stops_the_adaptive_design_early(tmp_path: Path) ->
     assert res.ranking[0] == 6
 
 
+async def test_adaptive_design_never_fixes_a_profile_auto_rejected(tmp_path: Path) -> None:
+    """A profile auto learned and then rejected after a drift stays stored (as undecided):
+    the adaptive design must fit the bias instead of fixing it there, and say why; a trusted
+    or data-oriented one is fixed, and the diagnostics say on which ground."""
+    from service.profile_store import ProfileTrust
+
+    passages, truth = _world(n=10)
+    backend = FakeBackend(truth, noise=0.1, seed=1)
+    r = _reorderer(backend, tmp_path)
+    req = ReorderRequest("q", passages, design=DesignSpec(kind="adaptive"))
+
+    def trust(verdict: str) -> ProfileTrust:
+        return ProfileTrust(
+            verdict=verdict, reason=f"{verdict}: test", runs=8, flat_p=0.5, spread=0.1,  # type: ignore[arg-type]
+            spread_upper=0.2, stability=0.5, top_slots=(0, 1), placement_slots=6,
+            resamples=10, covariance=((0.0,) * 3,) * 3, assessed_at=0.0, source="traffic",
+        )  # fmt: skip
+
+    def store(slots: int, verdict: str | None) -> None:
+        r.profiles.put(
+            model=backend.model_id, template=r.settings.chat_template,
+            coefficients=list(reversed(backend.bias_for(slots))), identification="full",
+            runs=8, prompts=96, r2=0.9, source="learned by auto", oriented_by="data",
+            trust=trust(verdict) if verdict else None,
+        )  # fmt: skip
+
+    store(3, "undecided")  # its slots' profile, rejected after a drift
+    store(5, "undecided")  # and one of another slot count, not trusted either
+    res = await r.reorder(req)
+    assert res.adaptive is not None and res.adaptive.bias == "fitted"
+    assert res.adaptive.bias_profile is None and res.adaptive.bias_basis is None
+    assert any("__L3' is not trusted (undecided: test)" in w for w in res.warnings)
+    assert any("__L5' is not trusted" in w for w in res.warnings)
+    store(5, "shaped")  # a trusted one of another slot count is resampled and fixed
+    res = await r.reorder(req)
+    assert res.adaptive is not None and res.adaptive.bias == "resampled_profile"
+    assert res.adaptive.bias_profile is not None and res.adaptive.bias_profile.endswith("L5")
+    assert res.adaptive.bias_basis == "trusted"
+    store(3, None)  # an operator's calibration, oriented by data, no verdict
+    res = await r.reorder(req)
+    assert res.adaptive is not None and res.adaptive.bias == "profile"
+    assert res.adaptive.bias_basis == "data_oriented"
+    assert not any("not trusted" in w for w in res.warnings)
+
+
 async def test_adaptive_options_are_checked_before_any_call(tmp_path: Path) -> None:
     passages, truth = _world(n=10)
     backend = FakeBackend(truth)

@@ -27,6 +27,16 @@ so newer arrivals queue behind it, and its calls draw on the reservation without
 checked again: admitted means expected to finish. Calls of work not admitted as a whole are
 checked one by one, as before.
 
+Estimates heal (issue 70): a refusal for good needs a confirmed rate
+(``ThroughputMeter.confirmed``: several recent calls, not contradicted by the newest call that
+ran alone) and work over the deadline even at the fastest rate the engine recently showed.
+Work over its deadline on a rate in doubt is admitted when the engine is idle (its calls
+re-measure: the rule single calls always had), and gets 503 + Retry-After behind others.
+Every refusal or doubt asks for a re-measurement (``remeasure``): the server's rate canary
+then scores a small batch as soon as the engine is idle. Calls the service makes for itself
+(that canary, ``auto``'s background runs) are timed into the meter (``measured``) without
+holding a place in the queue.
+
 A request's size is bounded before its prompts exist (issue 54): the characters it has
 rendered into prompts, summed over them, are charged to ``max_prompt_chars_x_prompts`` as
 each prompt is about to be rendered (``AdmittedBackend.tokenizer``), so a request that could
@@ -40,7 +50,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final
@@ -60,13 +70,15 @@ from service.backends.base import (
 from service.errors import DeadlineUnreachable, LimitExceeded
 from service.settings import Settings
 from service.strategies.request import Estimate
-from service.throughput import ThroughputMeter
+from service.throughput import FRESH_S, ThroughputMeter
 
 # Admit only what the estimate says ends within 90% of the time left: under overload the engine
 # runs a little slower than when its rate was measured (shedding, HTTP and tokenising share
 # its cores), and without the margin 2 of the 19 requests admitted at 3x capacity missed their
 # deadline by that little (bench/results/overload_no_headroom.md).
 _HEADROOM = 0.9
+_MIN_DECODE = 2
+"""Generations measured before an answer budget may be refused for good (a 422)."""
 
 
 @dataclass
@@ -92,6 +104,11 @@ class Admission:
         self._new_tokens = 0  # the answer-budget part of ``_tokens`` (decode, not prefill)
         self.meter = ThroughputMeter()
         """The engine's prompt tokens per second, measured from the calls admitted here."""
+        self.remeasure_wanted: str | None = None
+        """Why the rate should be measured again (``None``: it need not); cleared by the
+        rate canary (``app.main``) once it has run."""
+        self.on_remeasure: Callable[[], None] | None = None
+        """Set by the server: wakes the rate canary."""
 
     @property
     def in_flight(self) -> int:
@@ -105,7 +122,7 @@ class Admission:
         """Seed the engine's rate with a call made outside admission (the warm-up probe: its
         prompt tokens and seconds in the model), so deadline-aware admission works from the
         first request; ignored once an admitted call has completed (``ThroughputMeter.seed``)."""
-        self.meter.seed(tokens, seconds)
+        self.meter.seed(tokens, seconds, time.monotonic())
 
     @property
     def estimated_wait_s(self) -> float | None:
@@ -151,19 +168,61 @@ class Admission:
             Overloaded: the queue ahead, the token budget or the unmeasured cap.
         """
         n = estimate.prompt_tokens + estimate.new_tokens
+        now = time.monotonic()
         own_s = self.meter.seconds_for(estimate.prompt_tokens, estimate.new_tokens)
-        if own_s is not None and deadline is not None:
-            measured = self.meter.completed > 0 and (
-                estimate.new_tokens == 0 or self.meter.decode_completed > 0
-            )
-            if measured and own_s > _HEADROOM * timeout_s:
+        usable = _HEADROOM * timeout_s
+        if own_s is not None and deadline is not None and own_s > usable:
+            # Over the deadline alone. For good (422) only on a confirmed rate, and only if
+            # even the fastest the engine has recently shown cannot fit it; else it is the
+            # estimate that is in doubt: admitted on an idle engine (its calls re-measure),
+            # 503 behind others, and either way a re-measurement is asked for.
+            best_s = self.meter.best_seconds_for(now, estimate.prompt_tokens, estimate.new_tokens)
+            decode_ok = estimate.new_tokens == 0 or self.meter.decode_completed >= _MIN_DECODE
+            if self.meter.confirmed(now) and decode_ok and best_s is not None and best_s > usable:
                 self._metrics.admission_rejections.labels("unreachable").inc()
-                raise _unreachable(estimate, own_s, self.meter, timeout_s, timeout_name)
+                self.remeasure("refused")
+                raise _unreachable(estimate, best_s, self.meter, now, timeout_s, timeout_name)
+            self.remeasure("doubted")
+            if self._tokens:
+                self._metrics.admission_rejections.labels("deadline").inc()
+                wait_s = self.estimated_wait_s or 0.0
+                raise Overloaded(
+                    f"this request's {estimate.prompts} model calls are estimated at "
+                    f"{own_s:.1f} s, over the {usable:.1f} s its deadline allows, on a rate "
+                    f"not yet confirmed ({self._rate_basis(now)}); it is admitted when the "
+                    f"engine is idle (about {wait_s:.0f} s of work is queued ahead)",
+                    retry_after_s=max(1, math.ceil(wait_s)),
+                )
+        elif self._tokens:
+            self._check_deadline(n, estimate.new_tokens, deadline, now)
         if self._tokens:
-            self._check_deadline(n, estimate.new_tokens, deadline, time.monotonic())
             self._check_budgets(n)
         self._add(n, estimate.new_tokens)
         return Reservation(tokens=n, new_tokens=estimate.new_tokens, estimated_s=own_s)
+
+    def estimate_s(self, estimate: Estimate) -> float | None:
+        """Seconds until ``estimate``'s work would be done if admitted now: the queue ahead
+        plus its own, at the measured rates (``None``: no rate yet). Admits nothing."""
+        own_s = self.meter.seconds_for(estimate.prompt_tokens, estimate.new_tokens)
+        wait_s = self.estimated_wait_s
+        if own_s is None or wait_s is None:
+            return None
+        return wait_s + own_s
+
+    def remeasure(self, why: str) -> None:
+        """Ask for a re-measurement of the engine's rate (the server's rate canary runs it
+        when the engine is next idle): an estimate was doubted or refused work."""
+        self.remeasure_wanted = why
+        if self.on_remeasure is not None:
+            self.on_remeasure()
+
+    def _rate_basis(self, now: float) -> str:
+        """What the prefill estimate rests on, for messages."""
+        age = self.meter.age_s(now)
+        return (
+            f"{self.meter.calls(now)} call(s) in the last {FRESH_S:.0f} s, the newest "
+            f"{'never' if age is None else f'{age:.0f} s ago'}"
+        )
 
     def release(self, reservation: Reservation) -> None:
         """Give back what an admitted request's calls did not take (it has finished)."""
@@ -210,7 +269,27 @@ class Admission:
             done = n - new_tokens
         finally:
             self._add(-n, -new_tokens)
-            self.meter.end(time.monotonic(), done, new_tokens)
+            self._ended(done, new_tokens)
+
+    @contextmanager
+    def measured(self, n: int, *, new_tokens: int = 0) -> Iterator[None]:
+        """Time a call the service makes for itself (a rate canary, ``auto``'s background
+        runs) into the meter without admitting it: it holds no place in the queue, so a
+        request arriving meanwhile sees an idle engine and preempts it."""
+        self.meter.begin(time.monotonic())
+        done: int | None = None
+        try:
+            yield
+            done = n - new_tokens
+        finally:
+            self._ended(done, new_tokens)
+
+    def _ended(self, done: int | None, new_tokens: int) -> None:
+        """A call left the engine: time it; a completed one is the re-measurement any doubt
+        asked for."""
+        self.meter.end(time.monotonic(), done, new_tokens)
+        if done is not None and done > 0:
+            self.remeasure_wanted = None
 
     def _add(self, tokens: int, new_tokens: int) -> None:
         self._tokens += tokens
@@ -251,7 +330,7 @@ class Admission:
         # beside its own work; a call longer than a deadline only once the engine is idle.
         timeout = _HEADROOM * self._settings.request_timeout_s
         ahead_s = wait_s + own_s - timeout if own_s < timeout else wait_s
-        retry = max(1, math.ceil(ahead_s))
+        retry = max(1, math.ceil(ahead_s - 1e-6))  # not a second more for a rounding error
         rate = self.meter.tokens_per_s
         raise Overloaded(
             f"the {self._tokens} tokens queued ahead (about {wait_s:.1f} s at the measured "
@@ -262,13 +341,21 @@ class Admission:
 
 
 def _unreachable(
-    estimate: Estimate, own_s: float, meter: ThroughputMeter, timeout_s: float, name: str
+    estimate: Estimate,
+    own_s: float,
+    meter: ThroughputMeter,
+    now: float,
+    timeout_s: float,
+    name: str,
 ) -> DeadlineUnreachable:
     """The 422 for work that cannot finish by its deadline even alone: the estimate, how it
-    was made, the deadline, and what would fit."""
+    was made (the rate, and the calls it rests on), the deadline, and what would fit."""
     usable = _HEADROOM * timeout_s
-    rate = meter.tokens_per_s or 0.0
-    parts = [f"{estimate.prompt_tokens} prompt tokens at the measured {rate:.0f}/s"]
+    rate = meter.best_rate(now) or 0.0
+    parts = [
+        f"{estimate.prompt_tokens} prompt tokens at the measured {rate:.0f}/s "
+        f"({meter.calls(now)} recent calls)"
+    ]
     decode = meter.decode_tokens_per_s
     if estimate.new_tokens and decode is not None:
         parts.append(f"{estimate.new_tokens} answer tokens at {decode:.0f}/s")
@@ -282,6 +369,43 @@ def _unreachable(
         f"({name} = {timeout_s:g} s, 90% usable); about {share:.0%} of this work would fit: "
         f"send fewer passages, prompts or samples ({estimate.param}), or raise {name}",
     )
+
+
+class MeteredBackend:
+    """The shared backend as the service's own work sees it (the rate canary, ``auto``'s
+    background runs): no admission, no request limits, but every call timed into the meter
+    (``Admission.measured``), so what the service learns about itself also re-measures the
+    engine's rate."""
+
+    def __init__(self, inner: LogprobBackend, admission: Admission) -> None:
+        self._inner = inner
+        self._admission = admission
+
+    @property
+    def model_id(self) -> str:
+        return self._inner.model_id
+
+    @property
+    def max_model_len(self) -> int:
+        return self._inner.max_model_len
+
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        return self._inner.tokenizer
+
+    async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
+        tokens = sum(len(r.token_ids) for r in requests)
+        with self._admission.measured(tokens):
+            return await self._inner.score(requests)
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
+        prefilled = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
+        budget = sum(r.max_new_tokens for r in requests)
+        with self._admission.measured(prefilled + budget, new_tokens=budget):
+            return await self._inner.generate(requests)
+
+    async def aclose(self) -> None:
+        """Nothing: the lifespan owns and closes the shared backend."""
 
 
 class AdmittedBackend:
@@ -349,6 +473,10 @@ class AdmittedBackend:
             estimate, self._deadline, timeout_s=self._timeout_s, timeout_name=self._timeout_name
         )
         return self._reservation.estimated_s
+
+    def estimate_s(self, estimate: Estimate) -> float | None:
+        """``Admission.estimate_s``: when the work would be done if admitted now."""
+        return self._admission.estimate_s(estimate)
 
     def release(self) -> None:
         """Give back what the request's calls did not take (when it ends, however)."""

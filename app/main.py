@@ -25,7 +25,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from pydantic import SecretStr
 
-from app.admission import Admission
+from app.admission import Admission, MeteredBackend
 from app.errors import install_error_handlers
 from app.metrics import ServiceMetrics
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
@@ -34,9 +34,10 @@ from app.schemas import ReorderOptions
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.engine_client import EngineClient
-from service.backends.factory import create_backend
+from service.backends.factory import create_backend, size_threads
 from service.backends.remote_backend import RemoteBackend
-from service.backends.scheduler import ForwardScheduler
+from service.backends.scheduler import ForwardScheduler, ForwardStats
+from service.cpus import cpu_budget
 from service.errors import (
     BackendUnavailable,
     ClientError,
@@ -51,6 +52,7 @@ from service.settings import Settings
 from service.solver_pool import close_shared
 from service.state_store import open_state
 from service.templates import get_template
+from service.throughput import FRESH_S
 from service.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
@@ -65,6 +67,28 @@ PROBE_PASSAGES = (
     Passage(text="Paris is the capital and largest city of France."),
     Passage(text="Berlin is the capital of Germany."),
 )
+
+
+# A canary that timed out (a failure only if nothing else progressed meanwhile).
+_NO_ANSWER = "no answer within the canary's deadline (canary_timeout_s)"
+
+# The rate canary (issue 70): four passages of a few sentences, each prompt two of them, so a
+# few hundred prompt tokens a prompt: large enough that fixed costs do not dominate the rate,
+# a few seconds on a CPU and milliseconds on a GPU.
+RATE_QUERY = "Which river flows through the capital of the country described here?"
+RATE_PASSAGES = tuple(
+    Passage(text=" ".join([text] * 4))
+    for text in (
+        "Paris is the capital and largest city of France, on the river Seine.",
+        "Berlin is the capital of Germany; the Spree and the Havel flow through it.",
+        "Madrid, the capital of Spain, lies on the Manzanares in the centre of the country.",
+        "Rome, the capital of Italy, was built on seven hills beside the river Tiber.",
+    )
+)
+# At most one rate canary this often, however many refusals ask for one.
+_REMEASURE_MIN_S = 10.0
+# How often the rate canary's loop looks at the estimate's age.
+_REMEASURE_POLL_S = 30.0
 
 
 def _version() -> str:
@@ -90,6 +114,9 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         ValueError: ``api_key`` or ``admin_api_key`` is set but blank.
     """
     metrics = ServiceMetrics()
+    # What the process may use (affinity, cgroup quota, the `cpus` setting): torch's threads
+    # and the solver pool are sized from it, not from the host's count (issue 70).
+    cpus = cpu_budget(settings.cpus)
     # The folder, or Redis (`state_url`): nothing connects before the lifespan starts it.
     state = open_state(settings)
     store = state.profiles
@@ -117,6 +144,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         ),
         admission=Admission(settings, metrics),
         metrics=metrics,
+        cpus=cpus,
     )
     app = FastAPI(
         title="rag-reorder",
@@ -128,9 +156,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
     metrics.track_traffic(ctx.engine.traffic)
     metrics.track_auto(ctx.engine.learner)
     metrics.track_state(state)
-    metrics.track_capacity(
-        lambda: ctx.admission.estimated_wait_s, lambda: ctx.admission.meter.tokens_per_s
-    )
+    metrics.track_capacity(lambda: ctx.admission.estimated_wait_s, ctx.admission.meter)
     app.state.ctx = ctx
     install_error_handlers(app)
     for module in (reorder, rerank, profiles, info, probes):
@@ -267,11 +293,19 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
 
 async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None:
     lc = ctx.lifecycle
+    log.info(
+        "CPUs: %d usable (%s; host %d, affinity %s, quota %s): torch threads %d, solver "
+        "processes %d", ctx.cpus.cpus, ctx.cpus.source, ctx.cpus.host_cpus, ctx.cpus.affinity,
+        ctx.cpus.quota, ctx.cpus.torch_threads,
+        ctx.settings.solver_processes if ctx.settings.solver_processes is not None
+        else ctx.cpus.solver_processes,
+    )  # fmt: skip
     try:
         if given is not None:
             backend = given
         else:
             # abandon_on_cancel: a SIGTERM during a long load must not wait for it to finish.
+            await anyio.to_thread.run_sync(size_threads, ctx.settings, ctx.cpus)
             backend = await anyio.to_thread.run_sync(
                 create_backend, ctx.settings, abandon_on_cancel=True
             )
@@ -280,12 +314,18 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
         lc.fail(f"loading the model failed ({type(exc).__name__})")
         return
     ctx.engine.backend = backend
-    # auto's explore runs go to the engine directly, only while no request uses it.
-    ctx.engine.learner.shadow_backend = backend
+    # auto's background runs go to the engine directly, only while no request uses it, and
+    # are timed into admission's rate: the service's own work re-measures the engine.
+    ctx.engine.learner.shadow_backend = MeteredBackend(backend, ctx.admission)
     ctx.engine.learner.idle = lambda: ctx.admission.tokens_in_flight == 0
     scheduler = getattr(backend, "scheduler", None)
     if isinstance(scheduler, ForwardScheduler):
         ctx.metrics.track_scheduler(scheduler)
+
+        def forwarded(_stats: ForwardStats) -> None:
+            lc.progressed()
+
+        scheduler.add_observer(forwarded)
     client = getattr(backend, "client", None)
     if isinstance(client, EngineClient):
         ctx.metrics.track_engine(client)
@@ -323,7 +363,10 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
     lc.mark(warmed=True)
     log.info("ready")
     await ctx.engine.learner.ready_if_trusted()
-    await _watch(ctx, backend)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(_remeasure, ctx, backend)
+        await _watch(ctx, backend)
+        tg.cancel_scope.cancel()
 
 
 async def _connect(ctx: AppContext, backend: RemoteBackend) -> bool:
@@ -390,13 +433,116 @@ async def _watch(ctx: AppContext, backend: LogprobBackend) -> None:
                 # Profiles learned on the old weights may no longer describe it; auto's
                 # explore runs and drift test find out, this says when it started.
                 ctx.metrics.engine_weight_changes.inc()
+        started = time.monotonic()
         error, dead = await _probe(ctx, backend, "canary")
         if error is None or lc.engine_down is not None:
             continue  # a remote engine that is down is not a reason to restart this process
+        if error == _NO_ANSWER and _progressing(ctx, started):
+            # Queued behind admitted work that is progressing (oldest first: the canary waits
+            # its turn): the engine is busy, not dead. Only no progress on any call counts.
+            ctx.metrics.canary_deferred.inc()
+            log.info(
+                "canary waited %.0f s behind work that is progressing: not a failure",
+                time.monotonic() - started,
+            )
+            continue
         lc.canary_failures += 1
         log.warning("canary failed (%d in a row): %s", lc.canary_failures, error)
         if dead or lc.canary_failures >= ctx.settings.canary_failures_fatal:
             lc.fail(f"canary failed {lc.canary_failures} time(s): {error}")
+
+
+def _progressing(ctx: AppContext, since: float) -> bool:
+    """Whether the engine shows progress: a forward or a call finished after ``since``, or,
+    while admitted work is in flight, a call finished within the last request deadline (a
+    single call may hold the engine longer than the canary's deadline; an engine that
+    finishes nothing for a whole ``request_timeout_s`` while work waits is stuck)."""
+    lc = ctx.lifecycle
+    marks = [
+        t
+        for t in (lc.progress_at, lc.last_success, ctx.admission.meter.last_end)
+        if t is not None
+    ]
+    if not marks:
+        return False
+    last = max(marks)
+    if last > since:
+        return True
+    window = max(ctx.settings.request_timeout_s, ctx.settings.canary_timeout_s)
+    return ctx.admission.tokens_in_flight > 0 and time.monotonic() - last < window
+
+
+async def _remeasure(ctx: AppContext, backend: LogprobBackend) -> None:
+    """Re-measure the engine's rate when it is in doubt (issue 70): asked for by admission
+    (a refusal, or work over its deadline on an unconfirmed rate), or stale (no measurement
+    for ``FRESH_S``). Waits for an idle engine, scores the rate canary timed into the meter,
+    and is preempted like ``auto``'s background runs when a request arrives. Never raises."""
+    admission = ctx.admission
+    wake = anyio.Event()
+    admission.on_remeasure = wake.set
+    last = -_REMEASURE_MIN_S
+    while True:
+        with anyio.move_on_after(_REMEASURE_POLL_S):
+            await wake.wait()
+        wake = anyio.Event()
+        admission.on_remeasure = wake.set
+        now = time.monotonic()
+        age = admission.meter.age_s(now)
+        why = admission.remeasure_wanted or ("stale" if age is not None and age > FRESH_S else None)
+        if why is None or now - last < _REMEASURE_MIN_S or not ctx.lifecycle.ready:
+            continue
+        while admission.tokens_in_flight:
+            await anyio.sleep(0.1)
+        last = time.monotonic()
+        before = admission.meter.tokens_per_s
+        try:
+            measured = await _rate_probe(ctx, backend)
+        except Exception as exc:
+            log.warning("rate canary failed: %s", exc)
+            ctx.metrics.rate_probes.labels(why, "failed").inc()
+            continue
+        if not measured:
+            ctx.metrics.rate_probes.labels(why, "preempted").inc()
+            continue  # a request took the engine: its own calls measure it; ask again later
+        admission.remeasure_wanted = None
+        ctx.metrics.rate_probes.labels(why, "measured").inc()
+        after = admission.meter.tokens_per_s
+        log.info(
+            "engine rate re-measured (%s): %s prompt tokens/s, was %s",
+            why,
+            "-" if after is None else f"{after:.0f}",
+            "-" if before is None else f"{before:.0f}",
+        )
+
+
+async def _rate_probe(ctx: AppContext, backend: LogprobBackend) -> bool:
+    """Score the rate canary on the metered backend; ``False`` if a request arrived first
+    (cancelled at once: the service's own work never delays a caller)."""
+    reorderer = Reorderer(MeteredBackend(backend, ctx.admission), ctx.settings, ctx.engine.profiles)
+    req = ReorderRequest(
+        RATE_QUERY,
+        RATE_PASSAGES,
+        request_id=f"rate-{time.monotonic_ns():x}",
+        design=DesignSpec(kind="pruned_random"),
+    )
+    done = False
+    async with anyio.create_task_group() as tg:
+
+        async def preempt() -> None:
+            while ctx.admission.tokens_in_flight == 0:
+                await anyio.sleep(0.05)
+            tg.cancel_scope.cancel()
+
+        async def run() -> None:
+            nonlocal done
+            with anyio.fail_after(ctx.settings.canary_timeout_s):
+                await reorderer.reorder(req)
+            done = True
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(preempt)
+        tg.start_soon(run)
+    return done
 
 
 async def _probe(
@@ -428,7 +574,7 @@ async def _probe(
             # until an admitted call completes.
             ctx.admission.seed(result.usage.prompt_tokens, result.timing.scoring_s)
     except TimeoutError:
-        error = f"no answer within {ctx.settings.canary_timeout_s:g} s"
+        error = _NO_ANSWER
     except (EngineUnavailable, EngineTimeout) as exc:
         # A remote engine: down or slow now, not dead for good (readiness only).
         error = f"remote engine: {exc.message}"

@@ -24,6 +24,7 @@ from service.backends.scheduler import ForwardScheduler, ForwardStats
 from service.learning import ProfileLearner
 from service.pipeline import ReorderResult
 from service.state_store import StateStore
+from service.throughput import ThroughputMeter
 from service.traffic import TrafficSampler
 
 PREFIX = "rag_reorder"
@@ -129,7 +130,9 @@ class _Auto(Collector):
             "auto_requests",
             "Requests answered by the auto strategy, by path: profile (placed by a trusted "
             "profile, no model call), flat (trusted flat profile: best first), moi (no "
-            "trusted profile: MoI, run kept for learning), explore (MoI to check the profile).",
+            "trusted profile: MoI, run kept for learning), explore (MoI to check the profile), "
+            "cold (no trusted profile, MoI too slow to wait on: served at once, learned in "
+            "the background).",
             "path",
             c.paths,
         )
@@ -143,9 +146,23 @@ class _Auto(Collector):
             "auto_explore_runs",
             "Explore requests' MoI runs, run in the background after the answer was served, "
             "by outcome: recorded, preempted (a request started using the engine), dropped "
-            "(another was pending), failed.",
+            "(another was pending), failed, expired (no idle engine for 300 s).",
             "outcome",
             c.shadow_runs,
+        )
+        yield _labelled(
+            "auto_background_learning_runs",
+            "Learning runs of requests served on the cold path (MoI too slow to wait on), run "
+            "in the background while the engine idles, by outcome: recorded, preempted, "
+            "dropped, failed (or past request_timeout_s), expired (no idle engine for 300 s).",
+            "outcome",
+            c.learning_runs,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_auto_explore_skipped",
+            "Requests drawn to explore while a background run was still pending or running: "
+            "served by the profile without one (explore is sized to what the engine can run).",
+            value=c.explore_skipped,
         )
         yield CounterMetricFamily(
             f"{PREFIX}_auto_drift_events",
@@ -273,6 +290,43 @@ class ServiceMetrics:
             f"{p}_engine_prompt_tokens_per_second",
             "The engine's prompt tokens per busy second, measured from completed calls, that "
             "deadline-aware admission uses (0 until the first call completes).",
+            registry=r,
+        )
+        self.engine_decode_tokens_per_s = Gauge(
+            f"{p}_engine_decode_tokens_per_second",
+            "The engine's answer-budget tokens per second of decode, measured from completed "
+            "generations (0 until one is measured).",
+            registry=r,
+        )
+        self.engine_rate_calls = Gauge(
+            f"{p}_engine_rate_calls",
+            "Measurements (completed calls) within the last 300 s that the engine's rate "
+            "rests on; admission refuses work for good (422) only on 4 or more.",
+            registry=r,
+        )
+        self.engine_rate_age = Gauge(
+            f"{p}_engine_rate_age_seconds",
+            "Seconds since the engine's rate was last measured (-1 before the first).",
+            registry=r,
+        )
+        self.engine_rate_confirmed = Gauge(
+            f"{p}_engine_rate_confirmed",
+            "1 when the engine's rate may refuse work for good (enough recent calls, not "
+            "contradicted by the newest call alone on the engine), else 0.",
+            registry=r,
+        )
+        self.rate_probes = Counter(
+            f"{p}_rate_probes",
+            "Rate canaries (a small scoring call the service times to re-measure the engine) "
+            "by why they ran (refused, doubted, stale) and how they ended (measured, "
+            "preempted by a request, failed).",
+            ["reason", "outcome"],
+            registry=r,
+        )
+        self.canary_deferred = Counter(
+            f"{p}_canary_deferred",
+            "Liveness canaries that timed out queued behind work that was progressing: not "
+            "counted as failures.",
             registry=r,
         )
         self.prompts = Histogram(
@@ -450,12 +504,22 @@ class ServiceMetrics:
         self.engine_call_duration.labels(call.path).observe(call.seconds)
         self.engine_retries.inc(call.retries)
 
-    def track_capacity(
-        self, wait_s: Callable[[], float | None], tokens_per_s: Callable[[], float | None]
-    ) -> None:
-        """Expose admission's estimates (read at scrape; unknown reads 0)."""
+    def track_capacity(self, wait_s: Callable[[], float | None], meter: ThroughputMeter) -> None:
+        """Expose admission's estimates and what they rest on (read at scrape; unknown
+        reads 0, an age never measured -1)."""
         self.estimated_wait.set_function(lambda: wait_s() or 0.0)
-        self.engine_tokens_per_s.set_function(lambda: tokens_per_s() or 0.0)
+        self.engine_tokens_per_s.set_function(lambda: meter.tokens_per_s or 0.0)
+        self.engine_decode_tokens_per_s.set_function(lambda: meter.decode_tokens_per_s or 0.0)
+        self.engine_rate_calls.set_function(lambda: meter.calls(time.monotonic()))
+
+        def age() -> float:
+            a = meter.age_s(time.monotonic())
+            return -1.0 if a is None else a
+
+        self.engine_rate_age.set_function(age)
+        self.engine_rate_confirmed.set_function(
+            lambda: 1.0 if meter.confirmed(time.monotonic()) else 0.0
+        )
 
     def track_auto(self, learner: ProfileLearner) -> None:
         """Expose what the auto strategy does and how far it trusts its profiles."""

@@ -499,14 +499,18 @@ class AnswerOut(_Model):
 class AutoOut(_Model):
     """What `auto` did with this request (docs/operations.md, "The profile-first strategy")."""
 
-    path: Literal["profile", "flat", "moi", "explore"]
+    path: Literal["profile", "flat", "moi", "explore", "cold"]
     """`profile`: ranked cheaply and placed by a trusted profile, no model call; `flat`: the
     trusted profile is flat, so best first; `moi`: no trusted profile yet (this run is kept
-    for learning); `explore`: a trusted profile, and this request ran MoI to check it."""
+    for learning); `explore`: a trusted profile, and this request's MoI run checks it in the
+    background; `cold`: no trusted profile and MoI too slow to wait on
+    (`RAG_REORDER_AUTO_COLD_MAX_S`): placed by a prior (another passage count's profile) or
+    left in the retriever's order, its MoI run learned from in the background."""
     reason: str
-    ranker: Literal["request_scores", "dense", "bm25", "moi"]
+    ranker: Literal["request_scores", "dense", "bm25", "moi", "retriever"]
     """What ranked the passages: the caller's `score`s (every passage had one), the
-    configured ranker (`RAG_REORDER_AUTO_RANKER`), or MoI's fit."""
+    configured ranker (`RAG_REORDER_AUTO_RANKER`), MoI's fit, or the retriever's order (the
+    cold path without a prior)."""
     profile: str | None
     """Id of the profile placed by, shown flat, or checked (`GET /v1/bias-profiles/{id}`)."""
     operator: bool
@@ -709,6 +713,42 @@ class ModelList(_Model):
     data: list[ModelCard]
 
 
+class CapacityOut(_Model):
+    """What admission's estimates rest on (docs/operations.md, "Admission's estimates")."""
+
+    prefill_tokens_per_s: float | None
+    """The engine's measured prompt tokens per busy second (null before the first call)."""
+    decode_tokens_per_s: float | None
+    """Its answer tokens per second of decode (null before a generation is measured)."""
+    best_tokens_per_s: float | None
+    """The faster of the estimate and the newest recent call alone on the engine: what a
+    refusal for good (422) is judged at."""
+    calls: int
+    """Measurements within the last 300 s the rate rests on."""
+    age_s: float | None
+    """Seconds since the newest measurement (null: none)."""
+    confirmed: bool
+    """Whether the rate may refuse work for good (422): 4 or more recent calls, not
+    contradicted by the newest call alone on the engine. Else work over its deadline is
+    admitted on an idle engine and re-measures it."""
+    estimated_wait_s: float | None
+    """Seconds of admitted work queued now, at the measured rates."""
+    remeasure: str | None
+    """Why a re-measurement (the rate canary) is pending (null: none)."""
+
+
+class CpusOut(_Model):
+    """The CPUs the process may use and what is sized from them (`RAG_REORDER_CPUS`)."""
+
+    cpus: int
+    source: Literal["setting", "cgroup", "affinity", "host"]
+    host_cpus: int
+    affinity: int | None
+    quota: float | None
+    torch_threads: int
+    solver_processes: int
+
+
 class LimitsOut(_Model):
     max_body_bytes: int
     max_passages: int
@@ -782,6 +822,12 @@ class AutoInfoOut(_Model):
     is another model and `RAG_REORDER_AUTO_LEARN_FROM_SCORER` is not set)."""
     ranker: str
     explore_rate: float
+    cold_max_s: float
+    """`RAG_REORDER_AUTO_COLD_MAX_S`: the longest MoI run a caller waits on while learning."""
+    background: dict[str, dict[str, int]]
+    """This replica's background runs by kind (`explore`, `learning`) and outcome
+    (recorded, preempted, dropped, failed, expired), and `explore.skipped`: draws not made
+    while a background run was still pending."""
     profiles: list[AutoProfileOut]
 
 
@@ -837,3 +883,8 @@ class InfoOut(_Model):
     templates: list[str]
     auto: AutoInfoOut
     """The `auto` strategy: whose profile it places by, and what it has learned."""
+    capacity: CapacityOut
+    """Admission's measured rates and what they rest on."""
+    cpus: CpusOut
+    """The CPUs the process may use (affinity, cgroup quota, setting), torch's threads and
+    the solver's processes."""

@@ -17,6 +17,7 @@ from app.exceptions import Draining, NotReady, Unhealthy
 from app.metrics import ServiceMetrics
 from service.backends.base import LogprobBackend
 from service.backends.score_mode_check import ScoreModeCheck
+from service.cpus import CpuBudget
 from service.errors import EngineUnavailable
 from service.learning import ProfileLearner
 from service.profile_store import ProfileStore
@@ -44,6 +45,8 @@ class Lifecycle:
         """Consecutive failed canaries (reset by any success)."""
         self.last_success: float | None = None
         """Monotonic time of the last successful scoring (request, canary or warm-up)."""
+        self.progress_at: float | None = None
+        """Monotonic time the engine last finished a forward (engines that report them)."""
         self.on_fatal: Callable[[str], None] | None = None
         """Set by the server: stop the process (non-zero exit) once the engine is dead."""
         self.wake: anyio.Event | None = None
@@ -78,6 +81,14 @@ class Lifecycle:
     def succeeded(self) -> None:
         self.canary_failures = 0
         self.last_success = time.monotonic()
+
+    def progressed(self) -> None:
+        """The engine finished a forward: it is alive, whatever a queued canary sees."""
+        self.progress_at = time.monotonic()
+
+    def progress_since(self, t: float) -> bool:
+        """Whether a forward finished after monotonic time ``t``."""
+        return self.progress_at is not None and self.progress_at > t
 
     def suspect(self) -> None:
         """A request saw the engine fail: run the canary now instead of at its next tick."""
@@ -164,6 +175,8 @@ class AppContext:
     engine: Engine
     admission: Admission
     metrics: ServiceMetrics
+    cpus: CpuBudget
+    """The CPUs the process may use and what is sized from them (``service.cpus``)."""
 
 
 def context_of(scope: Scope) -> AppContext | None:

@@ -68,17 +68,22 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-AutoPath = Literal["profile", "flat", "moi", "explore"]
-AUTO_PATHS: tuple[AutoPath, ...] = ("profile", "flat", "moi", "explore")
+AutoPath = Literal["profile", "flat", "moi", "explore", "cold"]
+AUTO_PATHS: tuple[AutoPath, ...] = ("profile", "flat", "moi", "explore", "cold")
 MIN_PASSAGES = 4
 """Fewer passages than this: a pruned design shows one passage a prompt, which measures no
 position bias, so there is nothing to learn and ``auto`` runs MoI (a few prompts)."""
 LEARNING_DESIGN: solver.DesignKind = "pruned_random"
 Recalibration = Literal["trusted", "undecided", "failed"]
-ShadowOutcome = Literal["recorded", "preempted", "dropped", "failed"]
+ShadowOutcome = Literal["recorded", "preempted", "dropped", "failed", "expired"]
+ShadowKind = Literal["explore", "learning"]
 ShadowRun = Callable[[], Awaitable[tuple[np.ndarray, np.ndarray]]]
-"""An explore request's MoI run, to be run in the background: its design and scores."""
+"""A MoI run to be run in the background (an explore request's, or a learning run of a
+request served on the cold path): its design and scores."""
 _IDLE_POLL_S = 0.1
+SHADOW_MAX_WAIT_S = 300.0
+"""A background run that found no idle engine for this long is given up (``expired``), so
+traffic that never idles cannot hold the slot forever and a fresh one can be drawn."""
 
 
 def learning_slots(n_passages: int) -> int | None:
@@ -146,6 +151,10 @@ class KeyStatus:
         )
 
 
+def _outcomes() -> dict[ShadowOutcome, int]:
+    return {"recorded": 0, "preempted": 0, "dropped": 0, "failed": 0, "expired": 0}
+
+
 @dataclass
 class LearnerCounters:
     """Totals the metrics export (event-loop thread only)."""
@@ -157,9 +166,14 @@ class LearnerCounters:
     drift_events: int = 0
     caller_capped: int = 0
     """Runs not kept because their caller already held its share (``auto_max_caller_share``)."""
-    shadow_runs: dict[ShadowOutcome, int] = field(
-        default_factory=lambda: {"recorded": 0, "preempted": 0, "dropped": 0, "failed": 0}
-    )
+    shadow_runs: dict[ShadowOutcome, int] = field(default_factory=_outcomes)
+    """Explore runs by outcome."""
+    learning_runs: dict[ShadowOutcome, int] = field(default_factory=_outcomes)
+    """Background learning runs (requests served on the cold path) by outcome."""
+    explore_skipped: int = 0
+    """Requests drawn to explore while a background run was still pending or running: served
+    by the profile without one (explore is sized to what the engine can run, not drawn and
+    dropped)."""
 
 
 class ProfileLearner:
@@ -221,7 +235,7 @@ class ProfileLearner:
         server once loaded; ``None``: an explore run uses the request's own backend)."""
         self.idle: Callable[[], bool] = lambda: True
         """Whether no request is using the engine now (the server's admission tells)."""
-        self._shadow: tuple[Decision, ShadowRun, str | None] | None = None
+        self._shadow: _Pending | None = None
         self._shadow_wake: anyio.Event | None = None
 
     @classmethod
@@ -269,10 +283,14 @@ class ProfileLearner:
             assert prof is not None and prof.trust is not None
             rate = self.explore_rate
             if rate > 0 and self._rng.random() < rate:
-                return Decision(
-                    "explore", f"explore share {rate:g}: checking {prof.id!r} for drift", prof, key,
-                    st.pooled_runs,
-                )  # fmt: skip
+                if self._shadow is None:
+                    return Decision(
+                        "explore", f"explore share {rate:g}: checking {prof.id!r} for drift",
+                        prof, key, st.pooled_runs,
+                    )  # fmt: skip
+                # The engine is still on the last background run: explore only as often as
+                # it can be run, rather than draw runs that would be dropped.
+                self.counters.explore_skipped += 1
             path: AutoPath = "flat" if prof.trust.verdict == "flat" else "profile"
             return Decision(path, prof.trust.reason, prof, key, st.pooled_runs)
         held = st.pooled_runs + self._recorded.get(key, 0)
@@ -337,36 +355,84 @@ class ProfileLearner:
         counts[caller] = mine + 1
         return True
 
+    @property
+    def background_free(self) -> bool:
+        """Whether a background run (explore or learning) could be queued now."""
+        return not self._closed and self._shadow is None and self._shadow_wake is not None
+
     def explore_later(self, decision: Decision, run: ShadowRun, caller: str | None = None) -> bool:
         """Queue an explore request's MoI run for the background (``run_shadows``): it runs
-        when no request uses the engine and is dropped if one starts to. At most one is held:
-        a second while one waits or runs is dropped (the explore share is a sample anyway).
+        when no request uses the engine and is cancelled if one starts to. At most one
+        background run is held: a second while one waits or runs is dropped (``decide``
+        draws explore only while none is, so that happens only to requests decided together).
         Returns whether it was queued."""
-        if self._closed or self._shadow is not None or self._shadow_wake is None:
-            self.counters.shadow_runs["dropped"] += 1
+        return self._queue("explore", decision, run, caller)
+
+    def learn_later(self, decision: Decision, run: ShadowRun, caller: str | None = None) -> bool:
+        """Queue a learning run for the background, as ``explore_later`` does: the MoI run of
+        a request served on the cold path (its MoI was estimated too slow for the caller to
+        wait on). ``False``: a background run is already held (the next request queues one)."""
+        if not self.background_free:
             return False
-        self._shadow = (decision, run, caller)
+        return self._queue("learning", decision, run, caller)
+
+    def _queue(
+        self, kind: ShadowKind, decision: Decision, run: ShadowRun, caller: str | None
+    ) -> bool:
+        if not self.background_free:
+            self._outcomes(kind)["dropped"] += 1
+            return False
+        assert self._shadow_wake is not None
+        self._shadow = _Pending(kind, decision, run, caller, time.monotonic())
         self._shadow_wake.set()
         return True
 
+    def _outcomes(self, kind: ShadowKind) -> dict[ShadowOutcome, int]:
+        return self.counters.shadow_runs if kind == "explore" else self.counters.learning_runs
+
+    def prior(self, model: str, template: str, n_passages: int) -> StoredProfile | None:
+        """The best profile to place by while ``n_passages``' own is learned: a trusted
+        learned profile of the same model and template for the nearest other slot count
+        (``solver.place_ranking`` resamples it), else ``None``. In memory: no disk read."""
+        slots = learning_slots(n_passages)
+        best: tuple[int, StoredProfile] | None = None
+        for st in self._status.values():
+            k = st.key
+            if k.model != model or k.template != template or k.slots == slots or not st.trusted:
+                continue
+            assert st.stored is not None
+            gap = abs(k.slots - (slots or 0))
+            if best is None or gap < best[0]:
+                best = (gap, st.stored)
+        return None if best is None else best[1]
+
     async def run_shadows(self) -> None:
-        """Run queued explore runs in the shadow of served answers until cancelled: each
-        waits until the engine is idle, runs, and is cancelled (``preempted``) as soon as a
-        request starts using the engine, so it never delays one by more than a forward."""
+        """Run queued background runs in the shadow of served answers until cancelled: each
+        waits until the engine is idle (at most ``SHADOW_MAX_WAIT_S``), runs within
+        ``request_timeout_s``, and is cancelled (``preempted``) as soon as a request starts
+        using the engine, so it never delays one by more than a forward. Never raises."""
         self._shadow_wake = anyio.Event()
         while True:
             await self._shadow_wake.wait()
             self._shadow_wake = anyio.Event()
-            if self._shadow is None:
+            pending = self._shadow
+            if pending is None:
                 continue
-            decision, run, caller = self._shadow
             try:
-                await self._run_shadow(decision, run, caller)
+                await self._run_shadow(pending)
+            except Exception:  # a failed background run must not end the loop
+                log.exception("auto: a background %s run failed", pending.kind)
+                self._outcomes(pending.kind)["failed"] += 1
             finally:
                 self._shadow = None
 
-    async def _run_shadow(self, decision: Decision, run: ShadowRun, caller: str | None) -> None:
+    async def _run_shadow(self, pending: _Pending) -> None:
+        decision, run, caller = pending.decision, pending.run, pending.caller
+        outcomes = self._outcomes(pending.kind)
         while not self.idle():
+            if time.monotonic() - pending.queued_at > SHADOW_MAX_WAIT_S:
+                outcomes["expired"] += 1
+                return
             await anyio.sleep(_IDLE_POLL_S)
         result: list[tuple[np.ndarray, np.ndarray]] = []
         failed: list[Exception] = []
@@ -382,19 +448,26 @@ class ProfileLearner:
 
             async def work() -> None:
                 try:
-                    result.append(await run())
+                    with anyio.fail_after(self.settings.request_timeout_s):
+                        result.append(await run())
+                except TimeoutError as exc:
+                    log.warning(
+                        "auto: a %s run did not finish within request_timeout_s = %g s",
+                        pending.kind, self.settings.request_timeout_s,
+                    )  # fmt: skip
+                    failed.append(exc)
                 except Exception as exc:  # a failed check must not end the loop
-                    log.warning("auto: an explore run failed: %s", exc)
+                    log.warning("auto: a %s run failed: %s", pending.kind, exc)
                     failed.append(exc)
                 tg.cancel_scope.cancel()
 
             tg.start_soon(watch)
             tg.start_soon(work)
         if not result:
-            self.counters.shadow_runs["failed" if failed else "preempted"] += 1
+            outcomes["failed" if failed else "preempted"] += 1
             return
         kept = self.record(decision, *result[0], caller=caller)
-        self.counters.shadow_runs["recorded" if kept else "failed"] += 1
+        outcomes["recorded" if kept else "failed"] += 1
 
     def status(self) -> list[KeyStatus]:
         """Every key this replica has seen, sorted (for ``/info`` and the metrics)."""
@@ -683,6 +756,17 @@ class ProfileLearner:
         """Finish pending appends (blocks); later runs are not kept."""
         self._closed = True
         self._writer.shutdown(wait=True)
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A background run waiting for, or holding, the engine's idle time."""
+
+    kind: ShadowKind
+    decision: Decision
+    run: ShadowRun
+    caller: str | None
+    queued_at: float
 
 
 def allowed_to_learn(settings: Settings) -> bool:

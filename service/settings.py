@@ -159,6 +159,14 @@ class Settings(BaseSettings):
     auto_explore_rate: float = Field(default=0.05, ge=0.0, le=1.0)
     """Share of `auto`'s requests that still run MoI once a profile is trusted; their runs
     test the profile for drift (a changed generator or template). 0: never re-checked."""
+    auto_cold_max_s: float = Field(default=10.0, ge=0.0)
+    """Seconds a caller may wait on `auto`'s learning: while no profile is trusted, a request
+    whose MoI run is estimated (the queue and its own work, at the measured rates) to take
+    longer is served at once on the cold path (placed by a trusted profile of another passage
+    count of the same model, else in the retriever's order; `auto.path` `cold`), and its MoI
+    run is learned from in the background while the engine is idle. 0: always MoI in the
+    caller's time. The default lies between the learning run's seconds on a GPU (under 1 s)
+    and on a CPU (20-40 s for 10 passages; docs/operations.md, "A cold start")."""
     auto_min_runs: int = Field(default=5, ge=3, le=10_000)
     """Fewest learning runs (MoI requests) before `auto` may trust a profile."""
     auto_alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
@@ -307,11 +315,16 @@ class Settings(BaseSettings):
     """Most bytes of sampled runs queued for Redis while it cannot be reached (a run is
     about 43 KiB at 100 passages); past it the oldest queued runs are dropped (counted).
     Profiles queue one write each, the latest."""
+    cpus: float | None = Field(default=None, gt=0.0, le=4096.0)
+    """CPUs the process may use. Default: the smallest of its affinity mask (`taskset`,
+    cpusets) and its cgroup CPU quota (v2 `cpu.max`, v1 CFS quota), rounded up; torch's
+    threads and the solver pool are sized from it, leaving one for the event loop (logged at
+    start, in `/info`). Set it where the probe cannot see the limit."""
     solver_processes: int | None = Field(default=None, ge=0, le=64)
     """Worker processes that run MoI's fits (with the jackknife) beside the event loop, so the
     service's CPU work uses more than one core (`service/solver_pool.py`). Default: one per
-    core beyond the first, at most 8; `0` fits in a thread of the server process (under its
-    GIL, one fit at a time)."""
+    CPU the process may use (`cpus`) beyond the first, at least one, at most 8; `0` fits in a
+    thread of the server process (under its GIL, one fit at a time)."""
     confidence_method: Literal["jackknife", "delta"] = "jackknife"
     """How MoI estimates the spread of its utilities behind `passages[].stderr` and
     `confidence_above_next`. `jackknife`: refit with each prompt left out (past 20 prompts,

@@ -20,7 +20,6 @@ import asyncio
 import functools
 import logging
 import multiprocessing
-import os
 import threading
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
@@ -29,14 +28,17 @@ from typing import Any, TypeVar
 
 import anyio.to_thread
 
+from service.cpus import cpu_budget
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
 
-def default_workers() -> int:
-    """One process per core beyond the event loop's, at least one, at most eight."""
-    return min(8, max(1, (os.cpu_count() or 1) - 1))
+def default_workers(cpus: float | None = None) -> int:
+    """One process per CPU the process may use beyond the event loop's (``service.cpus``:
+    its affinity and cgroup quota, or ``cpus``), at least one, at most eight."""
+    return cpu_budget(cpus).solver_processes
 
 
 class SolverPool:
@@ -86,10 +88,10 @@ _shared: dict[int, SolverPool] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_pool(workers: int | None) -> SolverPool | None:
-    """The process's pool of that size (``None``: ``default_workers()``; 0: no pool, fits
+def shared_pool(workers: int | None, cpus: float | None = None) -> SolverPool | None:
+    """The process's pool of that size (``None``: ``default_workers(cpus)``; 0: no pool, fits
     run in threads). One per process, so every request shares the same workers."""
-    n = default_workers() if workers is None else workers
+    n = default_workers(cpus) if workers is None else workers
     if n == 0:
         return None
     with _shared_lock:

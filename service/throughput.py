@@ -32,6 +32,24 @@ admission knows only the budget when it estimates; an answer that stops early ma
 higher, which the estimate of the next similar request then uses. Before the prefill rate is
 known a generation adds to neither (its time cannot be split).
 
+Estimates heal (issue 70). One slow first call (a throttled quota, a busy neighbour, a cold
+page cache) once seeded a rate that refused every later large request with a 422 for good,
+since only admitted calls re-measured it. Now:
+
+- the sums also decay in wall time (``WALL_HALF_LIFE_S``): an estimate nobody re-measured for
+  minutes weighs little against the next measurement;
+- the meter says how much the estimate rests on (``calls``: measurements within
+  ``FRESH_S``; ``age_s``) and whether it may refuse work for good (``confirmed``): enough
+  recent calls, and not contradicted by the newest call that ran alone on the engine (its
+  rate, ``idle_rate``, more than twice the estimate);
+- a call that ran alone on an idle engine is the best evidence of what the engine can do;
+  refusals use the faster of the estimate and that call's rate (``best_rate``).
+
+Before decode is measured, an answer token is priced at ``DECODE_PRIOR`` prompt tokens (a
+step of greedy decoding is a forward of one token per sequence: its cost is the weights'
+read, not the token), not at one: the first generation is no longer admitted at a fraction
+of its cost (issue 77).
+
 Plain arithmetic on the event loop thread: no locks, no clock of its own (callers pass
 ``time.monotonic()``), so the tests drive it with made-up times.
 """
@@ -39,9 +57,23 @@ Plain arithmetic on the event loop thread: no locks, no clock of its own (caller
 from __future__ import annotations
 
 import math
+from collections import deque
 
 HALF_LIFE_S = 60.0
 """Busy seconds after which a measurement weighs half as much."""
+WALL_HALF_LIFE_S = 300.0
+"""Seconds without a new measurement after which the old ones weigh half as much: a rate
+measured under other load fades once that load may be gone."""
+FRESH_S = 300.0
+"""Measurements younger than this count toward ``calls`` and ``confirmed``."""
+MIN_CALLS = 4
+"""Recent measurements a rate needs before it may refuse work for good (a 422)."""
+CONTRADICTION = 2.0
+"""A newest call alone on the engine this many times faster than the estimate contradicts
+it: the estimate is not ``confirmed`` until it has caught up."""
+DECODE_PRIOR = 8.0
+"""Prompt tokens' worth of engine time one answer token costs before decode is measured
+(docs/operations.md, "Admission's estimates"; measured by bench/estimates.py)."""
 
 
 class ThroughputMeter:
@@ -57,6 +89,17 @@ class ThroughputMeter:
         self._decode_seconds = 0.0
         self._in_flight = 0
         self._mark: float | None = None
+        self._alone = False  # the current busy period has held one call only
+        self._recent: deque[float] = deque()  # times of measurements within FRESH_S
+        self.updated_at: float | None = None
+        """Monotonic time of the newest measurement (``None``: none yet)."""
+        self.idle_rate: float | None = None
+        """Prompt tokens per second of the newest scoring call that ran alone on the engine
+        (``None``: none yet): what the engine does unshared."""
+        self.idle_at: float | None = None
+        """When ``idle_rate`` was measured."""
+        self.last_end: float | None = None
+        """When a call last completed: the engine was making progress then."""
         self.completed = 0
         """Calls whose tokens are in the estimate (a ``seed`` is not one)."""
         self.decode_completed = 0
@@ -77,10 +120,42 @@ class ThroughputMeter:
             return None
         return self._decode_tokens / self._decode_seconds
 
+    def calls(self, now: float) -> int:
+        """Measurements (completed calls, seeds) within the last ``FRESH_S`` seconds."""
+        while self._recent and now - self._recent[0] > FRESH_S:
+            self._recent.popleft()
+        return len(self._recent)
+
+    def age_s(self, now: float) -> float | None:
+        """Seconds since the newest measurement (``None``: none yet)."""
+        return None if self.updated_at is None else max(0.0, now - self.updated_at)
+
+    def best_rate(self, now: float) -> float | None:
+        """The faster of the estimate and the newest recent call alone on the engine: the
+        most the engine has recently shown it can do (``None``: nothing measured)."""
+        rate = self.tokens_per_s
+        idle = self.idle_rate
+        if idle is not None and self.idle_at is not None and now - self.idle_at <= FRESH_S:
+            return idle if rate is None else max(rate, idle)
+        return rate
+
+    def confirmed(self, now: float) -> bool:
+        """Whether the prefill estimate may refuse work for good: at least ``MIN_CALLS``
+        recent measurements from real calls, and no newer call alone on the engine that ran
+        ``CONTRADICTION`` times faster."""
+        rate = self.tokens_per_s
+        if rate is None or self.completed == 0 or self.calls(now) < MIN_CALLS:
+            return False
+        best = self.best_rate(now)
+        return best is None or best <= CONTRADICTION * rate
+
     def begin(self, now: float) -> None:
         """A call was admitted; the engine is busy from now if it was idle."""
         if self._in_flight == 0:
             self._mark = now
+            self._alone = True
+        else:
+            self._alone = False
         self._in_flight += 1
 
     def end(self, now: float, tokens: int | None, new_tokens: int = 0) -> None:
@@ -91,18 +166,23 @@ class ThroughputMeter:
         if self._in_flight == 0:
             raise RuntimeError("end() without begin()")
         self._in_flight -= 1
+        if tokens is not None and tokens > 0:
+            self.last_end = now
         if tokens is None or tokens <= 0:
             if self._in_flight == 0:
                 self._mark = None  # idle: the next begin() starts the clock again
             return
         mark = self._mark if self._mark is not None else now
         self._mark = now
+        alone = self._alone and self._in_flight == 0
         if new_tokens > 0:
-            self._add_generation(tokens, new_tokens, now - mark)
-        elif self._add(tokens, now - mark):
+            self._add_generation(tokens, new_tokens, now - mark, now)
+        elif self._add(tokens, now - mark, now):
             self.completed += 1
+            if alone:
+                self.idle_rate, self.idle_at = tokens / (now - mark), now
 
-    def _add_generation(self, tokens: int, new_tokens: int, elapsed: float) -> None:
+    def _add_generation(self, tokens: int, new_tokens: int, elapsed: float, now: float) -> None:
         """Split a generation's busy time: its prompt at the prefill rate, the rest decode."""
         rate = self.tokens_per_s
         if rate is None or not elapsed > 0 or not math.isfinite(elapsed):
@@ -110,12 +190,12 @@ class ThroughputMeter:
         decode_s = elapsed - tokens / rate
         if decode_s <= 0:
             return  # faster than its prefill alone: nothing to learn about decode
-        decay = math.pow(0.5, elapsed / self._half_life_s)
+        decay = self._decay(elapsed, now)
         self._decode_tokens = self._decode_tokens * decay + new_tokens
         self._decode_seconds = self._decode_seconds * decay + decode_s
         self.decode_completed += 1
 
-    def seed(self, tokens: int, seconds: float) -> None:
+    def seed(self, tokens: int, seconds: float, now: float | None = None) -> None:
         """A measurement from outside admission (the warm-up probe's prompt tokens and its
         seconds in the model), counted like a completed call's while no admitted call has
         completed; ignored afterwards.
@@ -124,27 +204,47 @@ class ThroughputMeter:
         errs on the side of refusing, and weighs only its few seconds once real calls come.
         """
         if self.completed == 0:
-            self._add(tokens, seconds)
+            self._add(tokens, seconds, seconds if now is None else now)
 
-    def _add(self, tokens: int, elapsed: float) -> bool:
-        """Decay the sums by ``elapsed`` busy seconds and add the measurement; ``False`` (and
-        nothing added) for one without tokens or time."""
+    def _decay(self, elapsed: float, now: float) -> float:
+        """How much the sums keep: ``elapsed`` busy seconds at ``HALF_LIFE_S``, and the wall
+        time since the newest measurement beyond them at ``WALL_HALF_LIFE_S``."""
+        decay = math.pow(0.5, elapsed / self._half_life_s)
+        if self.updated_at is not None:
+            quiet = now - self.updated_at - elapsed
+            if quiet > 0:
+                decay *= math.pow(0.5, quiet / WALL_HALF_LIFE_S)
+        return decay
+
+    def _add(self, tokens: int, elapsed: float, now: float) -> bool:
+        """Decay the sums by ``elapsed`` busy seconds (and the quiet wall time before them)
+        and add the measurement; ``False`` (and nothing added) for one without tokens or
+        time."""
         if tokens <= 0 or not elapsed > 0 or not math.isfinite(elapsed):
             return False
-        decay = math.pow(0.5, elapsed / self._half_life_s)
+        decay = self._decay(elapsed, now)
         self._tokens = self._tokens * decay + tokens
         self._seconds = self._seconds * decay + elapsed
+        self.updated_at = now
+        self._recent.append(now)
+        self.calls(now)
         return True
 
     def seconds_for(self, tokens: int, new_tokens: int = 0) -> float | None:
         """Estimated engine seconds for ``tokens`` prompt tokens and ``new_tokens`` of answer
         budget (``None`` before the first measurement). Before decode is measured, an answer
-        token counts as a prompt token: a low estimate, the one admission made before issue 62.
+        token counts as ``DECODE_PRIOR`` prompt tokens.
         """
-        rate = self.tokens_per_s
+        return self._seconds_at(self.tokens_per_s, tokens, new_tokens)
+
+    def best_seconds_for(self, now: float, tokens: int, new_tokens: int = 0) -> float | None:
+        """As ``seconds_for``, at ``best_rate``: the least the work may take."""
+        return self._seconds_at(self.best_rate(now), tokens, new_tokens)
+
+    def _seconds_at(self, rate: float | None, tokens: int, new_tokens: int) -> float | None:
         if rate is None:
             return None
         decode = self.decode_tokens_per_s
         if decode is None:
-            return (tokens + new_tokens) / rate
+            return (tokens + DECODE_PRIOR * new_tokens) / rate
         return tokens / rate + new_tokens / decode

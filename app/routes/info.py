@@ -3,6 +3,7 @@ adapter, limits, options)."""
 
 from __future__ import annotations
 
+import time
 from typing import get_args
 
 from fastapi import APIRouter
@@ -14,6 +15,8 @@ from app.schemas import (
     AgreementOut,
     AutoInfoOut,
     AutoProfileOut,
+    CapacityOut,
+    CpusOut,
     InfoOut,
     LimitsOut,
     ModelCard,
@@ -118,6 +121,33 @@ async def info(ctx: Ctx) -> InfoOut:
         default_results_order=s.rerank_results_order,
         templates=list(template_names()),
         auto=_auto(ctx, model),
+        capacity=_capacity(ctx),
+        cpus=CpusOut(
+            cpus=ctx.cpus.cpus,
+            source=ctx.cpus.source,
+            host_cpus=ctx.cpus.host_cpus,
+            affinity=ctx.cpus.affinity,
+            quota=ctx.cpus.quota,
+            torch_threads=ctx.cpus.torch_threads,
+            solver_processes=s.solver_processes
+            if s.solver_processes is not None
+            else ctx.cpus.solver_processes,
+        ),
+    )
+
+
+def _capacity(ctx: AppContext) -> CapacityOut:
+    meter = ctx.admission.meter
+    now = time.monotonic()
+    return CapacityOut(
+        prefill_tokens_per_s=meter.tokens_per_s,
+        decode_tokens_per_s=meter.decode_tokens_per_s,
+        best_tokens_per_s=meter.best_rate(now),
+        calls=meter.calls(now),
+        age_s=meter.age_s(now),
+        confirmed=meter.confirmed(now),
+        estimated_wait_s=ctx.admission.estimated_wait_s,
+        remeasure=ctx.admission.remeasure_wanted,
     )
 
 
@@ -137,6 +167,7 @@ def _score_mode(ctx: AppContext) -> ScoreModeOut | None:
 def _auto(ctx: AppContext, model: str) -> AutoInfoOut:
     s = ctx.settings
     learner = ctx.engine.learner
+    c = learner.counters
     generator = s.generator_model or model
     return AutoInfoOut(
         scorer=model,
@@ -145,6 +176,11 @@ def _auto(ctx: AppContext, model: str) -> AutoInfoOut:
         learned_profile_allowed=learner.allowed,
         ranker=s.auto_ranker,
         explore_rate=s.auto_explore_rate,
+        cold_max_s=s.auto_cold_max_s,
+        background={
+            "explore": {**c.shadow_runs, "skipped": c.explore_skipped},
+            "learning": dict(c.learning_runs),
+        },
         profiles=[
             AutoProfileOut(
                 template=st.key.template,

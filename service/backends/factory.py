@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from service.backends.base import LogprobBackend
+from service.cpus import CpuBudget
 from service.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -34,6 +35,19 @@ def resolve_backend(settings: Settings) -> ResolvedBackend:
     if settings.backend != "auto":
         return settings.backend
     return "vllm" if gpu_visible() and vllm_installed() else "transformers"
+
+
+def size_threads(settings: Settings, budget: CpuBudget) -> None:
+    """Size torch's intra-op threads to the CPUs the process may use (``service.cpus``),
+    before any model loads: torch's default is the host's core count, which in a pod limited
+    to 2 CPUs of a 64-core node runs 64 threads on 2 CPUs of quota. vLLM sizes its own
+    (``VLLM_CPU_OMP_THREADS_BIND`` on a CPU) and the paced engine runs none; the dense
+    encoder shares torch's setting with the transformers backend."""
+    if resolve_backend(settings) in ("vllm", "paced") or importlib.util.find_spec("torch") is None:
+        return
+    from service.backends.transformers_loading import set_torch_threads
+
+    set_torch_threads(budget.torch_threads)
 
 
 def create_backend(settings: Settings) -> LogprobBackend:

@@ -44,6 +44,13 @@ def merged(model: _Model, adapter: Path) -> _Model:
     return cast(_Model, peft_model.merge_and_unload())
 
 
+def set_torch_threads(threads: int) -> None:
+    """torch's intra-op threads for this process (``service.backends.factory.size_threads``)."""
+    if torch.get_num_threads() != threads:
+        logger.info("torch intra-op threads: %d (was %d)", threads, torch.get_num_threads())
+        torch.set_num_threads(threads)
+
+
 def default_batch_token_budget(device: torch.device) -> int:
     """The forward-batch budget for ``device`` when the settings leave it open."""
     return _CUDA_BATCH_TOKENS if device.type == "cuda" else _CPU_BATCH_TOKENS

@@ -17,6 +17,12 @@ is trusted, and MoI until then (``service.learning`` learns and watches the prof
   check it: it is served as ``profile`` (or ``flat``), and MoI runs on its query and passages
   afterwards, in the background while no request uses the engine (``ProfileLearner.
   run_shadows``); that run tests the profile for drift. The caller never waits for it.
+- ``cold``: no trusted profile, and the MoI path is estimated (the queue ahead and its own
+  work, at admission's measured rates) to take longer than ``auto_cold_max_s``, as on a CPU:
+  the caller is served at once, placed by a trusted profile of the same model and template
+  for another slot count when one exists (the prior), else in the retriever's order, and the
+  request's MoI run is queued for the background like an explore run; kept, it counts toward
+  learning (issue 70). The caller never waits on the service's learning.
 
 The response's ``auto`` object names the path, why, the profile and its trust figures.
 """
@@ -80,6 +86,9 @@ class Auto:
         named = named_profile(work, request)
         decision = learner.decide(work.model_id, work.template, len(request.passages), named)
         if decision.path == "moi":
+            cold = await self._cold(work, request, learner, decision)
+            if cold is not None:
+                return cold
             return await self._moi(work, request, learner, decision)
         outcome = await self._placed(work, request, decision)
         if decision.path == "explore":
@@ -103,6 +112,40 @@ class Auto:
         kept = learner.record(decision, scored.perms, scored.scores, request.caller)
         report = _report(decision, ranker="moi", kept=kept)
         return replace(scored.outcome, auto=report)
+
+    async def _cold(
+        self, work: Work, request: ReorderRequest, learner: ProfileLearner, decision: Decision
+    ) -> Outcome | None:
+        """The cold path, or ``None`` when MoI is quick enough to run in the caller's time
+        (or cannot be learned from: too few passages, another generator, no measured rate)."""
+        bound = work.settings.auto_cold_max_s
+        if bound <= 0 or decision.key is None or not learner.background_free:
+            return None
+        moi_request = replace(request, strategy="moi", design=LEARNING_SPEC, bias_profile=None)
+        estimate_s = await work.estimate_s(
+            _MOI.cost(moi_request, work.settings), request.query, request.passages
+        )
+        if estimate_s is None or estimate_s <= bound:
+            return None
+        prior = learner.prior(work.model_id, work.template, len(request.passages))
+        why = (
+            f"{decision.reason}; MoI estimated at {estimate_s:.1f} s, over auto_cold_max_s = "
+            f"{bound:g} s: served "
+            + (f"by {prior.id!r} (another passage count)" if prior else "in the retriever's order")
+            + ", learning in the background"
+        )
+        cold = replace(decision, path="cold", reason=why, profile=prior)
+        if prior is not None:
+            outcome = await self._placed(work, request, cold)
+        else:
+            # What the caller would have sent its generator without us: no placement guess.
+            ranking = retriever_ranking(request.passages)
+            outcome = Outcome(
+                order=list(ranking), ranking=ranking, auto=_report(cold, ranker="retriever")
+            )
+        queued = learner.learn_later(decision, _shadow_run(work, request, learner), request.caller)
+        assert outcome.auto is not None
+        return replace(outcome, auto=replace(outcome.auto, recorded=queued))
 
     async def _placed(self, work: Work, request: ReorderRequest, decision: Decision) -> Outcome:
         profile = decision.profile
@@ -147,9 +190,9 @@ class Auto:
 
 
 def _shadow_run(work: Work, request: ReorderRequest, learner: ProfileLearner) -> ShadowRun:
-    """The explore run of ``request``: MoI's learning design on the engine behind no
-    admission (the server's ``shadow_backend``), its own request id and no deadline but the
-    learner's preemption."""
+    """The background run of ``request`` (explore, or learning on the cold path): MoI's
+    learning design on the engine behind no admission (the server's ``shadow_backend``, timed
+    into admission's rate), its own request id, the learner's deadline and preemption."""
     moi_request = replace(
         request,
         strategy="moi",

@@ -217,10 +217,11 @@ class PositionalProfile:
 class AutoReport:
     """What ``auto`` did with a request (``service.strategies.auto``)."""
 
-    path: Literal["profile", "flat", "moi", "explore"]
+    path: Literal["profile", "flat", "moi", "explore", "cold"]
     reason: str
     ranker: str
-    """``request_scores``, ``dense`` or ``bm25`` (profile, flat paths), ``moi`` otherwise."""
+    """``request_scores``, ``dense`` or ``bm25`` (profile, flat paths, cold with a prior),
+    ``retriever`` (cold without one), ``moi`` otherwise."""
     profile: StoredProfile | None
     """The profile placed by, shown flat, or being checked; with its trust figures."""
     operator: bool

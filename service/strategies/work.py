@@ -67,6 +67,11 @@ class RequestGate(Protocol):
         """The request is done: give back what its calls did not take of the estimate."""
         ...
 
+    def estimate_s(self, estimate: Estimate) -> float | None:
+        """Seconds until the estimated work would be done if admitted now (the queue ahead
+        and its own; ``None``: no measured rate). Admits nothing."""
+        ...
+
 
 class Work:
     """One request's metered access to the model (see the module docstring)."""
@@ -136,6 +141,19 @@ class Work:
         """
         if self.gate is None or not cost.calls:
             return
+        self.estimated_s = self.gate.admit(await self.estimate(cost, query, passages))
+
+    async def estimate_s(self, cost: Cost, query: str, passages: Sequence[Passage]) -> float | None:
+        """Seconds until ``cost``'s model work would be done if admitted now (the queue ahead
+        and its own, at the measured rates), without admitting it; ``None`` without a gate
+        or a measured rate."""
+        if self.gate is None or not cost.calls:
+            return None
+        return self.gate.estimate_s(await self.estimate(cost, query, passages))
+
+    async def estimate(self, cost: Cost, query: str, passages: Sequence[Passage]) -> Estimate:
+        """``cost``'s prompts, prompt tokens and answer budget, from one rendered prompt
+        without passages and each passage's block per prompt shape (off the loop)."""
         tokenizer = self.backend.tokenizer
 
         def per_prompt() -> list[int]:
@@ -154,13 +172,12 @@ class Work:
             return tokens
 
         tokens = await self.off_loop(per_prompt, timer="tokenize")
-        estimate = Estimate(
+        return Estimate(
             prompts=sum(c.sent for c in cost.calls),
             prompt_tokens=sum(c.sent * t for c, t in zip(cost.calls, tokens, strict=True)),
             new_tokens=sum(c.sent * c.new_tokens for c in cost.calls),
             param=cost.param,
         )
-        self.estimated_s = self.gate.admit(estimate)
 
     async def off_loop(self, fn: Callable[[], T], *, timer: Literal["tokenize", "solver"]) -> T:
         """Run CPU work (tokenising, fitting) in a worker thread, timed into ``timer``."""
@@ -176,7 +193,7 @@ class Work:
     async def solve(self, fn: Callable[..., T], /, *args: object, **kwargs: object) -> T:
         """``fn(*args, **kwargs)`` (a module-level solver function) in the solver's worker
         processes (``solver_processes``; a thread when 0), timed into ``solver_s``."""
-        pool = shared_pool(self.settings.solver_processes)
+        pool = shared_pool(self.settings.solver_processes, self.settings.cpus)
         if pool is None:
             return await self.off_loop(lambda: fn(*args, **kwargs), timer="solver")
         t0 = time.perf_counter()

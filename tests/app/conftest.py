@@ -21,6 +21,7 @@ from app.state import AppContext
 from service.backends.base import ScoreResult, SpanRequest
 from service.backends.fake import FakeBackend
 from service.settings import Settings
+from service.throughput import MIN_CALLS
 
 QUERY = "which passage answers the question?"
 # Four passages with known utilities; the fake backend scores by them (and a primacy bias).
@@ -142,7 +143,12 @@ def measured(rate: float, timeout_s: float = 10.0) -> Admission:
     admission = Admission(
         Settings(request_timeout_s=timeout_s), ServiceMetrics(include_default_registry=False)
     )
-    admission.meter.begin(0.0)
-    admission.meter.end(1.0, int(rate))
+    # Enough recent calls for the rate to be confirmed (it may refuse work for good), just
+    # before now: admission reads the clock.
+    t0 = time.monotonic() - 2.0 * MIN_CALLS
+    for i in range(MIN_CALLS):
+        admission.meter.begin(t0 + i)
+        admission.meter.end(t0 + i + 1.0, int(rate))
     assert admission.meter.tokens_per_s == pytest.approx(rate)
+    assert admission.meter.confirmed(time.monotonic())
     return admission

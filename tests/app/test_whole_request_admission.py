@@ -32,9 +32,12 @@ def _measured(prefill: float, decode: float | None = None, timeout_s: float = 10
     admission = measured(prefill, timeout_s)
     meter = admission.meter
     if decode is not None:
-        # 1,000 prompt tokens (1000 / prefill s) then 100 answer tokens (100 / decode s).
-        meter.begin(1.0)
-        meter.end(1.0 + 1000 / prefill + 100 / decode, 1000, 100)
+        # Twice 1,000 prompt tokens (1000 / prefill s) then 100 answer tokens (100 / decode s).
+        t = time.monotonic() - 1.0
+        for _ in range(2):
+            meter.begin(t)
+            t += 1000 / prefill + 100 / decode
+            meter.end(t, 1000, 100)
         assert meter.decode_tokens_per_s == pytest.approx(decode)
     return admission
 
@@ -161,11 +164,14 @@ def _body(strategy: str, passages: list[str], options: dict[str, Any]) -> dict[s
 
 
 async def _measure_prefill(h: Harness) -> None:
-    """A scored request first: admission refuses for good only on rates measured from real
-    calls of each kind (prefill by a scored call, decode by a generation)."""
-    r = await h.client.post("/v1/reorder", json=_body("moi", SHORT, {}))
-    assert r.status_code == 200, r.text
-    assert h.ctx.admission.meter.completed >= 1
+    """Scored requests first: admission refuses for good only on rates confirmed by several
+    recent real calls of each kind (prefill by scored calls, decode by generations)."""
+    for _ in range(8):
+        r = await h.client.post("/v1/reorder", json=_body("moi", SHORT, {}))
+        assert r.status_code == 200, r.text
+        if h.ctx.admission.meter.confirmed(time.monotonic()):
+            return
+    raise AssertionError("the prefill rate was not confirmed after 8 requests")
 
 
 @pytest.mark.parametrize("strategy", list(CASES))
@@ -175,10 +181,10 @@ async def test_each_strategy_fits_when_small_and_is_refused_at_once_when_it_cann
     options = CASES[strategy]
     backend = TrackingBackend(TRUTH, s_per_token=S_PER_TOKEN, s_per_new_token=S_PER_NEW_TOKEN)
     async with serving(tmp_path, backend=backend, request_timeout_s=TIMEOUT_S) as h:
-        if "max_answer_tokens" in options:
-            await _measure_prefill(h)
-        ok = await h.client.post("/v1/reorder", json=_body(strategy, SHORT, options))
-        assert ok.status_code == 200, ok.text
+        await _measure_prefill(h)
+        for _ in range(2 if "max_answer_tokens" in options else 1):  # decode measured twice
+            ok = await h.client.post("/v1/reorder", json=_body(strategy, SHORT, options))
+            assert ok.status_code == 200, ok.text
         if strategy == "auto":
             assert ok.json()["auto"]["path"] == "moi"  # no profile yet: MoI, admitted whole
         timing = ok.json()["timing"]
@@ -190,6 +196,14 @@ async def test_each_strategy_fits_when_small_and_is_refused_at_once_when_it_cann
         t = time.perf_counter()
         r = await h.client.post("/v1/reorder", json=_body(strategy, LONG, options))
         elapsed = time.perf_counter() - t
+        if strategy == "auto":
+            # Learning, and MoI over auto_cold_max_s: served at once in the retriever's
+            # order, its MoI run learned from in the background (issue 70), never a 422.
+            assert r.status_code == 200, r.text
+            assert r.json()["auto"]["path"] == "cold" and r.json()["auto"]["recorded"]
+            assert elapsed < 1.0
+            assert backend.stats.score_calls + backend.stats.generate_calls == calls
+            return
         assert r.status_code == 422, r.text
         err = r.json()["error"]
         assert err["code"] == "deadline_unreachable", err
@@ -208,8 +222,9 @@ async def test_a_long_answer_budget_is_refused_by_the_measured_decode_rate(tmp_p
     backend = TrackingBackend(TRUTH, s_per_token=S_PER_TOKEN, s_per_new_token=S_PER_NEW_TOKEN)
     async with serving(tmp_path, backend=backend, request_timeout_s=TIMEOUT_S) as h:
         await _measure_prefill(h)
-        first = await h.client.post("/v1/reorder", json=_body("lore", SHORT, CASES["lore"]))
-        assert first.status_code == 200, first.text
+        for _ in range(2):  # decode is confirmed by two generations
+            first = await h.client.post("/v1/reorder", json=_body("lore", SHORT, CASES["lore"]))
+            assert first.status_code == 200, first.text
         assert h.ctx.admission.meter.decode_tokens_per_s == pytest.approx(200, rel=0.3)
         r = await h.client.post(
             "/v1/reorder", json=_body("lore", SHORT, {"max_answer_tokens": 256})

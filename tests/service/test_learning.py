@@ -242,7 +242,13 @@ async def test_explore_runs_wait_for_an_idle_engine_and_yield_to_requests(
         assert lr.explore_later(d, quick)
         await until(lambda: lr.counters.shadow_runs["recorded"] == 1)
         tg.cancel_scope.cancel()
-    assert lr.counters.shadow_runs == {"recorded": 1, "preempted": 1, "dropped": 1, "failed": 0}
+    assert lr.counters.shadow_runs == {
+        "recorded": 1,
+        "preempted": 1,
+        "dropped": 1,
+        "failed": 0,
+        "expired": 0,
+    }
     lr._writer.submit(lambda: None).result()
     assert len(lr.explore.runs(KEY.sample())) == 1 and len(lr.runs.runs(KEY.sample())) == 1
     lr.close()

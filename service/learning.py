@@ -564,6 +564,8 @@ class ProfileLearner:
         """
         key = st.key
         slots = 2 * key.slots  # the passages a placement by it orders (L = ceil(N / 2))
+        # N = 2L - 1 shares the key (ceil(N / 2) = L): its placement must be as stable.
+        odd = (slots - 1,) if slots - 1 >= MIN_PASSAGES else ()
         st.assessed_at = time.monotonic()
         st.pooled_runs = len(runs)
         prof = st.stored
@@ -592,7 +594,9 @@ class ProfileLearner:
             return
         try:
             found = await self._off_loop(
-                lambda: trust_rules.assess(runs, placement_slots=slots, rules=self.rules)
+                lambda: trust_rules.assess(
+                    runs, placement_slots=slots, rules=self.rules, also_slots=odd
+                )
             )
         except solver.SolverError as exc:
             log.warning("auto: %d run(s) of %s cannot be fitted: %s", len(runs), key, exc)

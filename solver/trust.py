@@ -285,6 +285,7 @@ def assess(
     placement_slots: int,
     rules: TrustRules | None = None,
     seed: int = 0,
+    also_slots: Sequence[int] = (),
 ) -> Trust:
     """Fit the profile ``runs`` share and decide whether it can be placed by (module docstring).
 
@@ -292,6 +293,9 @@ def assess(
         runs: ``(permutations, scores)`` of pruned-random designs of one model, template and
             slot count; failed, ragged and constant runs are left out.
         placement_slots: N, the passages a placement by this profile orders.
+        also_slots: other passage counts it will place (``auto`` places N = 2L - 1 and 2L by
+            one L-slot profile): the stability is the lowest over all of them, so a profile
+            whose placement of one count is a coin toss is not trusted for any.
         rules: the thresholds (default ``TrustRules()``).
         seed: the bootstrap's seed (the result is deterministic).
 
@@ -312,9 +316,16 @@ def assess(
     spread = float(L * (a_hat.max() - a_hat.min()))
     spreads = L * (boot.max(axis=1) - boot.min(axis=1))
     spread_upper = float(np.quantile(spreads, 1.0 - rules.alpha))
-    k = min(rules.top_slots, placement_slots)
+    counts = [placement_slots, *(n for n in also_slots if n != placement_slots)]
+    k = min(rules.top_slots, *counts)
     top = _top(a_hat, placement_slots, k)
-    stability = float(np.mean([_top(b, placement_slots, k) == top for b in boot]))
+    per_count = {
+        n: float(np.mean([_top(b, n, k) == _top(a_hat, n, k) for b in boot])) for n in counts
+    }
+    weakest = min(counts, key=lambda n: per_count[n])
+    stability = per_count[weakest]
+    # Which passage count the stability is of, when several are placed by this profile.
+    of = f" of {weakest} passages" if len(counts) > 1 else ""
     verdict: Verdict
     if pool.runs < rules.min_runs:
         verdict, reason = "undecided", f"{pool.runs} run(s), fewer than {rules.min_runs}"
@@ -322,7 +333,7 @@ def assess(
         verdict = "shaped"
         reason = (
             f"not flat (p = {flat_p:.2g} < {rules.alpha:g}) and {stability:.0%} of "
-            f"{rules.resamples} resampled fits place the same top {k} slot(s)"
+            f"{rules.resamples} resampled fits place the same top {k} slot(s){of}"
         )
     elif flat_p >= rules.alpha and spread_upper < rules.flat_effect:
         verdict = "flat"
@@ -334,7 +345,7 @@ def assess(
         verdict = "undecided"
         reason = (
             f"not flat (p = {flat_p:.2g}) but only {stability:.0%} of resampled fits place the "
-            f"same top {k} slot(s) (needs {rules.min_stability:.0%})"
+            f"same top {k} slot(s){of} (needs {rules.min_stability:.0%})"
         )
     else:
         verdict = "undecided"

@@ -343,3 +343,21 @@ async def test_a_failed_store_is_tried_again(
     assert lr.decide(MODEL, TEMPLATE, N, None).path == "profile"
     assert lr.profiles.get(MODEL, TEMPLATE, 5) is not None
     lr.close()
+
+
+async def test_a_profile_is_trusted_only_if_odd_passage_counts_place_stably(
+    tmp_path: Path,
+) -> None:
+    # 9 and 10 passages share the 5-slot key. This profile places 10 passages stably but 9 by
+    # a coin toss (tests/solver/test_trust.py): it must not be trusted for either.
+    from tests.solver.test_trust import _peaked_runs
+
+    lr = learner(tmp_path, auto_explore_rate=0.0)
+    d = lr.decide(MODEL, TEMPLATE, 9, None)
+    assert d.key == KEY
+    for perms, scores in _peaked_runs(10, 0.5):
+        assert lr.record(d, perms, scores)
+    await lr.cycle(KEY)
+    after = lr.decide(MODEL, TEMPLATE, 9, None)
+    assert after.path == "moi" and "of 9 passages" in after.reason
+    lr.close()

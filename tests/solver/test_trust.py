@@ -127,3 +127,26 @@ def test_a_flat_profile_drifts_when_newer_runs_are_shaped(rng: np.random.Generat
     shaped = runs_of(bias_shape("recency", 5), 10, rng)
     d = trust.drift(flat.coefficients, flat.covariance, "flat", shaped, placement_slots=N)
     assert d.drifted and "no longer flat" in d.reason
+
+
+def _peaked_runs(count: int, noise: float) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Runs of a profile peaked at the fourth of five slots: placing 10 passages, its two
+    strongest slots are clear (7, then 6); placing 9, the second is a tie of slots 5 and 7
+    (both halfway to the peak), settled only by noise."""
+    bias = np.array([1.0, 1.0, 1.0, 46.0, 1.0]) / 50.0
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(count):
+        perms = solver.plan("pruned_random", 10, seed=0)
+        out.append((perms, synthesize(perms, rng.normal(size=10) * 2, bias, noise, rng)))
+    return out
+
+
+def test_stability_is_checked_for_every_passage_count_placed() -> None:
+    runs = _peaked_runs(10, 0.5)
+    even = trust.assess(runs, placement_slots=10)
+    assert even.verdict == "shaped" and even.top_slots == (7, 6)
+    both = trust.assess(runs, placement_slots=10, also_slots=(9,))
+    assert both.verdict == "undecided" and both.stability < 0.9
+    assert "of 9 passages" in both.reason
+    assert both.top_slots == (7, 6) and both.placement_slots == 10

@@ -118,6 +118,8 @@ async def stream(args: argparse.Namespace, out: Path, qs: list[Any], url: str) -
                     "profile": auto["profile"],
                     "trust": auto["trust"],
                     "learning_runs": auto["learning_runs"],
+                    "recorded": auto["recorded"],
+                    "at": time.time(),
                     "latency_s": latency,
                     "server_s": j["timing"]["total_s"],
                     "prompt_tokens": j["usage"]["prompt_tokens"],
@@ -126,6 +128,9 @@ async def stream(args: argparse.Namespace, out: Path, qs: list[Any], url: str) -
             )
             print(f"{k} {auto['path']} {latency:.2f} s  {auto['reason'][:80]}", flush=True)
             k += 1
+            # A paced stream (--interval): requests arrive as traffic does, not back to back,
+            # so a cold server's background learning gets the idle time between them.
+            await asyncio.sleep(max(0.0, args.interval - latency))
 
 
 async def dense(args: argparse.Namespace, out: Path, qs: list[Any], url: str) -> None:
@@ -376,6 +381,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--max-requests", type=int, default=1000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--interval",
+        type=float,
+        default=0.0,
+        help="seconds from one request's start to the next's (0: back to back)",
+    )
     ap.add_argument("--phase", choices=["all", "stream", "answers", "summary"], default="all")
     ap.add_argument(
         "--recompute",

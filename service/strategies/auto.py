@@ -119,7 +119,7 @@ class Auto:
         """The cold path, or ``None`` when MoI is quick enough to run in the caller's time
         (or cannot be learned from: too few passages, another generator, no measured rate)."""
         bound = work.settings.auto_cold_max_s
-        if bound <= 0 or decision.key is None or not learner.background_free:
+        if bound <= 0 or decision.key is None:
             return None
         moi_request = replace(request, strategy="moi", design=LEARNING_SPEC, bias_profile=None)
         estimate_s = await work.estimate_s(

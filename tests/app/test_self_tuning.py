@@ -176,8 +176,8 @@ async def test_one_slow_first_call_admits_the_next_request_on_an_idle_engine(
 
 async def test_a_canary_queued_behind_progressing_work_is_not_a_failure(tmp_path: Path) -> None:
     # Requests of about a second each, back to back from two clients, on a one-call-at-a-time
-    # engine; the canary's deadline is 0.4 s and one failure would be fatal. It waits its turn, times
-    # out, and is forgiven: calls completed meanwhile.
+    # engine; the canary's deadline is 0.4 s and one failure would be fatal. It waits its
+    # turn, times out, and is forgiven: calls completed meanwhile.
     backend = TrackingBackend(TRUTH)
     async with serving(
         tmp_path,
@@ -337,3 +337,22 @@ async def test_explore_is_drawn_only_while_the_engine_can_run_it(tmp_path: Path)
         assert learner.decide("m", "qa_default", 10, None).path == "explore"
         tg.cancel_scope.cancel()
     learner.close()
+
+
+async def test_a_cold_request_while_the_engine_learns_is_still_served_at_once(
+    tmp_path: Path,
+) -> None:
+    # The background slot holds the first request's learning run: the next caller is not
+    # sent to MoI in its own time (the engine would then be its for tens of seconds on a
+    # CPU), it is served cold, its run simply not queued.
+    backend = engine()
+    async with serving(tmp_path, backend=backend, auto_cold_max_s=0.05) as h:
+        backend.hang = True  # the learning run holds the engine
+        first = (await h.client.post("/v1/reorder", json=body(TEXTS, 0))).json()["auto"]
+        assert first["path"] == "cold" and first["recorded"]
+        await wait_until(lambda: not h.ctx.engine.learner.background_free)
+        t = time.perf_counter()
+        r = await h.client.post("/v1/reorder", json=body(TEXTS, 1))
+        assert r.status_code == 200 and time.perf_counter() - t < 0.5
+        assert r.json()["auto"]["path"] == "cold" and not r.json()["auto"]["recorded"]
+        backend.hang = False

@@ -20,7 +20,8 @@ is trusted, and MoI until then (``service.learning`` learns and watches the prof
 - ``cold``: no trusted profile, and the MoI path is estimated (the queue ahead and its own
   work, at admission's measured rates) to take longer than ``auto_cold_max_s``, as on a CPU:
   the caller is served at once, placed by a trusted profile of the same model and template
-  for another slot count when one exists (the prior), else in the retriever's order, and the
+  for another slot count, or the operator's calibration of them (the prior), else left in
+  the retriever's order, and the
   request's MoI run is queued for the background like an explore run; kept, it counts toward
   learning (issue 70). The caller never waits on the service's learning.
 
@@ -31,13 +32,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import anyio.to_thread
 import numpy as np
 
 import solver
 from service.errors import InvalidRequest
 from service.learning import Decision, ProfileLearner, ShadowRun
 from service.settings import Settings
-from service.strategies.moi import MoI, design_cost, plan_design, retriever_scores
+from service.strategies.moi import MoI, bias_basis, design_cost, plan_design, retriever_scores
 from service.strategies.placement import named_profile
 from service.strategies.request import (
     AutoReport,
@@ -128,6 +130,13 @@ class Auto:
         if estimate_s is None or estimate_s <= bound:
             return None
         prior = learner.prior(work.model_id, work.template, len(request.passages))
+        if prior is None:
+            # An operator's calibration of this model and template (any passage count, read
+            # off the loop: the folder store reads files), if nothing says not to place by it.
+            found = await anyio.to_thread.run_sync(
+                work.profiles.orienting, work.model_id, work.template
+            )
+            prior = found if found is not None and bias_basis(found) is not None else None
         why = (
             f"{decision.reason}; MoI estimated at {estimate_s:.1f} s, over auto_cold_max_s = "
             f"{bound:g} s: served "

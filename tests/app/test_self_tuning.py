@@ -356,3 +356,23 @@ async def test_a_cold_request_while_the_engine_learns_is_still_served_at_once(
         assert r.status_code == 200 and time.perf_counter() - t < 0.5
         assert r.json()["auto"]["path"] == "cold" and not r.json()["auto"]["recorded"]
         backend.hang = False
+
+
+async def test_a_cold_request_is_placed_by_the_operators_calibration(tmp_path: Path) -> None:
+    # A calibrated profile of this model and template for 8 slots (an operator's, oriented by
+    # data): the prior a cold 10-passage request is placed by, resampled to its 10 slots.
+    store = ProfileStore(Settings(cache_dir=tmp_path).profiles_path)
+    calibrated = store.put(
+        model="fake/known-truth", template="qa_default",
+        coefficients=[c / 36.0 for c in recency(8)], identification="full", runs=50,
+        prompts=800, r2=0.9, source="calibrated", oriented_by="data",
+    )  # fmt: skip
+    async with serving(tmp_path, backend=engine(), auto_cold_max_s=0.05) as h:
+        scored = [{"text": t, "score": float(k)} for k, t in enumerate(TEXTS)]
+        r = await h.client.post("/v1/reorder", json={"query": "which river?", "passages": scored})
+        assert r.status_code == 200, r.text
+        auto = r.json()["auto"]
+        assert auto["path"] == "cold" and auto["ranker"] == "request_scores"
+        assert auto["profile"] == calibrated.id and calibrated.id in auto["reason"]
+        # Recency: the best-scored passage (9) goes last, the next (8) just before it.
+        assert r.json()["order"][-2:] == [8, 9]

@@ -112,6 +112,10 @@ class RecordingGate:
     def release(self) -> None:
         pass
 
+    def estimate_s(self, estimate: Estimate) -> float | None:
+        # No measured rate: ``auto`` then runs its MoI path in the caller's time, admitted.
+        return None
+
 
 # (strategy, options, design): every named strategy with its defaults, and the options that
 # change what it sends (samples, answer budgets, MoI's designs).

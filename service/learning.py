@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypeVar
 
@@ -588,7 +589,7 @@ class ProfileLearner:
                 )
             )
             if result.drifted:
-                self._drifted(st, result)
+                await self._drifted(st, result)
                 return
         if not runs:
             return
@@ -605,14 +606,16 @@ class ProfileLearner:
         was_trusted = held is not None and held.trusted
         since = held.learning_since if held is not None else None
         trusted_since = held.trusted_since if was_trusted and held is not None else None
-        st.last = to_profile_trust(
+        st.last = trust = to_profile_trust(
             found, "traffic", since, trusted_since=trusted_since or time.time()
         )
         st.explore_runs = 0
+        # Stores in a worker thread: a file write and fsync (a network volume can take long).
+        store = partial(self._store, key, found, trust, len(runs))
         if found.trusted:
             self.counters.recalibrations["trusted"] += 1
             await self.ready_ranker()  # requests keep running MoI until the ranker is loaded
-            st.stored = self._store(key, found, st.last, len(runs))
+            st.stored = await anyio.to_thread.run_sync(store)
             if not was_trusted:
                 log.info(
                     "auto: profile %s trusted after %d run(s): %s (%s)",
@@ -622,11 +625,13 @@ class ProfileLearner:
             self.counters.recalibrations["undecided"] += 1
             if was_trusted:
                 # More runs made it undecided: stop placing by it, on every replica.
-                st.stored = self._store(key, found, st.last, len(runs))
+                st.stored = await anyio.to_thread.run_sync(store)
                 log.warning("auto: profile %s no longer trusted: %s", st.stored.id, found.reason)
-        st.stamp = self.profiles.stamp(key.model, key.template, key.slots)
+        st.stamp = await anyio.to_thread.run_sync(
+            self.profiles.stamp, key.model, key.template, key.slots
+        )
 
-    def _drifted(self, st: KeyStatus, result: trust_rules.Drift) -> None:
+    async def _drifted(self, st: KeyStatus, result: trust_rules.Drift) -> None:
         prof = st.stored
         assert prof is not None and prof.trust is not None
         now = time.time()
@@ -653,7 +658,8 @@ class ProfileLearner:
             learning_since=now,
             trusted_since=None,
         )
-        st.stored = self.profiles.put(
+        put = partial(
+            self.profiles.put,
             model=prof.model,
             template=prof.template,
             coefficients=prof.coefficients,
@@ -665,7 +671,10 @@ class ProfileLearner:
             oriented_by=prof.oriented_by,
             trust=reset,
         )
-        st.stamp = self.profiles.stamp(prof.model, prof.template, prof.slots)
+        st.stored = await anyio.to_thread.run_sync(put)  # a file write: off the event loop
+        st.stamp = await anyio.to_thread.run_sync(
+            self.profiles.stamp, prof.model, prof.template, prof.slots
+        )
         st.last = reset
         st.pooled_runs = 0
         st.explore_runs = 0

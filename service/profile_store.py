@@ -13,9 +13,11 @@ says nothing about a model whose bias is recency.
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import re
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -222,6 +224,97 @@ class ProfileStore:
             if p.model == model and p.template == template and p.oriented_by == "data"
         ]
         return max(found, key=lambda p: p.slots) if found else None
+
+
+class SnapshotProfileStore(ProfileStore):
+    """The folder's profiles held in memory: once ``refresh`` has run, reads (``get``,
+    ``list``, ``by_id``, ``orienting``, ``stamp``) are dictionary lookups, never a file
+    read, a glob or a stat, so the request path does no blocking I/O on the event loop
+    (``FolderState`` refreshes it every ``state_refresh_s`` on a thread of its own). Before
+    the first ``refresh`` it reads the files, as ``ProfileStore`` does.
+
+    A write goes to the file (atomic, fsynced: call it from a worker thread) and into memory
+    at once, so the writer reads its own write; other replicas' writes are seen at the next
+    refresh, which re-parses only the files whose time or size changed.
+    """
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        # id -> (file stamp, profile, write sequence); replaced whole, never mutated, so a
+        # reader holds a consistent snapshot without the lock.
+        self._view: dict[str, tuple[object, StoredProfile, int]] | None = None
+        self._lock = threading.Lock()
+        self._seq = itertools.count(1)
+        self._last_seq = 0
+        self._bad: set[tuple[str, object]] = set()
+
+    @property
+    def loaded(self) -> bool:
+        """Whether reads come from memory (``refresh`` has run)."""
+        return self._view is not None
+
+    def refresh(self) -> None:
+        """Read the folder into memory (blocks: a worker thread). Parses only new or
+        changed files; an unreadable one is skipped with one warning."""
+        with self._lock:
+            started = self._last_seq
+            old = self._view or {}
+        fresh: dict[str, tuple[object, StoredProfile, int]] = {}
+        paths = sorted(self.root.glob("*.json")) if self.root.is_dir() else []
+        for path in paths:
+            if not _PROFILE_FILE.fullmatch(path.name):
+                continue
+            pid = path.name.removesuffix(".json")
+            try:
+                st = path.stat()
+            except FileNotFoundError:
+                continue
+            stamp = (st.st_mtime_ns, st.st_size)
+            prev = old.get(pid)
+            if prev is not None and prev[0] == stamp:
+                fresh[pid] = prev
+                continue
+            try:
+                fresh[pid] = (stamp, _load(path), 0)
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                if (pid, stamp) not in self._bad:  # once per version, not per refresh
+                    self._bad.add((pid, stamp))
+                    logger.warning("skipping unreadable bias profile %s: %s", path, exc)
+        with self._lock:
+            # A write made while this refresh read the folder is newer than what it saw.
+            for pid, entry in (self._view or {}).items():
+                if entry[2] > started:
+                    fresh[pid] = entry
+            self._view = fresh
+
+    def get(self, model: str, template: str, slots: int) -> StoredProfile | None:
+        if self._view is None:
+            return super().get(model, template, slots)
+        entry = self._view.get(profile_id(model, template, slots))
+        return entry[1] if entry is not None else None
+
+    def list(self) -> list[StoredProfile]:
+        if self._view is None:
+            return super().list()
+        return sorted(
+            (e[1] for e in self._view.values()), key=lambda s: (s.model, s.template, s.slots)
+        )
+
+    def stamp(self, model: str, template: str, slots: int) -> object:
+        if self._view is None:
+            return super().stamp(model, template, slots)
+        entry = self._view.get(profile_id(model, template, slots))
+        return entry[0] if entry is not None else None
+
+    def _write(self, prof: StoredProfile) -> None:
+        super()._write(prof)
+        path = self.path(prof.model, prof.template, prof.slots)
+        st = path.stat()
+        with self._lock:
+            if self._view is not None:
+                seq = next(self._seq)
+                self._last_seq = seq
+                self._view = {**self._view, prof.id: ((st.st_mtime_ns, st.st_size), prof, seq)}
 
 
 def _default_orientation(identification: str) -> str:

@@ -305,9 +305,10 @@ class Settings(BaseSettings):
     state_key_prefix: str = Field(default="rag-reorder", min_length=1, max_length=128)
     """Prefix of every Redis key: deployments that share one Redis keep apart by it."""
     state_refresh_s: float = Field(default=2.0, gt=0.0, le=300.0)
-    """Seconds between two checks of Redis for profiles another replica stored (one GET of
-    a version counter; the profiles are read again only when it moved), and between retries
-    while Redis cannot be reached."""
+    """Seconds between two checks for profiles another replica stored: in Redis one GET of a
+    version counter (the profiles are read again only when it moved), in the profile folder
+    its files' times (only changed files are read again). Requests read profiles from memory,
+    never a file. Also between retries while Redis cannot be reached."""
     state_timeout_s: float = Field(default=0.5, gt=0.0, le=30.0)
     """Connect and read timeout of one Redis call. Calls run beside requests, never in
     their path."""

@@ -20,13 +20,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from service.profile_store import ProfileStore, profile_id
+from service.profile_store import ProfileStore, SnapshotProfileStore, profile_id
 from service.traffic import RunSpool, SpoolName, TrafficSpool
 
 if TYPE_CHECKING:
@@ -197,23 +198,38 @@ def _break(path: Path, seen: os.stat_result) -> bool:
 
 
 class FolderState:
-    """The folder implementation: today's files, nothing in the background.
+    """The folder implementation: files, and once started, the profiles in memory.
+
+    ``start`` reads the profile folder into memory and re-reads what changed every
+    ``refresh_s`` on a thread of its own (``SnapshotProfileStore``): requests then look
+    profiles up without touching the disk, which on a network volume can block the event
+    loop for as long as the volume takes. Not started (the command line, tests), every read
+    goes to the files.
 
     Args:
         profiles: the profile folder (``settings.profiles_path``).
         sample_dir: the traffic sample's shared folder (``traffic_sample_dir``), if any.
         auto_root: ``auto``'s runs and locks (default ``<profiles>/auto``).
+        refresh_s: seconds between two reads of the profile folder once started.
     """
 
     kind: Literal["folder", "redis"] = "folder"
 
     def __init__(
-        self, profiles: Path, sample_dir: Path | None = None, auto_root: Path | None = None
+        self,
+        profiles: Path,
+        sample_dir: Path | None = None,
+        auto_root: Path | None = None,
+        refresh_s: float = 2.0,
     ) -> None:
-        self._profiles = ProfileStore(profiles)
+        self._profiles = SnapshotProfileStore(profiles)
         self.sample_dir = sample_dir
         self.auto_root = auto_root or profiles / "auto"
         self._locks = FolderLocks(self.auto_root, f"pid{os.getpid()}")
+        self.refresh_s = refresh_s
+        self._loaded = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     @property
     def profiles(self) -> ProfileStore:
@@ -247,14 +263,31 @@ class FolderState:
         return 0
 
     def start(self) -> None:
-        pass
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="state-folder", daemon=True)
+            self._thread.start()
 
     def close(self) -> None:
-        pass
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)
+            self._thread = None
 
     def wait_loaded(self, timeout: float) -> bool:
-        del timeout  # every read goes to the files
-        return True
+        """Wait until the profiles are in memory (or ``timeout``); not started, every read
+        goes to the files, so they are loaded."""
+        if self._thread is None:
+            return True
+        return self._loaded.wait(timeout)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._profiles.refresh()
+                self._loaded.set()
+            except OSError as exc:  # an unreachable volume: keep what is held, try again
+                log.warning("cannot read the bias profiles in %s: %s", self._profiles.root, exc)
+            self._stop.wait(self.refresh_s)
 
 
 def lock_name(model: str, template: str, slots: int) -> str:
@@ -278,7 +311,9 @@ def open_state(settings: Settings) -> StateStore:
     """The store ``settings`` name: Redis with ``state_url``, else the folder. Does no I/O
     (``start`` connects)."""
     if settings.state_url is None:
-        return FolderState(settings.profiles_path, settings.traffic_sample_dir)
+        return FolderState(
+            settings.profiles_path, settings.traffic_sample_dir, refresh_s=settings.state_refresh_s
+        )
     from service.redis_state import RedisState
 
     return RedisState.from_settings(settings)

@@ -23,7 +23,15 @@ import pytest
 
 from service.profile_store import ProfileStore, StoredProfile
 from service.strategies import strategy_names
-from tests.app.conftest import PASSAGES, QUERY, TRUTH, Harness, TrackingBackend, serving
+from tests.app.conftest import (
+    PASSAGES,
+    QUERY,
+    TRUTH,
+    Harness,
+    TrackingBackend,
+    serving,
+    wait_until,
+)
 from tests.support.positional import Topic, calibrate_positions, write_qa_file
 
 STRATEGIES_PAGE = Path(__file__).resolve().parents[2] / "docs" / "strategies.md"
@@ -449,6 +457,9 @@ async def test_placement_for_every_ranker_over_http(tmp_path: Path) -> None:
         assert r["order"] == [1, 0, 3, 2] and r["diagnostics"]["placement"] == "litm"
         # The generator's profile (a recency bias) stored beside the scorer's: reversed.
         prof = _recency_profile(h.ctx.settings.profiles_path, h.ctx.settings.chat_template)
+        # Stored as by another replica: requests see it once the folder is read again
+        # (state_refresh_s), not by a file read per request.
+        await wait_until(lambda: h.ctx.engine.profiles.by_id(prof.id) is not None)
         placed = {**body, "placement": "bias_matched", "bias_profile": prof.id}
         r = (await h.client.post("/v1/reorder", json=placed)).json()
         assert r["order"] == [3, 0, 2, 1]

@@ -318,7 +318,7 @@ class ServiceMetrics:
         self.rate_probes = Counter(
             f"{p}_rate_probes",
             "Rate canaries (a small scoring call the service times to re-measure the engine) "
-            "by why they ran (refused, doubted, stale) and how they ended (measured, "
+            "by why they ran (start, refused, doubted, stale) and how they ended (measured, "
             "preempted by a request, failed).",
             ["reason", "outcome"],
             registry=r,

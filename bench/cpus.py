@@ -49,11 +49,13 @@ BEFORE = "6564b51"
 """The last commit before issue 70."""
 CGROUP = Path("/sys/fs/cgroup/cpu/rag-reorder-bench")
 SAMPLE = ROOT / "tests" / "data" / "litm_sample.jsonl"
+N = 6
+"""Passages a request: 10 prompts of 3 (pruned random's fewest for 6), ~10 s on one CPU."""
 
 
 def passages() -> tuple[str, list[str]]:
     rows = [json.loads(line) for line in SAMPLE.open()][:2]
-    return rows[0]["question"], [c["text"] for r in rows for c in r["ctxs"]][:10]
+    return rows[0]["question"], [c["text"] for r in rows for c in r["ctxs"]][:N]
 
 
 def prefix(confine: str) -> list[str]:
@@ -91,15 +93,17 @@ def load(url: str, requests: int, concurrency: int) -> list[dict[str, Any]]:
     def one(k: int) -> dict[str, Any]:
         body = {
             "query": query,
-            "passages": texts[k % 10 :] + texts[: k % 10],
+            "passages": texts[k % N :] + texts[: k % N],
             "strategy": "moi",
-            "design": {"kind": "pruned_random", "num_prompts": 8, "seed": k},
+            "design": {"kind": "pruned_random", "num_prompts": 10, "seed": k},
         }
         t = time.perf_counter()
         r = httpx.post(f"{url}/v1/reorder", json=body, timeout=600)
         row = {"status": r.status_code, "latency_s": time.perf_counter() - t}
         if r.status_code == 200:
             row["scoring_s"] = r.json()["timing"]["scoring_s"]
+        else:
+            row["error"] = r.text[:300]
         return row
 
     with ThreadPoolExecutor(concurrency) as pool:
@@ -137,13 +141,16 @@ def main() -> None:
                     proc.wait(60)
                 row = {"round": rnd, "version": version, "confine": args.confine,
                        "cpus": info.get("cpus"), "requests": measured}  # fmt: skip
+                failed = [q for q in measured if q["status"] != 200]
+                if failed:
+                    raise SystemExit(f"{version}: {len(failed)} request(s) failed: {failed[0]}")
                 report.append(rows_path, row)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
     summary: dict[str, Any] = {"confine": args.confine, "before": args.before, "versions": {}}
     for version in ("before", "after"):
-        lat = [q["latency_s"] for r in rows if r["version"] == version for q in r["requests"]]
         ok = [q for r in rows if r["version"] == version for q in r["requests"]]
+        lat = [q["latency_s"] for q in ok if q["status"] == 200]
         summary["versions"][version] = {
             "requests": len(lat),
             "errors": sum(q["status"] != 200 for q in ok),

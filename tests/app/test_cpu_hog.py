@@ -115,18 +115,9 @@ def test_a_busy_neighbour_at_start_leaves_no_lasting_refusal(
                 path = body.get("auto", {}).get("path") if status == 200 else None
                 seen.append(("after", status, s, path))
                 assert status == 200 and s < 60, (status, s, body)
-            # MoI by name (a smaller design than the default's 14 prompts: the machine that
-            # runs this test is shared), over its deadline by the rates measured under the
-            # hog, not yet confirmed: admitted on the idle engine, and it re-measures.
-            status, s, body = post(
-                client,
-                "/v1/reorder",
-                {
-                    **ten(11),
-                    "strategy": "moi",
-                    "design": {"kind": "pruned_random", "num_prompts": 8},
-                },
-            )
+            # MoI by name, its default design: over its deadline by the rates measured under
+            # the hog and not yet confirmed, it is admitted on the idle engine and re-measures.
+            status, s, body = post(client, "/v1/reorder", {**ten(11), "strategy": "moi"})
             seen.append(("after-moi", status, s, "moi"))
             assert status == 200 and s < 60, (status, s, body)
             info = client.get("/info").json()

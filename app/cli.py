@@ -131,6 +131,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     s.add_argument("--host", default=os.environ.get("RAG_REORDER_HOST", "127.0.0.1"))
     s.add_argument("--port", type=int, default=int(os.environ.get("RAG_REORDER_PORT", "8000")))
+    s.add_argument(
+        "--forwarded-allow-ips",
+        help="proxies whose X-Forwarded-For is believed (comma-separated addresses or CIDR "
+        "ranges, * for any; default RAG_REORDER_FORWARDED_ALLOW_IPS, else 127.0.0.1)",
+    )
 
     r = sub.add_parser(
         "reorder",
@@ -193,7 +198,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> Settings:
-    overrides = {k: getattr(args, k) for k in ("backend", "model", "device") if getattr(args, k)}
+    keys = ("backend", "model", "device", "forwarded_allow_ips")
+    overrides = {k: getattr(args, k) for k in keys if getattr(args, k, None)}
     return Settings(**overrides)
 
 

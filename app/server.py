@@ -111,6 +111,10 @@ def serve_app(app: FastAPI, settings: Settings, host: str, port: int) -> None:
         access_log=settings.access_log,
         server_header=False,
         timeout_graceful_shutdown=int(_CLOSE_GRACE_S),
+        # Whose X-Forwarded-For is believed: behind an ingress the client (auto's caller) is
+        # the one it names, not the ingress's own address.
+        proxy_headers=True,
+        forwarded_allow_ips=settings.forwarded_allow_ips,
     )
     server = DrainingServer(config, ctx)
     server.run()

@@ -38,6 +38,7 @@ import socket
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -224,8 +225,8 @@ class ProfileLearner:
         self._status: dict[LearnKey, KeyStatus] = {}
         self._recorded: dict[LearnKey, int] = {}
         """Runs this replica recorded per key since its pool was last read."""
-        self._callers: dict[LearnKey, dict[str, int]] = {}
-        """Runs this replica kept per key and caller since the key's learning (re)started."""
+        self._callers: dict[LearnKey, deque[tuple[float, str]]] = {}
+        """Per key, the latest runs this replica kept: (monotonic time, caller)."""
         self._rng = np.random.default_rng(settings.seed)
         self._writer = ThreadPoolExecutor(1, "auto-spool")
         self._wake: anyio.Event | None = None
@@ -334,26 +335,38 @@ class ProfileLearner:
         return True
 
     def _within_share(self, key: LearnKey, caller: str | None) -> bool:
-        """Whether ``caller`` is not over ``auto_max_caller_share`` of the runs this replica
-        kept for ``key`` (so it ends at most one run past it); counts the run if so.
+        """Whether keeping a run of ``caller`` leaves it within ``auto_max_caller_share`` of
+        ``key``'s recent runs on this replica; counts the run if so.
 
-        The profile every caller is placed by must not be one caller's to shape. A caller
-        alone (no other caller's run kept yet) is not bounded: it has no one to dominate, and
-        most deployments have one RAG backend in front. Counted per replica since the key's
-        learning (re)started, in memory: a restart forgets the counts, not the runs.
+        The profile every caller is placed by must not be one caller's to shape, nor one
+        caller's to reset by forcing a drift. The share is taken over the runs that decide
+        those: the latest ``max(auto_min_runs, drift_min_runs)`` kept runs, each counting for
+        ``auto_caller_window_s`` only (counts decay: an honest caller's old runs do not let
+        another add as many in a row, and a caller seen once does not bound the rest for
+        good). Every caller is bounded while another caller's run is in that window, the
+        first included, and the window outlives a drift, so the caller that forced one is
+        not "first" after it. A caller alone in it is bounded only with
+        ``auto_bound_lone_caller`` (a deployment with one RAG backend learns from it alone).
+        In memory, per replica: a restart forgets the counts, not the runs.
         """
         if caller is None:
-            return True
-        counts = self._callers.setdefault(key, {})
-        mine = counts.get(caller, 0)
-        total = sum(counts.values())
-        others = total - mine
+            return True  # the command line, in-process calls: not a remote caller
+        limit = max(self.rules.min_runs, self.rules.drift_min_runs)
+        window = self._callers.get(key)
+        if window is None:
+            window = self._callers[key] = deque(maxlen=limit)
+        now = time.monotonic()
+        while window and now - window[0][0] > self.settings.auto_caller_window_s:
+            window.popleft()
         share = self.settings.auto_max_caller_share
-        # "Already over": a caller at exactly its share may add one (two callers at 0.5 take
-        # turns instead of blocking each other), one past it may not.
-        if others > 0 and mine > share * total:
+        mine = sum(1 for _, c in window if c == caller)
+        alone = mine == len(window)
+        # Half a run of slack: two callers at 0.5 take turns instead of blocking each other.
+        if (not alone or self.settings.auto_bound_lone_caller) and (
+            mine + 1 > share * (len(window) + 1) + 0.5
+        ):
             return False
-        counts[caller] = mine + 1
+        window.append((now, caller))
         return True
 
     @property
@@ -636,7 +649,6 @@ class ProfileLearner:
         assert prof is not None and prof.trust is not None
         now = time.time()
         self.counters.drift_events += 1
-        self._callers.pop(st.key, None)  # a new learning window: every caller starts again
         log.warning(
             "auto: drift of profile %s (%s) from %d explore run(s); back to MoI until a new "
             "profile is trusted", prof.id, result.reason, result.runs,

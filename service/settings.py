@@ -181,9 +181,21 @@ class Settings(BaseSettings):
     auto_max_runs: int = Field(default=200, ge=10, le=100_000)
     """Most learning runs `auto` pools per (model, template, slot count): the latest."""
     auto_max_caller_share: float = Field(default=0.5, gt=0.0, le=1.0)
-    """Most share of `auto`'s learning runs one caller (client address, as the HTTP server
-    resolves it behind trusted proxies) may hold while another caller also contributes: the
-    profile every request is placed by is not one caller's to shape. 1 disables the bound."""
+    """Most share of `auto`'s recent runs (learning and explore, the runs that decide trust
+    and drift) one caller may hold while another caller also contributes, the first caller
+    included: the profile every request is placed by is not one caller's to shape. The
+    caller is the client address as the HTTP server resolves it behind the proxies in
+    `forwarded_allow_ips`. 1 disables the bound."""
+    auto_caller_window_s: float = Field(default=600.0, gt=0.0, le=86_400.0)
+    """Seconds a kept run counts toward its caller's share: counts decay, so an honest
+    caller's old runs do not let another caller add as many in a row, and a caller seen once
+    does not bound the others for good. The share is also taken over only the latest runs
+    (as many as a drift test or a trust decision needs, 8 by default)."""
+    auto_bound_lone_caller: bool = False
+    """Bound a caller even while no other caller's run is in the window: no profile is then
+    trusted (nor reset by a drift) on one caller's runs alone, e.g. when the first caller
+    after a restart could be hostile. Leave off when one RAG backend is the only caller:
+    with it on, such a deployment never trusts a profile."""
     auto_recalibrate_s: float = Field(default=5.0, ge=0.0)
     """Least seconds between two assessments of one profile in the background (each costs
     about a second of one low-priority thread), and how often stored profiles are re-read."""
@@ -217,6 +229,12 @@ class Settings(BaseSettings):
     """Interface `rag-reorder serve` binds by default (`0.0.0.0` for every interface)."""
     port: int = Field(default=8000, ge=0, le=65535)
     """TCP port `rag-reorder serve` listens on by default."""
+    forwarded_allow_ips: str = Field(default="127.0.0.1", min_length=1, max_length=4096)
+    """Proxies (comma-separated addresses or CIDR ranges, `*` for any) whose
+    `X-Forwarded-For` and `X-Forwarded-Proto` the server believes: a request through one is
+    from the client the proxy names (`auto`'s caller, the access log). Behind an ingress or
+    load balancer set its addresses (e.g. the pod network's range); otherwise every request
+    comes from the proxy's address, one caller. `rag-reorder serve --forwarded-allow-ips`."""
     api_key: SecretStr | None = None
     """If set, every route except `/health` and `/ready` needs `Authorization: Bearer <key>`
     (compared in constant time)."""

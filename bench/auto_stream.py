@@ -142,6 +142,12 @@ async def dense(args: argparse.Namespace, out: Path, qs: list[Any], url: str) ->
     shutil.copy(args.profile, out / "state" / "profiles" / f"{pid}.json")
     assert profile["slots"] == args.passages
     async with httpx.AsyncClient(base_url=url, timeout=900) as client:
+        # The server reads the profile folder in the background (every state_refresh_s): wait
+        # until the copied profile is served.
+        for _ in range(100):
+            if (await client.get(f"/v1/bias-profiles/{pid}")).status_code == 200:
+                break
+            await asyncio.sleep(0.2)
         for q in qs:
             if q.id in done:
                 continue

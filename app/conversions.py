@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Literal, cast
+from typing import Any, Final, Literal, cast
 
 from starlette.requests import Request
 
@@ -31,16 +31,38 @@ from app.schemas import (
     TrustOut,
     UsageOut,
 )
+from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import ReorderResult
 from service.profile_store import ProfileTrust, StoredProfile
 from service.strategies.request import AdaptiveReport, AutoReport
 
+UNKNOWN_CALLER: Final = "unknown"
+"""The one caller of every request without ``auto_caller_header``, when that is set."""
+MAX_CALLER_CHARS: Final = 256
 
-def caller_of(request: Request) -> str | None:
-    """Who sent ``request``, for ``auto``'s per-caller share of learning runs: the client's
-    address as the HTTP server resolved it (behind a proxy, uvicorn's ``forwarded_allow_ips``
-    decides whose ``X-Forwarded-For`` is believed). Not an identity for anything else."""
+
+def caller_of(request: Request, header: str | None = None) -> str | None:
+    """Who sent ``request``, for ``auto``'s per-caller share of learning runs. With
+    ``header`` (``auto_caller_header``), that header's value, as a gateway in front set it
+    (the address is then the gateway's, so it is ignored), or ``UNKNOWN_CALLER`` when it is
+    missing; else the client's address as the HTTP server resolved it (behind a proxy,
+    uvicorn's ``forwarded_allow_ips`` decides whose ``X-Forwarded-For`` is believed). Not an
+    identity for anything else.
+
+    Raises:
+        InvalidRequest: the header's value is over ``MAX_CALLER_CHARS`` characters (it is
+            kept in memory; never cut, which could merge two callers).
+    """
+    if header is not None:
+        value = request.headers.get(header, "").strip()
+        if len(value) > MAX_CALLER_CHARS:
+            raise InvalidRequest(
+                f"header {header} is {len(value)} characters, over the limit of "
+                f"{MAX_CALLER_CHARS} (it names auto's caller)",
+                param=header,
+            )
+        return f"header:{value}" if value else UNKNOWN_CALLER
     return request.client.host if request.client is not None else None
 
 

@@ -185,7 +185,8 @@ class Settings(BaseSettings):
     and drift) one caller may hold while another caller also contributes, the first caller
     included: the profile every request is placed by is not one caller's to shape. The
     caller is the client address as the HTTP server resolves it behind the proxies in
-    `forwarded_allow_ips`. 1 disables the bound."""
+    `forwarded_allow_ips`, or `auto_caller_header`'s value when that is set. Counted per
+    replica. 1 disables the bound."""
     auto_caller_window_s: float = Field(default=600.0, gt=0.0, le=86_400.0)
     """Seconds a kept run counts toward its caller's share: counts decay, so an honest
     caller's old runs do not let another caller add as many in a row, and a caller seen once
@@ -196,6 +197,15 @@ class Settings(BaseSettings):
     trusted (nor reset by a drift) on one caller's runs alone, e.g. when the first caller
     after a restart could be hostile. Leave off when one RAG backend is the only caller:
     with it on, such a deployment never trusts a profile."""
+    auto_caller_header: str | None = Field(
+        default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
+    )
+    """A request header (e.g. `X-Caller-Id`) that names `auto`'s caller instead of the
+    client address: set it where a gateway in front sets that header for each RAG backend
+    (and drops a client's own). The client address is then ignored; requests without the
+    header are one caller, `unknown`; a value over 256 characters is refused (422). Unset:
+    the caller is the client address (`forwarded_allow_ips`). Not `Authorization` or
+    `Cookie`: a caller is kept in memory and is no secret."""
     auto_recalibrate_s: float = Field(default=5.0, ge=0.0)
     """Least seconds between two assessments of one profile in the background (each costs
     about a second of one low-priority thread), and how often stored profiles are re-read."""
@@ -387,6 +397,17 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"RAG_REORDER_ENGINE_URL is set but RAG_REORDER_BACKEND is {self.backend!r}: "
                 "set RAG_REORDER_BACKEND=remote to score with that engine, or unset the URL"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _caller_header_is_no_secret(self) -> Settings:
+        header = self.auto_caller_header
+        if header is not None and header.lower() in ("authorization", "cookie"):
+            raise ValueError(
+                f"RAG_REORDER_AUTO_CALLER_HEADER must not be {header!r}: a caller is kept in "
+                "memory and shown in no secret's place; name a header your gateway sets "
+                "per RAG backend (e.g. X-Caller-Id)"
             )
         return self
 

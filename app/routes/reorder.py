@@ -31,7 +31,12 @@ async def reorder(
     spec = body.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec)
     req = body.request(
-        body.query, passages, spec, request_id, ctx.settings, caller=caller_of(request)
+        body.query,
+        passages,
+        spec,
+        request_id,
+        ctx.settings,
+        caller=caller_of(request, ctx.settings.auto_caller_header),
     )
     result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
     return reorder_response(result, passages, top_n=body.top_n)

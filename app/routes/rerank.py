@@ -74,7 +74,12 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
     spec = opts.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec, passages_param="documents")
     req = opts.request(
-        body.query, passages, spec, request_id, ctx.settings, caller=caller_of(request)
+        body.query,
+        passages,
+        spec,
+        request_id,
+        ctx.settings,
+        caller=caller_of(request, ctx.settings.auto_caller_header),
     )
     max_tokens = body.max_tokens_per_doc
 

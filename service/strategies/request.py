@@ -91,8 +91,9 @@ class ReorderRequest:
     template: str | None = None
     request_id: str | None = None
     caller: str | None = None
-    """Who sent it (the HTTP client's address), for ``auto``'s per-caller share of learning
-    runs; ``None`` (the command line, probes): unbounded."""
+    """Who sent it (the HTTP client's address, or ``auto_caller_header``'s value), for
+    ``auto``'s per-caller share of learning runs; ``None`` (the command line, probes):
+    unbounded."""
 
 
 @dataclass(frozen=True)

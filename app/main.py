@@ -34,6 +34,7 @@ from app.schemas import ReorderOptions
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.engine_client import EngineClient
+from service.backends.engine_load import EngineLoad
 from service.backends.factory import create_backend, size_threads
 from service.backends.remote_backend import RemoteBackend
 from service.backends.scheduler import ForwardScheduler, ForwardStats
@@ -318,6 +319,11 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
     # are timed into admission's rate: the service's own work re-measures the engine.
     ctx.engine.learner.shadow_backend = MeteredBackend(backend, ctx.admission)
     ctx.engine.learner.idle = lambda: ctx.admission.tokens_in_flight == 0
+    load = _engine_load(ctx, backend)
+    if load is not None:
+        # A remote engine may serve other replicas and applications too: their work counts
+        # as well, as far as the engine's own queue tells (read in the background).
+        ctx.engine.learner.idle = lambda: ctx.admission.tokens_in_flight == 0 and not load.busy()
     scheduler = getattr(backend, "scheduler", None)
     if isinstance(scheduler, ForwardScheduler):
         ctx.metrics.track_scheduler(scheduler)
@@ -368,8 +374,25 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
     await ctx.engine.learner.ready_if_trusted()
     async with anyio.create_task_group() as tg:
         tg.start_soon(_remeasure, ctx, backend)
+        if load is not None:
+            tg.start_soon(load.run)
         await _watch(ctx, backend)
         tg.cancel_scope.cancel()
+
+
+def _engine_load(ctx: AppContext, backend: LogprobBackend) -> EngineLoad | None:
+    """The remote engine's queue for ``auto``'s background runs; ``None`` for an engine
+    only this process uses, or with ``engine_idle_poll_s`` 0."""
+    if not isinstance(backend, RemoteBackend) or ctx.settings.engine_idle_poll_s <= 0:
+        return None
+    load = EngineLoad(
+        backend.client,
+        lambda: backend.prompts_in_flight,
+        poll_s=ctx.settings.engine_idle_poll_s,
+        grace_s=ctx.settings.engine_metrics_grace_s,
+    )
+    ctx.engine.engine_load = load
+    return load
 
 
 async def _connect(ctx: AppContext, backend: RemoteBackend) -> bool:

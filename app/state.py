@@ -16,6 +16,7 @@ from app.admission import Admission
 from app.exceptions import Draining, NotReady, Unhealthy
 from app.metrics import ServiceMetrics
 from service.backends.base import LogprobBackend
+from service.backends.engine_load import EngineLoad
 from service.backends.score_mode_check import ScoreModeCheck
 from service.cpus import CpuBudget
 from service.errors import EngineUnavailable
@@ -156,6 +157,8 @@ class Engine:
         self.backend: LogprobBackend | None = None
         self.score_mode_check: ScoreModeCheck | None = None
         """vLLM's start-up comparison of its two score modes (``None``: other engines)."""
+        self.engine_load: EngineLoad | None = None
+        """A remote engine's queue, read for ``auto``'s background runs (``None``: others)."""
         self.profiles = profiles
         self.traffic = traffic
         self.learner = learner

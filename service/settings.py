@@ -105,6 +105,16 @@ class Settings(BaseSettings):
     the next (above it: the weights changed). Not 0: a shared bf16 engine batches each call
     with other requests and rounds differently (0.13 nats measured); a server that ignores
     token ids differs by several nats."""
+    engine_idle_poll_s: float = Field(default=1.0, ge=0.0, le=60.0)
+    """Seconds between two reads of the remote engine's queue (vLLM's `/metrics`:
+    `vllm:num_requests_running` and `vllm:num_requests_waiting`), taken in the background
+    and only while `auto` has a background run to place: such a run waits while the engine
+    also works for other clients (other replicas, other applications) and is cancelled when
+    they start. 0: this replica's own requests alone decide when the engine is idle."""
+    engine_metrics_grace_s: float = Field(default=30.0, ge=0.0, le=3600.0)
+    """Seconds from the first failed read of the remote engine's queue (no `/metrics`,
+    hidden by a gateway, no vLLM queue in it) during which the engine counts as busy; after
+    them this replica's own requests alone decide, until a read succeeds again."""
 
     # --- transformers backend ----------------------------------------------------------
     batch_token_budget: int | None = Field(default=None, ge=256)

@@ -191,6 +191,19 @@ class EngineClient:
         async with self._budget(tokens):
             return await self._call("POST", path, body, tokens, request_id)
 
+    async def read_text(self, path: str, *, timeout_s: float) -> str:
+        """``GET path`` as text, once: not retried, outside the call limits and the
+        observers (the background's cheap reads of the engine's ``/metrics``).
+
+        Raises:
+            EngineHTTPError: an answer other than 200.
+            httpx.HTTPError: the engine could not be reached or did not answer in time.
+        """
+        response = await self._http.get(path, timeout=timeout_s)
+        if response.status_code != 200:
+            raise EngineHTTPError(response.status_code, _detail(response))
+        return response.text
+
     async def aclose(self) -> None:
         await self._http.aclose()
 

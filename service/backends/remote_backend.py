@@ -118,6 +118,7 @@ class RemoteBackend:
         self._down: str | None = None
         self._fingerprint: tuple[float, ...] | None = None
         self._weights_changed = False
+        self._prompts_in_flight = 0
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RemoteBackend:
@@ -170,6 +171,12 @@ class RemoteBackend:
     @property
     def client(self) -> EngineClient:
         return self._client
+
+    @property
+    def prompts_in_flight(self) -> int:
+        """Prompts of this backend's completion calls not yet answered (each is one request
+        in vLLM's queue): what ``EngineLoad`` subtracts from the engine's own counts."""
+        return self._prompts_in_flight
 
     @property
     def connected(self) -> bool:
@@ -397,6 +404,7 @@ class RemoteBackend:
         order, or a ``PromptFailure`` for each prompt when the engine refused these prompts
         (a 4xx) or its answer cannot be read. An engine at fault (5xx, 401, 403, 429),
         unreachable or slow raises instead: its refusal says nothing about the prompts."""
+        self._prompts_in_flight += len(request_ids)
         try:
             answer = await self._client.post(
                 "/v1/completions", body, tokens=tokens, request_id=request_ids[0]
@@ -405,6 +413,8 @@ class RemoteBackend:
             if exc.status >= 500 or exc.status in _ENGINE_FAULT_4XX:
                 raise self._refused("/v1/completions", exc) from exc
             return [PromptFailure(rid, f"engine refused: {exc.detail}") for rid in request_ids]
+        finally:
+            self._prompts_in_flight -= len(request_ids)
         choices = _choices(answer, len(request_ids))
         if choices is None:
             return [PromptFailure(rid, "unreadable engine answer") for rid in request_ids]

@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import anyio
 import httpx
 import pytest
 
@@ -100,3 +101,100 @@ async def test_a_server_with_another_model_is_fatal_at_start(
         await wait_until(lambda: ctx.lifecycle.fatal is not None)
         assert "someone-elses-model" in ctx.lifecycle.fatal and "smol" in ctx.lifecycle.fatal
         assert (await http.get("/health")).status_code == 503
+
+
+class SharedEngine:
+    """The scripted server's ``/metrics`` as vLLM's: ``others`` requests of other clients
+    (another replica) in its queue beside ``own``'s prompts in flight, each read finding
+    them further along (tokens served). ``slow``: seconds each completion call takes."""
+
+    def __init__(self, server: ScriptedServer, own: RemoteBackend | None = None) -> None:
+        self.server = server
+        self.own = own
+        self.others = 0
+        self.tokens = 0
+        self.slow = 0.0
+        server.metrics = self.text
+
+    async def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions" and self.slow:
+            await anyio.sleep(self.slow)
+        return self.server(request)
+
+    def text(self) -> str:
+        running = self.others + (self.own.prompts_in_flight if self.own is not None else 0)
+        self.tokens += 10 * running
+        return (
+            f'vllm:num_requests_running{{model_name="smol"}} {running}\n'
+            'vllm:num_requests_waiting{model_name="smol"} 0\n'
+            f'vllm:prompt_tokens_total{{model_name="smol"}} {self.tokens}\n'
+        )
+
+
+async def test_background_runs_wait_while_the_shared_engine_serves_other_clients(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    server = ScriptedServer(tokenizer)
+    shared = SharedEngine(server)
+    switch = Switch(server)
+    switch.up = True
+    client = EngineClient("http://engine:8000", transport=httpx.MockTransport(switch), retries=0)
+    backend = RemoteBackend(client, tokenizer, model_id="tiny")
+    # Every auto request is served cold and queues its learning run for the idle engine.
+    settings = settings_for(tmp_path, auto_cold_max_s=1e-6, engine_idle_poll_s=0.02)
+    app = create_app(settings, backend=backend)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    passages = [f"Passage {i} says the river is number {i}." for i in range(6)]
+    body = {"query": "Which river?", "passages": passages}
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as http,
+    ):
+        ctx = app.state.ctx
+        learner = ctx.engine.learner
+        await wait_until(lambda: ctx.lifecycle.ready, timeout=15)
+        shared.others = 3  # another replica's requests: this one has none in flight
+        completions = server.paths.count("/v1/completions")
+        r = await http.post("/v1/reorder", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["auto"]["path"] == "cold" and r.json()["auto"]["recorded"]
+        await anyio.sleep(0.5)  # 25 reads of the engine's queue
+        assert server.paths.count("/metrics") >= 5
+        assert not learner.background_free  # still waiting for the engine
+        assert server.paths.count("/v1/completions") == completions
+        assert ctx.engine.engine_load is not None and ctx.engine.engine_load.others == 3
+        shared.others = 0  # the other replica's requests are done
+        await wait_until(lambda: learner.counters.learning_runs["recorded"] == 1, timeout=10)
+        assert server.paths.count("/v1/completions") > completions
+
+
+async def test_a_background_run_is_cancelled_when_another_client_uses_the_shared_engine(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    server = ScriptedServer(tokenizer)
+    shared = SharedEngine(server)
+    client = EngineClient("http://engine:8000", transport=httpx.MockTransport(shared), retries=0)
+    backend = RemoteBackend(client, tokenizer, model_id="tiny")
+    shared.own = backend
+    settings = settings_for(tmp_path, auto_cold_max_s=1e-6, engine_idle_poll_s=0.02)
+    app = create_app(settings, backend=backend)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    passages = [f"Passage {i} says the river is number {i}." for i in range(6)]
+    body = {"query": "Which river?", "passages": passages}
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as http,
+    ):
+        ctx = app.state.ctx
+        runs = ctx.engine.learner.counters.learning_runs
+        await wait_until(lambda: ctx.lifecycle.ready, timeout=15)
+        shared.slow = 5.0
+        r = await http.post("/v1/reorder", json=body)
+        assert r.json()["auto"]["path"] == "cold" and r.json()["auto"]["recorded"]
+        await wait_until(lambda: backend.prompts_in_flight > 0)
+        # The engine counts the run's own prompts: they do not preempt it.
+        await anyio.sleep(0.3)
+        assert runs["preempted"] == 0 and backend.prompts_in_flight > 0
+        shared.others = 2  # another replica's requests arrive
+        await wait_until(lambda: runs["preempted"] == 1, timeout=5)
+        assert backend.prompts_in_flight == 0 and runs["recorded"] == 0

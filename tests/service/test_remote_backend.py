@@ -9,6 +9,7 @@ checked against a real vLLM server in test_remote_vllm.py.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,8 @@ class ScriptedServer:
         bf16 engine batching the probe's two calls differently)."""
         self.shift = 0.0
         """Subtracted from every log-prob (other weights under the same name)."""
+        self.metrics: Callable[[], str] | None = None
+        """``GET /metrics``'s Prometheus text (``None``: 404, a server without it)."""
 
     def value(self, token: int, pos: int) -> float:
         return -((token % 7) + pos) / 10 - self.shift
@@ -64,6 +67,10 @@ class ScriptedServer:
         if path in self.status:
             error = {"error": {"message": "scripted refusal"}}
             return httpx.Response(self.status[path], json=error)
+        if path == "/metrics":
+            if self.metrics is None:
+                return httpx.Response(404, text="Not Found")
+            return httpx.Response(200, text=self.metrics())
         if path == "/v1/models":
             card = {"id": self.served, "object": "model", "max_model_len": self.context}
             return httpx.Response(200, json={"object": "list", "data": [card]})

@@ -392,6 +392,7 @@ def _engine_load(ctx: AppContext, backend: LogprobBackend) -> EngineLoad | None:
         grace_s=ctx.settings.engine_metrics_grace_s,
     )
     ctx.engine.engine_load = load
+    ctx.metrics.track_engine_load(load)
     return load
 
 

@@ -20,6 +20,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.registry import Collector
 
 from service.backends.engine_client import EngineCall, EngineClient
+from service.backends.engine_load import EngineLoad
 from service.backends.scheduler import ForwardScheduler, ForwardStats
 from service.learning import ProfileLearner
 from service.pipeline import ReorderResult
@@ -460,6 +461,13 @@ class ServiceMetrics:
             "HTTP calls to the remote engine waiting for or holding an answer.",
             registry=r,
         )
+        self.engine_other_requests = Gauge(
+            f"{p}_engine_other_requests",
+            "Requests of the remote engine's other clients (its queue beyond this replica's "
+            "prompts) at the last read of its /metrics, for auto's background runs; -1 "
+            "before a good read and while reads fail.",
+            registry=r,
+        )
         if include_default_registry:
             r.register(_DefaultRegistry())
 
@@ -498,6 +506,12 @@ class ServiceMetrics:
         """Observe every call to a remote engine and expose its calls in flight."""
         self.engine_in_flight.set_function(lambda: client.in_flight)
         client.add_observer(self._observe_engine_call)
+
+    def track_engine_load(self, load: EngineLoad) -> None:
+        """Expose the remote engine's queue as ``auto``'s background runs see it."""
+        self.engine_other_requests.set_function(
+            lambda: load.others if load.failure is None and load.read else -1.0
+        )
 
     def _observe_engine_call(self, call: EngineCall) -> None:
         self.engine_calls.labels(call.path, call.outcome).inc()

@@ -121,7 +121,12 @@ class EngineLoad:
         self.others = 0.0
         """Requests of other clients in the engine's queue at the last good read."""
         self.failure: str | None = None
-        """Why the last read failed (``None``: it succeeded)."""
+        """Why the last read failed (``None``: it succeeded, or none was made)."""
+
+    @property
+    def read(self) -> bool:
+        """Whether a read has succeeded (``others`` is a reading, not the default)."""
+        return self._read_at is not None
 
     def busy(self) -> bool:
         """Whether the engine works for other clients now, as far as it can tell: the last

@@ -163,6 +163,7 @@ async def test_background_runs_wait_while_the_shared_engine_serves_other_clients
         assert not learner.background_free  # still waiting for the engine
         assert server.paths.count("/v1/completions") == completions
         assert ctx.engine.engine_load is not None and ctx.engine.engine_load.others == 3
+        assert "rag_reorder_engine_other_requests 3.0" in (await http.get("/metrics")).text
         shared.others = 0  # the other replica's requests are done
         await wait_until(lambda: learner.counters.learning_runs["recorded"] == 1, timeout=10)
         assert server.paths.count("/v1/completions") > completions

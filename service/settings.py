@@ -22,6 +22,8 @@ GEMMA_MODEL = "google/gemma-3-270m"
 DEFAULT_TEMPLATE = "qa_default"
 MODEL_TEMPLATES = {GEMMA_MODEL: "qa_completion"}
 """The prompt template a model gets when `chat_template` is not set (default: qa_default)."""
+_SECRET_HEADERS = frozenset({"authorization", "proxy-authorization", "cookie"})
+"""Headers that carry credentials: never ``auto_caller_header`` (callers are kept as sent)."""
 
 
 def _default_cache_dir() -> Path:
@@ -214,8 +216,8 @@ class Settings(BaseSettings):
     client address: set it where a gateway in front sets that header for each RAG backend
     (and drops a client's own). The client address is then ignored; requests without the
     header are one caller, `unknown`; a value over 256 characters is refused (422). Unset:
-    the caller is the client address (`forwarded_allow_ips`). Not `Authorization` or
-    `Cookie`: a caller is kept in memory and is no secret."""
+    the caller is the client address (`forwarded_allow_ips`). Not a credential's header
+    (`Authorization`, `Proxy-Authorization`, `Cookie`): callers are kept in memory as sent."""
     auto_recalibrate_s: float = Field(default=5.0, ge=0.0)
     """Least seconds between two assessments of one profile in the background (each costs
     about a second of one low-priority thread), and how often stored profiles are re-read."""
@@ -413,11 +415,11 @@ class Settings(BaseSettings):
     @model_validator(mode="after")
     def _caller_header_is_no_secret(self) -> Settings:
         header = self.auto_caller_header
-        if header is not None and header.lower() in ("authorization", "cookie"):
+        if header is not None and header.lower() in _SECRET_HEADERS:
             raise ValueError(
-                f"RAG_REORDER_AUTO_CALLER_HEADER must not be {header!r}: a caller is kept in "
-                "memory and shown in no secret's place; name a header your gateway sets "
-                "per RAG backend (e.g. X-Caller-Id)"
+                f"RAG_REORDER_AUTO_CALLER_HEADER must not be {header!r}: callers are kept in "
+                "memory as they are sent, and a credential must not be; name a header your "
+                "gateway sets per RAG backend (e.g. X-Caller-Id)"
             )
         return self
 

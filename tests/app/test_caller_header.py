@@ -61,7 +61,7 @@ async def test_a_caller_header_over_the_limit_is_refused(tmp_path: Path) -> None
             assert str(MAX_CALLER_CHARS + 1) in error["message"]
 
 
-@pytest.mark.parametrize("name", ["Authorization", "cookie", "X Caller", ""])
+@pytest.mark.parametrize("name", ["Authorization", "Proxy-Authorization", "cookie", "X Caller", ""])
 def test_the_caller_header_is_a_plain_header_and_no_secret(name: str) -> None:
     with pytest.raises(ValidationError):
         Settings(auto_caller_header=name)

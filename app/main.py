@@ -370,10 +370,12 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
     log.info("ready")
     # The warm-up's rate is a tiny probe's (fixed costs dominate: 15 tokens/s against 450 on
     # this CPU): measure a realistic one as soon as the engine is idle.
-    ctx.admission.remeasure("start")
+    if ctx.settings.rate_canary:
+        ctx.admission.remeasure("start")
     await ctx.engine.learner.ready_if_trusted()
     async with anyio.create_task_group() as tg:
-        tg.start_soon(_remeasure, ctx, backend)
+        if ctx.settings.rate_canary:
+            tg.start_soon(_remeasure, ctx, backend)
         if load is not None:
             tg.start_soon(load.run)
         await _watch(ctx, backend)
@@ -507,14 +509,16 @@ async def _remeasure(ctx: AppContext, backend: LogprobBackend) -> None:
     admission.on_remeasure = wake.set
     last = -_REMEASURE_MIN_S
     while True:
-        with anyio.move_on_after(_REMEASURE_POLL_S):
-            await wake.wait()
-        wake = anyio.Event()
-        admission.on_remeasure = wake.set
         now = time.monotonic()
         age = admission.meter.age_s(now)
         why = admission.remeasure_wanted or ("stale" if age is not None and age > FRESH_S else None)
         if why is None or now - last < _REMEASURE_MIN_S or not ctx.lifecycle.ready:
+            # Nothing asked (or asked too soon after the last): until asked, or the next look.
+            wait_s = _REMEASURE_POLL_S if why is None else _REMEASURE_MIN_S - (now - last)
+            with anyio.move_on_after(max(0.05, wait_s)):
+                await wake.wait()
+            wake = anyio.Event()
+            admission.on_remeasure = wake.set
             continue
         while admission.tokens_in_flight:
             await anyio.sleep(0.1)

@@ -381,6 +381,11 @@ class Settings(BaseSettings):
     canary_interval_s: float = Field(default=60.0, ge=0)
     """Seconds between liveness canaries (a tiny scoring request, skipped while real requests
     succeed); 0 disables them."""
+    rate_canary: bool = True
+    """Re-measure the engine's rate with a small scoring call of the service's own (eight
+    prompts of two short passages) when the engine is idle and the rate is in doubt: at
+    start, after a refusal or a doubted estimate, and when no call measured it for 300 s
+    (docs/operations.md, "Estimates that heal"). Off: only requests measure it."""
     canary_timeout_s: float = Field(default=60.0, gt=0)
     """Deadline of one canary or of the warm-up request."""
     canary_failures_fatal: int = Field(default=3, ge=1)

@@ -94,9 +94,15 @@ async def wait_ready(client: httpx.AsyncClient, timeout: float = 5.0) -> None:
 
 
 def settings_for(tmp_path: Path, **overrides: Any) -> Settings:
-    # Canaries off unless a test asks: they would add score calls at random moments.
-    # Writes open, as on the local quick start; test_errors shows them closed by default.
-    base: dict[str, Any] = {"cache_dir": tmp_path, "canary_interval_s": 0, "open_writes": True}
+    # Canaries (liveness and rate) off unless a test asks: they would add score calls at
+    # random moments. Writes open, as on the local quick start; test_errors shows them
+    # closed by default.
+    base: dict[str, Any] = {
+        "cache_dir": tmp_path,
+        "canary_interval_s": 0,
+        "rate_canary": False,
+        "open_writes": True,
+    }
     base.update(overrides)
     return Settings(**base)
 

@@ -270,6 +270,8 @@ async def test_adaptive_design_reports_how_it_ran(served: Harness) -> None:
         "confidence": pytest.approx(diag["adaptive"]["confidence"]),
         "target": 0.8,
         "bias": "fitted",
+        "bias_profile": None,
+        "bias_basis": None,
     }
     plain = await served.client.post("/v1/reorder", json=reorder_body())
     assert plain.json()["diagnostics"]["adaptive"] is None

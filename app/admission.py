@@ -371,6 +371,18 @@ def _unreachable(
     )
 
 
+def _prompt_tokens(requests: Sequence[SpanRequest]) -> int:
+    """A scoring call's prompt tokens, as admission and the meter count them."""
+    return sum(len(r.token_ids) for r in requests)
+
+
+def _generation_tokens(requests: Sequence[GenerationRequest]) -> tuple[int, int]:
+    """A generation call's prefilled tokens (a prompt's score ids are prefilled with it) and
+    its answer budget."""
+    prefilled = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
+    return prefilled, sum(r.max_new_tokens for r in requests)
+
+
 class MeteredBackend:
     """The shared backend as the service's own work sees it (the rate canary, ``auto``'s
     background runs): no admission, no request limits, but every call timed into the meter
@@ -394,13 +406,11 @@ class MeteredBackend:
         return self._inner.tokenizer
 
     async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
-        tokens = sum(len(r.token_ids) for r in requests)
-        with self._admission.measured(tokens):
+        with self._admission.measured(_prompt_tokens(requests)):
             return await self._inner.score(requests)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
-        prefilled = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
-        budget = sum(r.max_new_tokens for r in requests)
+        prefilled, budget = _generation_tokens(requests)
         with self._admission.measured(prefilled + budget, new_tokens=budget):
             return await self._inner.generate(requests)
 
@@ -498,7 +508,7 @@ class AdmittedBackend:
             raise LimitExceeded(
                 "design.num_prompts", max_prompts, n, what="distinct prompts to score"
             )
-        tokens = sum(len(r.token_ids) for r in requests)
+        tokens = _prompt_tokens(requests)
         self._count_prompt_tokens(tokens, n)
         with self._admission.tokens(tokens, self._deadline, reservation=self._reservation):
             return await self._inner.score(requests)
@@ -512,9 +522,8 @@ class AdmittedBackend:
             LimitExceeded: prompts x tokens over the limit.
             Overloaded: the in-flight token budget is full.
         """
-        prefilled = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
+        prefilled, budget = _generation_tokens(requests)
         self._count_prompt_tokens(prefilled, len(requests))
-        budget = sum(r.max_new_tokens for r in requests)
         with self._admission.tokens(
             prefilled + budget, self._deadline, new_tokens=budget, reservation=self._reservation
         ):

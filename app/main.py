@@ -38,7 +38,7 @@ from service.backends.engine_load import EngineLoad
 from service.backends.factory import create_backend, size_threads
 from service.backends.remote_backend import RemoteBackend
 from service.backends.scheduler import ForwardScheduler, ForwardStats
-from service.cpus import cpu_budget
+from service.cpus import process_budget
 from service.errors import (
     BackendUnavailable,
     ClientError,
@@ -117,7 +117,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
     metrics = ServiceMetrics()
     # What the process may use (affinity, cgroup quota, the `cpus` setting): torch's threads
     # and the solver pool are sized from it, not from the host's count (issue 70).
-    cpus = cpu_budget(settings.cpus)
+    cpus = process_budget(settings.cpus)
     # The folder, or Redis (`state_url`): nothing connects before the lifespan starts it.
     state = open_state(settings)
     store = state.profiles
@@ -294,13 +294,7 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
 
 async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None:
     lc = ctx.lifecycle
-    log.info(
-        "CPUs: %d usable (%s; host %d, affinity %s, quota %s): torch threads %d, solver "
-        "processes %d", ctx.cpus.cpus, ctx.cpus.source, ctx.cpus.host_cpus, ctx.cpus.affinity,
-        ctx.cpus.quota, ctx.cpus.torch_threads,
-        ctx.settings.solver_processes if ctx.settings.solver_processes is not None
-        else ctx.cpus.solver_processes,
-    )  # fmt: skip
+    log.info("CPUs: %s", ctx.cpus.describe(ctx.settings.solver_processes))
     try:
         if given is not None:
             backend = given

@@ -27,6 +27,7 @@ import logging
 import math
 import os
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -64,8 +65,14 @@ class CpuBudget:
         """The solver pool's default workers: every CPU but the event loop's, 1 to 8."""
         return min(MAX_SOLVER_PROCESSES, max(1, self.cpus - 1))
 
-    def describe(self) -> dict[str, object]:
-        """The figures for ``/info`` and the start-up log."""
+    def pool_size(self, setting: int | None = None) -> int:
+        """The solver pool's workers: the ``solver_processes`` setting when set, else
+        ``solver_processes``."""
+        return self.solver_processes if setting is None else setting
+
+    def describe(self, solver_processes: int | None = None) -> dict[str, object]:
+        """The figures for ``/info`` and the start-up log, with the pool as
+        ``solver_processes`` (the setting) sizes it."""
         return {
             "cpus": self.cpus,
             "source": self.source,
@@ -73,7 +80,7 @@ class CpuBudget:
             "affinity": self.affinity,
             "quota": self.quota,
             "torch_threads": self.torch_threads,
-            "solver_processes": self.solver_processes,
+            "solver_processes": self.pool_size(solver_processes),
         }
 
 
@@ -153,6 +160,14 @@ def affinity_cpus() -> int | None:
         return len(getaffinity(0))
     except OSError:
         return None
+
+
+@lru_cache(maxsize=8)
+def process_budget(setting: float | None = None) -> CpuBudget:
+    """``cpu_budget`` of this process, probed once per ``cpus`` setting: the solver pool asks
+    its size at every fit, and the probe reads files. A limit changed under a running
+    process is not followed (a resized pod restarts its containers by default)."""
+    return cpu_budget(setting)
 
 
 def cpu_budget(setting: float | None = None, *, root: Path = CGROUP_ROOT) -> CpuBudget:

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import anyio.to_thread
 
-from service.cpus import cpu_budget
+from service.cpus import process_budget
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ T = TypeVar("T")
 def default_workers(cpus: float | None = None) -> int:
     """One process per CPU the process may use beyond the event loop's (``service.cpus``:
     its affinity and cgroup quota, or ``cpus``), at least one, at most eight."""
-    return cpu_budget(cpus).solver_processes
+    return process_budget(cpus).solver_processes
 
 
 class SolverPool:
@@ -91,7 +91,7 @@ _shared_lock = threading.Lock()
 def shared_pool(workers: int | None, cpus: float | None = None) -> SolverPool | None:
     """The process's pool of that size (``None``: ``default_workers(cpus)``; 0: no pool, fits
     run in threads). One per process, so every request shares the same workers."""
-    n = default_workers(cpus) if workers is None else workers
+    n = process_budget(cpus).pool_size(workers)
     if n == 0:
         return None
     with _shared_lock:

@@ -122,17 +122,7 @@ async def info(ctx: Ctx) -> InfoOut:
         templates=list(template_names()),
         auto=_auto(ctx, model),
         capacity=_capacity(ctx),
-        cpus=CpusOut(
-            cpus=ctx.cpus.cpus,
-            source=ctx.cpus.source,
-            host_cpus=ctx.cpus.host_cpus,
-            affinity=ctx.cpus.affinity,
-            quota=ctx.cpus.quota,
-            torch_threads=ctx.cpus.torch_threads,
-            solver_processes=s.solver_processes
-            if s.solver_processes is not None
-            else ctx.cpus.solver_processes,
-        ),
+        cpus=CpusOut.model_validate(ctx.cpus.describe(s.solver_processes)),
     )
 
 

@@ -106,9 +106,7 @@ class Auto:
     async def _moi(
         self, work: Work, request: ReorderRequest, learner: ProfileLearner, decision: Decision
     ) -> Outcome:
-        # The request's placement (none, or bias_matched) is MoI's; the design is the
-        # learning design, whatever path this is, so every run can be pooled.
-        moi_request = replace(request, strategy="moi", design=LEARNING_SPEC, bias_profile=None)
+        moi_request = _learning_request(request)
         await work.admit(_MOI.cost(moi_request, work.settings), request.query, request.passages)
         scored = await _MOI.run_scored(work, moi_request)
         kept = learner.record(decision, scored.perms, scored.scores, request.caller)
@@ -123,7 +121,7 @@ class Auto:
         bound = work.settings.auto_cold_max_s
         if bound <= 0 or decision.key is None:
             return None
-        moi_request = replace(request, strategy="moi", design=LEARNING_SPEC, bias_profile=None)
+        moi_request = _learning_request(request)
         estimate_s = await work.estimate_s(
             _MOI.cost(moi_request, work.settings), request.query, request.passages
         )
@@ -198,17 +196,19 @@ class Auto:
         )
 
 
+def _learning_request(request: ReorderRequest) -> ReorderRequest:
+    """``request`` as the MoI run ``auto`` learns from. The request's placement (none, or
+    bias_matched) is MoI's; the design is the learning design, whatever path this is, so
+    every run can be pooled."""
+    return replace(request, strategy="moi", design=LEARNING_SPEC, bias_profile=None)
+
+
 def _shadow_run(work: Work, request: ReorderRequest, learner: ProfileLearner) -> ShadowRun:
     """The background run of ``request`` (explore, or learning on the cold path): MoI's
     learning design on the engine behind no admission (the server's ``shadow_backend``, timed
     into admission's rate), its own request id, the learner's deadline and preemption."""
     moi_request = replace(
-        request,
-        strategy="moi",
-        design=LEARNING_SPEC,
-        placement=None,
-        bias_profile=None,
-        request_id=f"{work.request_id}-explore",
+        _learning_request(request), placement=None, request_id=f"{work.request_id}-explore"
     )
 
     async def run() -> tuple[np.ndarray, np.ndarray]:

@@ -23,6 +23,8 @@ _MAX_ITER = 200
 _FTOL = 1e-12
 _XTOL = 1e-12
 _GTOL = 1e-12
+# run_batch's looser ``tol`` counts only on steps this short relative to the parameters.
+_SHORT_STEP = 1e-3
 
 
 @dataclass(frozen=True, eq=False)
@@ -292,10 +294,14 @@ def run_batch(
     bt: Batch,
     rows: NDArray[np.int64] | None = None,
     max_iter: int = _MAX_ITER,
+    tol: float = _FTOL,
 ) -> Batch:
     """Minimise every copy's weighted residual sum of squares from where ``bt`` stands
     (updates ``bt``; ``rows``: only these copies). Copy ``p`` weights its prompts by
-    ``weights[p]`` (0 or 1: a 0 drops that prompt).
+    ``weights[p]`` (0 or 1: a 0 drops that prompt). ``tol`` above ``run``'s 1e-12: a copy
+    also stops when an accepted step lowers its cost by at most ``tol`` relative and moves
+    its parameters by at most 1e-3 relative (a long step that gains little is a refit walking
+    off along a valley, which must still reach the iteration limit and be reported).
 
     The same Levenberg-Marquardt as ``run`` (Marquardt-scaled damping, Nielsen's update, the
     same stopping rules, per copy), with two differences. The arithmetic is stacked: the
@@ -384,10 +390,17 @@ def run_batch(
             acc = ok & (rho > 0)
             if np.any(acc):
                 ra = sel[acc]
-                small_step = np.sqrt((step[acc] ** 2).sum(axis=1)) <= _XTOL * (
-                    np.sqrt((theta[ra] ** 2).sum(axis=1)) + _XTOL
-                )
-                small_drop = (cost[ra] - cost_c[acc]) <= _FTOL * np.maximum(cost_c[acc], 1e-300)
+                step_norm = np.sqrt((step[acc] ** 2).sum(axis=1))
+                theta_norm = np.sqrt((theta[ra] ** 2).sum(axis=1))
+                small_step = step_norm <= _XTOL * (theta_norm + _XTOL)
+                drop = cost[ra] - cost_c[acc]
+                small_drop = drop <= _FTOL * np.maximum(cost_c[acc], 1e-300)
+                if tol > _FTOL:
+                    # A refit walking off along a valley also gains little a step: only a
+                    # short step's small gain means it is at its optimum.
+                    small_drop |= (drop <= tol * np.maximum(cost_c[acc], 1e-300)) & (
+                        step_norm <= _SHORT_STEP * (theta_norm + _SHORT_STEP)
+                    )
                 theta[ra], a[ra], shown[ra], r[ra] = cand[acc], a_c[acc], shown_c[acc], r_c[acc]
                 cost[ra] = cost_c[acc]
                 mu[ra] *= np.maximum(1.0 / 3.0, 1.0 - (2.0 * rho[acc] - 1.0) ** 3)
@@ -413,7 +426,11 @@ def run_batch(
 
 
 def run_nonneg_batch(
-    prob: Problem, weights: FloatArray, st: State, held: NDArray[np.bool_]
+    prob: Problem,
+    weights: FloatArray,
+    st: State,
+    held: NDArray[np.bool_],
+    tol: float = _FTOL,
 ) -> Batch:
     """``run_nonneg`` from ``st`` for every weighted copy of ``prob`` (``run_batch``), each
     starting with the coefficients ``held`` at zero and keeping its own active set after."""
@@ -428,7 +445,7 @@ def run_nonneg_batch(
         for c in todo:
             bt.a0[c], bt.basis[c] = _bounded_affine(bt.a[c], active[c])
             bt.a[c] = bt.a0[c]
-        run_batch(prob, weights, bt, todo)
+        run_batch(prob, weights, bt, todo, tol=tol)
         still = []
         for c in todo:
             nxt = _next_active(prob, bt.u[c], bt.a[c], bt.b[c], active[c], weights[c])

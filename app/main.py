@@ -251,7 +251,7 @@ def _ranker_loader(settings: Settings) -> Callable[[], object] | None:
     def load() -> object:
         from service.backends.embedding import encoder
 
-        return encoder()
+        return encoder(settings)
 
     return load
 

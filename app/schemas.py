@@ -749,6 +749,29 @@ class CpusOut(_Model):
     solver_processes: int
 
 
+class DenseOut(_Model):
+    """The `dense` encoder (all-MiniLM-L6-v2, `auto`'s default ranker) since start: where it
+    runs, how concurrent requests shared its forwards, and its cache (`RAG_REORDER_DENSE_*`)."""
+
+    device: str
+    torch_threads: int
+    batch_tokens: int
+    requests: int
+    texts: int
+    """Texts asked for (each request's query and passages)."""
+    cache_hits: int
+    """Texts answered from the cache, without a forward."""
+    cache_entries: int
+    cache_capacity: int
+    forwards: int
+    rows: int
+    """Texts embedded by the forwards (cache misses, a repeated text once)."""
+    tokens: int
+    padded_tokens: int
+    """Rows x longest text, summed over forwards (what the forwards computed)."""
+    max_requests_per_forward: int
+
+
 class LimitsOut(_Model):
     max_body_bytes: int
     max_passages: int
@@ -888,3 +911,5 @@ class InfoOut(_Model):
     cpus: CpusOut
     """The CPUs the process may use (affinity, cgroup quota, setting), torch's threads and
     the solver's processes."""
+    dense: DenseOut | None = None
+    """The `dense` encoder's figures (null until a request used it)."""

@@ -195,13 +195,16 @@ def request_id_of(scope: Scope) -> str | None:
     return rid if isinstance(rid, str) else None
 
 
-def get_context(request: Request) -> AppContext:
+# The two dependencies are ``async def`` though they never await: FastAPI runs a plain ``def``
+# dependency in its thread pool: two thread hand-offs on every request for a dictionary lookup
+# (cProfile of a server on the no-model path: every worker-thread run of a request was one).
+async def get_context(request: Request) -> AppContext:
     ctx = context_of(request.scope)
     assert ctx is not None, "create_app sets app.state.ctx"
     return ctx
 
 
-def get_request_id(request: Request) -> str:
+async def get_request_id(request: Request) -> str:
     rid = request_id_of(request.scope)
     assert rid is not None, "RequestContextMiddleware sets the request id"
     return rid

@@ -168,6 +168,21 @@ class Settings(BaseSettings):
     auto_ranker: Literal["dense", "bm25"] = "dense"
     """`auto`'s ranker on the profile and flat paths when not every passage carries the
     caller's `score` (with scores, they rank)."""
+    dense_device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the `dense` encoder (all-MiniLM-L6-v2, `auto`'s default ranker) runs. `auto`: on
+    CUDA when a GPU is visible and `device` is not `cpu` (the scoring engine's device), else
+    on the CPU with torch's threads sized to the process's CPUs (`cpus`)."""
+    dense_batch_tokens: int = Field(default=8192, ge=256, le=1 << 20)
+    """Most padded tokens (rows x longest text) in one forward of the `dense` encoder;
+    concurrent requests' passages share forwards up to it, oldest request first."""
+    dense_batch_wait_ms: float = Field(default=0.0, ge=0.0, le=1000.0)
+    """How long the `dense` encoder holds the oldest queued request for others to batch with.
+    0: none; requests that arrive while a forward runs still share the next one (on a CPU a
+    wait only adds latency: a forward's cost grows with its rows)."""
+    dense_cache_entries: int = Field(default=4096, ge=0, le=1 << 22)
+    """Passage embeddings the `dense` encoder keeps, by a hash of the text (about 1.5 KB
+    each; the same retrieved chunk recurs across requests); least recently used go first.
+    0: no cache. Hits are in `/info` (`dense`)."""
     auto_explore_rate: float = Field(default=0.05, ge=0.0, le=1.0)
     """Share of `auto`'s requests that still run MoI once a profile is trusted; their runs
     test the profile for drift (a changed generator or template). 0: never re-checked."""

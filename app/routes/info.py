@@ -3,6 +3,7 @@ adapter, limits, options)."""
 
 from __future__ import annotations
 
+import sys
 import time
 from typing import get_args
 
@@ -17,6 +18,7 @@ from app.schemas import (
     AutoProfileOut,
     CapacityOut,
     CpusOut,
+    DenseOut,
     InfoOut,
     LimitsOut,
     ModelCard,
@@ -123,7 +125,16 @@ async def info(ctx: Ctx) -> InfoOut:
         auto=_auto(ctx, model),
         capacity=_capacity(ctx),
         cpus=CpusOut.model_validate(ctx.cpus.describe(s.solver_processes)),
+        dense=_dense(ctx),
     )
+
+
+def _dense(ctx: AppContext) -> DenseOut | None:
+    # Looked up, not imported: importing the encoder's module loads torch, which a server
+    # whose requests never used `dense` has no reason to pay for on /info.
+    module = sys.modules.get("service.backends.embedding")
+    stats = None if module is None else module.loaded(ctx.settings)
+    return None if stats is None else DenseOut.model_validate(stats)
 
 
 def _capacity(ctx: AppContext) -> CapacityOut:

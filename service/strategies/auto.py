@@ -166,8 +166,15 @@ class Auto:
         else:
             ranker = work.settings.auto_ranker
             docs = [passage_text(p) for p in passages]
-            fn = cosine_scores if ranker == "dense" else bm25_scores
-            scores = await work.off_loop(lambda: fn(request.query, docs), timer="solver")
+            if ranker == "dense":
+                settings = work.settings
+                scores = await work.off_loop(
+                    lambda: cosine_scores(request.query, docs, settings), timer="solver"
+                )
+            else:
+                scores = await work.off_loop(
+                    lambda: bm25_scores(request.query, docs), timer="solver"
+                )
             score_name = "cosine_similarity" if ranker == "dense" else "bm25"
         ranking = descending(np.asarray(scores, dtype=np.float64), tiebreak)
         flat = profile.trust is not None and profile.trust.verdict == "flat"

@@ -56,11 +56,14 @@ def bm25_scores(query: str, documents: Sequence[str]) -> np.ndarray:
     return np.asarray(index.get_scores(known), dtype=np.float64)
 
 
-def cosine_scores(query: str, documents: Sequence[str]) -> np.ndarray:
-    """Cosine similarity of all-MiniLM-L6-v2 embeddings of ``query`` and each document."""
+def cosine_scores(
+    query: str, documents: Sequence[str], settings: Settings | None = None
+) -> np.ndarray:
+    """Cosine similarity of all-MiniLM-L6-v2 embeddings of ``query`` and each document (the
+    encoder ``settings``' ``dense_*`` fields configure; defaults without)."""
     from service.backends.embedding import encoder
 
-    emb = encoder().encode([query, *documents])
+    emb = encoder(settings).encode([query, *documents])
     return np.asarray(emb[1:] @ emb[0], dtype=np.float64)
 
 
@@ -73,12 +76,14 @@ class _Lexical:
     def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
         return Cost()
 
-    def scores(self, query: str, documents: Sequence[str]) -> np.ndarray:
+    def scores(self, query: str, documents: Sequence[str], settings: Settings) -> np.ndarray:
         raise NotImplementedError
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         docs = [passage_text(p) for p in request.passages]
-        u = await work.off_loop(lambda: self.scores(request.query, docs), timer="solver")
+        u = await work.off_loop(
+            lambda: self.scores(request.query, docs, work.settings), timer="solver"
+        )
         ranking = descending(u, retriever_ranking(request.passages))
         return Outcome(order=list(ranking), ranking=ranking, score_name=self.score_name, scores=u)
 
@@ -89,7 +94,7 @@ class Bm25(_Lexical):
     name: StrategyName = "bm25"
     score_name = "bm25"
 
-    def scores(self, query: str, documents: Sequence[str]) -> np.ndarray:
+    def scores(self, query: str, documents: Sequence[str], settings: Settings) -> np.ndarray:
         return bm25_scores(query, documents)
 
 
@@ -99,5 +104,5 @@ class Dense(_Lexical):
     name: StrategyName = "dense"
     score_name = "cosine_similarity"
 
-    def scores(self, query: str, documents: Sequence[str]) -> np.ndarray:
-        return cosine_scores(query, documents)
+    def scores(self, query: str, documents: Sequence[str], settings: Settings) -> np.ndarray:
+        return cosine_scores(query, documents, settings)

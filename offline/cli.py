@@ -303,6 +303,20 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
     pg.add_argument(
         "--profile-model", help="the model name to store the profile under (default: --model)"
     )
+    pg.add_argument(
+        "--no-labels",
+        action="store_true",
+        help="no gold answers needed: one call per question, its passages in a random order, "
+        "the answer attributed to the passages that hold it, and the slots' shares fitted "
+        "(a position-based model) and judged by auto's trust rule",
+    )
+    pg.add_argument(
+        "--threshold",
+        type=float,
+        default=0.6,
+        help="with --no-labels: share of an answer's content words a passage must hold to "
+        "support it when none holds the whole answer",
+    )
     pg.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     pg.add_argument("--out", required=True, type=Path, help="answers, report and plot (resumes)")
 

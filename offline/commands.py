@@ -13,11 +13,15 @@ import sys
 from collections.abc import Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from service.commandline import open_pipeline, progress_line, read_examples
 from service.errors import ClientError
 from service.settings import Settings
+
+if TYPE_CHECKING:
+    from offline.generator_api import GeneratorEndpoint
+    from service.templates import PromptTemplate
 
 NOT_STORED = 3
 """``profile-generator``'s exit code when it measured but did not store the profile (a curve not
@@ -140,18 +144,21 @@ async def profile_generator(settings: Settings, args: argparse.Namespace) -> int
             ) from None
     else:
         template = get_template(args.template)
+    endpoint = GeneratorEndpoint(
+        base_url=args.base_url,
+        model=args.model,
+        api=args.api,
+        api_key=api_key(args.base_url, args.api_key_env, os.environ),
+        max_tokens=args.max_tokens,
+        logprobs=not args.no_logprobs,
+        timeout_s=args.timeout,
+        retries=args.retries,
+        concurrency=args.concurrency,
+    )
+    if args.no_labels:
+        return await _profile_generator_blind(settings, args, endpoint, template)
     job = ProfileJob(
-        endpoint=GeneratorEndpoint(
-            base_url=args.base_url,
-            model=args.model,
-            api=args.api,
-            api_key=api_key(args.base_url, args.api_key_env, os.environ),
-            max_tokens=args.max_tokens,
-            logprobs=not args.no_logprobs,
-            timeout_s=args.timeout,
-            retries=args.retries,
-            concurrency=args.concurrency,
-        ),
+        endpoint=endpoint,
         examples=read_examples(args.data, args.limit),
         data_name=args.data.name,
         slots=args.slots,
@@ -186,6 +193,73 @@ async def profile_generator(settings: Settings, args: argparse.Namespace) -> int
                 "questions_measured": outcome.complete_questions,
                 "accuracy_by_slot": list(fit.accuracy) if fit else None,
                 "p_flat": fit.p_flat if fit else None,
+                "stored": outcome.stored.id if outcome.stored else None,
+                "refused": outcome.refused,
+                "files": [str(f) for f in outcome.files],
+            },
+            indent=2,
+        )
+    )
+    if outcome.refused is not None:
+        print(f"profile not stored: {outcome.refused}", file=sys.stderr)
+        return NOT_STORED
+    return 0
+
+
+async def _profile_generator_blind(
+    settings: Settings,
+    args: argparse.Namespace,
+    endpoint: GeneratorEndpoint,
+    template: PromptTemplate,
+) -> int:
+    from offline.answer_profile import Estimate
+    from offline.blind_profile import BlindJob, run_blind_profile
+    from service.profile_store import ProfileStore
+    from solver.trust import TrustRules
+
+    if not 0.0 < args.threshold <= 1.0:
+        raise ClientError(f"--threshold must be in (0, 1], got {args.threshold}", param="threshold")
+    job = BlindJob(
+        endpoint=endpoint,
+        examples=read_examples(args.data, args.limit),
+        data_name=args.data.name,
+        slots=args.slots,
+        template=template,
+        out=args.out,
+        max_calls=args.max_calls,
+        seed=args.seed,
+        threshold=args.threshold,
+        rules=TrustRules(alpha=args.alpha),
+        force=args.force,
+        progress=not args.no_progress,
+        profile_model=args.profile_model,
+    )
+
+    def announce(est: Estimate) -> None:
+        print(
+            f"profile-generator --no-labels: {est.questions} questions, one call each in a "
+            f"random order of {args.slots} passages ({est.skipped} questions skipped: fewer "
+            f"passages); {est.done} answered in {args.out}; this run: {est.todo} calls, about "
+            f"{est.approx_prompt_tokens} prompt tokens",
+            file=sys.stderr,
+            flush=True,
+        )
+
+    outcome = await run_blind_profile(
+        job, ProfileStore(settings.profiles_path), on_estimate=announce
+    )
+    fit = outcome.fit
+    print(
+        json.dumps(
+            {
+                "out": str(args.out),
+                "calls_this_run": outcome.calls_made,
+                "attempts_this_run": outcome.attempts,
+                "questions_answered": fit.questions if fit else 0,
+                "attributed": fit.attributed if fit else 0,
+                "share_by_slot": list(fit.share) if fit else None,
+                "verdict": fit.verdict if fit else None,
+                "reason": fit.reason if fit else None,
                 "stored": outcome.stored.id if outcome.stored else None,
                 "refused": outcome.refused,
                 "files": [str(f) for f in outcome.files],

@@ -264,6 +264,54 @@ def _bootstrap(pool: _Pool, a_hat: FloatArray, resamples: int, seed: int) -> Flo
     return out
 
 
+def verdict(
+    *,
+    runs: int,
+    flat_p: float,
+    stability: float,
+    spread_upper: float,
+    k: int,
+    rules: TrustRules,
+    of: str = "",
+    unit: str = "run(s)",
+) -> tuple[Verdict, str]:
+    """The trust rule (module docstring) on a profile's figures, with its reason in words:
+    ``shaped``, ``flat`` or ``undecided``. ``runs`` counts the independent measurements (``unit``
+    names them: runs of a design, attributed answers); ``of`` qualifies the stability."""
+    if runs < rules.min_runs:
+        return "undecided", f"{runs} {unit}, fewer than {rules.min_runs}"
+    if flat_p < rules.alpha and stability >= rules.min_stability:
+        return "shaped", (
+            f"not flat (p = {flat_p:.2g} < {rules.alpha:g}) and {stability:.0%} of "
+            f"{rules.resamples} resampled fits place the same top {k} slot(s){of}"
+        )
+    if flat_p >= rules.alpha and spread_upper < rules.flat_effect:
+        return "flat", (
+            f"no slot preference (p = {flat_p:.2g}) and the spread's upper bound "
+            f"{spread_upper:.3f} excludes {rules.flat_effect:g}"
+        )
+    if flat_p < rules.alpha:
+        return "undecided", (
+            f"not flat (p = {flat_p:.2g}) but only {stability:.0%} of resampled fits place the "
+            f"same top {k} slot(s){of} (needs {rules.min_stability:.0%})"
+        )
+    return "undecided", (
+        f"not distinguishable from flat (p = {flat_p:.2g}) and too few {unit.replace('(s)', 's')} "
+        f"to exclude a "
+        f"spread of {rules.flat_effect:g} (upper bound {spread_upper:.3f})"
+    )
+
+
+def top_slots(a: ArrayLike, placement_slots: int, k: int) -> tuple[int, ...]:
+    """The ``k`` strongest slots of profile ``a`` placing ``placement_slots`` passages."""
+    return _top(np.asarray(a, dtype=np.float64), placement_slots, k)
+
+
+def wald_p(d: ArrayLike, cov: ArrayLike, df: int) -> float:
+    """p-value of ``d = 0`` given its covariance ``cov`` with ``df`` degrees of freedom."""
+    return _wald(np.asarray(d, dtype=np.float64), np.asarray(cov, dtype=np.float64), df)
+
+
 def pooled_fit(runs: Sequence[tuple[ArrayLike, ArrayLike]]) -> FloatArray:
     """The bias shared by ``runs`` (pruned-random designs), fitted by variable projection.
 
@@ -326,35 +374,12 @@ def assess(
     stability = per_count[weakest]
     # Which passage count the stability is of, when several are placed by this profile.
     of = f" of {weakest} passages" if len(counts) > 1 else ""
-    verdict: Verdict
-    if pool.runs < rules.min_runs:
-        verdict, reason = "undecided", f"{pool.runs} run(s), fewer than {rules.min_runs}"
-    elif flat_p < rules.alpha and stability >= rules.min_stability:
-        verdict = "shaped"
-        reason = (
-            f"not flat (p = {flat_p:.2g} < {rules.alpha:g}) and {stability:.0%} of "
-            f"{rules.resamples} resampled fits place the same top {k} slot(s){of}"
-        )
-    elif flat_p >= rules.alpha and spread_upper < rules.flat_effect:
-        verdict = "flat"
-        reason = (
-            f"no slot preference (p = {flat_p:.2g}) and the spread's upper bound "
-            f"{spread_upper:.3f} excludes {rules.flat_effect:g}"
-        )
-    elif flat_p < rules.alpha:
-        verdict = "undecided"
-        reason = (
-            f"not flat (p = {flat_p:.2g}) but only {stability:.0%} of resampled fits place the "
-            f"same top {k} slot(s){of} (needs {rules.min_stability:.0%})"
-        )
-    else:
-        verdict = "undecided"
-        reason = (
-            f"not distinguishable from flat (p = {flat_p:.2g}) and too few runs to exclude a "
-            f"spread of {rules.flat_effect:g} (upper bound {spread_upper:.3f})"
-        )
+    decided, reason = verdict(
+        runs=pool.runs, flat_p=flat_p, stability=stability, spread_upper=spread_upper, k=k,
+        rules=rules, of=of,
+    )  # fmt: skip
     return Trust(
-        verdict=verdict,
+        verdict=decided,
         reason=reason,
         runs=pool.runs,
         coefficients=a_hat,

@@ -1,0 +1,250 @@
+"""A generator's position profile from its answers alone, without gold labels.
+
+The signal: which passage an answer came from. For a question whose passages were shown in a
+randomised order, the answer is *attributed* (``attribute``) to the passages that support it:
+
+- **containment**: the passages holding the whole normalised answer (lower case, punctuation
+  and articles dropped, whitespace collapsed: the SQuAD/NQ normalisation);
+- else **token overlap**: the answer's content tokens (not a stop word, not already in the
+  question: a token the question holds points at no passage) are looked up in each passage;
+  the passages holding the largest share, if that share reaches ``threshold``, support it.
+
+One supporting passage takes the answer's whole weight; ``m`` of them take ``1/m`` each; none
+(a refusal, an answer from the model's own memory, a paraphrase) carries no weight. Both are
+counted, so a report says how much of the traffic was informative.
+
+The estimate: a position-based model (the click model of unbiased learning to rank,
+Joachims et al. 2017; Agarwal et al. 2019): an answer comes from the passage in slot ``k``
+with probability proportional to ``theta_k * r_d``, the slot's weight times the passage's
+usefulness. Because every question's placement is uniformly random, a passage's usefulness is
+independent of its slot, so the expected attributed weight in slot ``k`` is proportional to
+``theta_k``: the estimate is each slot's share of the attributed weight, with a bootstrap over
+questions for its intervals and covariance. Whether it may place passages is decided by the
+rule ``auto`` applies to the profiles it learns (``solver.trust.verdict``): distinguishable
+from flat (a bootstrap Wald test) with stable top slots, or shown flat, else undecided.
+"""
+
+from __future__ import annotations
+
+import re
+import string
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+from numpy.typing import ArrayLike, NDArray
+
+from solver.trust import TrustRules, Verdict, top_slots, verdict, wald_p
+
+FloatArray = NDArray[np.float64]
+AttributionKind = Literal["contained", "overlap", "none"]
+
+DEFAULT_THRESHOLD = 0.6
+"""Share of an answer's content tokens a passage must hold to support it (no containment)."""
+_FLOOR = 1e-3
+"""Smallest stored slot weight: a slot no answer came from yet still ranks."""
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCT = str.maketrans(dict.fromkeys(string.punctuation, " "))
+# Function words carry no evidence of where an answer came from (every passage has them).
+_STOP_WORDS = (
+    "a an the of in on at to for from by with and or but is are was were be been being it its",
+    "this that these those as not no yes i you he she they we his her their our my your which",
+    "who whom what when where why how there here do does did has have had will would can could",
+    "may might shall should than then so if about into over under after before during between",
+    "out up down also only very just any some all each other such own same too more most s t",
+    "don know answer document documents passage passages question according based provided",
+)
+_STOP = frozenset(" ".join(_STOP_WORDS).split())
+
+
+def normalize(text: str) -> str:
+    """Lower case, punctuation and articles removed, whitespace collapsed."""
+    text = text.lower().translate(_PUNCT)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """The passages (indices into the question's passages) an answer is attributed to."""
+
+    passages: tuple[int, ...]
+    kind: AttributionKind
+    overlap: float
+    """The best passage's share of the answer's content tokens (1.0 when contained)."""
+
+    @property
+    def weight(self) -> float:
+        """The answer's weight: 1 spread over its passages, 0 when none supports it."""
+        return 1.0 if self.passages else 0.0
+
+
+def attribute(
+    answer: str,
+    passages: Sequence[str],
+    *,
+    question: str = "",
+    threshold: float = DEFAULT_THRESHOLD,
+) -> Attribution:
+    """The passages that support ``answer`` (module docstring).
+
+    Raises:
+        ValueError: ``threshold`` outside (0, 1].
+    """
+    if not 0.0 < threshold <= 1.0:
+        raise ValueError(f"threshold must be in (0, 1], got {threshold}")
+    norm = normalize(answer)
+    if not norm:
+        return Attribution((), "none", 0.0)
+    texts = [normalize(p) for p in passages]
+    asked = set(normalize(question).split())
+    content = [t for t in dict.fromkeys(norm.split()) if t not in _STOP and t not in asked]
+    if not content:
+        # Nothing the question does not already say: the answer points at no passage.
+        return Attribution((), "none", 0.0)
+    padded = f" {norm} "
+    hits = tuple(i for i, t in enumerate(texts) if padded in f" {t} ")
+    if hits:
+        return Attribution(hits, "contained", 1.0)
+    shares = [len(set(content) & set(t.split())) / len(content) for t in texts]
+    best = max(shares, default=0.0)
+    if best < threshold:
+        return Attribution((), "none", best)
+    return Attribution(tuple(i for i, s in enumerate(shares) if s == best), "overlap", best)
+
+
+def slot_weights(
+    orders: Sequence[Sequence[int]], attributed: Sequence[Sequence[int]]
+) -> FloatArray:
+    """Questions x slots: each question's answer weight spread over the slots its supporting
+    passages were shown in (``orders[i][k]`` is the passage in slot ``k``).
+
+    Raises:
+        ValueError: orders of different lengths, or an attributed passage not shown.
+    """
+    if len(orders) != len(attributed):
+        raise ValueError(f"{len(orders)} orders for {len(attributed)} attributions")
+    slots = {len(o) for o in orders}
+    if len(slots) > 1:
+        raise ValueError(f"placements of different slot counts {sorted(slots)}")
+    n = slots.pop() if slots else 0
+    out = np.zeros((len(orders), n))
+    for i, (order, hits) in enumerate(zip(orders, attributed, strict=True)):
+        where = {p: k for k, p in enumerate(order)}
+        missing = [p for p in hits if p not in where]
+        if missing:
+            raise ValueError(f"question {i}: passages {missing} were not shown")
+        for p in hits:
+            out[i, where[p]] += 1.0 / len(hits)
+    return out
+
+
+@dataclass(frozen=True)
+class BlindProfile:
+    """The position-based estimate of a generator's slot weights and its verdict."""
+
+    slots: int
+    questions: int
+    """Questions answered (attributed or not)."""
+    attributed: float
+    """Summed answer weight: questions whose answer was attributed to some passage."""
+    single: int
+    """Questions attributed to exactly one passage."""
+    multiple: int
+    """Questions attributed to several passages (their weight split)."""
+    share: tuple[float, ...]
+    """Each slot's share of the attributed weight: the estimate of ``theta`` (sums to 1)."""
+    low: tuple[float, ...]
+    high: tuple[float, ...]
+    """Percentile bootstrap interval (1 - alpha) of each slot's share, questions resampled."""
+    coefficients: tuple[float, ...]
+    """The placement weights: ``share`` floored at 0.001, summing to 1."""
+    covariance: tuple[tuple[float, ...], ...]
+    verdict: Verdict
+    reason: str
+    flat_p: float
+    spread: float
+    spread_upper: float
+    stability: float
+    top_slots: tuple[int, ...]
+    placement_slots: int
+    resamples: int
+
+    @property
+    def trusted(self) -> bool:
+        return self.verdict != "undecided"
+
+
+def fit_blind_profile(
+    weights: ArrayLike,
+    *,
+    placement_slots: int | None = None,
+    rules: TrustRules | None = None,
+    seed: int = 0,
+) -> BlindProfile:
+    """The slot shares of a questions x slots weight matrix (``slot_weights``), their bootstrap
+    intervals and the trust verdict (module docstring). Rows of zero weight (unattributed
+    answers) count as questions but carry no information.
+
+    Raises:
+        ValueError: not a matrix of >= 2 slots, negative weights, or a row summing above 1.
+    """
+    rules = rules or TrustRules()
+    w = np.asarray(weights, dtype=np.float64)
+    if w.ndim != 2 or w.shape[1] < 2:
+        raise ValueError(f"need a questions x slots matrix with >= 2 slots, got {w.shape}")
+    if (w < 0).any() or (w.sum(axis=1) > 1.0 + 1e-9).any():
+        raise ValueError("each question's weights must be >= 0 and sum to at most 1")
+    n_q, L = w.shape
+    placement = placement_slots or L
+    rows = w.sum(axis=1)
+    informative = w[rows > 0]
+    m = informative.shape[0]
+    k = min(rules.top_slots, placement)
+    flat = np.full(L, 1.0 / L)
+    if m == 0:
+        return BlindProfile(
+            L, n_q, 0.0, 0, 0, tuple(flat), (0.0,) * L, (1.0,) * L, tuple(flat),
+            tuple(tuple(0.0 for _ in range(L)) for _ in range(L)), "undecided",
+            "no answer was attributed to a passage yet", 1.0, 0.0, float("inf"), 0.0,
+            top_slots(flat, placement, k), placement, rules.resamples,
+        )  # fmt: skip
+    share = informative.sum(axis=0) / informative.sum()
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, m, size=(rules.resamples, m))
+    sums = informative[picks].sum(axis=1)  # resamples x slots
+    boot = sums / sums.sum(axis=1, keepdims=True)
+    cov = np.cov(boot, rowvar=False)
+    low, high = np.percentile(boot, [50 * rules.alpha, 100 - 50 * rules.alpha], axis=0)
+    flat_p = wald_p(share - flat, cov, L - 1)
+    spread = float(L * (share.max() - share.min()))
+    spread_upper = float(np.quantile(L * (boot.max(axis=1) - boot.min(axis=1)), 1 - rules.alpha))
+    top = top_slots(share, placement, k)
+    stability = float(np.mean([top_slots(b, placement, k) == top for b in boot]))
+    decided, reason = verdict(
+        runs=m, flat_p=flat_p, stability=stability, spread_upper=spread_upper, k=k, rules=rules,
+        unit="attributed answer(s)",
+    )  # fmt: skip
+    floored = np.maximum(share, _FLOOR)
+    counts = (informative > 0).sum(axis=1)
+    return BlindProfile(
+        slots=L,
+        questions=n_q,
+        attributed=float(rows.sum()),
+        single=int((counts == 1).sum()),
+        multiple=int((counts > 1).sum()),
+        share=tuple(float(s) for s in share),
+        low=tuple(float(v) for v in low),
+        high=tuple(float(v) for v in high),
+        coefficients=tuple(float(c) for c in floored / floored.sum()),
+        covariance=tuple(tuple(float(v) for v in row) for row in np.atleast_2d(cov)),
+        verdict=decided,
+        reason=reason,
+        flat_p=flat_p,
+        spread=spread,
+        spread_upper=spread_upper,
+        stability=stability,
+        top_slots=top,
+        placement_slots=placement,
+        resamples=rules.resamples,
+    )

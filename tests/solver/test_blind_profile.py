@@ -1,0 +1,109 @@
+"""``solver.blind_profile``: attributing answers to passages, and the position-based estimate
+over randomised placements with auto's trust rule."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from solver.blind_profile import attribute, fit_blind_profile, normalize, slot_weights
+from solver.trust import TrustRules
+
+PASSAGES = (
+    "Google Glass shows a head-up display in front of the eye.",
+    "The Eiffel Tower is in Paris, France, built by Gustave Eiffel.",
+    "Paris is the capital of France; the Louvre is in Paris.",
+    "Kerosene lamps burn kerosene drawn up a wick.",
+)
+
+
+def test_normalize_drops_case_punctuation_and_articles() -> None:
+    assert normalize("The  Head-Up Display!") == "head up display"
+
+
+def test_an_answer_contained_in_one_passage_is_attributed_to_it() -> None:
+    got = attribute("A head-up display.", PASSAGES, question="what does google glass show")
+    assert got.passages == (0,) and got.kind == "contained" and got.weight == 1.0
+
+
+def test_an_answer_contained_in_several_passages_is_split_between_them() -> None:
+    got = attribute("Paris", PASSAGES, question="where is the eiffel tower")
+    assert got.passages == (1, 2) and got.kind == "contained"
+    w = slot_weights([(3, 2, 1, 0)], [got.passages])
+    assert w.tolist() == [[0.0, 0.5, 0.5, 0.0]]
+
+
+def test_a_sentence_answer_is_attributed_by_its_content_words_not_the_question() -> None:
+    # Not contained verbatim; its words beyond the question's are in passage 1 only.
+    got = attribute(
+        "The tower was built by Gustave Eiffel.", PASSAGES, question="who built the tower"
+    )
+    assert got.passages == (1,) and got.kind == "overlap" and got.overlap == 1.0
+    # Below the threshold: no passage supports it.
+    none = attribute("It was built by Gustave Klimt and Egon Schiele.", PASSAGES)
+    assert none.passages == () and none.kind == "none" and none.weight == 0.0
+
+
+def test_refusals_and_echoes_of_the_question_carry_no_weight() -> None:
+    assert attribute("I don't know.", PASSAGES).kind == "none"
+    assert attribute("", PASSAGES).kind == "none"
+    assert attribute("Kerosene lamps", PASSAGES, question="how do kerosene lamps work").kind == (
+        "none"
+    )
+    with pytest.raises(ValueError, match="threshold"):
+        attribute("x", PASSAGES, threshold=0.0)
+
+
+def test_slot_weights_refuse_a_passage_that_was_not_shown() -> None:
+    with pytest.raises(ValueError, match="not shown"):
+        slot_weights([(0, 1)], [(2,)])
+
+
+def _simulate(theta: np.ndarray, questions: int, seed: int) -> np.ndarray:
+    """A position-based generator: each question's useful passage (one of N) lands in a
+    random slot; the answer comes from it with probability theta[slot] / max(theta), else
+    from nowhere."""
+    rng = np.random.default_rng(seed)
+    n = theta.size
+    w = np.zeros((questions, n))
+    for i in range(questions):
+        slot = int(rng.integers(n))
+        if rng.random() < theta[slot] / theta.max():
+            w[i, slot] = 1.0
+    return w
+
+
+def test_a_u_shaped_generator_is_recovered_and_trusted() -> None:
+    theta = np.array([0.2, *[0.05] * 8, 0.4])
+    fit = fit_blind_profile(_simulate(theta, 400, seed=1), seed=0)
+    assert fit.verdict == "shaped", fit.reason
+    assert fit.top_slots == (9, 0)
+    assert abs(fit.share[9] - 0.4) < 0.08 and abs(fit.share[0] - 0.2) < 0.08
+    assert all(lo <= s <= hi for lo, s, hi in zip(fit.low, fit.share, fit.high, strict=True))
+    assert abs(sum(fit.coefficients) - 1.0) < 1e-9 and min(fit.coefficients) > 0
+    assert fit.questions == 400 and fit.single == fit.attributed and fit.multiple == 0
+    # A close second slot is not a stable placement: the same rule says "cannot tell yet".
+    close = np.array([0.08, *[0.06] * 7, 0.1, 0.4])
+    unsure = fit_blind_profile(_simulate(close, 400, seed=1), seed=0)
+    assert unsure.verdict == "undecided" and "resampled fits place the same top 2" in unsure.reason
+
+
+def test_few_answers_are_undecided_and_say_why() -> None:
+    theta = np.array([0.4, 0.2, 0.2, 0.2])
+    fit = fit_blind_profile(_simulate(theta, 3, seed=2))
+    assert fit.verdict == "undecided" and "fewer than 5" in fit.reason
+    empty = fit_blind_profile(np.zeros((7, 4)))
+    assert empty.verdict == "undecided" and "no answer was attributed" in empty.reason
+
+
+def test_a_flat_generator_is_shown_flat_with_enough_answers() -> None:
+    theta = np.full(4, 0.25)
+    fit = fit_blind_profile(_simulate(theta, 4000, seed=3), rules=TrustRules(flat_effect=0.3))
+    assert fit.verdict == "flat", fit.reason
+
+
+def test_bad_weight_matrices_are_refused() -> None:
+    with pytest.raises(ValueError, match="sum to at most 1"):
+        fit_blind_profile([[0.7, 0.7]])
+    with pytest.raises(ValueError, match=">= 2 slots"):
+        fit_blind_profile([[1.0]])

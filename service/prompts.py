@@ -20,6 +20,7 @@ soon as its prompts are built: what stays is their token ids (about 40 bytes a t
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -236,6 +237,9 @@ def build_prompts(
         _render(tokenizer, template, clean_query, passages, order, add_generation_prompt=False)
         for order in checked
     ]
+    assembled = _assembled(tokenizer, template, passages, rendered, max_tokens, max_total_tokens)
+    if assembled is not None:
+        return assembled
     built: list[BuiltPrompt] = []
     distinct: set[tuple[int, ...]] = set()
     total = 0
@@ -272,6 +276,117 @@ def build_prompts(
                 "tokenising stopped; send fewer or shorter passages or fewer prompts",
             )
         start = end
+    return built
+
+
+def _assembled(
+    tokenizer: PromptTokenizer,
+    template: PromptTemplate,
+    passages: Sequence[Passage],
+    rendered: Sequence[_Rendered],
+    max_tokens: int | None,
+    max_total_tokens: int | None,
+) -> list[BuiltPrompt] | None:
+    """``build_prompts``' prompts from token segments, each passage tokenised once a request
+    instead of once a prompt; ``None`` where that cannot be shown to give the same prompts,
+    and the caller tokenises every prompt whole (which also raises its errors as always).
+
+    A prompt's text is cut before the separator ahead of each document block, where each
+    passage's text starts and before the separator ahead of the question: the pieces are the
+    chat turns' start with the instruction, each block's separator and head (``Document [k]
+    (Title: ...)``), each passage's text, and the question with the chat turns' end. A
+    piece's token ids do not depend on the prompt it is in as long as no token crosses a cut,
+    which a tokenizer's pre-tokenizer usually guarantees at a line break but a BPE without
+    one (Gemma's) need not. That is checked, not assumed: whole prompts, in order, until every
+    passage has been shown (so every kind of cut, and every passage's own cut, occurs in
+    them) are tokenised whole and must equal their assembly, ids and spans; else ``None``.
+    Every cut has template text on one side and, on the other, template text or the start of
+    the passage whose cut it is, the same in every prompt (tests/service/test_prompts.py
+    checks assemblies against whole prompts on the development questions with both packaged
+    tokenizers).
+    """
+    if not rendered:
+        return None
+    pieces: list[list[str]] = []
+    for r in rendered:
+        # A separator goes with what follows it: byte-level BPE splits "\n\nDocument" into
+        # "\n", "\n", "Document" but a text ending in "\n\n" into one "\n\n" token.
+        sep = len(template.separator)
+        cuts = [0]
+        for slot, (start, _) in enumerate(r.passage_chars):
+            head = template.render_document(slot, passages[r.order[slot]])[1]
+            cuts += [start - head - (sep if slot or template.instruction else 0), start]
+        before_question = sep if r.passage_chars or template.instruction else 0
+        cuts += [r.query_chars[0] - len(template.question_prefix) - before_question, len(r.text)]
+        if any(b < a for a, b in itertools.pairwise(cuts)):
+            return None
+        pieces.append([r.text[a:b] for a, b in itertools.pairwise(cuts)])
+    distinct = list(dict.fromkeys(p for ps in pieces for p in ps if p))
+    encodings = dict(zip(distinct, tokenizer.encode_batch(distinct), strict=True))
+    # The query's span and check, once: the question piece is the same in every prompt.
+    question = encodings.get(pieces[0][-1])
+    if question is None:
+        return None
+    first = rendered[0]
+    q_at = first.query_chars[0] - (len(first.text) - len(pieces[0][-1]))
+    q_chars = (q_at, q_at + first.query_chars[1] - first.query_chars[0])
+    q_span = _SpanLocator(question).covering(*q_chars)
+    try:
+        _check_aligned(
+            tokenizer,
+            question,
+            pieces[0][-1],
+            span=q_span,
+            chars=q_chars,
+            template_name=template.name,
+        )
+    except PromptAlignmentError:
+        return None
+    built: list[BuiltPrompt] = []
+    for r, ps in zip(rendered, pieces, strict=True):
+        if ps[-1] != pieces[0][-1]:
+            return None
+        ids: list[int] = []
+        spans: list[tuple[int, int]] = []
+        for i, piece in enumerate(ps):
+            if i % 2 == 0 and 0 < i < len(ps) - 1:  # a passage's text and its separator
+                text_len = r.passage_chars[i // 2 - 1][1] - r.passage_chars[i // 2 - 1][0]
+                lo, hi = _SpanLocator(encodings[piece]).covering(0, text_len)
+                spans.append((len(ids) + lo, len(ids) + hi))
+            if piece:
+                ids += encodings[piece].ids
+        if max_tokens is not None and len(ids) > max_tokens:
+            return None
+        at = len(ids) - len(question.ids)
+        built.append(
+            BuiltPrompt(
+                token_ids=tuple(ids),
+                query_span=(at + q_span[0], at + q_span[1]),
+                passage_spans=tuple(spans),
+                order=r.order,
+                text=r.text,
+                template=template.name,
+            )
+        )
+    if max_total_tokens is not None:
+        distinct_orders = {p.order: p.query_span[1] for p in built}
+        if sum(distinct_orders.values()) > max_total_tokens:
+            return None
+    # The check: whole prompts that show every passage must equal their assembly.
+    shown: set[int] = set()
+    witnesses: list[int] = []
+    for i, r in enumerate(rendered):
+        if not set(r.order) <= shown or not witnesses:
+            witnesses.append(i)
+            shown |= set(r.order)
+    whole = tokenizer.encode_batch([rendered[i].text for i in witnesses])
+    for i, encoding in zip(witnesses, whole, strict=True):
+        try:
+            reference = _finish(tokenizer, template, rendered[i], encoding, max_tokens)
+        except (LimitExceeded, PromptAlignmentError):
+            return None
+        if reference != built[i]:
+            return None
     return built
 
 

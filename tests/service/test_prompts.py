@@ -6,8 +6,10 @@ import itertools
 import json
 import random
 import re
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import given, settings
@@ -19,6 +21,7 @@ from service.errors import InvalidRequest, LimitExceeded
 from service.passage import Passage
 from service.prompts import (
     MAX_CHARS_PER_TOKEN,
+    BuiltPrompt,
     PromptAlignmentError,
     build_generation_prompt,
     build_prompt,
@@ -395,6 +398,9 @@ def test_the_characters_checked_before_rendering_are_the_user_message_s(template
 def test_many_prompts_are_tokenised_a_chunk_at_a_time(monkeypatch: pytest.MonkeyPatch) -> None:
     # Issue 54: one batch of all prompts held every prompt's encoding (offsets and all) at
     # once; a chunk at a time, only one chunk's are alive, and the prompts are the same.
+    # The whole-prompt path: what runs where assembling prompts from segments is not shown to
+    # give the same prompts (and on a request over its token budget).
+    monkeypatch.setattr("service.prompts._assembled", lambda *args: None)
     orders = [list(p) for p in itertools.permutations(range(4))]
     whole = build_prompts(ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders)
     tok = SpyTokenizer()
@@ -420,12 +426,157 @@ def test_tokenising_stops_at_the_chunk_that_crosses_the_requests_token_limit(
         build_prompts(tok, "qa_default", QUERY, PASSAGES, orders, max_total_tokens=sum(sent[:9]))
     assert refused.value.param == "prompt_tokens_x_prompts"
     assert refused.value.value == sum(sent[:12])  # the third chunk of 4 crossed it
-    assert tok.batches == [4, 4, 4]
+    # The segments first (each passage once: a request's size, not its prompts'), then the
+    # whole prompts a chunk at a time, which raise as always.
+    assert tok.batches[1:] == [4, 4, 4]
     # A repeated order is sent once, so it counts once.
     same = build_prompts(
         ByteTokenizer(), "qa_default", QUERY, PASSAGES, [orders[0]] * 24, max_total_tokens=sent[0]
     )
     assert len(same) == 24
+
+
+# --- prompts assembled from token segments ---------------------------------------------------
+
+
+def _whole(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[BuiltPrompt]]:
+    """``build_prompts`` on the whole-prompt path (every prompt tokenised whole)."""
+
+    def build(*args: Any, **kwargs: Any) -> list[BuiltPrompt]:
+        with monkeypatch.context() as m:
+            m.setattr("service.prompts._assembled", lambda *a: None)
+            return build_prompts(*args, **kwargs)
+
+    return build
+
+
+def _assembled_spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Whether each ``build_prompts`` call since took the segments' prompts."""
+    from service import prompts
+
+    taken: list[bool] = []
+    real = prompts._assembled
+
+    def spy(*args: Any) -> list[BuiltPrompt] | None:
+        out = real(*args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(prompts, "_assembled", spy)
+    return taken
+
+
+@pytest.mark.parametrize("template", ["qa_default", "qa_plain", "qa_system", "qa_completion"])
+def test_prompts_from_segments_are_the_whole_prompts(
+    template: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    whole = _whole(monkeypatch)
+    taken = _assembled_spy(monkeypatch)
+    passages = [*PASSAGES, Passage("untitled text", title=None)]
+    assert len(passages) == 5
+    orders = [[0, 2, 4], [1, 3], [4, 3, 2, 1, 0], [2], [3, 0]]
+    tok = SpyTokenizer()
+    got = build_prompts(tok, template, QUERY, passages, orders)
+    assert taken == [True]
+    assert got == whole(ByteTokenizer(), template, QUERY, passages, orders)
+    # Each piece once, then whole prompts until every passage is shown (the check).
+    assert len(tok.batches) == 2 and tok.batches[1] == 2
+
+
+class MergingTokenizer(ByteTokenizer):
+    """A tokenizer whose tokens cross the cut before a passage's text: a line break merges
+    into the capitalised word after it (a BPE without a pre-tokenizer can do that)."""
+
+    _PIECE = re.compile(r"\n[A-Z]\w*|<\|[a-z]+\|>|\w+|\s|[^\s\w]")
+
+    def __init__(self) -> None:
+        self._vocab: dict[str, int] = {}
+
+    def encode(self, text: str) -> Encoding:
+        ids, offsets = [], []
+        for match in self._PIECE.finditer(text):
+            ids.append(self._vocab.setdefault(match.group(), len(self._vocab)))
+            offsets.append((match.start(), match.end()))
+        return Encoding(ids=tuple(ids), offsets=tuple(offsets))
+
+    def encode_batch(self, texts: Sequence[str]) -> list[Encoding]:
+        return [self.encode(t) for t in texts]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        pieces = {i: p for p, i in self._vocab.items()}
+        return "".join(pieces[i] for i in ids)
+
+
+def test_a_token_across_a_segment_cut_is_found_and_the_prompts_tokenised_whole(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    whole = _whole(monkeypatch)
+    taken = _assembled_spy(monkeypatch)
+    passages = [Passage("Paris is the capital.", title="Paris"), Passage("Lyon is a city.")]
+    orders = [[0, 1], [1, 0], [1]]
+    tok = MergingTokenizer()
+    got = build_prompts(tok, "qa_default", QUERY, passages, orders)
+    assert taken == [False]
+    assert got == whole(tok, "qa_default", QUERY, passages, orders)
+    assert any(tok.decode([t]).startswith("\nParis") for t in got[0].token_ids)
+
+
+def _gemma_tokenizer_dir() -> Path:
+    """Gemma-3-270m's tokenizer from the packaged GGUF, saved once under the tests' cache
+    (reading it from the GGUF takes about a minute; the weights are not converted)."""
+    from transformers import AutoTokenizer
+
+    from service.model_assets import PACKAGED_MODELS, _join_chunks, gguf_sources
+    from service.settings import GEMMA_MODEL
+    from tests.support.models import cache_dir_for_tests
+
+    folder = cache_dir_for_tests() / "tokenizers" / "gemma-3-270m"
+    if not (folder / "tokenizer.json").exists():
+        packaged = PACKAGED_MODELS[GEMMA_MODEL]
+        with tempfile.TemporaryDirectory() as tmp:
+            joined = _join_chunks(gguf_sources(packaged), Path(tmp), packaged)
+            tok = AutoTokenizer.from_pretrained(tmp, gguf_file=joined.name)
+            staging = Path(tempfile.mkdtemp(dir=folder.parent.parent))
+            tok.save_pretrained(staging)
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            staging.rename(folder)
+    return folder
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "templates"),
+    [("smollm2", ("qa_default", "qa_plain", "qa_system")), ("gemma", ("qa_completion",))],
+)
+def test_segments_equal_whole_prompts_on_the_dev_set_with_the_packaged_tokenizers(
+    model: str, templates: tuple[str, ...], smollm2_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The default design's prompts (pruned random) and full-length shuffles of the first
+    development questions, 10 and 20 passages: assembled from segments they are the whole
+    prompts, ids and spans, and with both packaged tokenizers the segments are taken."""
+    from transformers import AutoTokenizer
+
+    import solver
+    from service.backends.hf_tokenizer import HFPromptTokenizer
+
+    folder = smollm2_dir if model == "smollm2" else _gemma_tokenizer_dir()
+    tok = HFPromptTokenizer(AutoTokenizer.from_pretrained(str(folder)))
+    whole = _whole(monkeypatch)
+    taken = _assembled_spy(monkeypatch)
+    rows = [json.loads(line) for line in NQ_DEV.read_text(encoding="utf-8").splitlines()]
+    rng = random.Random(0)
+    for row in rows[:12]:
+        for n in (10, 20):
+            passages = [
+                Passage(p["text"], title=p.get("title"), id=p["id"]) for p in row["passages"][:n]
+            ]
+            plan = solver.plan("pruned_random", n, seed=0)
+            orders = [[int(i) for i in r if i >= 0] for r in plan]
+            orders += [rng.sample(range(n), n) for _ in range(2)]
+            for template in templates:
+                got = build_prompts(tok, template, row["question"], passages, orders)
+                assert got == whole(tok, template, row["question"], passages, orders)
+    assert taken and all(taken)
 
 
 # --- alignment errors, with tokenizers that behave like real BPE ---------------------------
@@ -509,7 +660,14 @@ class ContextSensitiveTokenizer(ByteTokenizer):
         return super().decode([i - 1000 if i >= 1000 else i for i in ids])
 
 
-def test_query_tokens_that_differ_between_orders_are_an_error() -> None:
+def test_query_tokens_that_differ_between_orders_are_an_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The whole-prompt path's check. Assembled from segments the query's ids are one piece's
+    # in every prompt; this tokenizer's effect at a distance (a passage changes the query's
+    # ids) is beyond what the segments' check samples (_assembled: every cut's context is
+    # local), so it is exercised where the prompts are tokenised whole.
+    monkeypatch.setattr("service.prompts._assembled", lambda *a: None)
     tok = ContextSensitiveTokenizer()
     build_prompt(tok, "qa_default", QUERY, PASSAGES, [3, 0])  # each prompt alone is aligned
     with pytest.raises(PromptAlignmentError, match=r"orders\[1\]"):

@@ -431,6 +431,7 @@ def run_nonneg_batch(
     st: State,
     held: NDArray[np.bool_],
     tol: float = _FTOL,
+    max_iter: int = _MAX_ITER,
 ) -> Batch:
     """``run_nonneg`` from ``st`` for every weighted copy of ``prob`` (``run_batch``), each
     starting with the coefficients ``held`` at zero and keeping its own active set after."""
@@ -445,7 +446,7 @@ def run_nonneg_batch(
         for c in todo:
             bt.a0[c], bt.basis[c] = _bounded_affine(bt.a[c], active[c])
             bt.a[c] = bt.a0[c]
-        run_batch(prob, weights, bt, todo, tol=tol)
+        run_batch(prob, weights, bt, todo, max_iter, tol=tol)
         still = []
         for c in todo:
             nxt = _next_active(prob, bt.u[c], bt.a[c], bt.b[c], active[c], weights[c])

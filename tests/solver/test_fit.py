@@ -545,16 +545,19 @@ def test_a_refit_that_runs_away_is_reported() -> None:
     assert f.confidence is not None and float(np.max(f.confidence)) < 0.6
 
 
-def test_the_jackknife_s_looser_refit_tolerance_keeps_its_answer(
+def test_the_jackknife_s_looser_refit_rules_keep_its_answer(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """The refits stop at a cost decrease of 1e-6 (``_JACKKNIFE_TOL``) instead of 1e-12: on
-    the committed SmolLM2 fits the standard errors stay within 2e-4 relative and the
-    confidences within 1e-4 of the tight refits', the same warnings (the runaway refit
-    included), in at most 65% of the stacked solves (59% measured)."""
+    """The refits stop at a cost decrease of 1e-6 (``_JACKKNIFE_TOL``, was 1e-12) and after 60
+    iterations (``_JACKKNIFE_MAX_ITER``, was 200). On the 48 committed SmolLM2 fits: where
+    every refit converges, standard errors within 2e-4 relative and confidences within 1e-4
+    of before; the fit with a runaway refit keeps its warning, confidences within 0.03; the
+    same orders and warnings throughout, in at most 65% of the stacked solves (59%
+    measured)."""
     import importlib
 
     fit_module = importlib.import_module("solver.fit")
+    assert (fit_module._JACKKNIFE_TOL, fit_module._JACKKNIFE_MAX_ITER) == (1e-6, 60)
     path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
     cases = [
         (np.asarray(d["perms"]), np.asarray(d["scores"]), int(q["n_passages"]))
@@ -569,19 +572,25 @@ def test_the_jackknife_s_looser_refit_tolerance_keeps_its_answer(
         return real_solve(lhs, rhs)
 
     monkeypatch.setattr(lm, "_solve_each", counted)
-    fits, counts = {}, {}
-    for tol in (1e-12, fit_module._JACKKNIFE_TOL):
+    fits, counts = [], []
+    for tol, max_iter in ((1e-12, 200), (1e-6, 60)):
         monkeypatch.setattr(fit_module, "_JACKKNIFE_TOL", tol)
+        monkeypatch.setattr(fit_module, "_JACKKNIFE_MAX_ITER", max_iter)
         solves[0] = 0
-        fits[tol] = [fit(p, s, n_passages=n, variance="jackknife") for p, s, n in cases]
-        counts[tol] = solves[0]
-    assert fit_module._JACKKNIFE_TOL == 1e-6
-    assert counts[1e-6] <= 0.65 * counts[1e-12]
-    for tight, loose in zip(fits[1e-12], fits[1e-6], strict=True):
-        assert tight.utility_stderr is not None and loose.utility_stderr is not None
-        np.testing.assert_allclose(loose.utility_stderr, tight.utility_stderr, rtol=2e-4)
-        np.testing.assert_allclose(loose.confidence, tight.confidence, atol=1e-4)
-        assert loose.order == tight.order and loose.warnings == tight.warnings
+        fits.append([fit(p, s, n_passages=n, variance="jackknife") for p, s, n in cases])
+        counts.append(solves[0])
+    assert counts[1] <= 0.65 * counts[0]
+    runaway = 0
+    for before, after in zip(*fits, strict=True):
+        assert before.utility_stderr is not None and after.utility_stderr is not None
+        assert after.order == before.order and after.warnings == before.warnings
+        if any("jackknife refits stopped" in w for w in before.warnings):
+            runaway += 1
+            np.testing.assert_allclose(after.confidence, before.confidence, atol=0.03)
+            continue
+        np.testing.assert_allclose(after.utility_stderr, before.utility_stderr, rtol=2e-4)
+        np.testing.assert_allclose(after.confidence, before.confidence, atol=1e-4)
+    assert runaway == 1
 
 
 def test_past_20_prompts_the_jackknife_leaves_out_20_groups() -> None:

@@ -97,7 +97,8 @@ def main() -> None:
     examples = load_examples(args.data)
     rank = {ex.id: i for i, ex in enumerate(examples)}
     gold_of = {ex.id: set(ex.gold) for ex in examples}
-    recs = sorted((r for r in recs if r["question_id"] in rank), key=lambda r: rank[r["question_id"]])
+    recs = [r for r in recs if r["question_id"] in rank]
+    recs.sort(key=lambda r: rank[r["question_id"]])
     gold = json.loads(args.gold.read_text())["fit"]
     acc = np.asarray(gold["accuracy"])
     slots = len(acc)

@@ -52,7 +52,7 @@ MAIN_SUITE := --ignore=tests/service/test_vllm_backend.py --ignore=tests/service
 # and models start once, and the modules on the session's vLLM server share one worker.
 XDIST := -n 2 --dist loadfile
 
-# The edit-test loop, under 5 minutes: lint, types, contracts and the tests that load no real
+# The edit-test loop: lint, types, contracts and the tests that load no real
 # model and start no server (-m "not slow"; tests/conftest.py marks those that take a model).
 check: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) -m "not slow and not vllm" \

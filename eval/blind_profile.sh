@@ -36,7 +36,7 @@ fi
 # Exit 3: measured, and the trust rule cannot tell yet (nothing stored): still a result.
 nice -n 10 $RR profile-generator --no-labels --base-url "http://127.0.0.1:$PORT/v1" \
     --model "$MODEL" --api "$API" --template "$TEMPLATE" --data "$DATA/nq_open_train.jsonl" \
-    --limit "$QUESTIONS" --slots 10 --max-tokens 16 --concurrency 4 --no-progress \
+    --limit "$QUESTIONS" --slots 10 --max-tokens 16 --concurrency 4 --timeout "${TIMEOUT:-600}" --no-progress \
     --out "$OUT/$NAME" || { rc=$?; [ "$rc" -eq 3 ] || exit "$rc"; }
 .venv/bin/python eval/compare_blind_profile.py --blind "$OUT/$NAME" \
     --data "$DATA/nq_open_train.jsonl" \

@@ -283,7 +283,9 @@ def _finish(
             resamples=fit.resamples,
             covariance=fit.covariance,
             assessed_at=time.time(),
-            source="answers",
+            # The API lists a stored trust as learned from traffic or measured offline: this
+            # is the latter (its identification says how).
+            source="calibration",
         )
         stored = store.put(
             model=job.profile_model or job.endpoint.model,

@@ -118,10 +118,16 @@ async def test_a_generator_reading_its_last_slot_is_learned_and_stored_without_l
     stored = outcome.stored
     assert stored is not None and stored.model == "acme-7b" and stored.slots == SLOTS
     assert stored.identification == IDENTIFICATION and stored.trust is not None
-    assert stored.trust.verdict == "shaped" and stored.trust.source == "answers"
+    assert stored.trust.verdict == "shaped" and stored.trust.source == "calibration"
     again = store.get("acme-7b", "qa_default", SLOTS)
     assert again is not None and again.coefficients == stored.coefficients == fit.coefficients
     assert again.trust == stored.trust
+    # GET /v1/bias-profiles lists it as any stored profile (no fitted R^2: null).
+    from app.conversions import profile_out
+
+    listed = profile_out(again)
+    assert listed.identification == IDENTIFICATION and listed.r2 is None
+    assert listed.trust is not None and listed.trust.verdict == "shaped"
     report = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
     assert report["attributed_none"] == 12
     assert report["attributed_contained"] == 24 and report["attributed_overlap"] == 24

@@ -46,6 +46,8 @@ async def feed(lr: ProfileLearner, d: Decision, k: int, bias: np.ndarray) -> Non
     await lr.cycle(KEY)
 
 
+# Minutes of learning cycles on the CPU: `make test` runs it, not `make check`.
+@pytest.mark.slow
 async def test_learns_trusts_and_places(tmp_path: Path) -> None:
     lr = learner(tmp_path, auto_explore_rate=0.0)
     d = lr.decide(MODEL, TEMPLATE, N, None)
@@ -67,6 +69,8 @@ async def test_learns_trusts_and_places(tmp_path: Path) -> None:
     lr.close()
 
 
+# Minutes of learning cycles on the CPU: `make test` runs it, not `make check`.
+@pytest.mark.slow
 async def test_explore_runs_detect_drift_and_learning_starts_again(tmp_path: Path) -> None:
     lr = learner(tmp_path, auto_explore_rate=1.0)
     d = lr.decide(MODEL, TEMPLATE, N, None)

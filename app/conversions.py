@@ -34,7 +34,7 @@ from app.schemas import (
 from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import ReorderResult
-from service.profile_store import ProfileTrust, StoredProfile
+from service.state.profile_store import ProfileTrust, StoredProfile
 from service.strategies.request import AdaptiveReport, AutoReport
 
 UNKNOWN_CALLER: Final = "unknown"

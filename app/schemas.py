@@ -15,12 +15,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.passage import Passage
 from service.pipeline import DesignSpec, ReorderRequest
-from service.settings import Settings
 from service.strategies import ranking_strategy_names
 from service.strategies.request import DesignKind, Placement, StrategyOptions
-from service.strategy_names import StrategyName
 
 # Absolute caps of the wire types. The configurable limits in Settings are bounded by the same
 # numbers (their `le=`), so a limit can be lowered in configuration but never raised past the
@@ -55,8 +55,8 @@ def _whitespace_class() -> str:
 
 NOT_BLANK = f"[^{_whitespace_class()}]"
 """Pattern of a text with a character that is not whitespace: what the server needs of a
-query, a passage and a document (``service.prompts`` refuses one that strips to nothing), so
-the schema says it and a blank one is refused by name before any work."""
+query, a passage and a document (``service.prompting.prompts`` refuses one that strips to nothing),
+so the schema says it and a blank one is refused by name before any work."""
 
 QueryText = Annotated[str, Field(min_length=1, max_length=MAX_QUERY_CHARS, pattern=NOT_BLANK)]
 PassageText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS, pattern=NOT_BLANK)]

@@ -28,9 +28,9 @@ from app.state import AppContext, Ctx
 from service.backends.remote_backend import RemoteBackend
 from service.errors import BackendUnavailable
 from service.model_assets.adapter import AdapterManifest, adapted_model_id, read_manifest
+from service.prompting.templates import template_names
 from service.strategies import ranking_strategy_names, strategy_names
 from service.strategies.request import DesignKind
-from service.templates import template_names
 
 router = APIRouter(tags=["info"])
 

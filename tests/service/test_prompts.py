@@ -15,17 +15,22 @@ from hypothesis import strategies as st
 
 from service.backends.base import ChatMessage, Encoding, PromptTokenizer
 from service.backends.byte_tokenizer import ByteTokenizer
+from service.config.settings import DEFAULT_TEMPLATE
 from service.errors import InvalidRequest, LimitExceeded
 from service.passage import Passage
-from service.prompts import (
+from service.prompting.prompts import (
     MAX_CHARS_PER_TOKEN,
     PromptAlignmentError,
     build_generation_prompt,
     build_prompt,
     build_prompts,
 )
-from service.settings import DEFAULT_TEMPLATE
-from service.templates import PromptTemplate, get_template, register_template, template_names
+from service.prompting.templates import (
+    PromptTemplate,
+    get_template,
+    register_template,
+    template_names,
+)
 
 NQ_DEV = Path("/work/shared/data/nq_open_dev.jsonl")
 
@@ -42,7 +47,7 @@ def check_prompt(
     tokenizer: PromptTokenizer, prompt_passages: Sequence[Passage], query: str, prompt: object
 ) -> None:
     """Shared checks: aligned query span, passage spans decode to the passages in slot order."""
-    from service.prompts import BuiltPrompt
+    from service.prompting.prompts import BuiltPrompt
 
     assert isinstance(prompt, BuiltPrompt)
     start, end = prompt.query_span
@@ -375,7 +380,7 @@ def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_rendered(
 
 @pytest.mark.parametrize("template", ["qa_default", "qa_plain", "qa_system", "qa_completion"])
 def test_the_characters_checked_before_rendering_are_the_user_message_s(template: str) -> None:
-    from service.prompts import _ContentSize, _user_content
+    from service.prompting.prompts import _ContentSize, _user_content
 
     passages = [*PASSAGES, Passage("x" * 40, title="A title")]
     size = _ContentSize(get_template(template), QUERY, passages)
@@ -399,7 +404,7 @@ def test_many_prompts_are_tokenised_a_chunk_at_a_time(monkeypatch: pytest.Monkey
     whole = build_prompts(ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders)
     tok = SpyTokenizer()
     one = len(whole[0].text)
-    monkeypatch.setattr("service.prompts._ENCODE_CHUNK_CHARS", 5 * one)
+    monkeypatch.setattr("service.prompting.prompts._ENCODE_CHUNK_CHARS", 5 * one)
     chunked = build_prompts(tok, "qa_default", QUERY, PASSAGES, orders)
     assert chunked == whole
     assert tok.batches == [5, 5, 5, 5, 4]
@@ -411,7 +416,7 @@ def test_tokenising_stops_at_the_chunk_that_crosses_the_requests_token_limit(
     orders = [list(p) for p in itertools.permutations(range(4))]
     whole = build_prompts(ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders)
     sent = [p.query_span[1] for p in whole]  # each order is distinct: all are sent
-    monkeypatch.setattr("service.prompts._ENCODE_CHUNK_CHARS", 4 * len(whole[0].text))
+    monkeypatch.setattr("service.prompting.prompts._ENCODE_CHUNK_CHARS", 4 * len(whole[0].text))
     assert build_prompts(
         ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders, max_total_tokens=sum(sent)
     )

@@ -27,7 +27,7 @@ from pydantic_core import PydanticUndefined  # noqa: E402
 from service.config.settings import Settings  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
-SETTINGS_SOURCE = ROOT / "service" / "settings.py"
+SETTINGS_SOURCE = ROOT / "service" / "config" / "settings.py"
 BEGIN, END = "<!-- config:begin -->", "<!-- config:end -->"
 _SECTION = re.compile(r"^\s*# --- (.+?) -*$")
 _FIELD = re.compile(r"^    (\w+)\s*:")

@@ -241,7 +241,7 @@ def read_passages(path: Path) -> list[Passage]:
 
 async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
     from app.conversions import reorder_response
-    from app.schemas import with_defaults
+    from app.schemas.reorder import with_defaults
     from service.pipeline import DesignSpec, ReorderRequest, StrategyOptions
 
     passages = read_passages(args.passages)

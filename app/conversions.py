@@ -14,23 +14,21 @@ from typing import Any, Final, Literal, cast
 
 from starlette.requests import Request
 
-from app.schemas import (
+from app.schemas.base import PassageIn
+from app.schemas.profiles import PositionalProfileOut, ProfileOut, TrustOut
+from app.schemas.reorder import (
     AdaptiveOut,
     AnswerOut,
     AutoOut,
     DiagnosticsOut,
-    PassageIn,
     PassageOut,
-    PositionalProfileOut,
     PositionBiasOut,
-    ProfileOut,
     ReorderMeta,
     ReorderResponse,
-    RerankDocument,
     TimingOut,
-    TrustOut,
     UsageOut,
 )
+from app.schemas.rerank import RerankDocument
 from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import ReorderResult

@@ -30,7 +30,7 @@ from app.errors import install_error_handlers
 from app.metrics import ServiceMetrics
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.routes import info, probes, profiles, reorder, rerank
-from app.schemas import ReorderOptions
+from app.schemas.reorder import ReorderOptions
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.engine_client import EngineClient

@@ -10,7 +10,8 @@ from fastapi import APIRouter
 
 from app.conversions import trust_out
 from app.errors import GET_ERRORS
-from app.schemas import (
+from app.schemas.base import PlacementName
+from app.schemas.info import (
     AdapterOut,
     AgreementOut,
     AutoInfoOut,
@@ -21,7 +22,6 @@ from app.schemas import (
     LimitsOut,
     ModelCard,
     ModelList,
-    PlacementName,
     ScoreModeOut,
 )
 from app.state import AppContext, Ctx

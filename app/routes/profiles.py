@@ -23,7 +23,7 @@ from app.conversions import profile_out, to_passages
 from app.errors import GET_ERRORS, POST_ERRORS, error_responses
 from app.execution import run_admitted
 from app.limits import check_inputs
-from app.schemas import (
+from app.schemas.profiles import (
     CalibrateBody,
     CalibrationOut,
     ProfileList,

@@ -527,7 +527,7 @@ async def test_server_default_strategy_and_its_placement(tmp_path: Path) -> None
 
 
 def test_with_defaults_resolves_strategy_and_placement_as_documented() -> None:
-    from app.schemas import with_defaults
+    from app.schemas.reorder import with_defaults
     from service.config.settings import Settings
 
     auto, bm25 = Settings(), Settings(strategy="bm25", placement="litm")

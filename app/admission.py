@@ -67,10 +67,10 @@ from service.backends.base import (
     ScoreResult,
     SpanRequest,
 )
+from service.config.settings import Settings
 from service.errors import DeadlineUnreachable, LimitExceeded
-from service.settings import Settings
+from service.runtime.throughput import FRESH_S, ThroughputMeter
 from service.strategies.request import Estimate
-from service.throughput import FRESH_S, ThroughputMeter
 
 # Admit only what the estimate says ends within 90% of the time left: under overload the engine
 # runs a little slower than when its rate was measured (shedding, HTTP and tokenising share

@@ -30,10 +30,10 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from offline import cli as offline_cli
-from service.commandline import TRAINING_DATA, open_pipeline, progress_line, read_examples
+from service.batch.commandline import TRAINING_DATA, open_pipeline, progress_line, read_examples
+from service.config.settings import Settings
 from service.errors import ClientError, ReorderError
 from service.passage import Passage
-from service.settings import Settings
 from service.strategies import strategy_names
 from service.strategies.request import DesignKind, Placement
 
@@ -71,8 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command in offline_cli.EXAMPLES:
             return asyncio.run(offline_cli.run(args.command, settings, args))
         if args.command == "profiles":
-            from service.positional_store import PositionalStore
-            from service.profile_store import ProfileStore
+            from service.state.positional_store import PositionalStore
+            from service.state.profile_store import ProfileStore
 
             store = ProfileStore(settings.profiles_path)
             listing = {
@@ -241,7 +241,7 @@ def read_passages(path: Path) -> list[Passage]:
 
 async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
     from app.conversions import reorder_response
-    from app.schemas import with_defaults
+    from app.schemas.reorder import with_defaults
     from service.pipeline import DesignSpec, ReorderRequest, StrategyOptions
 
     passages = read_passages(args.passages)
@@ -282,7 +282,7 @@ async def _reorder(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _calibrate(settings: Settings, args: argparse.Namespace) -> int:
-    from service.calibration import calibrate_profile
+    from service.batch.calibration import calibrate_profile
 
     examples = read_examples(args.data, args.limit)
     async with open_pipeline(settings) as reorderer:

@@ -14,27 +14,25 @@ from typing import Any, Final, Literal, cast
 
 from starlette.requests import Request
 
-from app.schemas import (
+from app.schemas.base import PassageIn
+from app.schemas.profiles import PositionalProfileOut, ProfileOut, TrustOut
+from app.schemas.reorder import (
     AdaptiveOut,
     AnswerOut,
     AutoOut,
     DiagnosticsOut,
-    PassageIn,
     PassageOut,
-    PositionalProfileOut,
     PositionBiasOut,
-    ProfileOut,
     ReorderMeta,
     ReorderResponse,
-    RerankDocument,
     TimingOut,
-    TrustOut,
     UsageOut,
 )
+from app.schemas.rerank import RerankDocument
 from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import ReorderResult
-from service.profile_store import ProfileTrust, StoredProfile
+from service.state.profile_store import ProfileTrust, StoredProfile
 from service.strategies.request import AdaptiveReport, AutoReport
 
 UNKNOWN_CALLER: Final = "unknown"

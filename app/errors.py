@@ -33,7 +33,7 @@ from app.exceptions import (
     ValidationFailed,
     WritesClosed,
 )
-from app.schemas import NOT_BLANK, ErrorEnvelope, ErrorType
+from app.schemas.base import NOT_BLANK, ErrorEnvelope, ErrorType
 from app.state import context_of, request_id_of
 from service.errors import (
     BackendUnavailable,

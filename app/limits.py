@@ -2,7 +2,7 @@
 
 Prompt-level limits are checked later, once the strategy has chosen its prompts, and before
 each is rendered: a prompt's characters against what the model's context can hold
-(``service.prompts``, ``prompt_chars``) and the request's prompts x characters
+(``service.prompting.prompts``, ``prompt_chars``) and the request's prompts x characters
 (``app.admission.AdmittedBackend.tokenizer``, ``max_prompt_chars_x_prompts``); after
 tokenising, tokens per prompt against the context (``prompt_tokens``), then prompts and
 prompts x tokens per request (``AdmittedBackend``).
@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from service.config.settings import Settings
 from service.errors import LimitExceeded
 from service.passage import Passage
 from service.pipeline import DesignSpec
-from service.settings import Settings
 
 
 def check_inputs(

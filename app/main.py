@@ -30,7 +30,7 @@ from app.errors import install_error_handlers
 from app.metrics import ServiceMetrics
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.routes import info, probes, profiles, reorder, rerank
-from app.schemas import ReorderOptions
+from app.schemas.reorder import ReorderOptions
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.engine_client import EngineClient
@@ -38,7 +38,7 @@ from service.backends.engine_load import EngineLoad
 from service.backends.factory import create_backend, size_threads
 from service.backends.remote_backend import RemoteBackend
 from service.backends.scheduler import ForwardScheduler, ForwardStats
-from service.cpus import process_budget
+from service.config.settings import Settings
 from service.errors import (
     BackendUnavailable,
     ClientError,
@@ -46,15 +46,15 @@ from service.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from service.learning import ProfileLearner, allowed_to_learn
+from service.learning.learner import ProfileLearner, allowed_to_learn
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
-from service.settings import Settings
-from service.solver_pool import close_shared
-from service.state_store import open_state
-from service.templates import get_template
-from service.throughput import FRESH_S
-from service.traffic import TrafficSampler
+from service.prompting.templates import get_template
+from service.runtime.cpus import process_budget
+from service.runtime.solver_pool import close_shared
+from service.runtime.throughput import FRESH_S
+from service.state.state_store import open_state
+from service.state.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
 

@@ -22,11 +22,11 @@ from prometheus_client.registry import Collector
 from service.backends.engine_client import EngineCall, EngineClient
 from service.backends.engine_load import EngineLoad
 from service.backends.scheduler import ForwardScheduler, ForwardStats
-from service.learning import ProfileLearner
+from service.learning.learner import ProfileLearner
 from service.pipeline import ReorderResult
-from service.state_store import StateStore
-from service.throughput import ThroughputMeter
-from service.traffic import TrafficSampler
+from service.runtime.throughput import ThroughputMeter
+from service.state.state_store import StateStore
+from service.state.traffic import TrafficSampler
 
 PREFIX = "rag_reorder"
 

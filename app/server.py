@@ -24,7 +24,7 @@ from fastapi import FastAPI
 
 from app.main import create_app
 from app.state import AppContext, context_of
-from service.settings import Settings
+from service.config.settings import Settings
 
 log = logging.getLogger(__name__)
 

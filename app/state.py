@@ -18,13 +18,13 @@ from app.metrics import ServiceMetrics
 from service.backends.base import LogprobBackend
 from service.backends.engine_load import EngineLoad
 from service.backends.score_mode_check import ScoreModeCheck
-from service.cpus import CpuBudget
+from service.config.settings import Settings
 from service.errors import EngineUnavailable
-from service.learning import ProfileLearner
-from service.profile_store import ProfileStore
-from service.settings import Settings
-from service.state_store import FolderState, StateStore
-from service.traffic import TrafficSampler
+from service.learning.learner import ProfileLearner
+from service.runtime.cpus import CpuBudget
+from service.state.profile_store import ProfileStore
+from service.state.state_store import FolderState, StateStore
+from service.state.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
 
@@ -179,7 +179,7 @@ class AppContext:
     admission: Admission
     metrics: ServiceMetrics
     cpus: CpuBudget
-    """The CPUs the process may use and what is sized from them (``service.cpus``)."""
+    """The CPUs the process may use and what is sized from them (``service.runtime.cpus``)."""
 
 
 def context_of(scope: Scope) -> AppContext | None:

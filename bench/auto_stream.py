@@ -62,7 +62,7 @@ BASELINES = {
 
 def questions(data: Path, passages: int) -> list[Any]:
     from offline.evaluation.runner import prepare
-    from service.dataset import load_examples
+    from service.batch.dataset import load_examples
 
     return [prepare(ex, passages) for ex in load_examples(data)]
 
@@ -189,8 +189,8 @@ def baseline_orders(records: Path) -> dict[tuple[str, str], list[int]]:
 async def answers(args: argparse.Namespace, out: Path, qs: list[Any]) -> None:
     """Phase 3: the generator answers every distinct order (resumes from ``answers.jsonl``)."""
     from offline.evaluation.runner import EvalConfig, Evaluator
-    from service.commandline import open_pipeline
-    from service.settings import Settings
+    from service.batch.commandline import open_pipeline
+    from service.config.settings import Settings
 
     path = out / "answers.jsonl"
     have = {(r["question"], tuple(r["order"])) for r in report.read_jsonl(path)}

@@ -29,10 +29,10 @@ import solver
 from bench import report
 from bench.report import provenance, write
 from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.dataset import load_examples
+from service.batch.dataset import load_examples
+from service.config.settings import Settings
 from service.model_assets import resolve_model
-from service.prompts import build_prompts
-from service.settings import Settings
+from service.prompting.prompts import build_prompts
 
 
 def query_logprob(

@@ -55,9 +55,9 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
     from offline.evaluation.runner import prepare
     from service.backends.base import SpanLogprobs
     from service.backends.transformers_backend import TransformersBackend
-    from service.dataset import load_examples
-    from service.prompts import build_prompts
-    from service.settings import Settings
+    from service.batch.dataset import load_examples
+    from service.config.settings import Settings
+    from service.prompting.prompts import build_prompts
 
     settings = Settings()
     backend = TransformersBackend.from_settings(settings)

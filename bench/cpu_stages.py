@@ -52,7 +52,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("solver pool IPC", ("concurrent/futures/process.py", "multiprocessing/", "solver_pool.py")),
     ("design", ("solver/design.py", "solver/designs.py", "solver/adaptive.py")),
     ("tokenise", ("encode_batch", "encode (", "tokenizers", "decode (")),
-    ("prompts: other", ("service/prompts.py", "service/templates.py")),
+    ("prompts: other", ("service/prompting/prompts.py", "service/prompting/templates.py")),
     ("paced engine", ("backends/paced.py",)),
     ("scheduler/backend", ("service/backends/",)),
     ("placement/confidence", ("solver/placement.py", "solver/trust.py", "strategies/placement")),

@@ -3,7 +3,7 @@ server confined to fewer CPUs than the host has, before and after, side by side.
 
 Before issue 70 the server sized torch's intra-op threads (torch's default: the host's cores)
 and the solver pool (``os.cpu_count() - 1``) from the host, whatever its affinity mask or
-cgroup quota allowed; after, from ``service.cpus``. Both run here from the same virtualenv:
+cgroup quota allowed; after, from ``service.runtime.cpus``. Both run here from the same virtualenv:
 "before" is a git worktree of ``--before`` (default: the commit before issue 70), "after"
 this checkout. Each server is started confined, in turn (ABAB...), and gets the same
 ``--requests`` MoI requests of 10 passages (``--concurrency`` at a time); the table reports

@@ -62,8 +62,8 @@ sys.path.insert(0, str(ROOT))
 
 from bench import report
 from bench.server_process import cpu_s, free_port, percentile, process_tree, start_server
-from service.learning import learning_slots
-from service.profile_store import ProfileStore, ProfileTrust
+from service.learning.learner import learning_slots
+from service.state.profile_store import ProfileStore, ProfileTrust
 
 CASES = ("auto_scores", "auto_dense", "auto_dense_cached", "dense_before")
 CASE_ENV = {"auto_dense": {"RAG_REORDER_DENSE_CACHE_ENTRIES": "0"}}

@@ -44,10 +44,10 @@ from bench import report
 from bench.report import provenance
 from service.backends.base import SpanLogprobs
 from service.backends.transformers_backend import DtypeName, TransformersBackend
-from service.dataset import load_examples
+from service.batch.dataset import load_examples
+from service.config.settings import Settings
 from service.model_assets import resolve_model
-from service.prompts import build_prompts
-from service.settings import Settings
+from service.prompting.prompts import build_prompts
 
 
 def rank_tau(a: solver.Fit, b: solver.Fit) -> float:

@@ -199,7 +199,7 @@ def main() -> None:
     done = {(r["condition"], r["strategy"], r["question"]) for r in rows}
 
     from offline.evaluation.runner import prepare
-    from service.dataset import load_examples
+    from service.batch.dataset import load_examples
 
     questions = [prepare(e, PASSAGES) for e in load_examples(Path(args.data), limit=args.requests)]
     todo = [(q, s) for q in questions for s in strategies if (condition, s, q.id) not in done]

@@ -40,10 +40,10 @@ from bench import report
 from bench.report import provenance
 from service.backends.base import Generation, GenerationRequest
 from service.backends.factory import create_backend, resolve_backend
-from service.dataset import load_examples
-from service.prompts import build_generation_prompt
-from service.settings import Settings
-from service.templates import get_template
+from service.batch.dataset import load_examples
+from service.config.settings import Settings
+from service.prompting.prompts import build_generation_prompt
+from service.prompting.templates import get_template
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -33,8 +33,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import solver
 from bench.report import provenance
 from service.backends.tokenizer_files import load_prompt_tokenizer
+from service.config.settings import Settings
 from service.model_assets import resolve_model
-from service.settings import Settings
 
 
 def spin(seconds: float) -> int:

@@ -64,7 +64,7 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.backends.factory import create_backend
-from service.settings import Settings
+from service.config.settings import Settings
 
 # The bench measures the engine, not admission: a level of 32 clients on 20-passage requests
 # queues minutes of CPU work, past the default deadline and prompt-token budget.

@@ -47,9 +47,9 @@ from bench import report
 from bench.report import provenance
 from offline.evaluation.runner import prepare
 from service.backends.transformers_backend import TransformersBackend
-from service.dataset import load_examples
+from service.batch.dataset import load_examples
+from service.config.settings import GEMMA_MODEL, Settings
 from service.pipeline import Reorderer
-from service.settings import GEMMA_MODEL, Settings
 from service.strategies.request import ReorderRequest
 
 GIB = float(1 << 30)

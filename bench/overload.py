@@ -160,7 +160,7 @@ async def run_overload(args: argparse.Namespace) -> None:
     # Imported here: they need the backend stack, which the parser and report do not.
     from bench.workload import capture_prompts, ceiling, load_requests
     from service.backends.factory import create_backend
-    from service.settings import Settings
+    from service.config.settings import Settings
 
     out = Path(args.out)
     multipliers = [float(x) for x in args.overload.split(",")]

@@ -34,10 +34,10 @@ from bench import report
 from bench.report import provenance, write
 from service.backends.base import Encoding, PromptTokenizer
 from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.dataset import load_examples
+from service.batch.dataset import load_examples
+from service.config.settings import Settings
 from service.model_assets import resolve_model
-from service.prompts import BuiltPrompt, build_prompts
-from service.settings import Settings
+from service.prompting.prompts import BuiltPrompt, build_prompts
 
 
 class OneByOne:

@@ -49,11 +49,11 @@ from bench.report import provenance
 from bench.server_process import cpu_s, free_port, percentile, process_tree, wait_until_up
 from service.backends.base import SpanRequest
 from service.backends.remote_backend import RemoteBackend
-from service.dataset import load_examples
+from service.batch.dataset import load_examples
+from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
 from service.pipeline import Reorderer
-from service.prompts import build_prompts
-from service.settings import EMBEDDED_MODEL, Settings
+from service.prompting.prompts import build_prompts
 
 STEP_TOKENS = 2048  # tokens per engine step on both sides
 

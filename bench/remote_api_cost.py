@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.remote import start_vllm_server
 from bench.report import provenance
 from bench.server_process import cpu_s, free_port
+from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
-from service.settings import EMBEDDED_MODEL, Settings
 
 
 def ask(

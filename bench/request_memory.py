@@ -55,9 +55,9 @@ sys.path.insert(0, str(ROOT))
 from bench import report
 from bench.server_process import free_port, start_server
 from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.config.settings import EMBEDDED_MODEL, Settings
 from service.passage import Passage
-from service.prompts import build_prompt
-from service.settings import EMBEDDED_MODEL, Settings
+from service.prompting.prompts import build_prompt
 
 MIB = float(1 << 20)
 QUERY = "Which document describes the capital of France?"

@@ -37,10 +37,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import report
 from bench.report import provenance
 from service.backends.factory import create_backend, resolve_backend
-from service.dataset import load_examples
+from service.batch.dataset import load_examples
+from service.config.settings import Settings
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
-from service.prompts import build_prompts
-from service.settings import Settings
+from service.prompting.prompts import build_prompts
 
 
 def cuda_peak_bytes() -> int | None:

@@ -44,9 +44,9 @@ from bench.report import provenance
 from offline.evaluation.runner import prepare
 from service.backends.base import SpanLogprobs
 from service.backends.transformers_backend import TransformersBackend
-from service.dataset import load_examples
-from service.prompts import build_prompts
-from service.settings import Settings
+from service.batch.dataset import load_examples
+from service.config.settings import Settings
+from service.prompting.prompts import build_prompts
 
 SEEDS = (0, 1000)  # design seed = SEED + question index
 

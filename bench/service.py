@@ -52,9 +52,9 @@ sys.path.insert(0, str(ROOT))
 from app.main import create_app
 from bench.server_process import free_port, percentile, start_server
 from service.backends.factory import create_backend
+from service.config.settings import Settings
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
-from service.settings import Settings
 
 QUERY = "What is the capital of France?"
 PASSAGES = [

@@ -24,9 +24,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from pydantic import SecretStr
 
 from bench import report
-from service.profile_store import ProfileStore
-from service.settings import Settings
-from service.state_store import FolderState, open_state
+from service.config.settings import Settings
+from service.state.profile_store import ProfileStore
+from service.state.state_store import FolderState, open_state
 from tests.support.redis_server import RedisServer
 
 

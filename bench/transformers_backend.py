@@ -33,8 +33,8 @@ import torch
 from service.backends.base import ChatMessage, SpanRequest
 from service.backends.batching import HeadMode
 from service.backends.transformers_backend import TransformersBackend
+from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
-from service.settings import EMBEDDED_MODEL, Settings
 
 
 def long_prompt(backend: TransformersBackend, tokens: int) -> tuple[int, ...]:

@@ -142,7 +142,7 @@ def main() -> None:
         todo = [(n, s) for n, s in todo if (s, n) in wanted]
 
     from offline.evaluation.runner import prepare
-    from service.dataset import load_examples
+    from service.batch.dataset import load_examples
 
     example = load_examples(Path(args.data), limit=args.question + 1)[args.question]
     if todo:

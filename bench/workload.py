@@ -22,9 +22,9 @@ from service.backends.base import (
     SpanLogprobs,
     SpanRequest,
 )
+from service.config.settings import Settings
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
-from service.settings import Settings
 
 
 def load_requests(data: Path, queries: int, passages: Sequence[int]) -> list[dict[str, Any]]:

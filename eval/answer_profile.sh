@@ -33,7 +33,7 @@ export HF_HUB_OFFLINE=1 RAG_REORDER_BIAS_PROFILE_DIR=$OUT/profiles
 mkdir -p "$OUT"
 
 if [[ ! -f $OUT/$NAME/profile.json ]] || ! grep -q '"stored": "' "$OUT/$NAME/profile.json"; then
-    folder=$(RAG_REORDER_MODEL=$MODEL .venv/bin/python -c 'from service.model_assets import resolve_model; from service.settings import Settings; print(resolve_model(Settings()))')
+    folder=$(RAG_REORDER_MODEL=$MODEL .venv/bin/python -c 'from service.model_assets import resolve_model; from service.config.settings import Settings; print(resolve_model(Settings()))')
     # A fixed KV cache: by default vLLM on the CPU asks for 0.92 of the memory free, and refuses.
     VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_ENABLE_V1_MULTIPROCESSING=0 \
         .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \

@@ -21,7 +21,7 @@ PORT=${PORT:-8791}
 export HF_HUB_OFFLINE=1 RAG_REORDER_BIAS_PROFILE_DIR=$OUT/profiles
 mkdir -p "$OUT"
 if ! curl -sf "http://127.0.0.1:$PORT/v1/models" | grep -q "$MODEL"; then
-    folder=$(RAG_REORDER_MODEL=$MODEL .venv/bin/python -c 'from service.model_assets import resolve_model; from service.settings import Settings; print(resolve_model(Settings()))')
+    folder=$(RAG_REORDER_MODEL=$MODEL .venv/bin/python -c 'from service.model_assets import resolve_model; from service.config.settings import Settings; print(resolve_model(Settings()))')
     VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_ENABLE_V1_MULTIPROCESSING=0 \
         nice -n 10 .venv-vllm/bin/python -m vllm.entrypoints.openai.api_server \
         --model "$folder" --served-model-name "$MODEL" --dtype float32 --max-model-len 4096 \

@@ -38,7 +38,7 @@ from scipy import stats
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline.blind_profile import fit_records
-from service.dataset import load_examples
+from service.batch.dataset import load_examples
 from solver.blind_profile import DEFAULT_THRESHOLD, attribute
 from solver.trust import TrustRules, top_slots
 

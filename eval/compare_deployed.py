@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offline.evaluation.deployed import ANSWERS_FILE
 from offline.evaluation.records import CACHE_FILE, Record, RecordCache
 from offline.evaluation.stats import paired_comparison
-from service.answers import first_line, normalize
+from service.prompting.answers import first_line, normalize
 
 RESAMPLES = 10_000
 

@@ -18,7 +18,7 @@ VPORT=${VPORT:-8766}
 RPORT=${RPORT:-8767}
 export HF_HUB_OFFLINE=1
 mkdir -p "$OUT/state"
-folder=$(RAG_REORDER_MODEL=$MODEL .venv/bin/python -c 'from service.model_assets import resolve_model; from service.settings import Settings; print(resolve_model(Settings()))')
+folder=$(RAG_REORDER_MODEL=$MODEL .venv/bin/python -c 'from service.model_assets import resolve_model; from service.config.settings import Settings; print(resolve_model(Settings()))')
 # A fixed KV cache: by default vLLM on the CPU asks for 0.92 of the memory free, and refuses.
 # Both cores for its prefill (vLLM keeps one for itself unless told): the generator's ~1,400-token
 # prompts are this measurement's bulk once `auto` has learned its profile.

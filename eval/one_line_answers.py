@@ -27,10 +27,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from offline.evaluation.metrics import score_answer
-from service.answers import first_line
-from service.dataset import load_examples
-from service.settings import DEFAULT_TEMPLATE, MODEL_TEMPLATES
-from service.templates import get_template
+from service.batch.dataset import load_examples
+from service.config.settings import DEFAULT_TEMPLATE, MODEL_TEMPLATES
+from service.prompting.answers import first_line
+from service.prompting.templates import get_template
 
 # The metrics that read the first line only: a rewrite that changed one is a bug, not a fix.
 UNCHANGED = ("accuracy", "em", "f1")

@@ -52,11 +52,11 @@ from offline.generator_api import (
     public_url,
     run_workers,
 )
-from service.dataset import Example
+from service.batch.dataset import Example
 from service.errors import InvalidRequest
-from service.profile_store import ProfileStore, StoredProfile
-from service.prompts import ApiPrompt, api_prompt
-from service.templates import PromptTemplate
+from service.prompting.prompts import ApiPrompt, api_prompt
+from service.prompting.templates import PromptTemplate
+from service.state.profile_store import ProfileStore, StoredProfile
 from solver.answer_profile import AnswerProfileFit, fit_answer_profile
 
 log = logging.getLogger(__name__)

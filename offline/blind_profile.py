@@ -45,11 +45,11 @@ from offline.generator_api import (
     public_url,
     run_workers,
 )
-from service.dataset import Example
+from service.batch.dataset import Example
 from service.errors import InvalidRequest
-from service.profile_store import ProfileStore, ProfileTrust, StoredProfile
-from service.prompts import ApiPrompt, api_prompt
-from service.templates import PromptTemplate
+from service.prompting.prompts import ApiPrompt, api_prompt
+from service.prompting.templates import PromptTemplate
+from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile
 from solver.blind_profile import DEFAULT_THRESHOLD, BlindProfile, attribute, fit_blind_profile
 from solver.blind_profile import slot_weights as weights_of
 from solver.trust import TrustRules

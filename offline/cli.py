@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Any, get_args
 
 from offline import commands
-from service.commandline import TRAINING_DATA
-from service.settings import Settings
+from service.batch.commandline import TRAINING_DATA
+from service.config.settings import Settings
 from service.strategies import strategy_names
 from service.strategies.request import DesignKind, Placement
 
@@ -283,7 +283,7 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
         type=Path,
         help="your own prompt shape: a JSON object with name, instruction, document, "
         "untitled_document and optionally question_prefix, separator, system, completion, "
-        "answer_prefix (service/prompts.py PromptTemplate)",
+        "answer_prefix (service/prompting/prompts.py PromptTemplate)",
     )
     pg.add_argument("--max-calls", type=int, help="most calls this invocation makes")
     pg.add_argument("--concurrency", type=int, default=4, help="calls in flight")

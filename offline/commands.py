@@ -15,13 +15,13 @@ from contextlib import AsyncExitStack
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
-from service.commandline import open_pipeline, progress_line, read_examples
+from service.batch.commandline import open_pipeline, progress_line, read_examples
+from service.config.settings import Settings
 from service.errors import ClientError
-from service.settings import Settings
 
 if TYPE_CHECKING:
     from offline.generator_api import GeneratorEndpoint
-    from service.templates import PromptTemplate
+    from service.prompting.templates import PromptTemplate
 
 NOT_STORED = 3
 """``profile-generator``'s exit code when it measured but did not store the profile (a curve not
@@ -129,8 +129,8 @@ async def eval(settings: Settings, args: argparse.Namespace) -> int:
 async def profile_generator(settings: Settings, args: argparse.Namespace) -> int:
     from offline.answer_profile import Estimate, ProfileJob, run_profile
     from offline.generator_api import GeneratorEndpoint, api_key
-    from service.profile_store import ProfileStore
-    from service.templates import PromptTemplate, get_template
+    from service.prompting.templates import PromptTemplate, get_template
+    from service.state.profile_store import ProfileStore
 
     _require_at_least(
         args, ("limit", "slots", "max_calls", "concurrency", "max_tokens"), {"slots": 2}
@@ -214,7 +214,7 @@ async def _profile_generator_blind(
 ) -> int:
     from offline.answer_profile import Estimate
     from offline.blind_profile import BlindJob, run_blind_profile
-    from service.profile_store import ProfileStore
+    from service.state.profile_store import ProfileStore
     from solver.trust import TrustRules
 
     if not 0.0 < args.threshold <= 1.0:
@@ -376,7 +376,7 @@ async def eval_deployed(settings: Settings, args: argparse.Namespace) -> int:
     from offline.evaluation.deployed import DeployedJob, Estimate, file_sha256, run_deployed
     from offline.evaluation.orderers import InProcessOrderer, Orderer, ServerOrderer, targets
     from offline.generator_api import GeneratorEndpoint, api_key
-    from service.templates import get_template
+    from service.prompting.templates import get_template
 
     _require_at_least(args, ("max_calls", "concurrency"))
     _require_at_least(args, ("reorder_retries",), {"reorder_retries": 0})

@@ -7,7 +7,7 @@ retriever's, often a string). ``isgold`` marks the gold passage; ``hasanswer`` d
 passage that merely contains an answer string is not the annotated evidence) and is dropped. A
 record's ``id`` is its own, else ``<file stem>-<n>``.
 
-Every converted record is checked against the schema (``service.dataset.parse_record``) before
+Every converted record is checked against the schema (``service.batch.dataset.parse_record``) before
 the output is replaced, so a conversion either writes a file ``eval`` accepts or nothing.
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from service.dataset import open_text, parse_record
+from service.batch.dataset import open_text, parse_record
 from service.errors import InvalidRequest
-from service.files import write_atomic
+from service.state.files import write_atomic
 
 
 def convert_litm(source: Path, target: Path) -> int:

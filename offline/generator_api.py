@@ -16,7 +16,7 @@ import httpx
 
 from service.backends.engine_client import EngineClient, EngineHTTPError
 from service.errors import InvalidRequest
-from service.prompts import ApiPrompt
+from service.prompting.prompts import ApiPrompt
 
 ApiKind = Literal["chat", "completions"]
 DEFAULT_KEY_ENV = "OPENAI_API_KEY"

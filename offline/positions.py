@@ -4,8 +4,8 @@
 computed in ``service.strategies.distraction`` (the strategies that use the profiles).
 
 Positional profiles (004 section 4, the controlled setting), per (model, answering template,
-slot count k), measured on a QA set with gold labels (``service.dataset``) and stored by
-``service.positional_store``. Per question:
+slot count k), measured on a QA set with gold labels (``service.batch.dataset``) and stored by
+``service.state.positional_store``. Per question:
 
 1. Every non-gold passage of the question (all of them, not only the first k) gets its
    single-passage DE. Passages whose prompt failed are left out of the pool.
@@ -18,8 +18,8 @@ slot count k), measured on a QA set with gold labels (``service.dataset``) and s
 3. Accuracy profile: the gold passage (the first gold index: the retriever's best relevant
    passage) rotated through slots 1..k among the weak distractors, ``order = weak[:j] +
    [gold] + weak[j:]``; the greedy answer under the answering template scored by
-   ``service.answers.nq_accuracy``; and the mean per-token log-likelihood of the first gold
-   answer, teacher forced after the same prompt (informative when a small model's accuracy is
+   ``service.prompting.answers.nq_accuracy``; and the mean per-token log-likelihood of the first
+   gold answer, teacher forced after the same prompt (informative when a small model's accuracy is
    flat).
 4. Distracting-effect profile: the hard distractor rotated the same way among the same weak
    distractors; DE of the whole set of k passages under ``qa_abstain`` (footnote 6).
@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from service.answers import DEFAULT_MAX_ANSWER_TOKENS, nq_accuracy
-from service.dataset import Example
+from service.batch.dataset import Example
 from service.errors import InvalidRequest, LimitExceeded
 from service.pipeline import Reorderer
-from service.positional_store import PositionalRecord, PositionalStore, SlotMeans, now_fields
+from service.prompting.answers import DEFAULT_MAX_ANSWER_TOKENS, nq_accuracy
+from service.state.positional_store import PositionalRecord, PositionalStore, SlotMeans, now_fields
 from service.strategies.distraction import (
     ABSTAIN_TEMPLATE,
     HARD_DE,

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import InvalidRequest
-from service.files import write_atomic
+from service.state.files import write_atomic
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@
     python scripts/gen_config_reference.py --check  # exit 1 if the block is stale
 
 The block between ``<!-- config:begin -->`` and ``<!-- config:end -->`` is one table per
-section of ``service/settings.py`` (its ``# --- name ---`` comments), one row per field: the
+section of ``service/config/settings.py`` (its ``# --- name ---`` comments), one row per field: the
 environment variable, the type, the default and the field's docstring.
 """
 
@@ -24,10 +24,10 @@ sys.path.insert(0, str(ROOT))
 from pydantic import SecretStr  # noqa: E402
 from pydantic_core import PydanticUndefined  # noqa: E402
 
-from service.settings import Settings  # noqa: E402
+from service.config.settings import Settings  # noqa: E402
 
 PAGE = ROOT / "docs" / "configuration.md"
-SETTINGS_SOURCE = ROOT / "service" / "settings.py"
+SETTINGS_SOURCE = ROOT / "service" / "config" / "settings.py"
 BEGIN, END = "<!-- config:begin -->", "<!-- config:end -->"
 _SECTION = re.compile(r"^\s*# --- (.+?) -*$")
 _FIELD = re.compile(r"^    (\w+)\s*:")

@@ -19,10 +19,12 @@ import numpy as np
 
 import solver
 from service.backends.base import LogprobBackend
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest, LimitExceeded, ServerError
 from service.passage import Passage
-from service.profile_store import ProfileStore, StoredProfile
-from service.settings import Settings
+from service.state.profile_store import ProfileStore, StoredProfile
+from service.state.traffic import TrafficSampler
 from service.strategies import get_strategy
 from service.strategies import moi as _moi
 from service.strategies.placement import apply_placement
@@ -43,11 +45,9 @@ from service.strategies.request import (
     VotedAnswer,
 )
 from service.strategies.work import RequestGate, Work
-from service.strategy_names import StrategyName
-from service.traffic import TrafficSampler
 
 if TYPE_CHECKING:
-    from service.learning import ProfileLearner
+    from service.learning.learner import ProfileLearner
 
 __all__ = [
     "CYCLIC_KINDS",

@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 from bench.server_process import wait_until_up
-from service.settings import EMBEDDED_MODEL
+from service.config.settings import EMBEDDED_MODEL
 from tests.app.processes import ROOT, free_port
 from tests.support.models import build_tiny_llama, embedded_model_dir
 

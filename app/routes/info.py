@@ -11,7 +11,8 @@ from fastapi import APIRouter
 
 from app.conversions import trust_out
 from app.errors import GET_ERRORS
-from app.schemas import (
+from app.schemas.base import PlacementName
+from app.schemas.info import (
     AdapterOut,
     AgreementOut,
     AutoInfoOut,
@@ -23,16 +24,15 @@ from app.schemas import (
     LimitsOut,
     ModelCard,
     ModelList,
-    PlacementName,
     ScoreModeOut,
 )
 from app.state import AppContext, Ctx
 from service.backends.remote_backend import RemoteBackend
 from service.errors import BackendUnavailable
 from service.model_assets.adapter import AdapterManifest, adapted_model_id, read_manifest
+from service.prompting.templates import template_names
 from service.strategies import ranking_strategy_names, strategy_names
 from service.strategies.request import DesignKind
-from service.templates import template_names
 
 router = APIRouter(tags=["info"])
 

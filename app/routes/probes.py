@@ -11,7 +11,7 @@ from fastapi import APIRouter, Request, Response
 
 from app.errors import GET_ERRORS, PROBE_ERRORS
 from app.exceptions import Unhealthy
-from app.schemas import ProbeStatus
+from app.schemas.info import ProbeStatus
 from app.state import Ctx
 
 router = APIRouter(tags=["probes"])

@@ -6,7 +6,7 @@ the same calibration as ``rag-reorder calibrate`` on the serving engine: it take
 slot, each query is held to the per-request limits and its prompts are admitted into the shared
 token budget like a request's, so a calibration shares the engine with live traffic instead of
 starving it. With ``from_traffic`` it pools the runs live MoI requests already scored
-(``service.traffic``), at no model cost. The profile is written to the profile folder
+(``service.state.traffic``), at no model cost. The profile is written to the profile folder
 (atomically) and the next request finds it.
 """
 
@@ -23,7 +23,7 @@ from app.conversions import profile_out, to_passages
 from app.errors import GET_ERRORS, POST_ERRORS, error_responses
 from app.execution import run_admitted
 from app.limits import check_inputs
-from app.schemas import (
+from app.schemas.profiles import (
     CalibrateBody,
     CalibrationOut,
     ProfileList,
@@ -31,16 +31,16 @@ from app.schemas import (
     TrafficSampleOut,
 )
 from app.state import Ctx, RequestId
-from service.calibration import (
+from service.batch.calibration import (
     CalibrationReport,
     calibrate_from_traffic,
     calibrate_profile,
     prompts_per_query,
 )
-from service.dataset import Example
+from service.batch.dataset import Example
+from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded, NotFound
 from service.pipeline import DesignSpec, Reorderer
-from service.settings import Settings
 from service.strategies.work import Work
 
 log = logging.getLogger(__name__)

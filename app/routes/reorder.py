@@ -8,7 +8,7 @@ from app.conversions import caller_of, reorder_response, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs
-from app.schemas import ReorderBody, ReorderResponse
+from app.schemas.reorder import ReorderBody, ReorderResponse
 from app.state import Ctx, RequestId
 
 router = APIRouter(tags=["reorder"])

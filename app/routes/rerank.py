@@ -18,8 +18,8 @@ from app.conversions import caller_of, relevance_scores, reorder_meta, selected_
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs
-from app.schemas import (
-    ReorderOptions,
+from app.schemas.reorder import ReorderOptions
+from app.schemas.rerank import (
     RerankBody,
     RerankDocument,
     RerankMetaOut,

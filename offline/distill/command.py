@@ -14,13 +14,13 @@ from tqdm import tqdm  # type: ignore[import-untyped]
 
 from offline.distill.preferences import Preference, PreferenceReport, build_preferences
 from offline.distill.train import DistillConfig, distill
-from service.commandline import open_pipeline
-from service.dataset import Example
+from service.batch.commandline import open_pipeline
+from service.batch.dataset import Example
+from service.config.settings import Settings
 from service.errors import InvalidRequest
 from service.model_assets import resolve_model
 from service.model_assets.adapter import AdapterManifest
 from service.pipeline import Reorderer
-from service.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -29,9 +29,9 @@ from scipy.stats import kendalltau
 
 from offline.evaluation.runner import EvalQuestion, prepare
 from offline.evaluation.stats import bootstrap_mean_ci, paired_comparison
-from service.answers import nq_accuracy
-from service.dataset import Example
+from service.batch.dataset import Example
 from service.pipeline import Reorderer
+from service.prompting.answers import nq_accuracy
 from service.strategies.request import DesignSpec, ReorderRequest
 
 SHUFFLE = "shuffle"

@@ -28,7 +28,7 @@ import anyio
 import numpy as np
 
 from offline.evaluation.runner import prepare
-from service.dataset import Example
+from service.batch.dataset import Example
 from service.errors import InvalidRequest, LimitExceeded
 from service.passage import Passage
 from service.pipeline import Reorderer

@@ -7,7 +7,7 @@ computes.
 Objective (the MoI paper, Figure 5): for a question with teacher scores ``s`` over K permutations,
 each step samples K' of them, scores them with the student (``s~``: the query's log-likelihood
 after the passages in that order, built with the student's own tokenizer and template by
-``service.prompts.build_prompts``, the serving prompt builder), and minimises
+``service.prompting.prompts.build_prompts``, the serving prompt builder), and minimises
 ``KL(softmax(s) || softmax(s~))``. Only differences between permutations of one question
 matter (the softmax is shift-invariant), so the student is taught which orders help, not the
 query's absolute likelihood. Gradients of ``batch_questions`` questions are accumulated per
@@ -41,7 +41,7 @@ from service.model_assets.adapter import (
     model_card,
     write_manifest,
 )
-from service.prompts import BuiltPrompt, build_prompts
+from service.prompting.prompts import BuiltPrompt, build_prompts
 
 log = logging.getLogger(__name__)
 

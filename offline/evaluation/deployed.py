@@ -63,10 +63,10 @@ from offline.generator_api import (
     public_url,
     run_workers,
 )
-from service.dataset import Example
+from service.batch.dataset import Example
 from service.errors import EngineTimeout, EngineUnavailable, InvalidRequest
-from service.prompts import api_prompt
-from service.templates import PromptTemplate
+from service.prompting.prompts import api_prompt
+from service.prompting.templates import PromptTemplate
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Task metrics of one generated answer, and where the gold passages ended up.
 
-NQ-Open accuracy, HotpotQA EM and F1 come from ``service.answers`` (SQuAD normalisation; NQ
-cuts the response at its first newline). EM and F1 are scored on the response's first line
+NQ-Open accuracy, HotpotQA EM and F1 come from ``service.prompting.answers`` (SQuAD normalisation;
+NQ cuts the response at its first newline). EM and F1 are scored on the response's first line
 too: the generator is told to reply with a short answer, and what follows a newline is
 commentary that would otherwise zero EM for an answer that is right. ROUGE-L (MS MARCO) is
 ``rouge-score``'s ``rougeL`` F-measure of the whole response with its default tokenizer
@@ -18,7 +18,7 @@ from typing import Literal
 
 from rouge_score import rouge_scorer  # type: ignore[import-untyped]
 
-from service.answers import exact_match, f1, first_line, nq_accuracy
+from service.prompting.answers import exact_match, f1, first_line, nq_accuracy
 
 MetricName = Literal["accuracy", "em", "f1", "rouge_l"]
 METRICS: tuple[MetricName, ...] = ("accuracy", "em", "f1", "rouge_l")

@@ -38,7 +38,7 @@ from offline.evaluation.runner import EvalQuestion
 from offline.evaluation.variants import select_variants
 from offline.generator_api import public_url
 from service.errors import InvalidRequest
-from service.learning import learning_slots
+from service.learning.learner import learning_slots
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 
 log = logging.getLogger(__name__)

@@ -83,13 +83,13 @@ from offline.evaluation.records import (
     run_settings,
 )
 from offline.evaluation.variants import Variant, all_variants
-from service.answers import DEFAULT_MAX_ANSWER_TOKENS
-from service.dataset import Example
+from service.batch.dataset import Example
 from service.errors import ClientError, InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
-from service.profile_store import StoredProfile
-from service.prompts import BuiltPrompt
+from service.prompting.answers import DEFAULT_MAX_ANSWER_TOKENS
+from service.prompting.prompts import BuiltPrompt
+from service.state.profile_store import StoredProfile
 from service.strategies.request import Answer
 from service.strategies.work import Work
 

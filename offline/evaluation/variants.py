@@ -5,10 +5,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
 from service.strategies import strategy_names
 from service.strategies.request import DesignKind, Placement
-from service.strategy_names import StrategyName
 
 MOI_DESIGNS: tuple[DesignKind, ...] = (
     "pruned_random",

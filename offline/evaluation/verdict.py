@@ -35,7 +35,7 @@ from offline.evaluation.orderers import BASELINES, Target
 from offline.evaluation.runner import EvalQuestion
 from offline.evaluation.stats import bootstrap_mean_ci, paired_comparison, paired_test
 from offline.generator_api import GeneratorEndpoint, public_url
-from service.templates import PromptTemplate
+from service.prompting.templates import PromptTemplate
 
 REPORT_JSON = "report.json"
 REPORT_MD = "report.md"

@@ -1,7 +1,7 @@
 """The port to a language model: prompt token ids and spans in, per-token log-probs out.
 
-Prompt building lives outside the backends (``service.prompts``), so every backend receives
-byte-identical token ids and can be cross-checked against the others on the same requests.
+Prompt building lives outside the backends (``service.prompting.prompts``), so every backend
+receives byte-identical token ids and can be cross-checked against the others on the same requests.
 """
 
 from __future__ import annotations

@@ -38,9 +38,9 @@ import numpy as np
 import torch
 from transformers import AutoModel, AutoTokenizer
 
-from service.cpus import process_budget
+from service.config.settings import Settings
 from service.errors import ServerError
-from service.settings import Settings
+from service.runtime.cpus import process_budget
 
 log = logging.getLogger(__name__)
 
@@ -125,8 +125,8 @@ class MiniLMEncoder:
         self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
         self.device = self.config.torch_device()
         if self.device.type == "cpu":
-            # The transformers backend sizes torch's threads (service.cpus); with the vLLM or
-            # paced engine nothing else does, and torch's default is the host's cores.
+            # The transformers backend sizes torch's threads (service.runtime.cpus); with the vLLM
+            # or paced engine nothing else does, and torch's default is the host's cores.
             budget = process_budget(self.config.cpus).torch_threads
             if torch.get_num_threads() > budget:
                 torch.set_num_threads(budget)

@@ -1,6 +1,6 @@
 """Whether a remote engine is busy with other clients' work, as far as its own metrics tell.
 
-``auto``'s background runs (``service.learning``) run only while the engine is idle and are
+``auto``'s background runs (``service.learning.learner``) run only while the engine is idle and are
 cancelled as soon as it is not. This replica's admission sees only its own requests: with
 several replicas (or other applications) on one vLLM server, their work is invisible to it,
 and a background run would take their generator capacity unpreempted. vLLM publishes its

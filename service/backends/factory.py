@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Literal
 
 from service.backends.base import LogprobBackend
-from service.cpus import CpuBudget
-from service.settings import Settings
+from service.config.settings import Settings
+from service.runtime.cpus import CpuBudget
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +38,7 @@ def resolve_backend(settings: Settings) -> ResolvedBackend:
 
 
 def size_threads(settings: Settings, budget: CpuBudget) -> None:
-    """Size torch's intra-op threads to the CPUs the process may use (``service.cpus``),
+    """Size torch's intra-op threads to the CPUs the process may use (``service.runtime.cpus``),
     before any model loads: torch's default is the host's core count, which in a pod limited
     to 2 CPUs of a 64-core node runs 64 threads on 2 CPUs of quota. vLLM sizes its own
     (``VLLM_CPU_OMP_THREADS_BIND`` on a CPU) and the paced engine runs none; the dense

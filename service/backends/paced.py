@@ -42,8 +42,8 @@ from service.backends.base import (
     check_scoring,
 )
 from service.backends.scheduler import ForwardScheduler
+from service.config.settings import Settings
 from service.errors import BackendUnavailable
-from service.settings import Settings
 
 
 @dataclass(frozen=True, slots=True)

@@ -3,7 +3,7 @@
 Production RAG teams serve their generator elsewhere, often sharded over several GPUs; the
 gain measured here comes from fitting *that* generator's position bias, so rag-reorder scores
 with it instead of loading a second copy (issue 39). Prompts are still built here
-(``service.prompts``) with the served model's own tokenizer (``model``'s folder), and the
+(``service.prompting.prompts``) with the served model's own tokenizer (``model``'s folder), and the
 server gets token ids, so every backend scores byte-identical prompts:
 
 - scoring: ``POST /v1/completions`` with ``prompt`` a list of token-id lists (each cut at its
@@ -58,12 +58,12 @@ from service.backends.base import (
 )
 from service.backends.engine_client import EngineClient, EngineHTTPError
 from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.config.settings import Settings
 from service.errors import (
     BackendUnavailable,
     EngineMismatch,
     EngineUnavailable,
 )
-from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 

@@ -60,10 +60,10 @@ from service.backends.transformers_loading import (
     resolve_dtype,
     weight_rows,
 )
+from service.config.settings import Settings
 from service.errors import BackendUnavailable
 from service.model_assets import resolve_model
 from service.model_assets.adapter import adapted_model_id, configured_adapter
-from service.settings import Settings
 
 __all__ = [
     "DeviceName",

@@ -96,10 +96,10 @@ from service.backends.vllm_requests import (
     span_from_token_id_scores,
     with_score_logprobs,
 )
+from service.config.settings import Settings
 from service.errors import BackendUnavailable
 from service.model_assets import resolve_model
 from service.model_assets.adapter import adapted_model_id, configured_adapter
-from service.settings import Settings
 
 logger = logging.getLogger(__name__)
 

@@ -32,8 +32,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from service.config.settings import EMBEDDED_MODEL, GEMMA_MODEL, Settings
 from service.errors import BackendUnavailable
-from service.settings import EMBEDDED_MODEL, GEMMA_MODEL, Settings
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from service.config.settings import Settings
 from service.errors import BackendUnavailable
-from service.settings import Settings
 
 MANIFEST = "distill.json"
 """The manifest's file name inside the adapter folder, beside peft's ``adapter_config.json``."""

@@ -7,6 +7,7 @@ the tests that run every strategy pick it up from the registry.
 
 from __future__ import annotations
 
+from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
 from service.strategies.auto import Auto
 from service.strategies.distraction import MaxRelevance, MinDistraction
@@ -18,7 +19,6 @@ from service.strategies.pointwise import BayesSaliency, LongLLMLingua, QueryGene
 from service.strategies.protocol import Strategy, register_option_users
 from service.strategies.retrieval import Bm25, Dense
 from service.strategies.self_consistency import SelfConsistency
-from service.strategy_names import StrategyName
 
 _ALL: tuple[Strategy, ...] = (
     MoI(),

@@ -3,7 +3,7 @@
 The evidence (docs/evaluation.md): the gain comes from *placing* passages by the generator's
 position profile; a free ranker placed by a calibrated profile answered as well as MoI's
 default or better, at a small fraction of its cost. ``auto`` serves that path once the profile
-is trusted, and MoI until then (``service.learning`` learns and watches the profile):
+is trusted, and MoI until then (``service.learning.learner`` learns and watches the profile):
 
 - ``profile``: a trusted profile exists (named by ``bias_profile`` or
   ``RAG_REORDER_PLACEMENT_PROFILE``, else learned, or calibrated with trust figures, for the
@@ -36,9 +36,10 @@ import anyio.to_thread
 import numpy as np
 
 import solver
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
-from service.learning import Decision, ProfileLearner, ShadowRun
-from service.settings import Settings
+from service.learning.learner import Decision, ProfileLearner, ShadowRun
 from service.strategies.moi import MoI, bias_basis, design_cost, plan_design, retriever_scores
 from service.strategies.placement import named_profile
 from service.strategies.request import (
@@ -53,7 +54,6 @@ from service.strategies.request import (
 )
 from service.strategies.retrieval import bm25_scores, cosine_scores, passage_text
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 
 _MOI = MoI()
 LEARNING_SPEC = DesignSpec(kind="pruned_random")

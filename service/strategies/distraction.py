@@ -34,8 +34,8 @@ the slot where a distractor does least harm. Decided here:
   only selects the profile, which was measured for the answering template it names.
 
 Distracting effect. ``DE_q(p) = 1 - P("NO-RESPONSE" | q, p)`` under the ``qa_abstain``
-template (``service.prompts``: answer from the documents or reply NO-RESPONSE; Amiraz et al.
-2025 as used by 004). ``P`` is read by teacher forcing, never by sampling: the text
+template (``service.prompting.prompts``: answer from the documents or reply NO-RESPONSE; Amiraz et
+al. 2025 as used by 004). ``P`` is read by teacher forcing, never by sampling: the text
 ``NO-RESPONSE``, tokenised on its own, is appended to the generation prompt (the assistant turn
 left open) and ``P = exp(sum of its tokens' log-probs)`` (``Work.continuation_logprobs``).
 Rules the papers leave loose, decided here:
@@ -63,10 +63,11 @@ from typing import Literal
 
 import numpy as np
 
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.errors import UnidentifiableRequest
 from service.passage import Passage
-from service.positional_store import PositionalRecord, PositionalStore
-from service.settings import Settings
+from service.state.positional_store import PositionalRecord, PositionalStore
 from service.strategies.request import (
     Calls,
     Cost,
@@ -78,7 +79,6 @@ from service.strategies.request import (
     retriever_ranking,
 )
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 
 NO_RESPONSE = "NO-RESPONSE"
 """The abstention the ``qa_abstain`` template asks for."""

@@ -2,8 +2,8 @@
 
 Both read only prompt log-probs (no generation) with the request's scoring template: the
 passages in some order, then the question, whose per-token log-probs are summed. The
-question's token ids are identical in every prompt of a request (``service.prompts``), so a
-per-token mean is the sum over a constant count: it changes no comparison within a request,
+question's token ids are identical in every prompt of a request (``service.prompting.prompts``), so
+a per-token mean is the sum over a constant count: it changes no comparison within a request,
 and it makes the numbers comparable across questions of different lengths, the unit Liu et al.
 reports throughout ("log p(question) per token", its 4.1 and Figure 2). Both strategies use it.
 
@@ -20,8 +20,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest, ScoringFailed
-from service.settings import Settings
 from service.strategies.request import (
     Calls,
     Cost,
@@ -34,7 +35,6 @@ from service.strategies.request import (
     rng_for,
 )
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 
 
 def _orders_up_to(n: int, cap: int) -> int:

@@ -47,9 +47,10 @@ from fractions import Fraction
 
 import numpy as np
 
-from service.answers import DEFAULT_MAX_ANSWER_TOKENS
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
-from service.settings import Settings
+from service.prompting.answers import DEFAULT_MAX_ANSWER_TOKENS
 from service.strategies.request import (
     Calls,
     Cost,
@@ -61,7 +62,6 @@ from service.strategies.request import (
     retriever_ranking,
 )
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 
 DEFAULT_PROBABILITY_WEIGHT = 0.8
 DEFAULT_RANK_WEIGHT = 0.2

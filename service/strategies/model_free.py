@@ -11,10 +11,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import solver
-from service.settings import Settings
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.strategies.request import Cost, Outcome, ReorderRequest, retriever_ranking, rng_for
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 
 
 def litm_order(ranking: Sequence[int]) -> list[int]:

@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Literal
 import numpy as np
 
 import solver
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage
-from service.settings import Settings
 from service.strategies.placement import named_profile, placed_by
 from service.strategies.request import (
     AdaptiveReport,
@@ -30,11 +31,10 @@ from service.strategies.request import (
     ReorderRequest,
 )
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 from solver import adaptive
 
 if TYPE_CHECKING:
-    from service.profile_store import StoredProfile
+    from service.state.profile_store import StoredProfile
 
 BiasSource = Literal["profile", "resampled_profile", "fitted"]
 BiasBasis = Literal["trusted", "data_oriented"]

@@ -18,7 +18,7 @@ import numpy as np
 
 import solver
 from service.errors import InvalidRequest, UnidentifiableRequest
-from service.profile_store import StoredProfile
+from service.state.profile_store import StoredProfile
 from service.strategies.request import Outcome, ReorderRequest
 from service.strategies.work import Work
 

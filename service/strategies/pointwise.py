@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.settings import Settings
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.strategies.request import (
     Calls,
     Cost,
@@ -35,7 +36,6 @@ from service.strategies.request import (
     retriever_ranking,
 )
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 
 
 class _Pointwise:

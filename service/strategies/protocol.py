@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
-from service.settings import Settings
 from service.strategies.request import Cost, Outcome, ReorderRequest
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 
 
 class Strategy(Protocol):

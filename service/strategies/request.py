@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.errors import ScoringFailed
 from service.passage import Passage
-from service.settings import Settings
-from service.strategy_names import StrategyName
 
 # The design and placement names live once, with the solver that implements them; the wire
 # models and the CLI read them from here.
@@ -25,7 +25,7 @@ from solver import placement as _placement
 
 if TYPE_CHECKING:
     import solver
-    from service.profile_store import StoredProfile
+    from service.state.profile_store import StoredProfile
 
 DesignKind = _designs.DesignKind
 Placement = _placement.Placement

@@ -21,11 +21,11 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.passage import Passage
-from service.settings import Settings
 from service.strategies.request import Cost, Outcome, ReorderRequest, descending, retriever_ranking
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 
 K1 = 1.5
 B = 0.75

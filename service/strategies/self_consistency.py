@@ -3,11 +3,11 @@ black-box inference-scaling baseline, section 4.1: 30 permutations, the most fre
 
 K = ``samples`` (default 30) seeded uniform permutations of all passages (``rng_for``: the
 seed mixed with the query), one greedy answer to each (the request's template,
-``max_answer_tokens`` budget), then a majority vote (``service.answers.majority_vote``).
+``max_answer_tokens`` budget), then a majority vote (``service.prompting.answers.majority_vote``).
 
 Rules, including those the paper leaves loose:
 
-- Answers are compared by their SQuAD-normalised form (``service.answers.normalize``); an
+- Answers are compared by their SQuAD-normalised form (``service.prompting.answers.normalize``); an
   empty answer is a form like any other. Ties: the form sampled earliest wins. The answer's
   text is the first raw answer of the winning form, ``votes`` the permutations that gave that
   form, ``samples`` the answers counted, ``probability`` the mean over the winning samples of
@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from service.answers import normalize, tally
+from service.config.settings import Settings
+from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
-from service.settings import Settings
+from service.prompting.answers import normalize, tally
 from service.strategies.lore import answer_budget
 from service.strategies.request import (
     Answer,
@@ -48,7 +49,6 @@ from service.strategies.request import (
     rng_for,
 )
 from service.strategies.work import Work
-from service.strategy_names import StrategyName
 
 DEFAULT_SAMPLES = 30  # the MoI paper, section 4.1
 TOP_VOTES = 5  # distinct answers listed in details

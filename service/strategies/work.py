@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Literal, Protocol, TypeVar
 import anyio.to_thread
 import numpy as np
 
-from service.answers import first_line
 from service.backends.base import (
     Generation,
     GenerationRequest,
@@ -26,24 +25,25 @@ from service.backends.base import (
     PromptFailure,
     SpanRequest,
 )
+from service.config.settings import Settings
 from service.errors import InvalidRequest, ScoringFailed
 from service.passage import Passage
-from service.prompts import (
+from service.prompting.answers import first_line
+from service.prompting.prompts import (
     BuiltPrompt,
     PromptSize,
     build_generation_prompt,
     build_prompts,
     prompt_size,
 )
-from service.settings import Settings
-from service.solver_pool import shared_pool
+from service.prompting.templates import get_template
+from service.runtime.solver_pool import shared_pool
 from service.strategies.request import Answer, Cost, Estimate, PromptScore, Usage
-from service.templates import get_template
 
 if TYPE_CHECKING:
-    from service.learning import ProfileLearner
-    from service.profile_store import ProfileStore
-    from service.traffic import TrafficSampler
+    from service.learning.learner import ProfileLearner
+    from service.state.profile_store import ProfileStore
+    from service.state.traffic import TrafficSampler
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from app.metrics import ServiceMetrics
 from app.state import AppContext
 from service.backends.base import ScoreResult, SpanRequest
 from service.backends.fake import FakeBackend
-from service.settings import Settings
-from service.throughput import MIN_CALLS
+from service.config.settings import Settings
+from service.runtime.throughput import MIN_CALLS
 
 QUERY = "which passage answers the question?"
 # Four passages with known utilities; the fake backend scores by them (and a primacy bias).

@@ -11,8 +11,8 @@ import pytest
 
 import app.main
 from app.main import create_app
+from service.config.settings import Settings
 from service.model_assets.adapter import write_manifest
-from service.settings import Settings
 from tests.app.conftest import reorder_body, rerank_body, settings_for, wait_ready
 from tests.support.distill import distill_tiny, manifest
 

@@ -16,11 +16,11 @@ from app.metrics import ServiceMetrics
 from service.backends.base import ChatMessage, Encoding
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.fake import FakeBackend
+from service.config.settings import Settings
 from service.errors import LimitExceeded
 from service.passage import Passage
-from service.prompts import build_prompts
-from service.settings import Settings
-from service.throughput import ThroughputMeter
+from service.prompting.prompts import build_prompts
+from service.runtime.throughput import ThroughputMeter
 from tests.app.conftest import PASSAGES, measured, serving
 
 

@@ -10,7 +10,7 @@ import pytest
 from pydantic import ValidationError
 
 from app.conversions import MAX_CALLER_CHARS
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.app.conftest import Harness, reorder_body, serving
 
 # Every run's fate is visible (still learning, no explore), and a caller is bounded at half.

@@ -3,7 +3,7 @@ server's own settings: its default timeout outlasts the server's default deadlin
 
 from __future__ import annotations
 
-from service.settings import Settings
+from service.config.settings import Settings
 
 
 def test_the_clients_timeout_outlasts_the_servers_deadline() -> None:

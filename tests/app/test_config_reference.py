@@ -7,7 +7,7 @@ import re
 from pathlib import Path
 from types import ModuleType
 
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -106,7 +106,7 @@ async def test_model_strategies_on_degenerate_passages_tiny_model(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
     from service.backends.transformers_backend import TransformersBackend
-    from service.settings import Settings
+    from service.config.settings import Settings
 
     settings = Settings(
         model=str(tiny_model_dir), backend="transformers", device="cpu", cache_dir=tmp_path

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from service.profile_store import ProfileStore, ProfileTrust
+from service.state.profile_store import ProfileStore, ProfileTrust
 from tests.app.processes import server_process
 from tests.support.models import cache_dir_for_tests
 

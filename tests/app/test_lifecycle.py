@@ -10,8 +10,8 @@ import pytest
 import app.main
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.score_mode_check import ScoreModeCheck
+from service.config.settings import Settings
 from service.errors import BackendUnavailable
-from service.settings import Settings
 from tests.app.conftest import TRUTH, TrackingBackend, serving, wait_until
 
 

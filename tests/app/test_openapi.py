@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from app.main import create_app
-from service.settings import Settings
+from service.config.settings import Settings
 
 SNAPSHOT = Path(__file__).with_name("openapi.json")
 

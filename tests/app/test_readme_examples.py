@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from service.profile_store import profile_id
-from service.settings import Settings
+from service.config.settings import Settings
+from service.state.profile_store import profile_id
 from tests.app.conftest import Harness, serving
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from typing import Any
 import jsonschema
 import pytest
 
-from app.schemas import NOT_BLANK
+from app.schemas.base import NOT_BLANK
 from tests.app.conftest import QUERY, Harness
 
 SPEC = json.loads((Path(__file__).parent / "openapi.json").read_text())

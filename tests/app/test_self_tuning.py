@@ -20,11 +20,11 @@ import pytest
 
 from app.admission import Admission
 from app.metrics import ServiceMetrics
-from service.learning import Decision, LearnKey, ProfileLearner
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.config.settings import Settings
+from service.learning.learner import Decision, LearnKey, ProfileLearner
+from service.runtime.throughput import FRESH_S, MIN_CALLS, WALL_HALF_LIFE_S, ThroughputMeter
+from service.state.profile_store import ProfileStore
 from service.strategies.request import Estimate
-from service.throughput import FRESH_S, MIN_CALLS, WALL_HALF_LIFE_S, ThroughputMeter
 from tests.app.conftest import Harness, TrackingBackend, serving, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -311,8 +311,8 @@ async def test_explore_is_drawn_only_while_the_engine_can_run_it(tmp_path: Path)
     learner = ProfileLearner(settings, store, root=tmp_path / "auto")
     key = LearnKey("m", "qa_default", 5)
     # A trusted profile held in memory, as after an assessment.
-    from service.learning import KeyStatus
-    from service.profile_store import ProfileTrust
+    from service.learning.learner import KeyStatus
+    from service.state.profile_store import ProfileTrust
 
     trust = ProfileTrust(
         verdict="shaped", reason="test", runs=5, flat_p=0.001, spread=1.0, spread_upper=1.2,

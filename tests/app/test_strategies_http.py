@@ -21,7 +21,7 @@ import anyio.to_thread
 import numpy as np
 import pytest
 
-from service.profile_store import ProfileStore, StoredProfile
+from service.state.profile_store import ProfileStore, StoredProfile
 from service.strategies import strategy_names
 from tests.app.conftest import (
     PASSAGES,
@@ -81,7 +81,7 @@ def _check_shape(body: dict[str, Any], name: str, n: int) -> None:
 async def _calibrate_positions(harness: Any, texts: list[str] = PASSAGES) -> None:
     """Measure and store the positional profiles the two positional strategies need."""
     from offline.positions import calibrate_positions
-    from service.dataset import Example
+    from service.batch.dataset import Example
     from service.passage import Passage
     from service.pipeline import Reorderer
 
@@ -324,7 +324,7 @@ async def test_every_strategy_runs_on_a_tiny_real_model(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     from service.backends.transformers_backend import TransformersBackend
-    from service.settings import Settings
+    from service.config.settings import Settings
 
     # The positional profiles come from the command an operator runs, into the cache the
     # server reads (settings_for gives the server cache_dir = tmp_path).
@@ -390,7 +390,7 @@ async def test_positional_strategies_follow_profiles_measured_on_smollm2(
     measured values differ across slots and passages, so here a wrong slot rule changes the
     placement."""
     from service.backends.transformers_backend import TransformersBackend
-    from service.settings import Settings
+    from service.config.settings import Settings
 
     monkeypatch.setenv("RAG_REORDER_BIAS_PROFILE_DIR", str(tmp_path / "profiles"))
     data = write_qa_file(tmp_path / "qa.jsonl", POSITION_DEPENDENT_TOPICS)
@@ -527,8 +527,8 @@ async def test_server_default_strategy_and_its_placement(tmp_path: Path) -> None
 
 
 def test_with_defaults_resolves_strategy_and_placement_as_documented() -> None:
-    from app.schemas import with_defaults
-    from service.settings import Settings
+    from app.schemas.reorder import with_defaults
+    from service.config.settings import Settings
 
     auto, bm25 = Settings(), Settings(strategy="bm25", placement="litm")
     assert with_defaults(None, None, auto) == ("auto", None)  # auto places by itself

@@ -19,10 +19,10 @@ import pytest
 from app.admission import Admission, Reservation
 from app.exceptions import Overloaded
 from app.metrics import ServiceMetrics
+from service.config.settings import Settings
 from service.errors import DeadlineUnreachable
-from service.settings import Settings
+from service.runtime.throughput import ThroughputMeter
 from service.strategies.request import Estimate
-from service.throughput import ThroughputMeter
 from tests.app.conftest import QUERY, Harness, TrackingBackend, measured, serving
 
 

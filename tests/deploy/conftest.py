@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from app.metrics import ServiceMetrics
-from service.learning import ProfileLearner
-from service.profile_store import ProfileStore
-from service.settings import Settings
-from service.traffic import TrafficSampler
+from service.config.settings import Settings
+from service.learning.learner import ProfileLearner
+from service.state.profile_store import ProfileStore
+from service.state.traffic import TrafficSampler
 from tests.deploy import vllm_metrics
 
 _SUFFIXES = {

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.deploy import checks
 from tests.deploy.checks import Doc
 from tests.deploy.tools import (

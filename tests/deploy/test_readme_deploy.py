@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.deploy import checks
 from tests.deploy.test_dockerfile import DOCKERFILE, parse
 from tests.deploy.test_observability import COMPOSE_FILES, DASHBOARD

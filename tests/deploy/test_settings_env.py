@@ -2,7 +2,7 @@
 
 pydantic-settings ignores an unknown RAG_REORDER_ variable, so a misspelt name in the Dockerfile,
 a Compose file or the chart would leave the default in force without a word. Here the names are
-checked against service/settings.py, and each image's, Compose stack's and rendered pod's
+checked against service/config/settings.py, and each image's, Compose stack's and rendered pod's
 environment is loaded by Settings itself.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import yaml
 
-from service.settings import Settings
+from service.config.settings import Settings
 from tests.deploy import checks
 from tests.deploy.test_chart import RENDERS
 from tests.deploy.test_dockerfile import DOCKERFILE, parse

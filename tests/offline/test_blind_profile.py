@@ -26,12 +26,12 @@ from offline.blind_profile import (
     run_blind_profile,
 )
 from offline.generator_api import GeneratorEndpoint
-from service.dataset import Example
+from service.batch.dataset import Example
+from service.config.settings import EMBEDDED_MODEL
 from service.errors import EngineUnavailable, InvalidRequest
 from service.passage import Passage
-from service.profile_store import ProfileStore
-from service.settings import EMBEDDED_MODEL
-from service.templates import get_template
+from service.prompting.templates import get_template
+from service.state.profile_store import ProfileStore
 
 SLOTS = 4
 
@@ -185,7 +185,7 @@ def test_the_command_refuses_a_bad_threshold_before_any_call(
 
 @pytest.mark.slow
 async def test_no_labels_against_vllms_openai_server(vllm_server: str, tmp_path: Path) -> None:
-    from service.dataset import load_examples
+    from service.batch.dataset import load_examples
     from tests.app.processes import ROOT, free_port
 
     # Labels dropped: the command reads none of them.

@@ -31,7 +31,8 @@ from offline.distill.train import (
 )
 from service.backends.fake import FakeBackend
 from service.backends.transformers_backend import TransformersBackend
-from service.dataset import Example
+from service.batch.dataset import Example
+from service.config.settings import Settings
 from service.errors import BackendUnavailable, InvalidRequest
 from service.model_assets.adapter import (
     adapted_model_id,
@@ -39,7 +40,6 @@ from service.model_assets.adapter import (
     read_manifest,
 )
 from service.model_assets.merge import merged_model
-from service.settings import Settings
 from tests.support.distill import PASSAGES, PREFS, distill_tiny
 from tests.support.pipeline import reorderer_in
 
@@ -250,7 +250,7 @@ def test_split_holds_back_a_seeded_subset() -> None:
 
 def test_distill_eval_measures_agreement_quality_and_cost_and_resumes(tmp_path: Path) -> None:
     from offline.distill.measure import MeasureConfig, measure
-    from service.dataset import load_examples
+    from service.batch.dataset import load_examples
     from tests.support.positional import FILLERS, TOPICS, write_qa_file
 
     qa = load_examples(write_qa_file(tmp_path / "qa.jsonl"))

@@ -31,13 +31,13 @@ from offline.evaluation.stats import (
 from offline.evaluation.verdict import REPORT_JSON, questions_needed, verdict
 from offline.generator_api import GeneratorEndpoint, api_key
 from service.backends.fake import FakeBackend
-from service.dataset import Example, load_examples
+from service.batch.dataset import Example, load_examples
+from service.config.settings import Settings
 from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import Reorderer
-from service.profile_store import ProfileStore
-from service.settings import Settings
-from service.templates import get_template
+from service.prompting.templates import get_template
+from service.state.profile_store import ProfileStore
 
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLE = ROOT / "tests" / "data" / "litm_sample.jsonl"

@@ -28,13 +28,13 @@ from offline.evaluation.stats import (
 from service.backends.base import GenerateResult, GenerationRequest
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.fake import FakeBackend
-from service.dataset import Example, load_examples
+from service.batch.dataset import Example, load_examples
+from service.config.settings import Settings
 from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import Reorderer
-from service.profile_store import ProfileStore
-from service.prompts import build_generation_prompt
-from service.settings import Settings
+from service.prompting.prompts import build_generation_prompt
+from service.state.profile_store import ProfileStore
 
 K = 5  # passages per question
 QUESTIONS = 3

@@ -16,15 +16,15 @@ import pytest
 from transformers import AutoTokenizer
 
 from offline.evaluation.metrics import score_answer
-from service.answers import first_line
 from service.backends.base import Generation, GenerationRequest
 from service.backends.byte_tokenizer import END_OF_TURN_ID, ByteTokenizer
 from service.backends.fake import FakeBackend
 from service.backends.hf_tokenizer import HFPromptTokenizer
 from service.backends.transformers_backend import TransformersBackend
+from service.config.settings import Settings
 from service.passage import Passage
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.prompting.answers import first_line
+from service.state.profile_store import ProfileStore
 from service.strategies.work import Work, _answer
 from tests.support.committed import COMMITTED, committed_lines
 from tests.support.scripts import load_script

@@ -24,12 +24,12 @@ from offline.answer_profile import (
     run_profile,
 )
 from offline.generator_api import GeneratorEndpoint
-from service.dataset import Example
+from service.batch.dataset import Example
+from service.config.settings import EMBEDDED_MODEL
 from service.errors import EngineUnavailable, InvalidRequest
 from service.passage import Passage
-from service.profile_store import ProfileStore
-from service.settings import EMBEDDED_MODEL
-from service.templates import get_template
+from service.prompting.templates import get_template
+from service.state.profile_store import ProfileStore
 
 SLOTS = 4
 
@@ -220,7 +220,7 @@ async def test_a_folder_of_another_measurement_is_refused(tmp_path: Path) -> Non
 
 @pytest.mark.slow
 async def test_against_vllms_openai_server(vllm_server: str, tmp_path: Path) -> None:
-    from service.dataset import load_examples
+    from service.batch.dataset import load_examples
     from tests.app.processes import ROOT, free_port
 
     data = load_examples(ROOT.parent / "shared" / "data" / "nq_open_dev.jsonl", limit=3)

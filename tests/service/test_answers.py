@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.answers import (
+from service.prompting.answers import (
     exact_match,
     f1,
     first_line,

@@ -9,13 +9,13 @@ import pytest
 from scipy.stats import kendalltau
 
 from service.backends.fake import FakeBackend
-from service.calibration import calibrate_profile
-from service.dataset import Example, load_examples
+from service.batch.calibration import calibrate_profile
+from service.batch.dataset import Example, load_examples
+from service.config.settings import Settings
 from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.state.profile_store import ProfileStore
 
 DATA = Path(__file__).resolve().parents[3] / "shared" / "data"
 
@@ -178,8 +178,8 @@ def test_dataset_loader_names_the_bad_line(tmp_path: Path) -> None:
 
 
 async def test_traffic_runs_with_nothing_to_fit_are_a_client_error(tmp_path: Path) -> None:
-    from service.calibration import calibrate_from_traffic
-    from service.traffic import TrafficSampler
+    from service.batch.calibration import calibrate_from_traffic
+    from service.state.traffic import TrafficSampler
 
     r = Reorderer(FakeBackend({}), Settings(cache_dir=tmp_path), ProfileStore(tmp_path / "p"))
     sampler = TrafficSampler(1.0, 10)

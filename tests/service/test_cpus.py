@@ -1,4 +1,4 @@
-"""The CPUs the process may use (``service.cpus``): cgroup v2 and v1 quotas read from files,
+"""The CPUs the process may use (``service.runtime.cpus``): cgroup v2 and v1 quotas read from files,
 the affinity mask, the setting, and what is sized from them."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from service.cpus import CpuBudget, cgroup_quota, cpu_budget
-from service.solver_pool import default_workers
+from service.runtime.cpus import CpuBudget, cgroup_quota, cpu_budget
+from service.runtime.solver_pool import default_workers
 
 
 def _v2(root: Path, text: str) -> Path:

@@ -16,17 +16,17 @@ import pytest
 
 from offline.positions import calibrate_positions, rotations
 from service.backends.fake import FakeBackend
-from service.dataset import Example
+from service.batch.dataset import Example
 from service.errors import InvalidRequest
 from service.passage import Passage
-from service.positional_store import (
+from service.prompting.prompts import build_generation_prompt
+from service.state.positional_store import (
     CorruptPositionalProfile,
     PositionalRecord,
     PositionalStore,
     SlotMeans,
 )
-from service.profile_store import ProfileStore
-from service.prompts import build_generation_prompt
+from service.state.profile_store import ProfileStore
 from service.strategies.distraction import (
     ABSTAIN_TEMPLATE,
     NO_RESPONSE,

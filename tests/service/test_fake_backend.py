@@ -30,7 +30,7 @@ from service.backends.byte_tokenizer import (
 from service.backends.fake import FakeBackend, FakePrompt, primacy_bias
 from service.errors import BackendUnavailable
 from service.passage import Passage
-from service.prompts import BuiltPrompt, build_generation_prompt, build_prompts
+from service.prompting.prompts import BuiltPrompt, build_generation_prompt, build_prompts
 
 A = "Alpha passage about the Eiffel tower in Paris."
 B = "Bravo passage about bread and cheese."

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from service.files import write_atomic
-from service.profile_store import ProfileStore
+from service.state.files import write_atomic
+from service.state.profile_store import ProfileStore
 
 
 @pytest.fixture

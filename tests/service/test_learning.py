@@ -1,4 +1,4 @@
-"""``service.learning.ProfileLearner``: learning -> trusted -> explore -> drift, restarts,
+"""``service.learning.learner.ProfileLearner``: learning -> trusted -> explore -> drift, restarts,
 the lock between replicas that share a folder, and what a read-only learner does."""
 
 from __future__ import annotations
@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 
 import solver
-from service.learning import Decision, LearnKey, ProfileLearner, allowed_to_learn
-from service.profile_store import ProfileStore
-from service.settings import Settings
-from service.state_store import lock_name
+from service.config.settings import Settings
+from service.learning.learner import Decision, LearnKey, ProfileLearner, allowed_to_learn
+from service.state.profile_store import ProfileStore
+from service.state.state_store import lock_name
 from solver import trust as trust_rules
 from tests.solver.conftest import bias_shape, synthesize
 

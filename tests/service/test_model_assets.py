@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from service.config.settings import EMBEDDED_MODEL, GEMMA_MODEL, Settings
 from service.errors import BackendUnavailable
 from service.model_assets import (
     MARKER_FILE,
@@ -30,7 +31,6 @@ from service.model_assets import (
     resolve_model,
     safe_model_name,
 )
-from service.settings import EMBEDDED_MODEL, GEMMA_MODEL, Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL_NAME = "HuggingFaceTB--SmolLM2-135M-Instruct"

@@ -8,11 +8,11 @@ import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
+from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, StrategyOptions
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.state.profile_store import ProfileStore
 from service.strategies import STRATEGIES, get_strategy, strategy_names
 from service.strategies.model_free import litm_order
 

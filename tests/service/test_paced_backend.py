@@ -12,8 +12,8 @@ from service.backends.base import GenerationRequest, SpanLogprobs, SpanRequest
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.factory import resolve_backend
 from service.backends.paced import PROFILES, PacedBackend, PacedProfile
+from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded
-from service.settings import Settings
 from tests.support.prompt_contract import Limits, check_contract
 
 FAST = PacedProfile(

@@ -9,11 +9,11 @@ import pytest
 from scipy.stats import kendalltau
 
 from service.backends.fake import FakeBackend
+from service.config.settings import Settings
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, ReorderResult
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.state.profile_store import ProfileStore
 
 N = 12
 
@@ -274,7 +274,7 @@ async def test_adaptive_design_never_fixes_a_profile_auto_rejected(tmp_path: Pat
     """A profile auto learned and then rejected after a drift stays stored (as undecided):
     the adaptive design must fit the bias instead of fixing it there, and say why; a trusted
     or data-oriented one is fixed, and the diagnostics say on which ground."""
-    from service.profile_store import ProfileTrust
+    from service.state.profile_store import ProfileTrust
 
     passages, truth = _world(n=10)
     backend = FakeBackend(truth, noise=0.1, seed=1)

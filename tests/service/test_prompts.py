@@ -17,9 +17,10 @@ from hypothesis import strategies as st
 
 from service.backends.base import ChatMessage, Encoding, PromptTokenizer
 from service.backends.byte_tokenizer import ByteTokenizer
+from service.config.settings import DEFAULT_TEMPLATE
 from service.errors import InvalidRequest, LimitExceeded
 from service.passage import Passage
-from service.prompts import (
+from service.prompting.prompts import (
     MAX_CHARS_PER_TOKEN,
     BuiltPrompt,
     PromptAlignmentError,
@@ -27,8 +28,12 @@ from service.prompts import (
     build_prompt,
     build_prompts,
 )
-from service.settings import DEFAULT_TEMPLATE
-from service.templates import PromptTemplate, get_template, register_template, template_names
+from service.prompting.templates import (
+    PromptTemplate,
+    get_template,
+    register_template,
+    template_names,
+)
 
 NQ_DEV = Path("/work/shared/data/nq_open_dev.jsonl")
 
@@ -45,7 +50,7 @@ def check_prompt(
     tokenizer: PromptTokenizer, prompt_passages: Sequence[Passage], query: str, prompt: object
 ) -> None:
     """Shared checks: aligned query span, passage spans decode to the passages in slot order."""
-    from service.prompts import BuiltPrompt
+    from service.prompting.prompts import BuiltPrompt
 
     assert isinstance(prompt, BuiltPrompt)
     start, end = prompt.query_span
@@ -378,7 +383,7 @@ def test_a_prompt_that_cannot_fit_the_context_is_refused_before_it_is_rendered(
 
 @pytest.mark.parametrize("template", ["qa_default", "qa_plain", "qa_system", "qa_completion"])
 def test_the_characters_checked_before_rendering_are_the_user_message_s(template: str) -> None:
-    from service.prompts import _ContentSize, _user_content
+    from service.prompting.prompts import _ContentSize, _user_content
 
     passages = [*PASSAGES, Passage("x" * 40, title="A title")]
     size = _ContentSize(get_template(template), QUERY, passages)
@@ -400,12 +405,12 @@ def test_many_prompts_are_tokenised_a_chunk_at_a_time(monkeypatch: pytest.Monkey
     # once; a chunk at a time, only one chunk's are alive, and the prompts are the same.
     # The whole-prompt path: what runs where assembling prompts from segments is not shown to
     # give the same prompts (and on a request over its token budget).
-    monkeypatch.setattr("service.prompts._assembled", lambda *args: None)
+    monkeypatch.setattr("service.prompting.prompts._assembled", lambda *args: None)
     orders = [list(p) for p in itertools.permutations(range(4))]
     whole = build_prompts(ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders)
     tok = SpyTokenizer()
     one = len(whole[0].text)
-    monkeypatch.setattr("service.prompts._ENCODE_CHUNK_CHARS", 5 * one)
+    monkeypatch.setattr("service.prompting.prompts._ENCODE_CHUNK_CHARS", 5 * one)
     chunked = build_prompts(tok, "qa_default", QUERY, PASSAGES, orders)
     assert chunked == whole
     assert tok.batches == [5, 5, 5, 5, 4]
@@ -417,7 +422,7 @@ def test_tokenising_stops_at_the_chunk_that_crosses_the_requests_token_limit(
     orders = [list(p) for p in itertools.permutations(range(4))]
     whole = build_prompts(ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders)
     sent = [p.query_span[1] for p in whole]  # each order is distinct: all are sent
-    monkeypatch.setattr("service.prompts._ENCODE_CHUNK_CHARS", 4 * len(whole[0].text))
+    monkeypatch.setattr("service.prompting.prompts._ENCODE_CHUNK_CHARS", 4 * len(whole[0].text))
     assert build_prompts(
         ByteTokenizer(), "qa_default", QUERY, PASSAGES, orders, max_total_tokens=sum(sent)
     )
@@ -444,7 +449,7 @@ def _whole(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[BuiltPrompt]]:
 
     def build(*args: Any, **kwargs: Any) -> list[BuiltPrompt]:
         with monkeypatch.context() as m:
-            m.setattr("service.prompts._assembled", lambda *a: None)
+            m.setattr("service.prompting.prompts._assembled", lambda *a: None)
             return build_prompts(*args, **kwargs)
 
     return build
@@ -452,7 +457,7 @@ def _whole(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[BuiltPrompt]]:
 
 def _assembled_spy(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     """Whether each ``build_prompts`` call since took the segments' prompts."""
-    from service import prompts
+    from service.prompting import prompts
 
     taken: list[bool] = []
     real = prompts._assembled
@@ -526,8 +531,8 @@ def _gemma_tokenizer_dir() -> Path:
     (reading it from the GGUF takes about a minute; the weights are not converted)."""
     from transformers import AutoTokenizer
 
+    from service.config.settings import GEMMA_MODEL
     from service.model_assets import PACKAGED_MODELS, _join_chunks, gguf_sources
-    from service.settings import GEMMA_MODEL
     from tests.support.models import cache_dir_for_tests
 
     folder = cache_dir_for_tests() / "tokenizers" / "gemma-3-270m"
@@ -667,7 +672,7 @@ def test_query_tokens_that_differ_between_orders_are_an_error(
     # in every prompt; this tokenizer's effect at a distance (a passage changes the query's
     # ids) is beyond what the segments' check samples (_assembled: every cut's context is
     # local), so it is exercised where the prompts are tokenised whole.
-    monkeypatch.setattr("service.prompts._assembled", lambda *a: None)
+    monkeypatch.setattr("service.prompting.prompts._assembled", lambda *a: None)
     tok = ContextSensitiveTokenizer()
     build_prompt(tok, "qa_default", QUERY, PASSAGES, [3, 0])  # each prompt alone is aligned
     with pytest.raises(PromptAlignmentError, match=r"orders\[1\]"):

@@ -32,10 +32,10 @@ import pytest
 from service.backends.base import SpanLogprobs, SpanRequest
 from service.backends.remote_backend import RemoteBackend
 from service.backends.transformers_backend import TransformersBackend
+from service.config.settings import EMBEDDED_MODEL, Settings
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
-from service.profile_store import ProfileStore
-from service.settings import EMBEDDED_MODEL, Settings
+from service.state.profile_store import ProfileStore
 from tests.app.processes import ROOT, free_port, server_process
 from tests.support.fault_proxy import FaultProxy
 from tests.support.models import cache_dir_for_tests

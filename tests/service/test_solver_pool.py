@@ -10,8 +10,8 @@ import os
 import numpy as np
 
 import solver
-from service.settings import Settings
-from service.solver_pool import SolverPool, default_workers, shared_pool
+from service.config.settings import Settings
+from service.runtime.solver_pool import SolverPool, default_workers, shared_pool
 
 
 def die_in_a_worker() -> str:

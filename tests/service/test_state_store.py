@@ -19,12 +19,12 @@ import pytest
 import redis
 from pydantic import SecretStr
 
+from service.config.settings import Settings
 from service.errors import StateUnavailable
-from service.profile_store import StoredProfile
-from service.redis_state import RedisState, redact
-from service.settings import Settings
-from service.state_store import FolderState, StateStore, held, open_state
-from service.traffic import SampleKey
+from service.state.profile_store import StoredProfile
+from service.state.redis_state import RedisState, redact
+from service.state.state_store import FolderState, StateStore, held, open_state
+from service.state.traffic import SampleKey
 from tests.support.redis_server import RedisServer
 
 KEY = SampleKey("m", "qa_default", "pruned_random", 3)

@@ -35,11 +35,11 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.backends.fake import FakeBackend
+from service.config.settings import Settings
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, StrategyOptions
-from service.positional_store import PositionalStore
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.state.positional_store import PositionalStore
+from service.state.profile_store import ProfileStore
 from service.strategies import strategy_names
 from service.strategies.request import Estimate
 from tests.service.test_distraction import make_record

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
+from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest, StrategyOptions
-from service.positional_store import CorruptPositionalProfile, PositionalStore
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.state.positional_store import CorruptPositionalProfile, PositionalStore
+from service.state.profile_store import ProfileStore
 from service.strategies.distraction import fill_slots, slot_preference
 from tests.service.test_distraction import make_record
 from tests.support.positional import calibrate_positions, write_qa_file

@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
+from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed
 from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest, ReorderResult, StrategyOptions
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.state.profile_store import ProfileStore
 from service.strategies.lore import context_ranks, rrf_scores
 
 TEXTS = [

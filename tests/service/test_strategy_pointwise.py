@@ -19,12 +19,12 @@ import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
+from service.config.settings import DEFAULT_TEMPLATE, Settings
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed
 from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest, ReorderResult, StrategyOptions
-from service.profile_store import ProfileStore
-from service.prompts import build_prompts
-from service.settings import DEFAULT_TEMPLATE, Settings
+from service.prompting.prompts import build_prompts
+from service.state.profile_store import ProfileStore
 from tests.support.pipeline import reorderer_in
 
 QUERY = "which passage helps?"

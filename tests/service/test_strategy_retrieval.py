@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 
 from service.backends.fake import FakeBackend
+from service.config.settings import Settings
 from service.errors import InvalidRequest, UnidentifiableRequest
 from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.state.profile_store import ProfileStore
 from service.strategies.retrieval import bm25_scores, cosine_scores
 
 DOCS = ["the cat sat on the mat", "dogs chase cats", "the stock market fell today"]

@@ -1,4 +1,4 @@
-"""The live-traffic sample behind calibration from traffic (``service.traffic``)."""
+"""The live-traffic sample behind calibration from traffic (``service.state.traffic``)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service import traffic
-from service.traffic import SampleKey, TrafficSampler, TrafficSpool
+from service.state import traffic
+from service.state.traffic import SampleKey, TrafficSampler, TrafficSpool
 
 PERMS = np.array([[0, 1, 2], [2, 0, 1], [1, 2, 0], [0, 2, 1]])
 SCORES = np.array([-3.0, -2.5, -2.0, -2.8])

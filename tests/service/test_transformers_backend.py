@@ -37,8 +37,8 @@ from service.backends.transformers_backend import (
     default_batch_token_budget,
     token_logprobs,
 )
+from service.config.settings import EMBEDDED_MODEL, Settings
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
-from service.settings import EMBEDDED_MODEL, Settings
 from tests.support.models import build_tiny_gemma3, cache_dir_for_tests
 from tests.support.prompt_contract import Limits, check_contract
 

@@ -31,8 +31,8 @@ from transformers import AutoModelForCausalLM
 
 from service.backends.base import SpanLogprobs, SpanRequest
 from service.backends.vllm_backend import VLLMBackend
+from service.config.settings import Settings
 from service.model_assets.adapter import write_manifest
-from service.settings import Settings
 from tests.support.distill import manifest
 
 pytestmark = pytest.mark.vllm

@@ -12,8 +12,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
-from service.settings import EMBEDDED_MODEL, Settings
 
 TINY_SEED = 1234
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from service.backends.base import LogprobBackend
+from service.config.settings import Settings
 from service.pipeline import Reorderer
-from service.profile_store import ProfileStore
-from service.settings import Settings
+from service.state.profile_store import ProfileStore
 
 
 def reorderer_in(tmp_path: Path, backend: LogprobBackend, **settings: object) -> Reorderer:

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.strategy_names import StrategyName
+from service.config.strategy_names import StrategyName
 
 # The deterministic fake backend is not configurable: it needs known truth per passage, so
 # tests inject it (``create_app(settings, backend=FakeBackend(...))``).
@@ -71,8 +71,8 @@ class Settings(BaseSettings):
     weights on the transformers backend, served through LoRA on vLLM. Reported in the model id
     (`<model>+<adapter name>`); requests cannot choose another."""
     chat_template: str = DEFAULT_TEMPLATE
-    """Named prompt template used to build the scoring prompts (see service.prompts). Unset,
-    a base model gets its completion template (`google/gemma-3-270m`: `qa_completion`)."""
+    """Named prompt template used to build the scoring prompts (see service.prompting.prompts).
+    Unset, a base model gets its completion template (`google/gemma-3-270m`: `qa_completion`)."""
 
     # --- remote engine (backend `remote`) ----------------------------------------------
     engine_url: str | None = Field(default=None, min_length=1, max_length=2048)
@@ -378,7 +378,7 @@ class Settings(BaseSettings):
     start, in `/info`). Set it where the probe cannot see the limit."""
     solver_processes: int | None = Field(default=None, ge=0, le=64)
     """Worker processes that run MoI's fits (with the jackknife) beside the event loop, so the
-    service's CPU work uses more than one core (`service/solver_pool.py`). Default: one per
+    service's CPU work uses more than one core (`service/runtime/solver_pool.py`). Default: one per
     CPU the process may use (`cpus`) beyond the first, at least one, at most 8; `0` fits in a
     thread of the server process (under its GIL, one fit at a time)."""
     confidence_method: Literal["jackknife", "delta"] = "jackknife"

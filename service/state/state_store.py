@@ -6,7 +6,7 @@ lets one replica at a time assess a learned profile (``Locks``).
 
 - **folder** (the default): files under ``profiles_path`` (and ``traffic_sample_dir``), as
   they always were. Replicas share them only through a volume every one of them mounts.
-- **redis** (``state_url``; ``service.redis_state``): one Redis every replica reaches, for
+- **redis** (``state_url``; ``service.state.redis_state``): one Redis every replica reaches, for
   clusters without ReadWriteMany storage. A cache-like dependency: requests read profiles from
   memory and writes are queued and retried in the background, so a Redis that is down or slow
   never fails or holds up a request (docs/operations.md, "State in Redis").
@@ -27,11 +27,11 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
-from service.profile_store import ProfileStore, SnapshotProfileStore, profile_id
-from service.traffic import RunSpool, SpoolName, TrafficSpool
+from service.state.profile_store import ProfileStore, SnapshotProfileStore, profile_id
+from service.state.traffic import RunSpool, SpoolName, TrafficSpool
 
 if TYPE_CHECKING:
-    from service.settings import Settings
+    from service.config.settings import Settings
 
 log = logging.getLogger(__name__)
 
@@ -314,6 +314,6 @@ def open_state(settings: Settings) -> StateStore:
         return FolderState(
             settings.profiles_path, settings.traffic_sample_dir, refresh_s=settings.state_refresh_s
         )
-    from service.redis_state import RedisState
+    from service.state.redis_state import RedisState
 
     return RedisState.from_settings(settings)

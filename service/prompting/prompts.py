@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from service.backends.base import ChatMessage, Encoding, PromptTokenizer, SpanRequest
 from service.errors import InvalidRequest, LimitExceeded, ServerError
 from service.passage import Passage
-from service.templates import PromptTemplate, get_template, template_names
+from service.prompting.templates import PromptTemplate, get_template, template_names
 
 __all__ = [
     "MAX_CHARS_PER_TOKEN",

@@ -22,8 +22,8 @@ in ``run_forever``, a background task, on a thread at the lowest CPU priority, a
 once per ``auto_recalibrate_s`` per key and only when new runs arrived.
 
 Learning runs live in a folder (``<bias_profile_dir>/auto/runs``, explore runs in ``.../explore``,
-one append-only file per replica: ``service.traffic.TrafficSpool``), or with ``state_url`` in
-Redis (``service.state_store``), so a restart keeps what was learned, and replicas that share
+one append-only file per replica: ``service.state.traffic.TrafficSpool``), or with ``state_url`` in
+Redis (``service.state.state_store``), so a restart keeps what was learned, and replicas that share
 the folder or the Redis pool their runs. Of those replicas only the holder of a lock (with an
 expiry, so a killed holder does not block the rest) fits and stores; every replica reads the
 stored profile, which carries its trust figures (``StoredProfile.trust``).
@@ -51,16 +51,16 @@ import anyio.to_thread
 import numpy as np
 
 import solver
+from service.config.settings import Settings
 from service.errors import StateUnavailable
-from service.profile_store import ProfileStore, ProfileTrust, StoredProfile, profile_id
-from service.settings import Settings
-from service.state_store import (
+from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile, profile_id
+from service.state.state_store import (
     FolderState,
     StateStore,
     held,
     lock_name,
 )
-from service.traffic import Run, RunSpool, SampleKey
+from service.state.traffic import Run, RunSpool, SampleKey
 from solver import trust as trust_rules
 
 if TYPE_CHECKING:

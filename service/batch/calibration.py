@@ -26,15 +26,15 @@ import anyio.to_thread
 import numpy as np
 
 import solver
-from service.dataset import Example
+from service.batch.dataset import Example
 from service.errors import InvalidRequest, UnidentifiableRequest
-from service.learning import rules_of, to_profile_trust
+from service.learning.learner import rules_of, to_profile_trust
 from service.pipeline import Reorderer
-from service.profile_store import ProfileTrust, StoredProfile
+from service.prompting.templates import get_template
+from service.state.profile_store import ProfileTrust, StoredProfile
+from service.state.traffic import TrafficSampler
 from service.strategies.moi import score_design
 from service.strategies.work import Work
-from service.templates import get_template
-from service.traffic import TrafficSampler
 from solver import trust as trust_rules
 
 log = logging.getLogger(__name__)

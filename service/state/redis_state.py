@@ -1,4 +1,4 @@
-"""The state store in Redis (``service.state_store``; settings ``state_*``).
+"""The state store in Redis (``service.state.state_store``; settings ``state_*``).
 
 Keys, all under ``<state_key_prefix>:``:
 
@@ -52,14 +52,14 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from service.errors import StateUnavailable
-from service.profile_store import (
+from service.state.profile_store import (
     ProfileStore,
     StoredProfile,
     dump_profile,
     parse_profile,
     profile_id,
 )
-from service.traffic import (
+from service.state.traffic import (
     Run,
     SampleCount,
     SampleKey,
@@ -70,7 +70,7 @@ from service.traffic import (
 )
 
 if TYPE_CHECKING:
-    from service.settings import Settings
+    from service.config.settings import Settings
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 
 import anyio.to_thread
 
-from service.cpus import process_budget
+from service.runtime.cpus import process_budget
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ T = TypeVar("T")
 
 
 def default_workers(cpus: float | None = None) -> int:
-    """One process per CPU the process may use beyond the event loop's (``service.cpus``:
+    """One process per CPU the process may use beyond the event loop's (``service.runtime.cpus``:
     its affinity and cgroup quota, or ``cpus``), at least one, at most eight."""
     return process_budget(cpus).solver_processes
 

@@ -42,7 +42,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 import solver
-from service.files import write_atomic
+from service.state.files import write_atomic
 
 log = logging.getLogger(__name__)
 

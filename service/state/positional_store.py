@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from service.errors import InvalidRequest, ServerError
-from service.files import write_atomic
-from service.profile_store import ProfileStore
+from service.state.files import write_atomic
+from service.state.profile_store import ProfileStore
 
 SCHEMA_VERSION = 1
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")

@@ -13,11 +13,11 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from service.config.settings import Settings
 from service.errors import ClientError
-from service.settings import Settings
 
 if TYPE_CHECKING:
-    from service.dataset import Example
+    from service.batch.dataset import Example
     from service.pipeline import Reorderer
 
 TRAINING_DATA = "../shared/data/nq_open_train.jsonl"
@@ -52,7 +52,7 @@ def read_examples(path: Path, limit: int | None) -> list[Example]:
     Raises:
         ClientError: the file cannot be read (``param="data"``).
     """
-    from service.dataset import load_examples
+    from service.batch.dataset import load_examples
 
     try:
         return list(load_examples(path, limit=limit))

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from service.errors import InvalidRequest
-from service.files import write_atomic
+from service.state.files import write_atomic
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # A profile's file name (``profile_id`` + ``.json``); other files in the folder (a calibration

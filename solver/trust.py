@@ -307,11 +307,6 @@ def top_slots(a: ArrayLike, placement_slots: int, k: int) -> tuple[int, ...]:
     return _top(np.asarray(a, dtype=np.float64), placement_slots, k)
 
 
-def wald_p(d: ArrayLike, cov: ArrayLike, df: int) -> float:
-    """p-value of ``d = 0`` given its covariance ``cov`` with ``df`` degrees of freedom."""
-    return _wald(np.asarray(d, dtype=np.float64), np.asarray(cov, dtype=np.float64), df)
-
-
 def pooled_fit(runs: Sequence[tuple[ArrayLike, ArrayLike]]) -> FloatArray:
     """The bias shared by ``runs`` (pruned-random designs), fitted by variable projection.
 

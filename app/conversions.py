@@ -119,7 +119,7 @@ def trust_out(t: ProfileTrust | None) -> TrustOut | None:
         top_slots=list(t.top_slots),
         placement_slots=t.placement_slots,
         resamples=t.resamples,
-        source=cast(Literal["traffic", "calibration"], t.source),
+        source=cast(Literal["traffic", "calibration", "generator_online"], t.source),
         assessed_at=t.assessed_at,
         trusted_since=t.trusted_since,
     )

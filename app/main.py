@@ -46,7 +46,8 @@ from service.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from service.learning.learner import ProfileLearner, allowed_to_learn
+from service.learning.generator_online import GeneratorSampler
+from service.learning.learner import ProfileLearner, allowed_to_learn, rules_of
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.prompting.templates import get_template
@@ -154,6 +155,12 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         lifespan=_lifespan(ctx, backend),
         redoc_url=None,
     )
+    if settings.generator_url is not None:
+        # auto learns the generator's own profile from its answers (docs/generator-profile.md).
+        spool = state.spool("auto/generator", settings.generator_max_answers, None)
+        assert spool is not None  # every store keeps auto's spools
+        ctx.engine.learner.generator = GeneratorSampler(settings, store, spool, rules_of(settings))
+        metrics.track_generator(ctx.engine.learner.generator)
     metrics.track_traffic(ctx.engine.traffic)
     metrics.track_auto(ctx.engine.learner)
     metrics.track_state(state)
@@ -218,13 +225,20 @@ def _lifespan(
         # auto's learning and drift checks: beside the requests, never in their path.
         learner = loop.create_task(ctx.engine.learner.run_forever())
         shadows = loop.create_task(ctx.engine.learner.run_shadows())
+        tasks = {supervisor, learner, shadows}
+        sampler = ctx.engine.learner.generator
+        if sampler is not None:
+            # The generator's sampled calls: in the background, never awaited by a request.
+            tasks.add(loop.create_task(sampler.run_forever()))
         _say_who_places(ctx.settings)
         try:
             yield
         finally:
-            for task in (supervisor, learner, shadows):
+            for task in tasks:
                 task.cancel()
-            await asyncio.wait({supervisor, learner, shadows})
+            await asyncio.wait(tasks)
+            if sampler is not None:
+                await sampler.aclose()
         backend = ctx.engine.backend
         ctx.engine.backend = None
         if backend is not None:
@@ -261,6 +275,14 @@ def _say_who_places(settings: Settings) -> None:
     learned one describes the generator only when they are the same model)."""
     gen = settings.generator_model
     if gen is None or gen == settings.model:
+        return
+    if settings.generator_url is not None and settings.placement_profile is None:
+        log.info(
+            "the scoring model %s is not the generator %s: auto learns the generator's profile "
+            "from its answers to %g of its requests (at most %d calls an hour) and places by "
+            "it once trusted", settings.model, gen, settings.generator_sample_rate,
+            settings.generator_max_calls_per_hour,
+        )  # fmt: skip
         return
     if settings.placement_profile is not None:
         log.info(

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector
 from service.backends.engine_client import EngineCall, EngineClient
 from service.backends.engine_load import EngineLoad
 from service.backends.scheduler import ForwardScheduler, ForwardStats
+from service.learning.generator_online import GeneratorSampler
 from service.learning.learner import ProfileLearner
 from service.pipeline import ReorderResult
 from service.runtime.throughput import ThroughputMeter
@@ -117,6 +118,54 @@ def _labelled(
     for value, n in counts.items():
         family.add_metric([value], n)
     return family
+
+
+class _Generator(Collector):
+    """``auto``'s online sampling of the generator (``generator_url``), at scrape."""
+
+    def __init__(self, sampler: GeneratorSampler) -> None:
+        self._sampler = sampler
+
+    def collect(self) -> Iterator[Metric]:
+        c = self._sampler.counters
+        yield _labelled(
+            "generator_samples",
+            "auto's requests drawn (RAG_REORDER_GENERATOR_SAMPLE_RATE) to be asked of the "
+            "generator in the background, passages in a random order, by outcome: taken "
+            "(queued), dropped (the queue was full), over_budget (the hour's calls were spent).",
+            "outcome",
+            c.samples,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_generator_calls",
+            "HTTP calls sent to the generator, retries included "
+            "(bounded by RAG_REORDER_GENERATOR_MAX_CALLS_PER_HOUR).",
+            value=self._sampler.calls,
+        )
+        yield _labelled(
+            "generator_failures",
+            "Sampled requests the generator did not answer, by why: unavailable, timeout, "
+            "refused (key, model, route), bad_answer (no OpenAI completion), budget, error.",
+            "reason",
+            c.failures,
+        )
+        yield _labelled(
+            "generator_answers",
+            "The generator's answers to sampled requests by attribution: contained (passages "
+            "holding the whole answer), overlap (most of its content words), none "
+            "(unattributed: no weight in the estimate).",
+            "attribution",
+            c.answers,
+        )
+        trusted = GaugeMetricFamily(
+            f"{PREFIX}_generator_profile_trusted",
+            "1 while auto places requests of this passage count by the generator's profile "
+            "learned online from its answers.",
+            labels=["passages"],
+        )
+        for st in self._sampler.status():
+            trusted.add_metric([str(st.slots)], 1.0 if st.placing is not None else 0.0)
+        yield trusted
 
 
 class _Auto(Collector):
@@ -534,6 +583,10 @@ class ServiceMetrics:
         self.engine_rate_confirmed.set_function(
             lambda: 1.0 if meter.confirmed(time.monotonic()) else 0.0
         )
+
+    def track_generator(self, sampler: GeneratorSampler) -> None:
+        """Expose ``auto``'s online sampling of the generator."""
+        self.registry.register(_Generator(sampler))
 
     def track_auto(self, learner: ProfileLearner) -> None:
         """Expose what the auto strategy does and how far it trusts its profiles."""

@@ -1,212 +1,42 @@
 """A generator behind an OpenAI-compatible API, as the offline commands call it
 (``profile-generator``, ``eval --generator-url``): the endpoint's settings, the request body
-for a prompt (``/chat/completions`` for chat models, the server applying the chat template;
-``/completions`` for base models), the answer read back, and a refusal in words.
+for a prompt, the answer read back, a refusal in words and the budgeted client live in
+``service.backends.generator_client`` (the server's online sampler of the generator uses them
+too, and the server never imports ``offline``); the offline commands' worker runner is here.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass
-from typing import Any, Literal
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from collections.abc import Callable, Coroutine
+from typing import Any
 
-import httpx
+from service.backends.generator_client import (
+    DEFAULT_KEY_ENV,
+    ApiKind,
+    BudgetedClient,
+    BudgetSpent,
+    GeneratorEndpoint,
+    api_key,
+    parse_answer,
+    public_url,
+    refusal,
+    request_body,
+)
 
-from service.backends.engine_client import EngineClient, EngineHTTPError
-from service.errors import InvalidRequest
-from service.prompting.prompts import ApiPrompt
-
-ApiKind = Literal["chat", "completions"]
-DEFAULT_KEY_ENV = "OPENAI_API_KEY"
-"""The generator's key variable when the user names none: read for https URLs only."""
-
-
-def public_url(url: str) -> str:
-    """``url`` as files, reports and logs show it: credentials (``user:token@``) and every
-    query value (``?api-key=...``) replaced by ``***``; unchanged without either."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    if "@" in netloc:
-        netloc = "***@" + netloc.rpartition("@")[2]
-    query = parts.query
-    if query:
-        # A key in the query is as secret as one in the userinfo; the names stay readable.
-        query = urlencode([(k, "***") for k, _ in parse_qsl(query, keep_blank_values=True)])
-    return urlunsplit(parts._replace(netloc=netloc, query=query))
-
-
-def api_key(url: str, named: str | None, environ: Mapping[str, str]) -> str | None:
-    """The key to send to the generator at ``url``: from the variable the user ``named``
-    (unset or empty: none), else from ``OPENAI_API_KEY`` only when ``url`` is https, so that a
-    key kept for a paid API never travels in clear to a plain-http server."""
-    if named is not None:
-        return environ.get(named) or None
-    if urlsplit(url).scheme.lower() != "https":
-        return None
-    return environ.get(DEFAULT_KEY_ENV) or None
-
-
-@dataclass(frozen=True)
-class GeneratorEndpoint:
-    """The generator's OpenAI-compatible API."""
-
-    base_url: str
-    """Up to and including ``/v1`` (``https://api.openai.com/v1``, ``http://vllm:8000/v1``);
-    it may hold credentials: show it as ``public_url(base_url)``."""
-    model: str
-    api: ApiKind = "chat"
-    api_key: str | None = None
-    max_tokens: int = 32
-    logprobs: bool = True
-    """Ask for the answer tokens' log-probabilities (recorded beside the accuracy)."""
-    timeout_s: float = 120.0
-    retries: int = 5
-    concurrency: int = 4
-
-
-def request_body(endpoint: GeneratorEndpoint, prompt: ApiPrompt) -> tuple[str, dict[str, Any]]:
-    body: dict[str, Any] = {
-        "model": endpoint.model,
-        "max_tokens": endpoint.max_tokens,
-        "temperature": 0.0,
-    }
-    if prompt.messages is not None:
-        body["messages"] = [{"role": m.role, "content": m.content} for m in prompt.messages]
-        if endpoint.logprobs:
-            body["logprobs"] = True
-        return "/chat/completions", body
-    body["prompt"] = prompt.text
-    if endpoint.logprobs:
-        body["logprobs"] = 1
-    return "/completions", body
-
-
-def parse_answer(data: Any) -> tuple[str, float | None, int | None, int | None]:
-    """The answer text, its tokens' summed log-probability (if given) and the usage.
-
-    Raises:
-        InvalidRequest: the answer is not an OpenAI completion.
-    """
-    try:
-        choice = data["choices"][0]
-        if "message" in choice:
-            text = choice["message"].get("content") or ""
-            rows = ((choice.get("logprobs") or {}).get("content")) or []
-            values = [r.get("logprob") for r in rows]
-        else:
-            text = choice.get("text") or ""
-            values = list((choice.get("logprobs") or {}).get("token_logprobs") or [])
-    except (KeyError, IndexError, TypeError, AttributeError) as exc:
-        raise InvalidRequest(
-            f"the generator's answer is not an OpenAI completion: {exc!r}", param="base_url"
-        ) from exc
-    finite = [float(v) for v in values if isinstance(v, int | float)]
-    logprob = sum(finite) if values and len(finite) == len(values) else None
-    usage = data.get("usage") or {}
-    return str(text), logprob, usage.get("prompt_tokens"), usage.get("completion_tokens")
-
-
-def refusal(exc: EngineHTTPError, ep: GeneratorEndpoint) -> InvalidRequest:
-    if exc.status in (401, 403):
-        why = "refused the API key (set it in the environment variable --api-key-env names)"
-    elif exc.status == 404:
-        why = f"has no such route or model ({ep.model!r} at {public_url(ep.base_url)})"
-    else:
-        why = "refused the call"
-    return InvalidRequest(
-        f"the generator at {public_url(ep.base_url)} {why}: HTTP {exc.status}: {exc.detail}",
-        param="base_url",
-    )
-
-
-class BudgetSpent(Exception):
-    """``max_calls`` HTTP attempts were sent: nothing more goes out (a rerun continues)."""
-
-
-class _Counted(httpx.AsyncBaseTransport):
-    """The transport under the generator's client: every HTTP attempt passes here, the
-    client's own retries included, so ``max_calls`` is refused at the attempt that would
-    exceed it, however many calls are in flight and retrying."""
-
-    def __init__(self, inner: httpx.AsyncBaseTransport, max_calls: int | None) -> None:
-        self._inner = inner
-        self.max_calls = max_calls
-        self.attempts = 0
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        if self.max_calls is not None and self.attempts >= self.max_calls:
-            raise BudgetSpent(f"--max-calls {self.max_calls} spent")
-        self.attempts += 1
-        return await self._inner.handle_async_request(request)
-
-    async def aclose(self) -> None:
-        await self._inner.aclose()
-
-
-class BudgetedClient:
-    """The generator's ``EngineClient`` under ``max_calls``: every HTTP attempt counts,
-    retries included, and the attempt that would pass ``max_calls`` is never sent (the call
-    raises ``BudgetSpent``), so the budget is a hard bound on what was sent. A refusal (an
-    answer retrying will not change) is raised as ``refusal``'s ``InvalidRequest``.
-    """
-
-    def __init__(
-        self,
-        endpoint: GeneratorEndpoint,
-        max_calls: int | None,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self.endpoint = endpoint
-        self.max_calls = max_calls
-        if transport is None:
-            # EngineClient's own limits, which a given transport replaces: connections bounded
-            # by the concurrency, and idle ones dropped below vLLM's 5 s keep-alive (a call cut
-            # on a connection the server is closing is not retried).
-            n = endpoint.concurrency
-            transport = httpx.AsyncHTTPTransport(
-                limits=httpx.Limits(
-                    max_connections=n, max_keepalive_connections=n, keepalive_expiry=2.0
-                )
-            )
-        self._counted = _Counted(transport, max_calls)
-        self._client = EngineClient(
-            endpoint.base_url,
-            api_key=endpoint.api_key,
-            timeout_s=endpoint.timeout_s,
-            max_concurrency=endpoint.concurrency,
-            retries=endpoint.retries,
-            transport=self._counted,
-        )
-
-    @property
-    def attempts(self) -> int:
-        """HTTP attempts sent, retries included."""
-        return self._counted.attempts
-
-    @property
-    def spent(self) -> bool:
-        """No further attempt fits ``max_calls`` (a rerun continues)."""
-        return self.max_calls is not None and self.attempts >= self.max_calls
-
-    async def answer(self, prompt: ApiPrompt, **kw: Any) -> dict[str, Any]:
-        """The endpoint's answer to ``prompt`` (``kw``: ``EngineClient.post``'s ``tokens``,
-        ``request_id``).
-
-        Raises:
-            BudgetSpent: ``max_calls`` attempts were sent before this one (or its retry).
-            InvalidRequest: the generator refused the call (``refusal``).
-            EngineUnavailable, EngineTimeout: as ``EngineClient.post``.
-        """
-        path, body = request_body(self.endpoint, prompt)
-        try:
-            return await self._client.post(path, body, **kw)
-        except EngineHTTPError as exc:
-            raise refusal(exc, self.endpoint) from exc
-
-    async def aclose(self) -> None:
-        await self._client.aclose()
+__all__ = [
+    "DEFAULT_KEY_ENV",
+    "ApiKind",
+    "BudgetSpent",
+    "BudgetedClient",
+    "GeneratorEndpoint",
+    "api_key",
+    "parse_answer",
+    "public_url",
+    "refusal",
+    "request_body",
+    "run_workers",
+]
 
 
 async def run_workers(count: int, worker: Callable[[], Coroutine[Any, Any, None]]) -> None:

@@ -20,6 +20,8 @@ from app.schemas.info import (
     CapacityOut,
     CpusOut,
     DenseOut,
+    GeneratorOnlineOut,
+    GeneratorProfileOut,
     InfoOut,
     LimitsOut,
     ModelCard,
@@ -29,6 +31,7 @@ from app.schemas.info import (
 from app.state import AppContext, Ctx
 from service.backends.remote_backend import RemoteBackend
 from service.errors import BackendUnavailable
+from service.learning.generator_online import GeneratorSampler
 from service.model_assets.adapter import AdapterManifest, adapted_model_id, read_manifest
 from service.prompting.templates import template_names
 from service.strategies import ranking_strategy_names, strategy_names
@@ -193,6 +196,43 @@ def _auto(ctx: AppContext, model: str) -> AutoInfoOut:
             )
             for st in learner.status()
         ],
+        generator_online=None if learner.generator is None else _generator(learner.generator),
+    )
+
+
+def _generator(sampler: GeneratorSampler) -> GeneratorOnlineOut:
+    c = sampler.counters
+    rows = []
+    for st in sampler.status():
+        fit = st.fit
+        rows.append(
+            GeneratorProfileOut(
+                passages=st.slots,
+                answers=fit.questions if fit else 0,
+                attributed=fit.attributed if fit else 0.0,
+                unattributed=fit.questions - fit.single - fit.multiple if fit else 0,
+                verdict=fit.verdict if fit else None,
+                reason=fit.reason if fit else "no answer yet",
+                flat_p=fit.flat_p if fit else None,
+                share=list(fit.share) if fit else [],
+                low=list(fit.low) if fit else [],
+                high=list(fit.high) if fit else [],
+                profile=st.stored.id if st.stored is not None else None,
+                placing=st.placing is not None,
+            )
+        )
+    return GeneratorOnlineOut(
+        url=sampler.where,
+        model=sampler.model,
+        template=sampler.template.name,
+        sample_rate=sampler.rate,
+        max_calls_per_hour=sampler.settings.generator_max_calls_per_hour,
+        calls=sampler.calls,
+        queued=sampler.queued,
+        samples=dict(c.samples),
+        failures=dict(c.failures),
+        answers=dict(c.answers),
+        profiles=rows,
     )
 
 

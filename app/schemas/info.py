@@ -151,6 +151,54 @@ class AutoProfileOut(_Model):
     """The last assessment, stored or not."""
 
 
+class GeneratorProfileOut(_Model):
+    """The generator's profile for one passage count, as learned online from its answers."""
+
+    passages: int
+    """N: the passages shown (the profile's slots)."""
+    answers: int
+    """Sampled requests the generator answered (pooled: every replica, across restarts)."""
+    attributed: float
+    """Their summed weight attributed to a passage (an answer held by m passages: 1/m each)."""
+    unattributed: int
+    """Answers no passage supports (no weight)."""
+    verdict: Literal["shaped", "flat", "undecided"] | None
+    """The trust rule's verdict (null before the first answer); `undecided`: cannot tell yet."""
+    reason: str
+    flat_p: float | None
+    """p-value of the randomisation test against no slot preference."""
+    share: list[float]
+    """Each slot's share of the attributed weight (the estimate)."""
+    low: list[float]
+    high: list[float]
+    """Bootstrap interval of each slot's share."""
+    profile: str | None
+    """Id of the stored profile of the generator for this passage count (null: none)."""
+    placing: bool
+    """Whether `auto` places requests of this passage count by it (stored with trust)."""
+
+
+class GeneratorOnlineOut(_Model):
+    """`auto`'s online learning of the generator's profile (`RAG_REORDER_GENERATOR_URL`)."""
+
+    url: str
+    """The generator's API (credentials and query values shown as `***`)."""
+    model: str
+    template: str
+    sample_rate: float
+    max_calls_per_hour: int
+    calls: int
+    """HTTP calls sent since start, retries included."""
+    queued: int
+    """Samples waiting for the generator now."""
+    samples: dict[str, int]
+    """Requests drawn since start: taken, dropped (queue full), over_budget."""
+    failures: dict[str, int]
+    answers: dict[str, int]
+    """Answers since start by attribution: contained, overlap, none."""
+    profiles: list[GeneratorProfileOut]
+
+
 class AutoInfoOut(_Model):
     """The profile-first strategy's configuration and state."""
 
@@ -170,6 +218,9 @@ class AutoInfoOut(_Model):
     (recorded, preempted, dropped, failed, expired), and `explore.skipped`: draws not made
     while a background run was still pending."""
     profiles: list[AutoProfileOut]
+    generator_online: GeneratorOnlineOut | None = None
+    """The generator's profile learned from its answers (null without
+    `RAG_REORDER_GENERATOR_URL`)."""
 
 
 class ScoreModeOut(_Model):

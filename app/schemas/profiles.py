@@ -84,8 +84,10 @@ class TrustOut(_Model):
     """The strongest slots (0-based), strongest first, when placing `placement_slots`."""
     placement_slots: int
     resamples: int
-    source: Literal["traffic", "calibration"]
-    """`traffic`: learned by `auto` from live MoI runs; `calibration`: a calibration."""
+    source: Literal["traffic", "calibration", "generator_online"]
+    """`traffic`: learned by `auto` from live MoI runs; `calibration`: a calibration;
+    `generator_online`: learned by `auto` from the generator's own answers to sampled
+    requests (`RAG_REORDER_GENERATOR_URL`)."""
     assessed_at: float
     """Unix time of the assessment."""
     trusted_since: float | None

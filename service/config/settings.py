@@ -158,13 +158,44 @@ class Settings(BaseSettings):
     generator_model: str | None = Field(default=None, min_length=1, max_length=512)
     """The model that answers from the order, when it is not `model` (a smaller scorer stands
     in for it). Then `auto` places only by a profile of the generator
-    (`placement_profile`, e.g. from `rag-reorder profile-generator`), unless
+    (`placement_profile`, e.g. from `rag-reorder profile-generator`, or the one it learns
+    from the generator's answers with `generator_url`), unless
     `auto_learn_from_scorer` allows the scorer's learned one. Unset: the scoring model is the
     generator (also with `backend=remote`, which scores on the generator itself)."""
     auto_learn_from_scorer: bool = False
     """Let `auto` place by a profile learned from the scoring model's log-probs when
     `generator_model` names another model (the scorer's bias then stands in for the
     generator's)."""
+    generator_url: str | None = Field(default=None, min_length=1, max_length=2048)
+    """The generator's OpenAI-compatible API, up to `/v1` (`https://api.openai.com/v1`,
+    `http://vllm:8000/v1`), with `generator_model` (another model than `model`). Set: `auto`
+    learns the generator's position profile from its own answers (docs/generator-profile.md,
+    "Online, from live traffic"): a share `generator_sample_rate` of its requests is sent to
+    the generator in the background, passages in a random order (the caller's order is never
+    randomised), at most `generator_max_calls_per_hour`; once the estimate is trusted, `auto`
+    places by it. Unset: no call to the generator."""
+    generator_api: Literal["chat", "completions"] = "chat"
+    """`/chat/completions` (a chat model; the server applies its chat template) or
+    `/completions` (a base model, with a completion `generator_template`)."""
+    generator_template: str = Field(default=DEFAULT_TEMPLATE, min_length=1, max_length=128)
+    """The registered prompt template the generator is asked with (`qa_default`, `qa_plain`,
+    `qa_system`, `qa_completion`): the prompt shape its profile is for."""
+    generator_api_key_env: str | None = Field(
+        default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z_][A-Za-z0-9_]*$"
+    )
+    """The environment variable holding the generator's API key (sent as a bearer key).
+    Unset: `OPENAI_API_KEY`, sent only to an https `generator_url`."""
+    generator_sample_rate: float = Field(default=0.05, ge=0.0, le=1.0)
+    """Share of `auto`'s requests (with at least 2 passages) sent to the generator in the
+    background, its passages in a seeded random order, to learn its profile. 0: none."""
+    generator_max_calls_per_hour: int = Field(default=60, ge=1, le=1_000_000)
+    """Most HTTP calls to the generator in any rolling hour, retries included: a hard bound
+    (a sample drawn while it is spent is not taken, and counted)."""
+    generator_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
+    """Read timeout of one call to the generator (never in a caller's path)."""
+    generator_max_answers: int = Field(default=2000, ge=10, le=100_000)
+    """Most generator answers pooled per passage count (the latest), numbers only: the order
+    shown and the slots the answer was attributed to, never its text."""
     auto_ranker: Literal["dense", "bm25"] = "dense"
     """`auto`'s ranker on the profile and flat paths when not every passage carries the
     caller's `score` (with scores, they rank)."""
@@ -429,6 +460,22 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"RAG_REORDER_ENGINE_URL is set but RAG_REORDER_BACKEND is {self.backend!r}: "
                 "set RAG_REORDER_BACKEND=remote to score with that engine, or unset the URL"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _generator_url_needs_another_model(self) -> Settings:
+        # The profile is stored under the generator's name: without one, or under the
+        # scorer's, it would share (and overwrite) the keys of the profile auto learns from
+        # the scorer's log-probs, which already describe that model.
+        if self.generator_url is None:
+            return self
+        if self.generator_model is None or self.generator_model == self.model:
+            raise ValueError(
+                "RAG_REORDER_GENERATOR_URL needs RAG_REORDER_GENERATOR_MODEL naming the "
+                f"generator, another model than the scoring model {self.model!r} (got "
+                f"{self.generator_model!r}); when the scorer is the generator, auto learns its "
+                "profile from the log-probs it scores"
             )
         return self
 

@@ -53,6 +53,7 @@ import numpy as np
 import solver
 from service.config.settings import Settings
 from service.errors import StateUnavailable
+from service.learning.generator_online import GeneratorSampler
 from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile, profile_id
 from service.state.state_store import (
     FolderState,
@@ -239,6 +240,9 @@ class ProfileLearner:
         """Whether no request is using the engine now (the server's admission tells)."""
         self._shadow: _Pending | None = None
         self._shadow_wake: anyio.Event | None = None
+        self.generator: GeneratorSampler | None = None
+        """The generator's online sampler (``generator_url`` set; the server sets it): its
+        trusted profile is placed by before any learned from the scorer."""
 
     @classmethod
     def read_only(cls, settings: Settings, profiles: ProfileStore) -> ProfileLearner:
@@ -263,6 +267,14 @@ class ProfileLearner:
                 "profile", f"bias profile {named.id!r}, named, taken as given", named,
                 operator=True,
             )  # fmt: skip
+        online = self.generator.placing(n_passages) if self.generator is not None else None
+        if online is not None:
+            # Measured on the generator itself (its answers): what a profile learned from the
+            # scorer's log-probs only stands in for. Its drift is the sampler's refit.
+            assert online.trust is not None
+            path: AutoPath = "flat" if online.trust.verdict == "flat" else "profile"
+            why = f"the generator's profile learned online from its answers: {online.trust.reason}"
+            return Decision(path, why, online)
         slots = learning_slots(n_passages)
         if slots is None:
             return Decision(
@@ -293,7 +305,7 @@ class ProfileLearner:
                 # The engine is still on the last background run: explore only as often as
                 # it can be run, rather than draw runs that would be dropped.
                 self.counters.explore_skipped += 1
-            path: AutoPath = "flat" if prof.trust.verdict == "flat" else "profile"
+            path = "flat" if prof.trust.verdict == "flat" else "profile"
             return Decision(path, prof.trust.reason, prof, key, st.pooled_runs)
         held = st.pooled_runs + self._recorded.get(key, 0)
         why = st.last.reason if st.last is not None else "no runs assessed yet"

@@ -84,9 +84,10 @@ class SampleCount:
 Run = tuple[np.ndarray, np.ndarray]
 
 
-SpoolName = Literal["sample", "auto/runs", "auto/explore"]
-"""The run spools: the calibration-from-traffic sample and ``auto``'s learning and explore
-runs."""
+SpoolName = Literal["sample", "auto/runs", "auto/explore", "auto/generator"]
+"""The run spools: the calibration-from-traffic sample, ``auto``'s learning and explore runs,
+and the generator's attributed answers (``service.learning.generator_online``: a "run" is the
+order shown, one row, and the answer's weight per slot)."""
 
 
 class RunSpool(Protocol):

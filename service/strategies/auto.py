@@ -25,7 +25,10 @@ is trusted, and MoI until then (``service.learning.learner`` learns and watches 
   request's MoI run is queued for the background like an explore run; kept, it counts toward
   learning (issue 70). The caller never waits on the service's learning.
 
-The response's ``auto`` object names the path, why, the profile and its trust figures.
+The response's ``auto`` object names the path, why, the profile and its trust figures (a
+profile learned online from the generator's own answers, ``generator_url``, has the trust
+source ``generator_online``; ``service.learning.generator_online``, whose sampler each served
+request is offered to).
 """
 
 from __future__ import annotations
@@ -78,6 +81,15 @@ class Auto:
         return replace(design_cost(perms), param="passages", upfront=False)
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
+        outcome = await self._serve(work, request)
+        sampler = work.learner.generator if work.learner is not None else None
+        if sampler is not None:
+            # Served first, in the order chosen for the caller: the generator's sample is
+            # asked in a random order of its own, in the background (never awaited here).
+            sampler.offer(work.request_id, request.query, request.passages)
+        return outcome
+
+    async def _serve(self, work: Work, request: ReorderRequest) -> Outcome:
         if request.placement not in (None, "bias_matched"):
             raise InvalidRequest(
                 f"strategy 'auto' places by the generator's profile; placement "

@@ -1,0 +1,135 @@
+"""``auto`` learning the generator's profile online (``RAG_REORDER_GENERATOR_URL``), through the
+real app: sampled requests are served in their own order and asked of the generator in the
+background in a random one; once the answers are trusted, ``auto`` places by the generator's
+profile and names it (trust source ``generator_online``); ``/info`` and ``/metrics`` report
+it. The generator is a real HTTP server on localhost answering from a chosen slot, and in one
+lean test vLLM's OpenAI server on SmolLM2 (the session's ``vllm_server``)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import httpx
+
+from service.config.settings import EMBEDDED_MODEL
+from service.learning.generator_online import GeneratorSampler
+from tests.app.conftest import PASSAGES, QUERY, TRUTH, Harness, TrackingBackend, serving
+from tests.support.canned_generator import canned_generator
+
+N = len(PASSAGES)
+
+
+def sampler(h: Harness) -> GeneratorSampler:
+    found = h.ctx.engine.learner.generator
+    assert found is not None
+    return found
+
+
+async def drained(s: GeneratorSampler, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while s.queued or s.busy:
+        assert time.monotonic() < deadline, "the generator's samples were not answered in time"
+        await anyio.sleep(0.01)
+
+
+def body() -> dict[str, Any]:
+    # The caller's scores: auto's cheap path ranks by them (no encoder to load).
+    scores = {p: 10.0 + TRUTH[p] for p in PASSAGES}
+    return {"query": QUERY, "passages": [{"text": p, "score": scores[p]} for p in PASSAGES]}
+
+
+async def test_auto_places_by_the_generators_profile_once_its_answers_are_trusted(
+    tmp_path: Path,
+) -> None:
+    # A generator that answers from the last slot it is shown, always: trusted as soon as
+    # auto's rule allows (mixed preferences are tests/service/test_generator_online.py's).
+    with canned_generator(lambda call: N - 1) as gen:
+        async with serving(
+            tmp_path,
+            generator_url=gen.url,
+            generator_model="canned-generator",
+            generator_sample_rate=1.0,
+        ) as h:
+            served = set()
+            for _ in range(30):
+                r = await h.client.post("/v1/reorder", json=body())
+                assert r.status_code == 200, r.text
+                auto = r.json()["auto"]
+                if auto["path"] == "profile":
+                    break
+                # Learning: MoI on the scorer (another model than the generator) serves it.
+                assert auto["path"] == "moi"
+                served.add(tuple(r.json()["order"]))
+                await drained(sampler(h))
+            # The caller's order was never randomised; the generator's were.
+            assert len(served) == 1
+            assert len({c["body"]["messages"][-1]["content"] for c in gen.calls}) > 4
+
+            assert auto["path"] == "profile" and auto["ranker"] == "request_scores"
+            assert auto["profile"] == "canned-generator__qa_default__L4"
+            assert auto["trust"]["source"] == "generator_online"
+            assert auto["trust"]["verdict"] == "shaped"
+            assert "learned online from its answers" in auto["reason"]
+            order = r.json()["order"]
+            best = max(range(N), key=lambda i: TRUTH[PASSAGES[i]])
+            assert order[N - 1] == best  # the best passage where the generator reads most
+
+            await drained(sampler(h))  # the last request was sampled too
+            info = (await h.client.get("/info")).json()["auto"]["generator_online"]
+            assert info["url"] == gen.url and info["model"] == "canned-generator"
+            [prof] = info["profiles"]
+            asked = len(gen.calls)
+            assert prof["answers"] == asked and prof["verdict"] == "shaped"
+            assert prof["placing"] and prof["profile"] == auto["profile"]
+            assert prof["flat_p"] < 0.05 and prof["unattributed"] == 0
+            assert h.metric("rag_reorder_generator_calls_total") == asked
+            assert (
+                h.metric("rag_reorder_generator_answers_total", {"attribution": "contained"})
+                == asked
+            )
+            assert h.metric("rag_reorder_generator_profile_trusted", {"passages": str(N)}) == 1.0
+            listed = (await h.client.get(f"/v1/bias-profiles/{auto['profile']}")).json()
+            assert listed["identification"] == "answers-online"
+
+
+async def test_without_a_generator_url_nothing_is_sampled(tmp_path: Path) -> None:
+    async with serving(tmp_path) as h:
+        assert h.ctx.engine.learner.generator is None
+        r = await h.client.post("/v1/reorder", json=body())
+        assert r.status_code == 200
+        assert (await h.client.get("/info")).json()["auto"]["generator_online"] is None
+
+
+async def test_against_vllms_openai_server(vllm_server: str, tmp_path: Path) -> None:
+    from service.batch.dataset import load_examples
+    from tests.app.processes import ROOT
+
+    data = load_examples(ROOT.parent / "shared" / "data" / "nq_open_dev.jsonl", limit=3)
+    questions = [(ex.question, [p.text for p in ex.passages[:N]]) for ex in data]
+    truth = {t: float(i % 3) for _, texts in questions for i, t in enumerate(texts)}
+    async with serving(
+        tmp_path,
+        backend=TrackingBackend(truth),
+        model="fake/known-truth",
+        generator_url=f"{vllm_server}/v1",
+        generator_model=EMBEDDED_MODEL,
+        generator_sample_rate=1.0,
+        generator_timeout_s=300.0,
+    ) as h:
+        for question, texts in questions:
+            r = await h.client.post(
+                "/v1/reorder",
+                json={"query": question, "passages": texts},
+                timeout=httpx.Timeout(300),
+            )
+            assert r.status_code == 200, r.text
+        await drained(sampler(h), timeout=900)
+        info = (await h.client.get("/info")).json()["auto"]["generator_online"]
+    assert info["calls"] == 3 and sum(info["failures"].values()) == 0
+    assert sum(info["answers"].values()) == 3
+    [prof] = info["profiles"]
+    # Three answers decide nothing: an honest "cannot tell yet", nothing placed by.
+    assert prof["answers"] == 3 and prof["verdict"] == "undecided" and not prof["placing"]

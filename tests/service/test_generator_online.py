@@ -1,0 +1,213 @@
+"""``auto``'s online sampler of the generator (``service.learning.generator_online``), against
+a real OpenAI-compatible HTTP server on localhost that answers from a chosen prompt slot
+(``tests.support.canned_generator``): sampled requests asked in a seeded random order, the
+answers attributed, pooled as numbers only and trusted by auto's rule, the profile stored under
+the generator's name and kept across a restart; the hourly budget and the bounded queue as hard
+bounds; the key sent only where the offline tool sends it; a refusal counted, not raised."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from service.config.settings import Settings
+from service.learning.generator_online import (
+    IDENTIFICATION,
+    QUEUE_SIZE,
+    TRUST_SOURCE,
+    GeneratorSampler,
+)
+from service.learning.learner import rules_of
+from service.passage import Passage
+from service.state.state_store import FolderState
+from tests.support.canned_generator import canned_generator
+
+N = 4
+MODEL = "canned-generator"
+
+
+def passages(q: int) -> list[Passage]:
+    """Passage p of request q names the word ``wq_p`` (no gold, no labels)."""
+    return [Passage(text=f"Filler {p}: the word here is w{q}_{p}.") for p in range(N)]
+
+
+def last_slot_mostly(call: int) -> int:
+    """Three answers in four from the last slot, the fourth from the first."""
+    return 0 if call % 4 == 0 else N - 1
+
+
+def sampler_for(
+    tmp_path: Path,
+    url: str,
+    *,
+    environ: dict[str, str] | None = None,
+    clock: Callable[[], float] = time.monotonic,
+    **kw: Any,
+) -> GeneratorSampler:
+    settings = Settings(
+        cache_dir=tmp_path,
+        generator_url=url,
+        generator_model=MODEL,
+        generator_sample_rate=kw.pop("generator_sample_rate", 1.0),
+        **kw,
+    )
+    state = FolderState(settings.profiles_path)
+    spool = state.spool("auto/generator", settings.generator_max_answers, "test")
+    assert spool is not None
+    return GeneratorSampler(
+        settings, state.profiles, spool, rules_of(settings), environ=environ or {}, clock=clock
+    )
+
+
+@asynccontextmanager
+async def running(sampler: GeneratorSampler) -> AsyncIterator[GeneratorSampler]:
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(sampler.run_forever)
+        try:
+            yield sampler
+        finally:
+            tg.cancel_scope.cancel()
+    await sampler.aclose()
+
+
+async def drained(sampler: GeneratorSampler, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while sampler.queued or sampler.busy:
+        if time.monotonic() > deadline:
+            raise AssertionError("the sampler did not drain its queue in time")
+        await anyio.sleep(0.01)
+
+
+async def test_sampled_answers_are_attributed_pooled_trusted_stored_and_kept_over_a_restart(
+    tmp_path: Path,
+) -> None:
+    with canned_generator(last_slot_mostly) as gen:
+        async with running(sampler_for(tmp_path, gen.url)) as sampler:
+            for q in range(40):
+                assert sampler.offer(f"req-{q}", f"Which word does request {q} want?", passages(q))
+                await drained(sampler)
+            [st] = sampler.status()
+        # One call a sample, each its passages in a random order seeded by the request id.
+        assert len(gen.calls) == 40
+        assert {c["path"] for c in gen.calls} == {"/v1/chat/completions"}
+        orders = []
+        for q, call in enumerate(gen.calls):
+            prompt = call["body"]["messages"][-1]["content"]
+            orders.append(tuple(sorted(range(N), key=lambda p: prompt.index(f"w{q}_{p}"))))
+        assert len(set(orders)) > 4  # not the served order: a random one per sample
+        assert sampler.counters.answers == {"contained": 40, "overlap": 0, "none": 0}
+        assert sampler.counters.samples["taken"] == 40 and sampler.calls == 40
+
+        fit = st.fit
+        assert fit is not None and fit.questions == 40 and fit.verdict == "shaped"
+        assert fit.top_slots == (N - 1, 0) and fit.flat_p < 0.05
+        assert fit.share[N - 1] == pytest.approx(0.75)
+        stored = st.placing
+        assert stored is not None and stored.model == MODEL and stored.slots == N
+        assert stored.identification == IDENTIFICATION and stored.trust is not None
+        assert stored.trust.source == TRUST_SOURCE and stored.trust.trusted_since is not None
+        assert sampler.placing(N) == stored and sampler.placing(N + 1) is None
+
+        # Numbers only: the order shown and the slot weights, never a passage or an answer.
+        spooled = "".join(p.read_text() for p in (tmp_path / "profiles").rglob("*.jsonl"))
+        assert spooled.count("\n") == 40 and "word" not in spooled and "Filler" not in spooled
+
+        # A restart: the pooled answers are fitted again before any new sample.
+        async with running(sampler_for(tmp_path, gen.url)) as again:
+            deadline = time.monotonic() + 30
+            while not again.status() or again.status()[0].fit is None:
+                assert time.monotonic() < deadline, "the pooled answers were not loaded"
+                await anyio.sleep(0.01)
+            [st2] = again.status()
+            assert st2.fit is not None and st2.fit.questions == 40
+            assert again.placing(N) is not None
+        assert len(gen.calls) == 40
+
+
+async def test_a_flat_generator_is_not_placed_by_and_an_operators_profile_is_never_replaced(
+    tmp_path: Path,
+) -> None:
+    with canned_generator(lambda call: call % N) as gen:
+        async with running(sampler_for(tmp_path, gen.url)) as sampler:
+            for q in range(8):
+                sampler.offer(f"req-{q}", f"Which word does request {q} want?", passages(q))
+                await drained(sampler)
+            [st] = sampler.status()
+            assert st.fit is not None and st.fit.verdict == "undecided"
+            assert st.placing is None and st.stored is None
+            assert "cannot" in st.fit.reason or "attributed" in st.fit.reason
+
+    # A profile of the generator the sampler did not store (an operator's run of
+    # profile-generator): never overwritten by its refits.
+    operator = sampler.profiles.put(
+        model=MODEL, template="qa_default", coefficients=[0.1, 0.2, 0.3, 0.4],
+        identification="answers", runs=50, prompts=500, r2=0.5, source="operator",
+        oriented_by="data", trust=None,
+    )  # fmt: skip
+    with canned_generator(last_slot_mostly) as gen:
+        async with running(sampler_for(tmp_path, gen.url)) as sampler:
+            for q in range(30):
+                sampler.offer(f"more-{q}", f"Which word does request {q} want?", passages(q))
+                await drained(sampler)
+            [st] = sampler.status()
+            assert st.fit is not None and st.fit.verdict == "shaped"
+    assert sampler.profiles.get(MODEL, "qa_default", N) == operator
+
+
+async def test_the_hourly_budget_and_the_queue_bound_what_is_sent(tmp_path: Path) -> None:
+    now = [1000.0]
+    with canned_generator(last_slot_mostly) as gen:
+        sampler = sampler_for(
+            tmp_path, gen.url, clock=lambda: now[0], generator_max_calls_per_hour=3
+        )
+        # Offered before the background runs: the queue holds QUEUE_SIZE, the rest dropped.
+        took = [sampler.offer(f"r{q}", "which word?", passages(q)) for q in range(QUEUE_SIZE + 2)]
+        assert took == [True] * QUEUE_SIZE + [False, False]
+        assert sampler.counters.samples == {"taken": QUEUE_SIZE, "dropped": 2, "over_budget": 0}
+        async with running(sampler):
+            await drained(sampler)
+            # Three calls this hour, the rest of the queue refused at the transport.
+            assert len(gen.calls) == 3 and sampler.calls == 3
+            assert sampler.counters.failures["budget"] == QUEUE_SIZE - 3
+            assert not sampler.offer("late", "which word?", passages(99))
+            assert sampler.counters.samples["over_budget"] == 1
+            now[0] += 3601.0  # the hour moved on: calls are free again
+            assert sampler.offer("next-hour", "which word?", passages(100))
+            await drained(sampler)
+            assert len(gen.calls) == 4
+        # Too few passages to place: never drawn; a zero rate draws nothing.
+        assert not sampler.offer("one", "q", passages(1)[:1])
+
+
+async def test_the_key_goes_only_where_the_offline_tool_sends_it_and_a_refusal_is_counted(
+    tmp_path: Path,
+) -> None:
+    with canned_generator(last_slot_mostly) as gen:
+        env = {"OPENAI_API_KEY": "sk-default", "MY_KEY": "sk-named"}
+        # OPENAI_API_KEY is never sent to a plain-http URL ...
+        assert sampler_for(tmp_path, gen.url, environ=env).endpoint.api_key is None
+        # ... a named variable is.
+        named = sampler_for(tmp_path, gen.url, environ=env, generator_api_key_env="MY_KEY")
+        gen.status = 401
+        async with running(named):
+            named.offer("r0", "which word?", passages(0))
+            await drained(named)
+        assert gen.calls[0]["headers"]["Authorization"] == "Bearer sk-named"
+        assert named.counters.failures["refused"] == 1 and named.status() == []
+        https = sampler_for(tmp_path, "https://api.example.com/v1", environ=env).endpoint.api_key
+        assert https == "sk-default"
+
+
+def test_the_generator_url_needs_a_generator_other_than_the_scorer(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="RAG_REORDER_GENERATOR_MODEL"):
+        Settings(cache_dir=tmp_path, generator_url="http://g/v1")
+    with pytest.raises(ValueError, match="another model than the scoring model"):
+        Settings(cache_dir=tmp_path, generator_url="http://g/v1", generator_model=Settings().model)
+    with pytest.raises(ValueError, match="generator_sample_rate"):
+        Settings(generator_sample_rate=1.5)

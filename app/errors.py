@@ -91,9 +91,10 @@ ERROR_TABLE: Final[Mapping[type[ReorderError], ErrorKind]] = {
 _DESCRIPTIONS: Final[Mapping[int, str]] = {
     400: "The body is not JSON or not UTF-8.",
     401: "Missing or wrong API key (when one is configured).",
-    403: "A route that writes what every later request gets (a bias profile calibration) on a "
-    "server with no admin key and `open_writes` off.",
-    404: "No such resource (a bias profile id that is not stored).",
+    403: "A route that writes what every later request gets (a bias profile calibration, "
+    "feedback) on a server with no admin key and `open_writes` off.",
+    404: "No such resource (a bias profile id that is not stored; a served request no longer "
+    "kept for feedback, or feedback off).",
     413: "Request body over `max_body_bytes`.",
     422: "Schema violation (bounded echo of the value), a limit (param, limit, value), a "
     "design that cannot identify the fit, or `deadline_unreachable`: the request's estimated "

@@ -29,7 +29,7 @@ from app.admission import Admission, MeteredBackend
 from app.errors import install_error_handlers
 from app.metrics import ServiceMetrics
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
-from app.routes import info, probes, profiles, reorder, rerank
+from app.routes import feedback, info, probes, profiles, reorder, rerank
 from app.schemas.reorder import ReorderOptions
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
@@ -155,8 +155,9 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         lifespan=_lifespan(ctx, backend),
         redoc_url=None,
     )
-    if settings.generator_url is not None:
-        # auto learns the generator's own profile from its answers (docs/generator-profile.md).
+    if settings.generator_url is not None or settings.feedback_max_requests > 0:
+        # auto learns the generator's own profile from its answers (docs/generator-profile.md):
+        # its sampled calls, and the answers fed back to POST /v1/feedback.
         spool = state.spool("auto/generator", settings.generator_max_answers, None)
         assert spool is not None  # every store keeps auto's spools
         ctx.engine.learner.generator = GeneratorSampler(settings, store, spool, rules_of(settings))
@@ -167,7 +168,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
     metrics.track_capacity(lambda: ctx.admission.estimated_wait_s, ctx.admission.meter)
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (reorder, rerank, profiles, info, probes):
+    for module in (reorder, rerank, profiles, feedback, info, probes):
         app.include_router(module.router)
     # add_middleware wraps: the last added runs first. Order on the way in:
     # request context -> CORS (if configured) -> body limit (413) -> API key (401, 403) -> routes.

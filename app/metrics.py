@@ -157,6 +157,13 @@ class _Generator(Collector):
             "attribution",
             c.answers,
         )
+        yield _labelled(
+            "generator_feedback",
+            "Answers sent to POST /v1/feedback, by outcome: used (the served order was a "
+            "random placement: pooled into the generator's profile), unused.",
+            "outcome",
+            c.feedback,
+        )
         trusted = GaugeMetricFamily(
             f"{PREFIX}_generator_profile_trusted",
             "1 while auto places requests of this passage count by the generator's profile "

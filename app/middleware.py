@@ -34,6 +34,7 @@ ROUTES: Final = frozenset(
         "/v1/models",
         "/v1/bias-profiles",
         "/v1/bias-profiles/calibrate",
+        "/v1/feedback",
         "/info",
         "/health",
         "/ready",
@@ -164,7 +165,9 @@ class BodyLimitMiddleware:
         await error_response(scope, exc)(scope, receive, send)
 
 
-ADMIN_PATHS: Final = frozenset({"/v1/bias-profiles/calibrate"})
+# Writes that change what every later request gets: a calibration stores the profile
+# requests are placed by, feedback on a random placement feeds the generator's profile.
+ADMIN_PATHS: Final = frozenset({"/v1/bias-profiles/calibrate", "/v1/feedback"})
 
 
 class ApiKeyMiddleware:
@@ -200,7 +203,7 @@ class ApiKeyMiddleware:
             # Fail closed: with no admin key, a write that changes every later request is
             # refused unless the operator opted in (a local quick start), whoever asks.
             closed = WritesClosed(
-                f"{path} writes the bias profile later requests are placed by: set "
+                f"{path} writes to the bias profile later requests are placed by: set "
                 "RAG_REORDER_ADMIN_API_KEY and send it, or RAG_REORDER_OPEN_WRITES=true on a "
                 "server only you can reach"
             )

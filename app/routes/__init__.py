@@ -1,1 +1,2 @@
-"""The HTTP routes, one module per family: reorder, rerank, profiles, info and the probes."""
+"""The HTTP routes, one module per family: reorder, rerank, profiles, feedback, info and
+the probes."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request
 
-from app.conversions import caller_of, reorder_response, to_passages
+from app.conversions import caller_of, reorder_response, selected_order, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs
@@ -39,4 +39,9 @@ async def reorder(
         caller=caller_of(request, ctx.settings.auto_caller_header),
     )
     result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
+    sampler = ctx.engine.learner.generator
+    if sampler is not None:
+        # Kept (bounded, in memory) for POST /v1/feedback on this response: what was served.
+        shown = selected_order(result, body.top_n)
+        sampler.served.keep(result.request_id, body.query, passages, shown, result.strategy)
     return reorder_response(result, passages, top_n=body.top_n)

@@ -1,5 +1,5 @@
 """Wire models of the HTTP API (docs/api.md), one module per route family (``reorder``,
-``rerank``, ``profiles``, ``info``) on one ``base`` (the caps, the strict and lenient
+``rerank``, ``profiles``, ``feedback``, ``info``) on one ``base`` (the caps, the strict and lenient
 models, the error envelope).
 
 Native models forbid unknown fields, so a misspelt option is a 422 and not a silent default;

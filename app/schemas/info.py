@@ -181,8 +181,9 @@ class GeneratorProfileOut(_Model):
 class GeneratorOnlineOut(_Model):
     """`auto`'s online learning of the generator's profile (`RAG_REORDER_GENERATOR_URL`)."""
 
-    url: str
-    """The generator's API (credentials and query values shown as `***`)."""
+    url: str | None
+    """The generator's API (credentials and query values shown as `***`); null without
+    `RAG_REORDER_GENERATOR_URL` (answers by feedback only)."""
     model: str
     template: str
     sample_rate: float
@@ -195,7 +196,11 @@ class GeneratorOnlineOut(_Model):
     """Requests drawn since start: taken, dropped (queue full), over_budget."""
     failures: dict[str, int]
     answers: dict[str, int]
-    """Answers since start by attribution: contained, overlap, none."""
+    """Answers since start (sampled and fed back) by attribution: contained, overlap, none."""
+    feedback: dict[str, int]
+    """`POST /v1/feedback` answers since start: used (a random placement), unused."""
+    kept_for_feedback: int
+    """Served requests this replica keeps for feedback now (`RAG_REORDER_FEEDBACK_*`)."""
     profiles: list[GeneratorProfileOut]
 
 

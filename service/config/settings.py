@@ -196,6 +196,13 @@ class Settings(BaseSettings):
     generator_max_answers: int = Field(default=2000, ge=10, le=100_000)
     """Most generator answers pooled per passage count (the latest), numbers only: the order
     shown and the slots the answer was attributed to, never its text."""
+    feedback_max_requests: int = Field(default=0, ge=0, le=1_000_000)
+    """Served `/v1/reorder` requests kept in this replica's memory (query, passages and
+    served order; the latest) so that `POST /v1/feedback` can take the generator's answer to
+    them, with `generator_model`. Only answers to uniformly random placements (`shuffle`) are
+    learned from (docs/generator-profile.md, "Feedback"). 0: feedback off (404), nothing kept."""
+    feedback_ttl_s: float = Field(default=3600.0, gt=0.0, le=7 * 86_400.0)
+    """Seconds a served request is kept for feedback; later feedback on it is refused (404)."""
     auto_ranker: Literal["dense", "bm25"] = "dense"
     """`auto`'s ranker on the profile and flat paths when not every passage carries the
     caller's `score` (with scores, they rank)."""
@@ -308,10 +315,12 @@ class Settings(BaseSettings):
     (compared in constant time)."""
     admin_api_key: SecretStr | None = None
     """If set, `POST /v1/bias-profiles/calibrate` (it writes the profiles later requests use,
-    and scores many prompts) needs this key instead of `api_key`; it is accepted on every
-    other route too. Unset: that route is refused (403) unless `open_writes`."""
+    and scores many prompts) and `POST /v1/feedback` (it feeds the generator's profile) need
+    this key instead of `api_key`; it is accepted on every other route too. Unset: those
+    routes are refused (403) unless `open_writes`."""
     open_writes: bool = False
-    """Let `POST /v1/bias-profiles/calibrate` run without `admin_api_key`. It writes the
+    """Let `POST /v1/bias-profiles/calibrate` and `POST /v1/feedback` run without
+    `admin_api_key`. Both write to the
     profile every later request is placed by, so without an admin key it is refused (403)
     unless this is set: a pod that binds `0.0.0.0` fails closed. For a local quick start
     (`make serve` sets it); the image and the chart leave it off."""
@@ -468,11 +477,16 @@ class Settings(BaseSettings):
         # The profile is stored under the generator's name: without one, or under the
         # scorer's, it would share (and overwrite) the keys of the profile auto learns from
         # the scorer's log-probs, which already describe that model.
-        if self.generator_url is None:
+        if self.generator_url is None and self.feedback_max_requests == 0:
             return self
         if self.generator_model is None or self.generator_model == self.model:
+            what = (
+                "RAG_REORDER_GENERATOR_URL"
+                if self.generator_url is not None
+                else "RAG_REORDER_FEEDBACK_MAX_REQUESTS > 0"
+            )
             raise ValueError(
-                "RAG_REORDER_GENERATOR_URL needs RAG_REORDER_GENERATOR_MODEL naming the "
+                f"{what} needs RAG_REORDER_GENERATOR_MODEL naming the "
                 f"generator, another model than the scoring model {self.model!r} (got "
                 f"{self.generator_model!r}); when the scorer is the generator, auto learns its "
                 "profile from the log-probs it scores"

@@ -38,7 +38,7 @@ import random
 import threading
 import time
 import zlib
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -59,7 +59,13 @@ from service.backends.generator_client import (
     public_url,
 )
 from service.config.settings import Settings
-from service.errors import EngineTimeout, EngineUnavailable, InvalidRequest, StateUnavailable
+from service.errors import (
+    EngineTimeout,
+    EngineUnavailable,
+    InvalidRequest,
+    NotFound,
+    StateUnavailable,
+)
 from service.passage import Passage
 from service.prompting.prompts import api_prompt
 from service.prompting.templates import get_template
@@ -67,6 +73,7 @@ from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfil
 from service.state.traffic import RunSpool, SampleKey
 from solver.blind_profile import (
     DEFAULT_THRESHOLD,
+    Attribution,
     AttributionKind,
     BlindProfile,
     attribute,
@@ -89,6 +96,89 @@ IDENTIFICATION = "answers-online"
 TRUST_SOURCE = "generator_online"
 _CHARS_PER_TOKEN = 4
 FAILURES = ("unavailable", "timeout", "refused", "bad_answer", "budget", "error")
+
+
+RANDOM_PLACEMENTS = frozenset({"shuffle"})
+"""Strategies whose served order is a uniformly random placement (seeded by the service):
+feedback on them identifies the slots' pull, as the sampled calls' random orders do."""
+_UNIDENTIFIED = (
+    "the served order came from strategy {strategy!r}, not a random placement: a passage sits "
+    "where it is because of how it was judged, so the slot an answer came from cannot be told "
+    "from the passage's own usefulness; only 'shuffle' placements are used"
+)
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """What ``POST /v1/feedback`` did with an answer."""
+
+    used: bool
+    reason: str
+    attribution: AttributionKind | None
+    """How the answer was attributed (``None`` when not used)."""
+    slots: tuple[int, ...]
+    """The slots (0-based, as served) of the passages it was attributed to."""
+
+
+@dataclass(frozen=True)
+class ServedRequest:
+    """A served request as ``POST /v1/feedback`` needs it."""
+
+    query: str
+    passages: tuple[Passage, ...]
+    shown: tuple[int, ...]
+    """The passages in served order (``top_n`` applied): ``shown[k]`` is in slot ``k``."""
+    strategy: str
+    kept_at: float
+    """Monotonic time it was served."""
+
+
+class ServedRequests:
+    """The latest ``max_requests`` served requests for at most ``ttl_s`` each, by response id
+    (in memory, per replica: feedback goes to the replica that served the request, else it is
+    unknown there). 0 keeps none."""
+
+    def __init__(
+        self, max_requests: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.max_requests = max_requests
+        self.ttl_s = ttl_s
+        self._clock = clock
+        self._kept: OrderedDict[str, ServedRequest] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._kept)
+
+    def keep(
+        self, response_id: str, query: str, passages: Sequence[Passage], shown: Sequence[int],
+        strategy: str,
+    ) -> None:  # fmt: skip
+        """Keep one served request (the oldest beyond ``max_requests`` go)."""
+        if self.max_requests <= 0:
+            return
+        self._expire()
+        self._kept[response_id] = ServedRequest(
+            query, tuple(passages), tuple(shown), strategy, self._clock()
+        )
+        self._kept.move_to_end(response_id)
+        while len(self._kept) > self.max_requests:
+            self._kept.popitem(last=False)
+
+    def get(self, response_id: str) -> ServedRequest | None:
+        """The kept request of that id (``None``: unknown, or expired)."""
+        self._expire()
+        return self._kept.get(response_id)
+
+    def forget(self, response_id: str) -> None:
+        self._kept.pop(response_id, None)
+
+    def _expire(self) -> None:
+        horizon = self._clock() - self.ttl_s
+        while self._kept:
+            first = next(iter(self._kept.values()))
+            if first.kept_at > horizon:
+                return
+            self._kept.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -133,7 +223,11 @@ class GeneratorCounters:
     answers: dict[AttributionKind, int] = field(
         default_factory=lambda: {"contained": 0, "overlap": 0, "none": 0}
     )
-    """Answers by attribution: to the passages containing it, by token overlap, or none."""
+    """Answers (sampled and fed back) by attribution: to the passages containing it, by
+    token overlap, or none."""
+    feedback: dict[str, int] = field(default_factory=lambda: {"used": 0, "unused": 0})
+    """``POST /v1/feedback`` answers pooled (``used``), or not (``unused``: the served order
+    was not a random placement)."""
     stored: int = 0
     """Profiles stored (trusted, or a trusted one of ours withdrawn)."""
 
@@ -168,8 +262,8 @@ class GeneratorSampler:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         url, model = settings.generator_url, settings.generator_model
-        if url is None or model is None:
-            raise ValueError("the generator sampler needs generator_url and generator_model")
+        if model is None:
+            raise ValueError("the generator's profile needs generator_model")
         self.settings = settings
         self.profiles = profiles
         self.spool = spool
@@ -178,26 +272,32 @@ class GeneratorSampler:
         self.template = get_template(settings.generator_template)
         self.threshold = DEFAULT_THRESHOLD
         named = settings.generator_api_key_env
-        self.endpoint = GeneratorEndpoint(
-            base_url=url,
-            model=model,
-            api=settings.generator_api,
-            api_key=api_key(url, named, os.environ if environ is None else environ),
-            max_tokens=MAX_TOKENS,
-            logprobs=False,
-            timeout_s=settings.generator_timeout_s,
-            retries=RETRIES,
-            concurrency=1,
-            key_hint=(
-                f"the variable {named}"
-                if named
-                else "OPENAI_API_KEY (https only), or name "
-                "another in RAG_REORDER_GENERATOR_API_KEY_ENV"
-            ),
-        )
         self.budget = CallBudget(per_hour=settings.generator_max_calls_per_hour, clock=clock)
-        self._client = BudgetedClient(self.endpoint, None, transport, budget=self.budget)
-        self.rate = settings.generator_sample_rate
+        self.endpoint: GeneratorEndpoint | None = None
+        """``None`` without ``generator_url``: no call, answers come by feedback only."""
+        self._client: BudgetedClient | None = None
+        if url is not None:
+            self.endpoint = GeneratorEndpoint(
+                base_url=url,
+                model=model,
+                api=settings.generator_api,
+                api_key=api_key(url, named, os.environ if environ is None else environ),
+                max_tokens=MAX_TOKENS,
+                logprobs=False,
+                timeout_s=settings.generator_timeout_s,
+                retries=RETRIES,
+                concurrency=1,
+                key_hint=(
+                    f"the variable {named}"
+                    if named
+                    else "OPENAI_API_KEY (https only), or name "
+                    "another in RAG_REORDER_GENERATOR_API_KEY_ENV"
+                ),
+            )
+            self._client = BudgetedClient(self.endpoint, None, transport, budget=self.budget)
+        self.rate = settings.generator_sample_rate if url is not None else 0.0
+        self.served = ServedRequests(settings.feedback_max_requests, settings.feedback_ttl_s)
+        """Served requests kept for ``POST /v1/feedback`` (none while it is off)."""
         self.counters = GeneratorCounters()
         self._rng = random.Random(settings.seed)
         self._queue: deque[_Sample] = deque()
@@ -211,9 +311,10 @@ class GeneratorSampler:
         """Whether a sample is being asked or fitted now."""
 
     @property
-    def where(self) -> str:
-        """The generator's URL without credentials, for ``/info`` and logs."""
-        return public_url(self.endpoint.base_url)
+    def where(self) -> str | None:
+        """The generator's URL without credentials, for ``/info`` and logs (``None``: no
+        URL, feedback only)."""
+        return public_url(self.endpoint.base_url) if self.endpoint is not None else None
 
     @property
     def calls(self) -> int:
@@ -302,6 +403,7 @@ class GeneratorSampler:
                 await self._refit(k.slots)
 
     async def _ask(self, sample: _Sample) -> None:
+        assert self._client is not None  # offer queues nothing without a URL
         prompt = api_prompt(self.template, sample.query, sample.passages, sample.order)
         chars = len(prompt.text or "") + sum(len(m.content) for m in prompt.messages or ())
         failure: str | None = None
@@ -327,18 +429,65 @@ class GeneratorSampler:
         if failure is not None:
             self.counters.failures[failure] += 1
             return
-        texts = [f"{p.title or ''} {p.text}" for p in sample.passages]
+        await self._learn(sample.query, sample.passages, sample.order, text)
+
+    async def _learn(
+        self, query: str, passages: Sequence[Passage], order: Sequence[int], answer: str
+    ) -> Attribution:
+        """Attribute ``answer`` to the passages shown in ``order`` (``order[k]``: the passage
+        in slot ``k``), pool it and refit that slot count's estimate."""
+        texts = [f"{passages[i].title or ''} {passages[i].text}" for i in order]
         found = await self._off_loop(
-            lambda: attribute(text, texts, question=sample.query, threshold=self.threshold)
+            lambda: attribute(answer, texts, question=query, threshold=self.threshold)
         )
         # The answer's text goes no further: the order and the attributed slots are all the
-        # estimate needs.
+        # estimate needs. ``found`` indexes the shown passages, slot by slot.
         self.counters.answers[found.kind] += 1
-        n = len(sample.order)
-        weights = slot_weights([sample.order], [found.passages])[0]
-        run = (np.asarray([sample.order], dtype=np.int64), weights)
+        n = len(order)
+        weights = slot_weights([list(range(n))], [found.passages])[0]
+        run = (np.asarray([order], dtype=np.int64), weights)
         await self._off_loop(lambda: self.spool.append(self._key(n), run, time.time()))
         await self._refit(n)
+        return found
+
+    async def feedback(self, response_id: str, answer: str) -> Feedback:
+        """Learn from the generator's ``answer`` to a served request, where its placement
+        identifies the profile: only a uniformly random one (``shuffle``), docs/generator-
+        profile.md, "Feedback".
+
+        Raises:
+            NotFound: feedback is off, or no served request of that id is kept (never served,
+                or past ``feedback_ttl_s`` or the latest ``feedback_max_requests``).
+        """
+        served = self.served.get(response_id)
+        if served is None:
+            raise NotFound(
+                f"no served request {response_id!r} is kept for feedback: "
+                + (
+                    "feedback is off (RAG_REORDER_FEEDBACK_MAX_REQUESTS = 0)"
+                    if self.served.max_requests == 0
+                    else f"unknown, or older than RAG_REORDER_FEEDBACK_TTL_S = "
+                    f"{self.served.ttl_s:g} s or the latest RAG_REORDER_FEEDBACK_MAX_REQUESTS "
+                    f"= {self.served.max_requests}"
+                ),
+                param="id",
+            )
+        if served.strategy not in RANDOM_PLACEMENTS:
+            self.counters.feedback["unused"] += 1
+            return Feedback(False, _UNIDENTIFIED.format(strategy=served.strategy), None, ())
+        if len(served.shown) < 2:
+            self.counters.feedback["unused"] += 1
+            return Feedback(False, "one passage was shown: no slot to compare", None, ())
+        self.served.forget(response_id)  # one answer per served request
+        found = await self._learn(served.query, served.passages, served.shown, answer)
+        self.counters.feedback["used"] += 1
+        return Feedback(
+            True,
+            f"placed uniformly at random ({served.strategy!r}): pooled with the sampled "
+            "answers of this passage count",
+            found.kind,
+            tuple(sorted(found.passages)),
+        )
 
     def _key(self, n: int) -> SampleKey:
         # Full-length random placements of n passages: the design group "random".
@@ -404,7 +553,8 @@ class GeneratorSampler:
         self._closed = True
         self._queue.clear()
         await anyio.to_thread.run_sync(lambda: self._worker.shutdown(wait=True))
-        await self._client.aclose()
+        if self._client is not None:
+            await self._client.aclose()
 
 
 def _trust(fit: BlindProfile, *, trusted_since: float | None) -> ProfileTrust:

@@ -133,3 +133,63 @@ async def test_against_vllms_openai_server(vllm_server: str, tmp_path: Path) -> 
     [prof] = info["profiles"]
     # Three answers decide nothing: an honest "cannot tell yet", nothing placed by.
     assert prof["answers"] == 3 and prof["verdict"] == "undecided" and not prof["placing"]
+
+
+# --- POST /v1/feedback ----------------------------------------------------------------
+
+
+async def test_feedback_is_learned_from_random_placements_only_and_auto_places_by_it(
+    tmp_path: Path,
+) -> None:
+    async with serving(
+        tmp_path, generator_model="canned-generator", feedback_max_requests=100
+    ) as h:
+        s = sampler(h)
+        assert s.endpoint is None and s.rate == 0  # no URL: no call, answers by feedback only
+        # A ranked order (auto, learning: MoI): its feedback identifies nothing.
+        ranked = (await h.client.post("/v1/reorder", json=body())).json()
+        r = await h.client.post("/v1/feedback", json={"id": ranked["id"], "answer": PASSAGES[1]})
+        assert r.status_code == 200, r.text
+        assert r.json()["used"] is False and "not a random placement" in r.json()["reason"]
+
+        # Shuffled orders (the caller's own shuffle arm): the answer from the last slot served.
+        for q in range(12):
+            served = (
+                await h.client.post(
+                    "/v1/reorder",
+                    json={**body(), "query": f"{QUERY} ({q})", "strategy": "shuffle"},
+                )
+            ).json()
+            last = served["order"][-1]
+            r = await h.client.post(
+                "/v1/feedback", json={"id": served["id"], "answer": PASSAGES[last]}
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["used"] is True and r.json()["attribution"] == "contained"
+            assert r.json()["slots"] == [N - 1]
+        # One answer per served request: the same id again is no longer kept.
+        again = await h.client.post("/v1/feedback", json={"id": served["id"], "answer": "x y"})
+        assert again.status_code == 404 and again.json()["error"]["param"] == "id"
+        assert "FEEDBACK_TTL_S = 3600 s" in again.json()["error"]["message"]
+
+        info = (await h.client.get("/info")).json()["auto"]["generator_online"]
+        assert info["url"] is None and info["feedback"] == {"used": 12, "unused": 1}
+        [prof] = info["profiles"]
+        assert prof["answers"] == 12 and prof["verdict"] == "shaped" and prof["placing"]
+        assert h.metric("rag_reorder_generator_feedback_total", {"outcome": "used"}) == 12
+        auto = (await h.client.post("/v1/reorder", json=body())).json()["auto"]
+        assert auto["path"] == "profile" and auto["trust"]["source"] == "generator_online"
+
+        blank = await h.client.post("/v1/feedback", json={"id": ranked["id"], "answer": " "})
+        assert blank.status_code == 422
+
+
+async def test_feedback_off_or_without_the_admin_key_is_refused(tmp_path: Path) -> None:
+    async with serving(tmp_path) as h:
+        r = await h.client.post("/v1/feedback", json={"id": "nope", "answer": "Paris"})
+        assert r.status_code == 404 and "feedback is off" in r.json()["error"]["message"]
+    async with serving(
+        tmp_path, generator_model="g", feedback_max_requests=10, open_writes=False
+    ) as h:
+        r = await h.client.post("/v1/feedback", json={"id": "nope", "answer": "Paris"})
+        assert r.status_code == 403

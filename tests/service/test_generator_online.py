@@ -22,6 +22,7 @@ from service.learning.generator_online import (
     QUEUE_SIZE,
     TRUST_SOURCE,
     GeneratorSampler,
+    ServedRequests,
 )
 from service.learning.learner import rules_of
 from service.passage import Passage
@@ -211,3 +212,19 @@ def test_the_generator_url_needs_a_generator_other_than_the_scorer(tmp_path: Pat
         Settings(cache_dir=tmp_path, generator_url="http://g/v1", generator_model=Settings().model)
     with pytest.raises(ValueError, match="generator_sample_rate"):
         Settings(generator_sample_rate=1.5)
+
+
+def test_served_requests_are_kept_for_a_bounded_time_and_count() -> None:
+    now = [0.0]
+    kept = ServedRequests(2, 60.0, clock=lambda: now[0])
+    for i in range(3):
+        kept.keep(f"r{i}", "q", passages(i), (1, 0), "shuffle")
+    assert kept.get("r0") is None and kept.get("r1") is not None and len(kept) == 2
+    now[0] = 59.0
+    kept.keep("r3", "q", passages(3), (0, 1), "auto")
+    assert kept.get("r1") is None and kept.get("r2") is not None  # the count: r1 went first
+    now[0] = 61.0
+    assert kept.get("r2") is None and kept.get("r3") is not None  # r2 served at 0 s: expired
+    off = ServedRequests(0, 60.0)
+    off.keep("r", "q", passages(0), (0, 1), "shuffle")
+    assert len(off) == 0

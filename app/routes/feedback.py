@@ -1,0 +1,41 @@
+"""``POST /v1/feedback``: the generator's answer to a served request, learned from where the
+served placement identifies the generator's profile (docs/generator-profile.md, "Feedback")."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+
+from app.errors import POST_ERRORS, error_responses
+from app.schemas.feedback import FeedbackBody, FeedbackOut
+from app.state import Ctx
+from service.errors import NotFound
+
+router = APIRouter(tags=["feedback"])
+
+
+@router.post(
+    "/v1/feedback",
+    response_model=FeedbackOut,
+    responses=POST_ERRORS | error_responses(403, 404),
+    summary="Send the generator's answer to a served request",
+)
+async def feedback(body: FeedbackBody, ctx: Ctx) -> FeedbackOut:
+    """Attribute the generator's answer to the passages of the served request `id` holding
+    it and, if that request's placement was uniformly random (`shuffle`), pool it into the
+    generator's online profile (`used: true`); otherwise `used: false` and why. 404 for an id
+    that is unknown, expired (`RAG_REORDER_FEEDBACK_TTL_S`), or while feedback is off."""
+    sampler = ctx.engine.learner.generator
+    if sampler is None:
+        raise NotFound(
+            "feedback is off: set RAG_REORDER_FEEDBACK_MAX_REQUESTS (and "
+            "RAG_REORDER_GENERATOR_MODEL) to keep served requests for it",
+            param="id",
+        )
+    done = await sampler.feedback(body.id, body.answer)
+    return FeedbackOut(
+        id=body.id,
+        used=done.used,
+        reason=done.reason,
+        attribution=done.attribution,
+        slots=list(done.slots),
+    )

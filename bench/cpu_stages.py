@@ -5,8 +5,13 @@ paced engine (``bench/load.py``'s environment, the H200 transformers rate) under
 rule a stack matches (most specific first), and the server tree's CPU time per request from
 ``/proc`` beside them, so a stage's share converts to milliseconds.
 
+With ``--workload auto_scores`` the requests are ``bench/default_path.py``'s no-model path
+instead: ``auto`` placing by a trusted profile seeded before start, the caller's score on every
+passage, that bench's server environment (no MoI, no model of any kind).
+
 Usage: python bench/cpu_stages.py [--concurrency 8] [--requests 160] [--passages 10]
-           [--rate 200] [--server-root .] [--out bench/results/cpu_stages.json]
+           [--workload moi|auto_scores] [--rate 200] [--server-root .]
+           [--out bench/results/cpu_stages.json]
 
 py-spy is a dev tool (``pip install py-spy``), not a dependency of the service. py-spy
 attaches after a warm-up cycle (imports, the solver pool's start and the designs' cache are not
@@ -38,6 +43,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from bench import default_path
 from bench.load import SERVER_ENV, level
 from bench.report import parser as bench_parser
 from bench.report import provenance
@@ -58,6 +64,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("placement/confidence", ("solver/placement.py", "solver/trust.py", "strategies/placement")),
     ("strategy/pipeline", ("service/strategies/", "service/pipeline.py")),
     ("response: app", ("app/conversions.py", "app/routes/")),
+    ("request id (uuid4)", ("uuid4",)),
     ("pydantic", ("pydantic",)),
     ("json", ("json/",)),
     ("metrics/middleware", ("prometheus_client", "app/middleware.py", "app/metrics.py")),
@@ -110,12 +117,19 @@ async def warm_up(port: int, bodies: list[dict[str, Any]]) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    bodies = load_requests(Path(args.data), args.queries, [args.passages])
     port = free_port()
     root = Path(args.server_root).resolve()
-    raw = Path(tempfile.mkdtemp()) / "raw.txt"
+    tmp = Path(tempfile.mkdtemp())
+    raw = tmp / "raw.txt"
     load_before = os.getloadavg()
-    env = {**SERVER_ENV, "RAG_REORDER_BACKEND": "paced"}
+    if args.workload == "auto_scores":
+        default_path.trust_profile(tmp / "profiles", default_path.MODEL_ID)
+        bodies = default_path.bodies(Path(args.data), args.queries, "auto_scores")
+        env = {**default_path.SERVER_ENV, "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp / "profiles"),
+               "RAG_REORDER_TRAFFIC_SAMPLE_DIR": str(tmp / "traffic")}  # fmt: skip
+    else:
+        bodies = load_requests(Path(args.data), args.queries, [args.passages])
+        env = {**SERVER_ENV, "RAG_REORDER_BACKEND": "paced"}
     proc = start_server(root, port, env, Path(args.server_log), ready_s=300)
     try:
         # Warm-up before py-spy attaches: imports, the solver pool's start and the designs'
@@ -149,7 +163,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "load_average_after": os.getloadavg(),
         "server_root": str(root),
         "engine": "paced (h200-transformers-bf16)",
-        "requests": {"passages": args.passages, "queries": args.queries, "design": "pruned_random"},
+        "workload": args.workload,
+        "requests": {"passages": args.passages, "queries": args.queries, "design": "pruned_random"}
+        if args.workload == "moi"
+        else {"passages": default_path.PASSAGES, "queries": args.queries, "path": "profile"},
         "level": row,
         "wall_s": wall,
         "server_cpu_ms_per_request": per_request_ms,
@@ -187,6 +204,12 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=160)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--queries", type=int, default=8)
+    ap.add_argument(
+        "--workload",
+        choices=("moi", "auto_scores"),
+        default="moi",
+        help="MoI requests, or auto's no-model path (bench/default_path.py's)",
+    )
     ap.add_argument("--rate", type=int, default=200, help="py-spy samples per second")
     ap.add_argument("--server-root", default=str(ROOT))
     ap.add_argument("--server-log", default="/tmp/rag-reorder-cpu-stages.log")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from functools import lru_cache
 from typing import Literal
 
 import numpy as np
@@ -54,9 +55,19 @@ def place_ranking(
     if bias is None or len(bias) == 0:
         raise SolverError("bias_matched placement needs a position-bias profile")
     n = len(order)
-    coef = resample(np.asarray(bias, dtype=np.float64), n)
-    slots_by_strength = np.lexsort((np.arange(n), -np.round(coef, 12)))
     out = [0] * n
-    for rank, slot in enumerate(slots_by_strength):
-        out[int(slot)] = order[rank]
+    for rank, slot in enumerate(
+        _slots_by_strength(tuple(np.asarray(bias, dtype=float).tolist()), n)
+    ):
+        out[slot] = order[rank]
     return out
+
+
+@lru_cache(maxsize=256)
+def _slots_by_strength(bias: tuple[float, ...], n: int) -> tuple[int, ...]:
+    """The ``n`` slots strongest first under ``bias`` resampled to ``n`` (ties: earlier slot
+    first). Cached: ``auto``'s profile path places every request by the same few profiles, and
+    the resampling and sort were most of its placement's time (70 us of numpy a 10-passage
+    request against a few us for a lookup; bench/cpu_stages.py --workload auto_scores)."""
+    coef = resample(np.asarray(bias, dtype=np.float64), n)
+    return tuple(int(s) for s in np.lexsort((np.arange(n), -np.round(coef, 12))))

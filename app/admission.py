@@ -32,6 +32,17 @@ Estimates heal (issue 70): a refusal for good needs a confirmed rate
 ran alone) and work over the deadline even at the fastest rate the engine recently showed.
 Work over its deadline on a rate in doubt is admitted when the engine is idle (its calls
 re-measure: the rule single calls always had), and gets 503 + Retry-After behind others.
+With the rate canary on (issue 77), work over twice its deadline even at the fastest rate
+the engine has recently shown is not admitted on the doubt (admitted, it ran into a 504): it
+gets 503 + Retry-After while the canary re-measures, and its retry is decided on that rate.
+
+No 504 for admitted work (issue 77): a rate measured quiet is wrong once a busy neighbour
+arrives, and a request admitted on it burnt its whole deadline before its 504. A call of a
+request admitted as a whole that is estimated over a fifth of its deadline is sent in parts
+of about that size (``AdmittedBackend._in_parts``); after each, the rest is projected at the
+pace the request's own parts ran, and one that would end after its deadline is stopped at
+once with 503 + Retry-After (reason ``progress``). Its parts re-measured the engine, so the
+retry is priced at the slower rate.
 Every refusal or doubt asks for a re-measurement (``remeasure``): the server's rate canary
 then scores a small batch as soon as the engine is idle. Calls the service makes for itself
 (that canary, ``auto``'s background runs) are timed into the meter (``measured``) without
@@ -47,13 +58,14 @@ are counted where its prompts are built, in worker threads, under a lock.
 
 from __future__ import annotations
 
+import itertools
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, TypeVar
 
 from app.exceptions import Overloaded
 from app.metrics import ServiceMetrics
@@ -77,8 +89,18 @@ from service.strategies.request import Estimate
 # its cores), and without the margin 2 of the 19 requests admitted at 3x capacity missed their
 # deadline by that little (bench/results/overload_no_headroom.md).
 _HEADROOM = 0.9
+_REMEASURE_GUESS_S = 10.0
+"""Retry-After's share for the rate canary before one has run (a few seconds on this CPU)."""
 _MIN_DECODE = 2
 """Generations measured before an answer budget may be refused for good (a 422)."""
+_PART_SHARE = 0.2
+"""A call of an admitted request estimated over this share of its deadline is sent in parts
+of about this share each, its progress checked between them (``AdmittedBackend._in_parts``):
+at least four checks before the deadline, and on a GPU, where a request is a fraction of a
+second, no call is ever split."""
+
+_R = TypeVar("_R")
+_T = TypeVar("_T")
 
 
 @dataclass
@@ -109,6 +131,9 @@ class Admission:
         rate canary (``app.main``) once it has run."""
         self.on_remeasure: Callable[[], None] | None = None
         """Set by the server: wakes the rate canary."""
+        self.remeasure_s: float | None = None
+        """Seconds the newest rate canary took (``None``: none ran yet), set by the server:
+        the Retry-After of work refused while the rates are re-measured."""
 
     @property
     def in_flight(self) -> int:
@@ -183,15 +208,34 @@ class Admission:
                 self.remeasure("refused")
                 raise _unreachable(estimate, best_s, self.meter, now, timeout_s, timeout_name)
             self.remeasure("doubted")
+            wait_s = self.estimated_wait_s or 0.0
             if self._tokens:
                 self._metrics.admission_rejections.labels("deadline").inc()
-                wait_s = self.estimated_wait_s or 0.0
                 raise Overloaded(
                     f"this request's {estimate.prompts} model calls are estimated at "
                     f"{own_s:.1f} s, over the {usable:.1f} s its deadline allows, on a rate "
                     f"not yet confirmed ({self._rate_basis(now)}); it is admitted when the "
                     f"engine is idle (about {wait_s:.0f} s of work is queued ahead)",
                     retry_after_s=max(1, math.ceil(wait_s)),
+                )
+            if self._settings.rate_canary and best_s is not None and best_s > 2 * usable:
+                # Over twice the deadline even at the fastest rate the engine has recently
+                # shown (a small call's, slower than big work by its fixed costs, hence the
+                # margin): admitted on an idle engine, such work ran into a 504 at its deadline
+                # (issue 77). The rate canary re-measures instead, within seconds, and the
+                # retry is decided on its rate: 422 once confirmed, admitted if it was the
+                # estimate that was wrong. Work within the margin is admitted, in parts whose
+                # pace stops it early if it will miss (``AdmittedBackend._in_parts``). Without
+                # the canary only requests re-measure, so the old rule stays.
+                self._metrics.admission_rejections.labels("deadline").inc()
+                retry_s = wait_s + (self.remeasure_s or _REMEASURE_GUESS_S)
+                raise Overloaded(
+                    f"this request's {estimate.prompts} model calls are estimated at "
+                    f"{own_s:.1f} s ({best_s:.1f} s even at the fastest rate the engine has "
+                    f"recently shown), over twice the {usable:.1f} s its deadline allows, on a "
+                    f"rate not yet confirmed ({self._rate_basis(now)}); the engine's rates are "
+                    f"being re-measured: retry after {math.ceil(retry_s)} s",
+                    retry_after_s=max(1, math.ceil(retry_s)),
                 )
         elif self._tokens:
             self._check_deadline(n, estimate.new_tokens, deadline, now)
@@ -208,6 +252,12 @@ class Admission:
         if own_s is None or wait_s is None:
             return None
         return wait_s + own_s
+
+    def progress_refused(self, name: str) -> None:
+        """Count an admitted request stopped early by its own progress (``AdmittedBackend``)
+        and ask for a re-measurement: the engine is slower than its rates say."""
+        self._metrics.admission_rejections.labels("progress").inc()
+        self.remeasure("progress")
 
     def remeasure(self, why: str) -> None:
         """Ask for a re-measurement of the engine's rate (the server's rate canary runs it
@@ -495,12 +545,13 @@ class AdmittedBackend:
             self._reservation = None
 
     async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
-        """Check the request's limits (422), admit its tokens (503), then score.
+        """Check the request's limits (422), admit its tokens (503), then score (in parts,
+        ``_in_parts``, when the request is long).
 
         Raises:
             LimitExceeded: too many distinct prompts, or prompts x tokens over the limit.
-            Overloaded: the in-flight token budget is full, or the call would not finish
-                before the request's deadline.
+            Overloaded: the in-flight token budget is full, the call would not finish
+                before the request's deadline, or its first parts show it will not.
         """
         n = len(requests)
         max_prompts = self._settings.max_prompts_per_request
@@ -510,24 +561,127 @@ class AdmittedBackend:
             )
         tokens = _prompt_tokens(requests)
         self._count_prompt_tokens(tokens, n)
-        with self._admission.tokens(tokens, self._deadline, reservation=self._reservation):
-            return await self._inner.score(requests)
+
+        async def part(reqs: Sequence[SpanRequest]) -> list[ScoreResult]:
+            with self._admission.tokens(
+                _prompt_tokens(reqs), self._deadline, reservation=self._reservation
+            ):
+                return await self._inner.score(reqs)
+
+        return await self._in_parts(requests, [len(r.token_ids) for r in requests], None, part)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
         """Check the request's prompts x tokens limit (422), admit the prompts' tokens plus
-        their answer budgets (503), then generate. A prompt's score ids are prefilled with
-        it, so they count as its tokens.
+        their answer budgets (503), then generate (in parts, ``_in_parts``, when the request
+        is long). A prompt's score ids are prefilled with it, so they count as its tokens.
 
         Raises:
             LimitExceeded: prompts x tokens over the limit.
-            Overloaded: the in-flight token budget is full.
+            Overloaded: the in-flight token budget is full, or the first parts of a long
+                request show it will not finish before its deadline.
         """
-        prefilled, budget = _generation_tokens(requests)
+        prefilled, _ = _generation_tokens(requests)
         self._count_prompt_tokens(prefilled, len(requests))
-        with self._admission.tokens(
-            prefilled + budget, self._deadline, new_tokens=budget, reservation=self._reservation
-        ):
-            return await self._inner.generate(requests)
+
+        async def part(reqs: Sequence[GenerationRequest]) -> list[GenerateResult]:
+            tokens, budget = _generation_tokens(reqs)
+            with self._admission.tokens(
+                tokens + budget, self._deadline, new_tokens=budget, reservation=self._reservation
+            ):
+                return await self._inner.generate(reqs)
+
+        return await self._in_parts(
+            requests,
+            [len(r.token_ids) + len(r.score_ids) for r in requests],
+            [r.max_new_tokens for r in requests],
+            part,
+        )
+
+    async def _in_parts(
+        self,
+        requests: Sequence[_R],
+        tokens: Sequence[int],
+        new_tokens: Sequence[int] | None,
+        call: Callable[[Sequence[_R]], Awaitable[list[_T]]],
+    ) -> list[_T]:
+        """Send a call of a request admitted as a whole in parts of about ``_PART_SHARE`` of
+        its deadline each, at the measured rates, and stop it early once its own parts show
+        it would end after its deadline (issue 77): a rate measured quiet, then a busy
+        neighbour, admitted work that then ran into a 504 after burning the whole deadline.
+        One part (the call as it is) for a request not admitted as a whole, one estimated
+        within a part, or without a deadline or a rate: a GPU's calls are never split.
+
+        Raises:
+            Overloaded: the parts so far ran slower than estimated by so much that the rest,
+                at that pace, would end after the request's deadline.
+        """
+        parts = self._parts(tokens, new_tokens)
+        if len(parts) == 1:
+            return await call(requests)
+        meter = self._admission.meter
+        estimates = [
+            meter.seconds_for(sum(tokens[p]), sum(new_tokens[p]) if new_tokens else 0) or 0.0
+            for p in parts
+        ]
+        out: list[_T] = []
+        spent_s = 0.0
+        for k, p in enumerate(parts):
+            if k:
+                self._check_progress(k, len(parts), spent_s, sum(estimates[:k]), estimates[k:])
+            t0 = time.monotonic()
+            out.extend(await call(requests[p]))
+            spent_s += time.monotonic() - t0
+        return out
+
+    def _parts(self, tokens: Sequence[int], new_tokens: Sequence[int] | None) -> list[slice]:
+        """Contiguous parts of a call of about ``_PART_SHARE`` of the deadline each, at the
+        measured rates (module docstring); ``[everything]`` where it is not split."""
+        whole = [slice(0, len(tokens))]
+        if self._reservation is None or self._deadline is None or len(tokens) < 2:
+            return whole
+        budget = sum(new_tokens) if new_tokens else 0
+        total_s = self._admission.meter.seconds_for(sum(tokens), budget)
+        part_s = _PART_SHARE * self._timeout_s
+        if total_s is None or total_s <= part_s:
+            return whole
+        n = min(len(tokens), math.ceil(total_s / part_s))
+        # Cut where the running estimate passes each n-th of the whole: parts of about equal
+        # seconds.
+        meter = self._admission.meter
+        budgets = new_tokens or [0] * len(tokens)
+        seconds = [meter.seconds_for(t, b) or 0.0 for t, b in zip(tokens, budgets, strict=True)]
+        cuts = [0]
+        run = 0.0
+        for i, sec in enumerate(seconds[:-1]):
+            run += sec
+            if run >= total_s * len(cuts) / n:
+                cuts.append(i + 1)
+        cuts.append(len(tokens))
+        return [slice(a, b) for a, b in itertools.pairwise(cuts) if b > a]
+
+    def _check_progress(
+        self, done: int, parts: int, spent_s: float, estimated_s: float, rest: Sequence[float]
+    ) -> None:
+        """``Overloaded`` if the rest of a call, at the pace its first ``done`` parts ran
+        (``spent_s`` against ``estimated_s``), would end after the request's deadline."""
+        assert self._deadline is not None
+        if estimated_s <= 0:
+            return
+        pace = spent_s / estimated_s
+        rest_s = pace * sum(rest)
+        left_s = self._deadline - time.monotonic()
+        if rest_s <= left_s:
+            return
+        self._admission.progress_refused(self._timeout_name)
+        wait_s = self._admission.estimated_wait_s or 0.0
+        raise Overloaded(
+            f"stopped early: the first {done} of {parts} parts of this request's model calls "
+            f"took {spent_s:.1f} s against {estimated_s:.1f} s estimated ({pace:.1f}x: the "
+            f"engine is slower than when its rate was measured), and the other {parts - done} "
+            f"would take about {rest_s:.0f} s more, past its deadline ({max(left_s, 0):.0f} s "
+            f"left); the engine's rates are re-measured from these parts",
+            retry_after_s=max(1, math.ceil(wait_s)),
+        )
 
     def _count_prompt_tokens(self, tokens: int, n: int) -> None:
         """Add a call's prompt tokens to the request's total; 422 over the limit.

@@ -383,12 +383,17 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
             # Its answers stop at line breaks, found by decoding the whole vocabulary (2.4 s
             # for Gemma-3's 262k ids): here, not in the first request that answers.
             await anyio.to_thread.run_sync(lambda: backend.tokenizer.line_break_ids)
+    if ctx.settings.rate_canary and not (
+        # The warm-up's rate is a tiny probe's (fixed costs dominate: 15 tokens/s against 450
+        # on this CPU) and it measures no decode: with warm-up on, the rate canary measures
+        # both before ready, so the first request, a generating one too, is priced by this
+        # machine's rates (issue 77: a first lore priced by a prior, then a 504). Without
+        # warm-up, or if it fails, as soon as the engine is idle after ready.
+        ctx.settings.warmup and await _measure_rates(ctx, backend, "start")
+    ):
+        ctx.admission.remeasure("start")
     lc.mark(warmed=True)
     log.info("ready")
-    # The warm-up's rate is a tiny probe's (fixed costs dominate: 15 tokens/s against 450 on
-    # this CPU): measure a realistic one as soon as the engine is idle.
-    if ctx.settings.rate_canary:
-        ctx.admission.remeasure("start")
     await ctx.engine.learner.ready_if_trusted()
     async with anyio.create_task_group() as tg:
         if ctx.settings.rate_canary:
@@ -540,37 +545,57 @@ async def _remeasure(ctx: AppContext, backend: LogprobBackend) -> None:
         while admission.tokens_in_flight:
             await anyio.sleep(0.1)
         last = time.monotonic()
-        before = admission.meter.tokens_per_s
-        try:
-            measured = await _rate_probe(ctx, backend)
-        except Exception as exc:
-            log.warning("rate canary failed: %s", exc)
-            ctx.metrics.rate_probes.labels(why, "failed").inc()
-            continue
-        if not measured:
-            ctx.metrics.rate_probes.labels(why, "preempted").inc()
-            continue  # a request took the engine: its own calls measure it; ask again later
-        admission.remeasure_wanted = None
-        ctx.metrics.rate_probes.labels(why, "measured").inc()
-        after = admission.meter.tokens_per_s
-        log.info(
-            "engine rate re-measured (%s): %s prompt tokens/s, was %s",
-            why,
-            "-" if after is None else f"{after:.0f}",
-            "-" if before is None else f"{before:.0f}",
-        )
+        # Not measured (failed, or preempted by a request whose own calls measure the engine):
+        # asked again later.
+        await _measure_rates(ctx, backend, why)
+
+
+async def _measure_rates(ctx: AppContext, backend: LogprobBackend, why: str) -> bool:
+    """Run the rate canary, count and log how it ended; whether it measured. Never raises."""
+    admission = ctx.admission
+    meter = admission.meter
+    before = meter.tokens_per_s, meter.decode_tokens_per_s
+    try:
+        measured = await _rate_probe(ctx, backend)
+    except Exception as exc:
+        log.warning("rate canary failed: %s", exc)
+        ctx.metrics.rate_probes.labels(why, "failed").inc()
+        return False
+    if not measured:
+        ctx.metrics.rate_probes.labels(why, "preempted").inc()
+        return False
+    admission.remeasure_wanted = None
+    ctx.metrics.rate_probes.labels(why, "measured").inc()
+    log.info(
+        "engine rate measured (%s) in %.1f s: %s prompt tokens/s, %s answer tokens/s of "
+        "decode (was %s, %s)",
+        why,
+        admission.remeasure_s,
+        *(_rate(r) for r in (meter.tokens_per_s, meter.decode_tokens_per_s, *before)),
+    )
+    return True
+
+
+def _rate(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.0f}"
 
 
 async def _rate_probe(ctx: AppContext, backend: LogprobBackend) -> bool:
-    """Score the rate canary on the metered backend; ``False`` if a request arrived first
-    (cancelled at once: the service's own work never delays a caller)."""
+    """Score the rate canary on the metered backend, then generate its short answers (issue
+    77: decode is measured on this machine, not priced by ``DECODE_PRIOR``); ``False`` if a
+    request arrived first (cancelled at once: the service's own work never delays a caller).
+    """
     reorderer = Reorderer(MeteredBackend(backend, ctx.admission), ctx.settings, ctx.engine.profiles)
-    req = ReorderRequest(
-        RATE_QUERY,
-        RATE_PASSAGES,
-        request_id=f"rate-{time.monotonic_ns():x}",
-        design=DesignSpec(kind="pruned_random"),
+    rid = f"rate-{time.monotonic_ns():x}"
+    scoring = ReorderRequest(
+        RATE_QUERY, RATE_PASSAGES, request_id=rid, design=DesignSpec(kind="pruned_random")
     )
+    # Then one greedy answer per passage (a lockstep batch of four) with the default answer
+    # budget, as lore generates: the decode rate is per answer-budget token, so the canary's
+    # answers must stop where real ones do. After the scoring half, so its prompts' share is
+    # priced at the prefill rate just measured and the rest is decode.
+    generating = ReorderRequest(RATE_QUERY, RATE_PASSAGES, strategy="lore", request_id=f"{rid}-g")
+    t0 = time.monotonic()
     done = False
     async with anyio.create_task_group() as tg:
 
@@ -582,12 +607,20 @@ async def _rate_probe(ctx: AppContext, backend: LogprobBackend) -> bool:
         async def run() -> None:
             nonlocal done
             with anyio.fail_after(ctx.settings.canary_timeout_s):
-                await reorderer.reorder(req)
+                await reorderer.reorder(scoring)
+                try:
+                    await reorderer.reorder(generating)
+                except Exception as exc:
+                    # An engine or template that cannot generate still has its prefill rate
+                    # measured; generating requests keep the decode prior.
+                    log.warning("rate canary: the generation half failed: %s", exc)
             done = True
             tg.cancel_scope.cancel()
 
         tg.start_soon(preempt)
         tg.start_soon(run)
+    if done:
+        ctx.admission.remeasure_s = time.monotonic() - t0
     return done
 
 

@@ -97,17 +97,19 @@ def test_a_newer_call_alone_on_the_engine_contradicts_a_confirmed_rate() -> None
     assert not meter.confirmed(t + 0.1)
 
 
-def _admission(timeout_s: float = 10.0) -> Admission:
+def _admission(timeout_s: float = 10.0, *, rate_canary: bool = True) -> Admission:
     return Admission(
-        Settings(request_timeout_s=timeout_s), ServiceMetrics(include_default_registry=False)
+        Settings(request_timeout_s=timeout_s, rate_canary=rate_canary),
+        ServiceMetrics(include_default_registry=False),
     )
 
 
 def test_one_slow_first_measurement_never_refuses_for_good() -> None:
     # Issue 70: the first request behind a busy neighbour seeded 47 tokens/s, and every
     # 10-passage request after it was refused with 422, forever. Now: one call is not enough
-    # to refuse for good; on an idle engine the request is admitted (and re-measures).
-    admission = _admission(timeout_s=10.0)
+    # to refuse for good; on an idle engine the request is admitted (and re-measures) where
+    # only requests re-measure (no rate canary; with it, issue 77: 503 while it re-measures).
+    admission = _admission(timeout_s=10.0, rate_canary=False)
     asked: list[str] = []
     admission.on_remeasure = lambda: asked.append(admission.remeasure_wanted or "")
     slow_calls(admission.meter, 47.0, 1)

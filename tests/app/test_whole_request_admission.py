@@ -23,7 +23,7 @@ from service.config.settings import Settings
 from service.errors import DeadlineUnreachable
 from service.runtime.throughput import ThroughputMeter
 from service.strategies.request import Estimate
-from tests.app.conftest import QUERY, Harness, TrackingBackend, measured, serving
+from tests.app.conftest import QUERY, Harness, TrackingBackend, measured, serving, wait_ready
 
 
 def _measured(prefill: float, decode: float | None = None, timeout_s: float = 10.0) -> Admission:
@@ -83,8 +83,10 @@ def test_work_over_the_deadline_on_an_idle_engine_is_refused_with_the_estimate()
 
 
 def test_a_rate_from_the_warm_up_seed_alone_never_refuses_for_good() -> None:
+    # Without the rate canary only requests re-measure: admitted on the idle engine.
     admission = Admission(
-        Settings(request_timeout_s=10.0), ServiceMetrics(include_default_registry=False)
+        Settings(request_timeout_s=10.0, rate_canary=False),
+        ServiceMetrics(include_default_registry=False),
     )
     admission.seed(100, 1.0)  # a tiny probe: 100 tokens/s, far below the engine's real rate
     reservation = admission.reserve(
@@ -92,6 +94,14 @@ def test_a_rate_from_the_warm_up_seed_alone_never_refuses_for_good() -> None:
     )  # 50 s by the seed: admitted, the engine is idle
     assert reservation.estimated_s == pytest.approx(50.0)
     admission.release(reservation)
+    # With it (the default), 503 + Retry-After while it re-measures: never a 422.
+    canary = Admission(
+        Settings(request_timeout_s=10.0), ServiceMetrics(include_default_registry=False)
+    )
+    canary.seed(100, 1.0)
+    with pytest.raises(Overloaded) as busy:
+        canary.reserve(_estimate(5000), time.monotonic() + 10.0, timeout_s=10.0)
+    assert busy.value.retry_after_s is not None and canary.remeasure_wanted == "doubted"
 
 
 def test_a_reserved_request_keeps_its_place_and_newer_arrivals_queue_behind_it() -> None:
@@ -239,3 +249,101 @@ async def test_a_long_answer_budget_is_refused_by_the_measured_decode_rate(tmp_p
             "/v1/reorder", json=_body("lore", SHORT, {"max_answer_tokens": 64})
         )
         assert fits.status_code == 200, fits.text
+
+
+# ---------------------------------------------------------------------------------------------
+# No 504 for admitted work (issue 77): rates measured before ready, no admission on a doubt
+# that cannot fit even at the engine's best, and a long request stopped early by its own pace.
+
+
+def test_work_over_its_deadline_even_at_the_best_rate_is_not_admitted_on_a_doubt() -> None:
+    admission = measured(100.0, timeout_s=10.0)  # confirmed at 100 prompt tokens/s
+    meter = admission.meter
+    t = time.monotonic() - 0.5
+    meter.begin(t)
+    meter.end(t + 0.1, 100)  # a newer call alone on the engine at 1,000/s contradicts it
+    now = time.monotonic()
+    assert not meter.confirmed(now) and meter.best_rate(now) == pytest.approx(1000.0)
+    deadline = now + 10.0
+    # 5,000 tokens: over the deadline at the estimate, 5 s at the best rate: the doubt may be
+    # the estimate's, so it is admitted on the idle engine (its calls re-measure).
+    fits = admission.reserve(_estimate(5000), deadline, timeout_s=10.0)
+    admission.release(fits)
+    # 20,000 tokens: 20 s even at the best rate. Admitted, it ran into a 504; now 503 at
+    # once, nothing reserved, the canary asked to re-measure, and never a 422 on a doubt.
+    admission.remeasure_s = 3.2
+    with pytest.raises(Overloaded) as refused:
+        admission.reserve(_estimate(20_000), deadline, timeout_s=10.0)
+    assert refused.value.retry_after_s == 4  # the queue (none) and the canary's 3.2 s
+    assert "re-measured" in refused.value.message and "20.0 s even at" in refused.value.message
+    assert admission.tokens_in_flight == 0 and admission.remeasure_wanted == "doubted"
+
+
+async def test_both_rates_are_measured_before_ready_and_price_the_first_generation(
+    tmp_path: Path,
+) -> None:
+    backend = TrackingBackend(TRUTH, s_per_token=S_PER_TOKEN, s_per_new_token=S_PER_NEW_TOKEN)
+    async with serving(
+        tmp_path, backend=backend, request_timeout_s=TIMEOUT_S, rate_canary=True, ready=False
+    ) as h:
+        await wait_ready(h.client, timeout=60)  # the canary adds about 1.5 s to the warm-up
+        # At ready, the rate canary has scored and generated on this engine: the decode rate
+        # is this engine's, not the prior (before, it ran after ready and only scored, and
+        # the first request preempted it).
+        cap = (await h.client.get("/info")).json()["capacity"]
+        start = {"reason": "start", "outcome": "measured"}
+        assert h.metric("rag_reorder_rate_probes_total", start) == 1
+        assert cap["decode_tokens_per_s"] == pytest.approx(1 / S_PER_NEW_TOKEN, rel=0.3)
+        assert cap["prefill_tokens_per_s"] > 0.3 / S_PER_TOKEN
+        metrics = (await h.client.get("/metrics")).text
+        assert "rag_reorder_engine_decode_tokens_per_second 0.0" not in metrics
+        # The first generating request: 4 x 512 answer tokens, 10 s at this engine's decode,
+        # over twice the 2.7 s its deadline allows. Priced by the prior (8 prompt tokens an
+        # answer token) it looked like 1.7 s and was admitted to a 504; now it is refused at
+        # once (503 while the rate is not yet confirmed by enough calls).
+        t = time.perf_counter()
+        r = await h.client.post(
+            "/v1/reorder", json=_body("lore", SHORT, {"max_answer_tokens": 512})
+        )
+        assert r.status_code == 503, r.text
+        assert time.perf_counter() - t < 2.0  # milliseconds when the machine is not loaded
+        assert "even at the fastest rate" in r.json()["error"]["message"]
+        assert "Retry-After" in r.headers
+        assert h.metric("rag_reorder_admission_rejections_total", {"reason": "deadline"}) == 1
+        # One that fits is answered, its estimate within 2x of what it took.
+        ok = await h.client.post(
+            "/v1/reorder", json=_body("lore", SHORT, {"max_answer_tokens": 64})
+        )
+        assert ok.status_code == 200, ok.text
+        timing = ok.json()["timing"]
+        assert 0.5 < timing["estimated_s"] / timing["scoring_s"] < 2.0, timing
+
+
+async def test_a_long_request_that_its_own_pace_shows_will_miss_is_stopped_early(
+    tmp_path: Path,
+) -> None:
+    backend = TrackingBackend(TRUTH, s_per_token=S_PER_TOKEN, s_per_new_token=S_PER_NEW_TOKEN)
+    body = _body("self_consistency", SHORT, {"samples": 12, "max_answer_tokens": 8})
+    async with serving(tmp_path, backend=backend, request_timeout_s=TIMEOUT_S) as h:
+        await _measure_prefill(h)
+        for _ in range(2):
+            assert (await h.client.post("/v1/reorder", json=_body("lore", SHORT, {}))).is_success
+        # Estimated at about half its deadline: sent in parts of a fifth of it, answered.
+        calls = backend.stats.generate_calls
+        ok = await h.client.post("/v1/reorder", json=body)
+        assert ok.status_code == 200, ok.text
+        assert backend.stats.generate_calls - calls >= 2
+        assert 0.5 < ok.json()["timing"]["estimated_s"] / ok.json()["timing"]["scoring_s"] < 2
+        # A busy neighbour arrives: the engine runs 4x slower than its measured rates. The
+        # same request was admitted and cancelled at its deadline, a 504 after 3 s; now its
+        # first part shows the pace, and it is told at once, 503 with Retry-After.
+        backend.s_per_token *= 4
+        backend.s_per_new_token *= 4
+        t = time.perf_counter()
+        r = await h.client.post("/v1/reorder", json=body)
+        elapsed = time.perf_counter() - t
+        assert r.status_code == 503, r.text
+        assert "stopped early" in r.json()["error"]["message"] and "Retry-After" in r.headers
+        assert elapsed < 0.8 * TIMEOUT_S
+        assert h.metric("rag_reorder_admission_rejections_total", {"reason": "progress"}) == 1
+        assert h.ctx.admission.tokens_in_flight == 0

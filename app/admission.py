@@ -500,6 +500,9 @@ class AdmittedBackend:
         self._timeout_s = settings.request_timeout_s if timeout_s is None else timeout_s
         self._timeout_name = timeout_name
         self._reservation: Reservation | None = None
+        self.estimated_s: float | None = None
+        """The request's estimate when it was admitted as a whole (``None``: not, or no
+        rate), kept after it is released: a 504's message gives it."""
         self._sent_tokens = 0  # prompt tokens this request sent so far, scored or generated
         self._tokenizer: _ChargedTokenizer | None = None
 
@@ -532,7 +535,8 @@ class AdmittedBackend:
         self._reservation = self._admission.reserve(
             estimate, self._deadline, timeout_s=self._timeout_s, timeout_name=self._timeout_name
         )
-        return self._reservation.estimated_s
+        self.estimated_s = self._reservation.estimated_s
+        return self.estimated_s
 
     def estimate_s(self, estimate: Estimate) -> float | None:
         """``Admission.estimate_s``: when the work would be done if admitted now."""

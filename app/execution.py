@@ -100,6 +100,7 @@ async def run_admitted(
     rid = request_id_of(request.scope)
 
     deadline = time.monotonic() + timeout_s
+    gates: list[AdmittedBackend] = []
 
     def reorderer() -> Reorderer:
         # The backend is also the request's gate: ``Reorderer.reorder`` admits the whole
@@ -112,6 +113,7 @@ async def run_admitted(
             timeout_s=timeout_s,
             timeout_name=timeout_name,
         )
+        gates.append(gate)
         return Reorderer(
             gate, settings, ctx.engine.profiles, ctx.engine.traffic, ctx.engine.learner, gate
         )
@@ -122,9 +124,17 @@ async def run_admitted(
             with anyio.fail_after(timeout_s):
                 result = await cancel_on_disconnect(request, lambda: work(reorderer))
         except TimeoutError:
+            # What admission expected of it: a 504 of admitted work is an estimate that was
+            # wrong (issue 77), and says by how much.
+            estimates = [g.estimated_s for g in gates if g.estimated_s is not None]
+            expected = (
+                f" (admission estimated its model calls at {sum(estimates):.1f} s)"
+                if estimates
+                else ""
+            )
             raise DeadlineExceeded(
                 f"the request did not finish within {timeout_name} = {timeout_s:g} s; "
-                "its scoring was cancelled"
+                f"its scoring was cancelled{expected}"
             ) from None
         except ClientDisconnected:
             log.info(

@@ -347,3 +347,16 @@ async def test_a_long_request_that_its_own_pace_shows_will_miss_is_stopped_early
         assert elapsed < 0.8 * TIMEOUT_S
         assert h.metric("rag_reorder_admission_rejections_total", {"reason": "progress"}) == 1
         assert h.ctx.admission.tokens_in_flight == 0
+
+
+async def test_a_504_says_what_admission_expected_of_the_request(tmp_path: Path) -> None:
+    # A 504 of admitted work is an estimate that was wrong: its message says which estimate
+    # (the benchmark's 504 rows had none to compare).
+    backend = TrackingBackend(TRUTH, s_per_token=S_PER_TOKEN)
+    async with serving(tmp_path, backend=backend, request_timeout_s=1.0) as h:
+        ok = await h.client.post("/v1/reorder", json=_body("moi", SHORT, {}))
+        assert ok.status_code == 200, ok.text
+        backend.hang = True  # the engine stops answering: the request runs into its deadline
+        r = await h.client.post("/v1/reorder", json=_body("moi", SHORT, {}))
+        assert r.status_code == 504, r.text
+        assert "admission estimated its model calls at" in r.json()["error"]["message"]

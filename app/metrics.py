@@ -325,9 +325,11 @@ class ServiceMetrics:
         )
         self.admission_rejections = Counter(
             f"{p}_admission_rejections",
-            "Requests refused by admission, by reason: 503 for concurrency, token_budget, or "
-            "deadline (the queue ahead would not let it finish in time; shed at once); 422 for "
-            "unreachable (its own estimated work exceeds its deadline on an idle engine).",
+            "Requests refused by admission, by reason: 503 for concurrency, token_budget, "
+            "deadline (the queue ahead would not let it finish in time, or a doubted rate "
+            "while it is re-measured; shed at once), or progress (admitted, but its own first "
+            "calls ran too slowly to finish in time: stopped early); 422 for unreachable (its "
+            "own estimated work exceeds its deadline on an idle engine).",
             ["reason"],
             registry=r,
         )
@@ -374,9 +376,9 @@ class ServiceMetrics:
         )
         self.rate_probes = Counter(
             f"{p}_rate_probes",
-            "Rate canaries (a small scoring call the service times to re-measure the engine) "
-            "by why they ran (start, refused, doubted, stale) and how they ended (measured, "
-            "preempted by a request, failed).",
+            "Rate canaries (a small scoring call and a short generation the service times to "
+            "re-measure the engine) by why they ran (start, refused, doubted, stale, progress) "
+            "and how they ended (measured, preempted by a request, failed).",
             ["reason", "outcome"],
             registry=r,
         )

@@ -48,7 +48,8 @@ class CapacityOut(_Model):
     confirmed: bool
     """Whether the rate may refuse work for good (422): 4 or more recent calls, not
     contradicted by the newest call alone on the engine. Else work over its deadline is
-    admitted on an idle engine and re-measures it."""
+    admitted on an idle engine and re-measures it, or, over twice its deadline even at
+    `best_tokens_per_s` with the rate canary on, gets 503 while the canary re-measures."""
     estimated_wait_s: float | None
     """Seconds of admitted work queued now, at the measured rates."""
     remeasure: str | None

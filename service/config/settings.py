@@ -437,10 +437,12 @@ class Settings(BaseSettings):
     """Seconds between liveness canaries (a tiny scoring request, skipped while real requests
     succeed); 0 disables them."""
     rate_canary: bool = True
-    """Re-measure the engine's rate with a small scoring call of the service's own (eight
-    prompts of two short passages) when the engine is idle and the rate is in doubt: at
-    start, after a refusal or a doubted estimate, and when no call measured it for 300 s
-    (docs/operations.md, "Estimates that heal"). Off: only requests measure it."""
+    """Re-measure the engine's prefill and decode rates with a small scoring call of the
+    service's own (eight prompts of two short passages) and four short answers: at start
+    before ready, then when the engine is idle and the rate is in doubt (after a refusal or
+    a doubted estimate) or no call measured it for 300 s (docs/operations.md, "Estimates
+    that heal"). Off: only requests measure it, and work over its deadline on a doubted rate
+    is admitted on an idle engine."""
     canary_timeout_s: float = Field(default=60.0, gt=0)
     """Deadline of one canary or of the warm-up request."""
     canary_failures_fatal: int = Field(default=3, ge=1)

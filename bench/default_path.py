@@ -25,7 +25,15 @@ that many closed-loop clients (each sends its next request when the previous ans
 for ``--seconds`` (at least ``--min-requests``): requests/s, p50/p99 latency, errors, and the
 server's CPU ms per request (its process tree's user + system CPU time over the level, divided
 by the requests). The 1-minute load average before and after each level is recorded: the
-machine is shared, and another engineer's work shows there.
+machine is shared, and another engineer's work shows there. So are the longest stretch of the
+level with no response (``stall_ms``) and the seconds the server's threads were runnable but
+off a core (``server_cpu_wait_s``, Linux schedstat): a stall the scheduler made shows in the
+second, one the server made itself does not.
+
+The clients are one keep-alive HTTP/1.1 connection each, bodies encoded once
+(``Connection``), their CPU per request recorded (``client_cpu_ms_per_request``, about
+0.15 ms): the clients share the server's cores, and with httpx's client (about 1.5 ms a
+request) they, not the server, set the no-model path's requests/s.
 
 Targets: ``auto_scores`` at least 500 requests/s at 16 concurrent; ``auto_dense`` at least 3x
 ``dense_before`` at 16 concurrent.
@@ -61,7 +69,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import report
-from bench.server_process import cpu_s, free_port, percentile, process_tree, start_server
+from bench.server_process import (
+    cpu_s,
+    free_port,
+    percentile,
+    process_tree,
+    run_delay_s,
+    start_server,
+)
 from service.learning.learner import learning_slots
 from service.state.profile_store import ProfileStore, ProfileTrust
 
@@ -282,9 +297,13 @@ async def run_case(
         levels = []
         for c in args.levels:
             tree = process_tree(proc.pid)
-            cpu0, load0 = cpu_s(tree), os.getloadavg()[0]
+            cpu0, load0, delay0 = cpu_s(tree), os.getloadavg()[0], run_delay_s(tree)
             row = await level(port, reqs, c, args.seconds, max(c, args.min_requests), expect)
             used = cpu_s(tree) - cpu0
+            # Runnable but off a core, summed over the server's threads: what the shared
+            # machine took from the level (a stall with this near the wall time is the
+            # scheduler's; one with this near 0 is the server waiting on itself).
+            row["server_cpu_wait_s"] = run_delay_s(tree) - delay0
             row["server_cpu_ms_per_request"] = 1000 * used / max(1, row["requests"])
             row["load_1min"] = [round(load0, 2), round(os.getloadavg()[0], 2)]
             print(
@@ -292,7 +311,8 @@ async def run_case(
                 f"{row['requests_per_s']:.1f} req/s, p50 {row['p50_ms']:.1f} ms, "
                 f"p99 {row['p99_ms']:.1f} ms, {row['server_cpu_ms_per_request']:.2f} CPU "
                 f"ms/req (client {row['client_cpu_ms_per_request']:.2f}), longest stall "
-                f"{row['stall_ms']:.0f} ms, load {row['load_1min']}",
+                f"{row['stall_ms']:.0f} ms, waited for a CPU {row['server_cpu_wait_s']:.1f} s, "
+                f"load {row['load_1min']}",
                 flush=True,
             )
             levels.append(row)
@@ -338,15 +358,23 @@ def markdown(result: dict[str, Any]) -> str:
         f"each level in the last column). Baseline code: {result['baseline']}.",
         "",
         "| case | concurrency | requests | errors | req/s | p50 ms | p99 ms | server CPU "
-        "ms/request | load 1 min |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
+        "ms/request | client CPU ms/request | longest stall ms | server waited for a CPU s "
+        "| load 1 min |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
+
+    def opt(row: dict[str, Any], key: str, fmt: str) -> str:
+        # Runs before the light client and the stall figures have no such field.
+        return format(row[key], fmt) if key in row else "-"
+
     for case in result["cases"].values():
         for row in case["levels"]:
             lines.append(
                 f"| {case['case']} | {row['concurrency']} | {row['requests']} | "
                 f"{row['errors']} | {row['requests_per_s']:.1f} | {row['p50_ms']:.1f} | "
                 f"{row['p99_ms']:.1f} | {row['server_cpu_ms_per_request']:.2f} | "
+                f"{opt(row, 'client_cpu_ms_per_request', '.2f')} | "
+                f"{opt(row, 'stall_ms', '.0f')} | {opt(row, 'server_cpu_wait_s', '.1f')} | "
                 f"{row['load_1min'][0]:.2f} / {row['load_1min'][1]:.2f} |"
             )
     lines += ["", "Verdicts: `" + json.dumps(result["verdicts"]) + "`", ""]

@@ -49,6 +49,26 @@ def cpu_s(processes: Sequence[Any]) -> float:
     return total
 
 
+def run_delay_s(processes: Sequence[Any]) -> float:
+    """Seconds the threads of ``processes`` spent runnable but waiting for a CPU (the second
+    field of Linux's ``/proc/<pid>/task/<tid>/schedstat``): on a shared machine, how long
+    the scheduler kept them off a core. Threads gone since are left out; 0 where there is no
+    schedstat."""
+    total = 0
+    for proc in processes:
+        tasks = Path(f"/proc/{proc.pid}/task")
+        try:
+            tids = list(tasks.iterdir())
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                total += int((tid / "schedstat").read_text().split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return total / 1e9
+
+
 def percentile(xs: Sequence[float], q: float) -> float:
     """Nearest-rank percentile (with a handful of samples p99 is the maximum)."""
     s = sorted(xs)

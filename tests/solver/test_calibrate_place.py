@@ -125,3 +125,24 @@ def test_place_ranking_by_hand() -> None:
         place_ranking(ranking, "bias_matched")
     with pytest.raises(SolverError, match="unknown placement"):
         place_ranking(ranking, "middle")  # type: ignore[arg-type]
+
+
+def test_place_ranking_reuses_a_profiles_slot_order() -> None:
+    """The slot order of a profile at a passage count is computed once: ``auto``'s profile
+    path places every request by the same profile. Rankings, and profiles passed as a list or
+    an array, are placed as computed afresh."""
+    from solver import place_ranking, resample
+    from solver.placement import _slots_by_strength
+
+    bias = np.array([0.11, 0.17, 0.19, 0.23, 0.3])  # a 5-slot profile placing 10 passages
+    coef = resample(bias, 10)
+    strongest = sorted(range(10), key=lambda s: (-coef[s], s))
+    rng = np.random.default_rng(3)
+    before = _slots_by_strength.cache_info()
+    for _ in range(20):
+        ranking = [int(i) for i in rng.permutation(10)]
+        placed = place_ranking(ranking, "bias_matched", bias)
+        assert [placed[slot] for slot in strongest] == ranking
+        assert place_ranking(ranking, "bias_matched", bias.tolist()) == placed
+    after = _slots_by_strength.cache_info()
+    assert after.misses - before.misses <= 1 and after.hits - before.hits >= 39

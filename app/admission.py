@@ -24,7 +24,8 @@ the rates come from real calls (a warm-up seed alone is too rough to refuse for 
 request is admitted when the engine idles, as before). One that does not fit behind the queue
 gets 503 + Retry-After. An admitted request's estimate stays reserved in the tokens in flight,
 so newer arrivals queue behind it, and its calls draw on the reservation without being
-checked again: admitted means expected to finish. Calls of work not admitted as a whole are
+checked against the queue again: admitted means expected to finish (only its own pace, below,
+can stop it early). Calls of work not admitted as a whole are
 checked one by one, as before.
 
 Estimates heal (issue 70): a refusal for good needs a confirmed rate
@@ -96,8 +97,8 @@ _MIN_DECODE = 2
 _PART_SHARE = 0.2
 """A call of an admitted request estimated over this share of its deadline is sent in parts
 of about this share each, its progress checked between them (``AdmittedBackend._in_parts``):
-at least four checks before the deadline, and on a GPU, where a request is a fraction of a
-second, no call is ever split."""
+four checks for a request that fills its deadline; on a GPU, where a request takes a fraction
+of a second, no call is split."""
 
 _R = TypeVar("_R")
 _T = TypeVar("_T")
@@ -253,7 +254,7 @@ class Admission:
             return None
         return wait_s + own_s
 
-    def progress_refused(self, name: str) -> None:
+    def progress_refused(self) -> None:
         """Count an admitted request stopped early by its own progress (``AdmittedBackend``)
         and ask for a re-measurement: the engine is slower than its rates say."""
         self._metrics.admission_rejections.labels("progress").inc()
@@ -676,7 +677,7 @@ class AdmittedBackend:
         left_s = self._deadline - time.monotonic()
         if rest_s <= left_s:
             return
-        self._admission.progress_refused(self._timeout_name)
+        self._admission.progress_refused()
         wait_s = self._admission.estimated_wait_s or 0.0
         raise Overloaded(
             f"stopped early: the first {done} of {parts} parts of this request's model calls "

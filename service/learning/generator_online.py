@@ -23,6 +23,13 @@ profile this sampler did not write (an operator's ``profile-generator`` run) is 
 overwritten; one it wrote that refits to ``undecided`` is stored as such, so every replica
 stops placing by it.
 
+Answers also come by feedback (``POST /v1/feedback``, ``feedback``): with
+``feedback_max_requests`` > 0 the served ``/v1/reorder`` requests are kept in memory for a
+bounded count and time (``ServedRequests``), and the generator's answer to one is learned from
+the same way, but only where the served order was a uniformly random placement (``shuffle``):
+an order chosen from the passages' scores confounds a slot's pull with the passage's
+usefulness. Without ``generator_url`` nothing is sampled and feedback is the only source.
+
 Why here and not in ``offline`` with the offline tool: the server never imports ``offline``
 (an import-linter contract), so the generator's client lives in ``service.backends.
 generator_client``, which both use.

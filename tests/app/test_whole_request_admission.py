@@ -322,9 +322,10 @@ async def test_both_rates_are_measured_before_ready_and_price_the_first_generati
 async def test_a_long_request_that_its_own_pace_shows_will_miss_is_stopped_early(
     tmp_path: Path,
 ) -> None:
+    timeout_s = 6.0  # twice the others': a loaded test machine must not eat the margin
     backend = TrackingBackend(TRUTH, s_per_token=S_PER_TOKEN, s_per_new_token=S_PER_NEW_TOKEN)
-    body = _body("self_consistency", SHORT, {"samples": 12, "max_answer_tokens": 8})
-    async with serving(tmp_path, backend=backend, request_timeout_s=TIMEOUT_S) as h:
+    body = _body("self_consistency", SHORT, {"samples": 24, "max_answer_tokens": 8})
+    async with serving(tmp_path, backend=backend, request_timeout_s=timeout_s) as h:
         await _measure_prefill(h)
         for _ in range(2):
             assert (await h.client.post("/v1/reorder", json=_body("lore", SHORT, {}))).is_success
@@ -333,18 +334,20 @@ async def test_a_long_request_that_its_own_pace_shows_will_miss_is_stopped_early
         ok = await h.client.post("/v1/reorder", json=body)
         assert ok.status_code == 200, ok.text
         assert backend.stats.generate_calls - calls >= 2
-        assert 0.5 < ok.json()["timing"]["estimated_s"] / ok.json()["timing"]["scoring_s"] < 2
-        # A busy neighbour arrives: the engine runs 4x slower than its measured rates. The
-        # same request was admitted and cancelled at its deadline, a 504 after 3 s; now its
-        # first part shows the pace, and it is told at once, 503 with Retry-After.
-        backend.s_per_token *= 4
-        backend.s_per_new_token *= 4
+        timing = ok.json()["timing"]
+        assert 0.5 < timing["estimated_s"] / timing["scoring_s"] < 2, timing
+        # A busy neighbour arrives: the engine runs 3x slower than its measured rates. The
+        # same request was admitted and cancelled at its deadline, a 504 after 6 s; now its
+        # first part (a fifth of the deadline at the measured rates, about 3.6 s at this
+        # pace) shows it will miss, and it is told then, 503 with Retry-After.
+        backend.s_per_token *= 3
+        backend.s_per_new_token *= 3
         t = time.perf_counter()
         r = await h.client.post("/v1/reorder", json=body)
         elapsed = time.perf_counter() - t
         assert r.status_code == 503, r.text
         assert "stopped early" in r.json()["error"]["message"] and "Retry-After" in r.headers
-        assert elapsed < 0.8 * TIMEOUT_S
+        assert elapsed < timeout_s
         assert h.metric("rag_reorder_admission_rejections_total", {"reason": "progress"}) == 1
         assert h.ctx.admission.tokens_in_flight == 0
 

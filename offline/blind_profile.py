@@ -270,23 +270,9 @@ def _finish(
             else f"{fit.reason}: a flat profile places nothing (pass --force to store it)"
         )
     else:
-        trust = ProfileTrust(
-            verdict=fit.verdict,
-            reason=fit.reason,
-            runs=round(fit.attributed),
-            flat_p=fit.flat_p,
-            spread=fit.spread,
-            spread_upper=fit.spread_upper,
-            stability=fit.stability,
-            top_slots=fit.top_slots,
-            placement_slots=fit.placement_slots,
-            resamples=fit.resamples,
-            covariance=fit.covariance,
-            assessed_at=time.time(),
-            # The API lists a stored trust as learned from traffic or measured offline: this
-            # is the latter (its identification says how).
-            source="calibration",
-        )
+        # The API lists a stored trust as learned from traffic or measured offline: this is
+        # the latter (its identification says how).
+        trust = ProfileTrust.of_blind(fit, source="calibration")
         stored = store.put(
             model=job.profile_model or job.endpoint.model,
             template=job.template.name,

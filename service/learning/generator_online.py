@@ -523,7 +523,9 @@ class GeneratorSampler:
             return
         held = st.stored.trust if st.stored is not None else None
         since = held.trusted_since if held is not None and held.trusted else None
-        trust = _trust(fit, trusted_since=(since or time.time()) if fit.trusted else None)
+        trust = ProfileTrust.of_blind(
+            fit, source=TRUST_SOURCE, trusted_since=(since or time.time()) if fit.trusted else None
+        )
         st.stored = await self._off_loop(lambda: self._store(fit, trust, len(rows)))
         self.counters.stored += 1
         if withdraw:
@@ -562,25 +564,6 @@ class GeneratorSampler:
         await anyio.to_thread.run_sync(lambda: self._worker.shutdown(wait=True))
         if self._client is not None:
             await self._client.aclose()
-
-
-def _trust(fit: BlindProfile, *, trusted_since: float | None) -> ProfileTrust:
-    return ProfileTrust(
-        verdict=fit.verdict,
-        reason=fit.reason,
-        runs=round(fit.attributed),
-        flat_p=fit.flat_p,
-        spread=fit.spread,
-        spread_upper=fit.spread_upper,
-        stability=fit.stability,
-        top_slots=fit.top_slots,
-        placement_slots=fit.placement_slots,
-        resamples=fit.resamples,
-        covariance=fit.covariance,
-        assessed_at=time.time(),
-        source=TRUST_SOURCE,
-        trusted_since=trusted_since,
-    )
 
 
 def _lowest_priority() -> None:

@@ -26,6 +26,7 @@ from typing import Any, Literal
 
 from service.errors import InvalidRequest
 from service.state.files import write_atomic
+from solver.blind_profile import BlindProfile
 
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 # A profile's file name (``profile_id`` + ``.json``); other files in the folder (a calibration
@@ -74,6 +75,29 @@ class ProfileTrust:
     @property
     def trusted(self) -> bool:
         return self.verdict != "undecided"
+
+    @classmethod
+    def of_blind(
+        cls, fit: BlindProfile, *, source: str, trusted_since: float | None = None
+    ) -> ProfileTrust:
+        """The trust of a label-free profile (``solver.blind_profile``), assessed now: the
+        offline tool and the online sampler store it alike."""
+        return cls(
+            verdict=fit.verdict,
+            reason=fit.reason,
+            runs=round(fit.attributed),
+            flat_p=fit.flat_p,
+            spread=fit.spread,
+            spread_upper=fit.spread_upper,
+            stability=fit.stability,
+            top_slots=fit.top_slots,
+            placement_slots=fit.placement_slots,
+            resamples=fit.resamples,
+            covariance=fit.covariance,
+            assessed_at=time.time(),
+            source=source,
+            trusted_since=trusted_since,
+        )
 
 
 def _trust_from(data: dict[str, Any]) -> ProfileTrust:

@@ -82,6 +82,7 @@ from service.backends.base import (
 )
 from service.config.settings import Settings
 from service.errors import DeadlineUnreachable, LimitExceeded
+from service.runtime.shared_counts import SharedCounts
 from service.runtime.throughput import FRESH_S, ThroughputMeter
 from service.strategies.request import Estimate
 
@@ -119,9 +120,17 @@ class Reservation:
 class Admission:
     """Counts admitted requests and their prompt tokens against the budgets and deadlines."""
 
-    def __init__(self, settings: Settings, metrics: ServiceMetrics) -> None:
+    def __init__(
+        self, settings: Settings, metrics: ServiceMetrics, shared: SharedCounts | None = None
+    ) -> None:
+        """Args:
+        shared: with several worker processes (``workers`` > 1), the counts of all of them:
+            the budgets and the queue ahead are the engine's, summed over the workers
+            (``service.runtime.shared_counts``); ``None``: this process's alone.
+        """
         self._settings = settings
         self._metrics = metrics
+        self._shared = shared
         self._requests = 0
         self._tokens = 0
         self._new_tokens = 0  # the answer-budget part of ``_tokens`` (decode, not prefill)
@@ -138,11 +147,23 @@ class Admission:
 
     @property
     def in_flight(self) -> int:
+        """This process's requests in flight (what its drain waits for)."""
         return self._requests
 
     @property
     def tokens_in_flight(self) -> int:
-        return self._tokens
+        """Tokens admitted to the engine, by every worker process sharing it."""
+        return self._totals()[1]
+
+    def _totals(self) -> tuple[int, int, int]:
+        """Requests, tokens and answer-budget tokens in flight on the engine."""
+        if self._shared is None:
+            return self._requests, self._tokens, self._new_tokens
+        return self._shared.totals()
+
+    def _publish(self) -> None:
+        if self._shared is not None:
+            self._shared.set(self._requests, self._tokens, self._new_tokens)
 
     def seed(self, tokens: int, seconds: float) -> None:
         """Seed the engine's rate with a call made outside admission (the warm-up probe: its
@@ -154,21 +175,25 @@ class Admission:
     def estimated_wait_s(self) -> float | None:
         """Seconds the engine needs for the tokens admitted now (``None``: rate not yet
         measured): what a new request would queue behind."""
-        return self.meter.seconds_for(self._tokens - self._new_tokens, self._new_tokens)
+        _, tokens, new_tokens = self._totals()
+        return self.meter.seconds_for(tokens - new_tokens, new_tokens)
 
     @contextmanager
     def request(self) -> Iterator[None]:
         """One request slot, or ``Overloaded`` when ``max_concurrent_requests`` are taken."""
         limit = self._settings.max_concurrent_requests
-        if self._requests >= limit:
+        requests = self._totals()[0]
+        if requests >= limit:
             self._metrics.admission_rejections.labels("concurrency").inc()
-            raise Overloaded(f"{self._requests} requests in flight, the limit is {limit}")
+            raise Overloaded(f"{requests} requests in flight, the limit is {limit}")
         self._requests += 1
+        self._publish()
         self._metrics.in_flight.set(self._requests)
         try:
             yield
         finally:
             self._requests -= 1
+            self._publish()
             self._metrics.in_flight.set(self._requests)
 
     def reserve(
@@ -210,7 +235,7 @@ class Admission:
                 raise _unreachable(estimate, best_s, self.meter, now, timeout_s, timeout_name)
             self.remeasure("doubted")
             wait_s = self.estimated_wait_s or 0.0
-            if self._tokens:
+            if self.tokens_in_flight:
                 self._metrics.admission_rejections.labels("deadline").inc()
                 raise Overloaded(
                     f"this request's {estimate.prompts} model calls are estimated at "
@@ -238,9 +263,9 @@ class Admission:
                     f"being re-measured: retry after {math.ceil(retry_s)} s",
                     retry_after_s=max(1, math.ceil(retry_s)),
                 )
-        elif self._tokens:
+        elif self.tokens_in_flight:
             self._check_deadline(n, estimate.new_tokens, deadline, now)
-        if self._tokens:
+        if self.tokens_in_flight:
             self._check_budgets(n)
         self._add(n, estimate.new_tokens)
         return Reservation(tokens=n, new_tokens=estimate.new_tokens, estimated_s=own_s)
@@ -309,7 +334,7 @@ class Admission:
             reservation.tokens -= took
             reservation.new_tokens -= took_new
             self._add(-took, -took_new)
-        elif self._tokens:
+        elif self.tokens_in_flight:
             self._check_deadline(n, new_tokens, deadline, now)
             self._check_budgets(n)
         self._add(n, new_tokens)
@@ -345,24 +370,25 @@ class Admission:
     def _add(self, tokens: int, new_tokens: int) -> None:
         self._tokens += tokens
         self._new_tokens += new_tokens
+        self._publish()
         self._metrics.inflight_prompt_tokens.set(self._tokens)
 
     def _check_budgets(self, n: int) -> None:
         """``Overloaded`` (reason ``token_budget``) if ``n`` more tokens exceed the fixed
         in-flight budget, or the cap while the engine's rate is not yet measured."""
         budget = self._settings.max_inflight_prompt_tokens
-        if budget is not None and self._tokens + n > budget:
+        tokens = self.tokens_in_flight
+        if budget is not None and tokens + n > budget:
             self._metrics.admission_rejections.labels("token_budget").inc()
             raise Overloaded(
-                f"{n} prompt tokens do not fit the in-flight budget ({self._tokens} of "
-                f"{budget} in use)"
+                f"{n} prompt tokens do not fit the in-flight budget ({tokens} of {budget} in use)"
             )
         unmeasured = self._settings.unmeasured_inflight_prompt_tokens
-        if self.meter.tokens_per_s is None and self._tokens + n > unmeasured:
+        if self.meter.tokens_per_s is None and tokens + n > unmeasured:
             self._metrics.admission_rejections.labels("token_budget").inc()
             raise Overloaded(
                 f"{n} prompt tokens do not fit the in-flight budget while the engine's "
-                f"rate is not yet measured ({self._tokens} of {unmeasured} in use)"
+                f"rate is not yet measured ({tokens} of {unmeasured} in use)"
             )
 
     def _check_deadline(self, n: int, new_tokens: int, deadline: float | None, now: float) -> None:
@@ -384,8 +410,8 @@ class Admission:
         retry = max(1, math.ceil(ahead_s - 1e-6))  # not a second more for a rounding error
         rate = self.meter.tokens_per_s
         raise Overloaded(
-            f"the {self._tokens} tokens queued ahead (about {wait_s:.1f} s at the measured "
-            f"{rate:.0f} prompt tokens/s) and this request's {n} (about {own_s:.1f} s) "
+            f"the {self.tokens_in_flight} tokens queued ahead (about {wait_s:.1f} s at the "
+            f"measured {rate:.0f} prompt tokens/s) and this request's {n} (about {own_s:.1f} s) "
             f"would not finish within its deadline ({max(left_s, 0.0):.1f} s left)",
             retry_after_s=retry,
         )

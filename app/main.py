@@ -35,6 +35,7 @@ from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.engine_client import EngineClient
 from service.backends.engine_load import EngineLoad
+from service.backends.engine_socket import SocketBackend
 from service.backends.factory import create_backend, size_threads
 from service.backends.remote_backend import RemoteBackend
 from service.backends.scheduler import ForwardScheduler, ForwardStats
@@ -52,6 +53,7 @@ from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.prompting.templates import get_template
 from service.runtime.cpus import process_budget
+from service.runtime.shared_counts import SharedCounts
 from service.runtime.solver_pool import close_shared
 from service.runtime.throughput import FRESH_S
 from service.state.state_store import open_state
@@ -100,7 +102,12 @@ def _version() -> str:
         return "0+unknown"
 
 
-def create_app(settings: Settings, backend: LogprobBackend | None = None) -> FastAPI:
+def create_app(
+    settings: Settings,
+    backend: LogprobBackend | None = None,
+    *,
+    shared: SharedCounts | None = None,
+) -> FastAPI:
     """Build the HTTP app.
 
     Args:
@@ -108,6 +115,8 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
         backend: a ready backend (tests pass ``FakeBackend``); default: the lifespan builds
             one with ``service.backends.factory.create_backend``. Either way the lifespan
             closes it on shutdown.
+        shared: one of several worker processes on one engine (``app.workers``): the
+            in-flight counts admission shares with the others.
 
     Returns:
         The FastAPI app; its context is ``app.state.ctx`` (``app.state.AppContext``).
@@ -144,7 +153,7 @@ def create_app(settings: Settings, backend: LogprobBackend | None = None) -> Fas
             ),
             state,
         ),
-        admission=Admission(settings, metrics),
+        admission=Admission(settings, metrics, shared),
         metrics=metrics,
         cpus=cpus,
     )
@@ -357,6 +366,9 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
     log.info("backend %s loaded: %s", type(backend).__name__, backend.model_id)
     if isinstance(backend, RemoteBackend) and not await _connect(ctx, backend):
         return
+    if isinstance(backend, SocketBackend):
+        backend.on_lost = lc.suspect
+        await _reach_engine_process(ctx, backend)
     check_score_mode = getattr(backend, "check_score_mode", None)
     if check_score_mode is not None:
         # vLLM's fast score path earns its place before /ready (service.backends.score_mode_check).
@@ -431,6 +443,22 @@ async def _connect(ctx: AppContext, backend: RemoteBackend) -> bool:
             return ok
         await anyio.sleep(delay)
         delay = min(2 * delay, _ENGINE_RETRY_MAX_S)
+
+
+async def _reach_engine_process(ctx: AppContext, backend: SocketBackend) -> None:
+    """Wait for the shared engine process (``app.workers``; it may still be loading the
+    model), ``/ready`` 503 with the reason meanwhile."""
+    delay = 0.1
+    while True:
+        try:
+            await backend.connect()
+        except EngineUnavailable as exc:
+            ctx.lifecycle.engine(exc.message)
+            await anyio.sleep(delay)
+            delay = min(2 * delay, _ENGINE_RETRY_MAX_S)
+            continue
+        ctx.lifecycle.engine(None)
+        return
 
 
 async def _check_engine(ctx: AppContext, backend: RemoteBackend) -> bool | None:

@@ -10,6 +10,7 @@ the fixed error vocabulary.
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import TypeVar
@@ -17,6 +18,7 @@ from typing import TypeVar
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.exposition import choose_encoder
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from service.backends.engine_client import EngineCall, EngineClient
@@ -610,6 +612,34 @@ class ServiceMetrics:
         self.registry.register(_TrafficSample(sampler))
 
     def render(self, accept: str) -> tuple[bytes, str]:
-        """The exposition for an ``Accept`` header: body and content type."""
+        """The exposition for an ``Accept`` header: body and content type. With several
+        worker processes (``PROMETHEUS_MULTIPROC_DIR``, set by ``app.workers``) counters and
+        histograms are the sums over every worker, gauges this worker's own."""
         encoder, content_type = choose_encoder(accept)
+        folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if folder:
+            return encoder(_AcrossWorkers(self.registry, folder)), content_type
         return encoder(self.registry), content_type
+
+
+class _AcrossWorkers(CollectorRegistry):
+    """Counters and histograms summed over the worker processes' files, gauges (the ones
+    read by a function at scrape, which multiprocess files cannot hold, and the collectors
+    of auto, state and traffic) from this worker's registry."""
+
+    _SUMMED = frozenset({"counter", "histogram", "summary"})
+
+    def __init__(self, own: CollectorRegistry, folder: str) -> None:
+        super().__init__(auto_describe=False)
+        self._own = own
+        self._folder = folder
+
+    def collect(self) -> Iterator[Metric]:
+        # prometheus_client ships this collector untyped.
+        files = MultiProcessCollector(None, self._folder)  # type: ignore[no-untyped-call]
+        for family in files.collect():  # type: ignore[no-untyped-call]
+            if family.type in self._SUMMED:
+                yield family
+        for family in self._own.collect():
+            if family.type not in self._SUMMED:
+                yield family

@@ -16,6 +16,7 @@ Kubernetes (or any supervisor) restarts the process.
 from __future__ import annotations
 
 import logging
+import socket
 import time
 from types import FrameType
 
@@ -93,8 +94,19 @@ def serve(settings: Settings, host: str, port: int) -> None:
     serve_app(create_app(settings), settings, host, port)
 
 
-def serve_app(app: FastAPI, settings: Settings, host: str, port: int) -> None:
-    """``serve`` for an app already built (tests serve one with a fake backend)."""
+def serve_app(
+    app: FastAPI,
+    settings: Settings,
+    host: str,
+    port: int,
+    sockets: list[socket.socket] | None = None,
+) -> None:
+    """``serve`` for an app already built (tests serve one with a fake backend).
+
+    Args:
+        sockets: listening sockets to serve on instead of binding ``host:port`` (a worker
+            of ``app.workers`` serves on the socket its supervisor bound for all of them).
+    """
     ctx = app.state.ctx
     assert isinstance(ctx, AppContext) and context_of({"app": app}) is ctx
     level = settings.log_level.upper()
@@ -117,6 +129,6 @@ def serve_app(app: FastAPI, settings: Settings, host: str, port: int) -> None:
         forwarded_allow_ips=settings.forwarded_allow_ips,
     )
     server = DrainingServer(config, ctx)
-    server.run()
+    server.run(sockets=sockets)
     if ctx.lifecycle.fatal is not None:
         raise SystemExit(EXIT_ENGINE_FAILED)

@@ -421,6 +421,13 @@ class Settings(BaseSettings):
     service's CPU work uses more than one core (`service/runtime/solver_pool.py`). Default: one per
     CPU the process may use (`cpus`) beyond the first, at least one, at most 8; `0` fits in a
     thread of the server process (under its GIL, one fit at a time)."""
+    workers: int = Field(default=1, ge=1, le=64)
+    """HTTP worker processes serving on one port, each parsing, tokenising, designing and
+    fitting its own requests, all scoring on one engine process that batches their prompts
+    together (`app/workers.py`). `1`: one process, the engine in it. More than one runs the
+    `paced` and `transformers` backends only; admission and the state store are shared by
+    the workers, and `/metrics` sums their counters (docs/operations.md, "When to use more
+    workers")."""
     confidence_method: Literal["jackknife", "delta"] = "jackknife"
     """How MoI estimates the spread of its utilities behind `passages[].stderr` and
     `confidence_above_next`. `jackknife`: refit with each prompt left out (past 20 prompts,
@@ -503,6 +510,19 @@ class Settings(BaseSettings):
                 f"RAG_REORDER_AUTO_CALLER_HEADER must not be {header!r}: callers are kept in "
                 "memory as they are sent, and a credential must not be; name a header your "
                 "gateway sets per RAG backend (e.g. X-Caller-Id)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _workers_share_an_engine_process(self) -> Settings:
+        # Several workers share one engine process that this service starts; vLLM runs its
+        # own multi-process front end (one engine core, an API server per process), and a
+        # remote engine is already shared: neither is wired to the engine process yet.
+        if self.workers > 1 and self.backend in ("vllm", "remote"):
+            raise ValueError(
+                f"RAG_REORDER_WORKERS={self.workers} runs the paced and transformers backends "
+                f"only, not RAG_REORDER_BACKEND={self.backend!r}; set RAG_REORDER_WORKERS=1 "
+                '(docs/operations.md, "When to use more workers")'
             )
         return self
 

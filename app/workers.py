@@ -1,0 +1,318 @@
+"""``serve`` with ``workers`` > 1: several HTTP worker processes on one port, one engine process.
+
+One Python process spends tens of milliseconds of CPU per MoI request (parsing, tokenising,
+the design, the fit, the response) on one event loop; at GPU speed that, not the engine,
+bounds throughput. Here the supervisor (the ``serve`` process) binds the listening socket
+once and starts:
+
+- one **engine process** (``python -m app.workers engine``): the configured backend (paced or
+  transformers) with its cross-request scheduler, answering every worker's calls on a Unix
+  socket (``service.backends.engine_socket``), so prompts of all workers share forwards;
+- ``workers`` **worker processes** (``python -m app.workers worker``): the full app on the
+  inherited socket (the kernel spreads connections over them), each scoring through a
+  ``SocketBackend``. Admission's in-flight counts are summed over the workers
+  (``service.runtime.shared_counts``); metrics are written per process and summed at scrape
+  (``PROMETHEUS_MULTIPROC_DIR``); ``auto``'s learning and the state store treat each worker
+  as a replica sharing one store (files per process, one assessor at a time under the
+  store's lock), as replicas of a deployment already do.
+
+The supervisor restarts a worker that exits (a crash loses only the requests it held) and the
+engine process if it dies once it has served (the workers' ``/ready`` is 503 meanwhile, and
+turns 200 again once their watchdog reaches the new engine). An engine that fails before it
+first serves (a model that does not load) stops the server with status 1, as one process
+would. SIGTERM (or Ctrl-C) drains: every worker gets SIGTERM and drains as one process does
+(``app.server``), then the engine process is stopped, and the supervisor exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import FrameType
+
+from service.backends.factory import resolve_backend
+from service.config.settings import Settings
+from service.runtime import shared_counts
+
+log = logging.getLogger(__name__)
+
+_ENGINE_SOCKET = "engine.sock"
+_ENGINE_READY = "engine.ready"
+_COUNTS = "admission.counts"
+_METRICS = "metrics"
+# Longest wait before restarting a process that keeps exiting.
+_RESTART_MAX_S = 5.0
+# The engine's own close after the workers have drained (a model's release).
+_ENGINE_STOP_S = 30.0
+_POLL_S = 0.1
+EXIT_ENGINE_FAILED = 1
+
+
+@dataclass
+class _Child:
+    """One supervised process and when it may be started again."""
+
+    name: str
+    argv: list[str]
+    pass_fds: tuple[int, ...] = ()
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+    not_before: float = 0.0
+    started_at: float = field(default=0.0)
+
+
+def serve_workers(settings: Settings, host: str, port: int) -> None:
+    """Serve on ``host:port`` with ``settings.workers`` worker processes and one engine
+    process, until SIGTERM/SIGINT (blocking; module docstring).
+
+    Raises:
+        SystemExit: status 2 for a backend several workers cannot share; status 1 when the
+            engine process fails before it first serves.
+    """
+    kind = resolve_backend(settings)
+    if kind not in ("paced", "transformers"):
+        raise SystemExit(
+            f"RAG_REORDER_WORKERS={settings.workers} runs the paced and transformers backends "
+            f"only; the backend here resolves to {kind!r} (set RAG_REORDER_WORKERS=1)"
+        )
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+    # Resolved once here: a first start converts the packaged model, which two processes
+    # must not do side by side.
+    from service.model_assets import resolve_model
+
+    resolve_model(settings)
+    run_dir = Path(tempfile.mkdtemp(prefix="rag-reorder-"))  # mode 0700: only this user
+    try:
+        _supervise(settings, host, port, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _supervise(settings: Settings, host: str, port: int, run_dir: Path) -> None:
+    listener = socket.create_server((host, port), backlog=2048)
+    listener.set_inheritable(True)
+    (run_dir / _METRICS).mkdir()
+    shared_counts.create(run_dir / _COUNTS, settings.workers)
+    env = {**os.environ, **_settings_env(settings)}
+    worker_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(run_dir / _METRICS)}
+    python = sys.executable
+    engine = _Child("engine", [python, "-m", "app.workers", "engine", "--run-dir", str(run_dir)])
+    fd = listener.fileno()
+    role = [python, "-m", "app.workers", "worker", "--run-dir", str(run_dir), "--fd", str(fd)]
+    workers = [
+        _Child(f"worker {i}", [*role, "--slot", str(i)], pass_fds=(fd,))
+        for i in range(settings.workers)
+    ]
+    stopping: list[int] = []
+
+    def on_signal(sig: int, _frame: FrameType | None) -> None:
+        stopping.append(sig)
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    log.info(
+        "serving on %s:%d with %d workers and one %s engine process", host, port,
+        settings.workers, resolve_backend(settings),
+    )  # fmt: skip
+    failed = False
+    try:
+        _start(engine, env)
+        for w in workers:
+            _start(w, worker_env)
+        while not stopping:
+            time.sleep(_POLL_S)
+            if not _keep_engine(engine, env, run_dir):
+                failed = True
+                break
+            for w in workers:
+                _keep_worker(w, worker_env, run_dir)
+    finally:
+        listener.close()
+        _stop(workers, engine, settings)
+        for s, handler in old.items():
+            signal.signal(s, handler)
+    if failed:
+        raise SystemExit(EXIT_ENGINE_FAILED)
+
+
+def _settings_env(settings: Settings) -> dict[str, str]:
+    """The settings given on the command line (not in the environment) as the children's
+    environment variables, so every process runs with the same settings."""
+    out: dict[str, str] = {}
+    for name in settings.model_fields_set:
+        key = f"RAG_REORDER_{name.upper()}"
+        value = getattr(settings, name)
+        if key in os.environ or value is None:
+            continue
+        if isinstance(value, (str, int, float, Path)):
+            out[key] = str(value).lower() if isinstance(value, bool) else str(value)
+        else:
+            raise SystemExit(f"{name}: set it as {key} to run several workers")
+    return out
+
+
+def _start(child: _Child, env: dict[str, str]) -> None:
+    child.proc = subprocess.Popen(child.argv, env=env, pass_fds=child.pass_fds)
+    child.started_at = time.monotonic()
+    log.info("%s started (pid %d)", child.name, child.proc.pid)
+
+
+def _backoff(child: _Child) -> None:
+    # A process that ran a while restarts at once; one that keeps dying, less and less often.
+    ran_s = time.monotonic() - child.started_at
+    child.restarts = 0 if ran_s > 60 else child.restarts + 1
+    child.not_before = time.monotonic() + min(_RESTART_MAX_S, 0.1 * 2**child.restarts)
+
+
+def _keep_engine(engine: _Child, env: dict[str, str], run_dir: Path) -> bool:
+    """Restart the engine process if it died after serving; ``False`` if it failed first."""
+    proc = engine.proc
+    if proc is None:
+        if time.monotonic() >= engine.not_before:
+            _start(engine, env)
+        return True
+    code = proc.poll()
+    if code is None:
+        return True
+    if not (run_dir / _ENGINE_READY).exists():
+        log.error("the engine process exited with %d before it served", code)
+        return False
+    log.error("the engine process exited with %d; restarting it", code)
+    (run_dir / _ENGINE_SOCKET).unlink(missing_ok=True)
+    engine.proc = None
+    _backoff(engine)
+    return True
+
+
+def _keep_worker(worker: _Child, env: dict[str, str], run_dir: Path) -> None:
+    proc = worker.proc
+    if proc is None:
+        if time.monotonic() >= worker.not_before:
+            _start(worker, env)
+        return
+    code = proc.poll()
+    if code is None:
+        return
+    log.error("%s (pid %d) exited with %d; restarting it", worker.name, proc.pid, code)
+    _forget_gauges(run_dir / _METRICS, proc.pid)
+    worker.proc = None
+    _backoff(worker)
+
+
+def _forget_gauges(folder: Path, pid: int) -> None:
+    """A dead worker's gauges leave the scrape; its counters stay in the sums (a counter
+    never goes back)."""
+    for path in folder.glob(f"gauge_*_{pid}.db"):
+        path.unlink(missing_ok=True)
+
+
+def _stop(workers: Sequence[_Child], engine: _Child, settings: Settings) -> None:
+    """Drain the workers (each as one process drains on SIGTERM), then stop the engine."""
+    alive = [w.proc for w in workers if w.proc is not None and w.proc.poll() is None]
+    for proc in alive:
+        proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + settings.drain_timeout_s + 10.0
+    for proc in alive:
+        try:
+            proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("worker pid %d still running after the drain: killed", proc.pid)
+            proc.kill()
+            proc.wait()
+    if engine.proc is not None and engine.proc.poll() is None:
+        engine.proc.send_signal(signal.SIGTERM)
+        try:
+            engine.proc.wait(_ENGINE_STOP_S)
+        except subprocess.TimeoutExpired:
+            engine.proc.kill()
+            engine.proc.wait()
+    log.info("all processes stopped")
+
+
+# --- the children --------------------------------------------------------------------------
+
+
+def _engine_main(run_dir: Path) -> None:
+    """The engine process: load the backend, answer the workers until SIGTERM."""
+    from service.backends.engine_socket import serve_engine
+    from service.backends.factory import create_backend, size_threads
+    from service.runtime.cpus import process_budget
+
+    settings = Settings()
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s engine %(name)s: %(message)s",
+        force=True,
+    )
+    size_threads(settings, process_budget(settings.cpus))
+    backend = create_backend(settings)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        path = run_dir / _ENGINE_SOCKET
+        path.unlink(missing_ok=True)
+        serving = asyncio.create_task(serve_engine(backend, path, stop))
+        while not path.exists() and not serving.done():
+            await asyncio.sleep(0.01)
+        (run_dir / _ENGINE_READY).touch()
+        try:
+            await serving
+        finally:
+            await backend.aclose()
+
+    asyncio.run(main())
+
+
+def _worker_main(run_dir: Path, slot: int, fd: int) -> None:
+    """A worker process: the whole app on the inherited socket, scoring on the engine."""
+    from app.main import create_app
+    from app.server import serve_app
+    from service.backends.engine_socket import SocketBackend
+    from service.backends.tokenizer_files import load_prompt_tokenizer
+    from service.model_assets import resolve_model
+    from service.runtime.shared_counts import SharedCounts
+
+    settings = Settings()
+    tokenizer = load_prompt_tokenizer(resolve_model(settings), name=settings.model)
+    backend = SocketBackend(run_dir / _ENGINE_SOCKET, tokenizer, model_id=settings.model)
+    app = create_app(settings, backend, shared=SharedCounts(run_dir / _COUNTS, slot))
+    listener = socket.socket(fileno=fd)
+    serve_app(app, settings, "", 0, sockets=[listener])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m app.workers", description=__doc__)
+    sub = p.add_subparsers(dest="role", required=True)
+    e = sub.add_parser("engine")
+    e.add_argument("--run-dir", type=Path, required=True)
+    w = sub.add_parser("worker")
+    w.add_argument("--run-dir", type=Path, required=True)
+    w.add_argument("--slot", type=int, required=True)
+    w.add_argument("--fd", type=int, required=True)
+    args = p.parse_args(argv)
+    if args.role == "engine":
+        _engine_main(args.run_dir)
+    else:
+        _worker_main(args.run_dir, args.slot, args.fd)
+
+
+if __name__ == "__main__":
+    main()

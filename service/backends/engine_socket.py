@@ -1,0 +1,308 @@
+"""One engine process shared by several worker processes, over a local Unix socket.
+
+With ``workers`` > 1 (``app.workers``) the scoring engine runs in a process of its own and
+every HTTP worker reaches it through ``SocketBackend``, a ``LogprobBackend`` whose calls are
+answered by ``serve_engine`` in the engine process: the backend's own ``score`` and
+``generate``, so the cross-request scheduler there packs the prompts of every worker into
+the same forwards (vLLM's ``--api-server-count`` has the same shape: API processes in front
+of one engine core, each with its own client). Prompts are built in the workers with the
+model's tokenizer, loaded there; the engine process gets token ids.
+
+The wire: frames of a 4-byte big-endian length and a pickle. Pickle because the frames are
+the backends' own frozen dataclasses (a 20-prompt call is about 15,000 token ids; pickle
+moves them without building JSON), and safe here because the socket lives in a folder only
+this user may enter (the supervisor makes it with ``tempfile.mkdtemp``, mode 0700): whoever
+can connect can already run code as this user. A request is ``(id, op, payload)``, an
+answer ``(id, ok, payload)``; calls of one connection are answered as they finish, in any
+order. ``cancel`` drops a call the worker gave up on (deadline, disconnected client), so its
+prompts not yet in a forward leave the scheduler, as they do in one process.
+
+An error raised by the engine's backend comes back as the same domain error
+(``service.errors``: a request the engine refuses is the same 422 in any worker). A lost
+connection (the engine process died or restarts) fails the calls in flight with
+``EngineUnavailable``, so the worker's ``/ready`` turns 503 and its watchdog probes until the
+engine is back (``app.main``); the next call reconnects.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import pickle
+import struct
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from service import errors as service_errors
+from service.backends.base import (
+    GenerateResult,
+    GenerationRequest,
+    LogprobBackend,
+    PromptTokenizer,
+    ScoreResult,
+    SpanRequest,
+)
+from service.errors import EngineUnavailable, ReorderError, ServerError
+
+log = logging.getLogger(__name__)
+
+_HEADER = struct.Struct(">I")
+# A frame larger than this is a bug or not our peer: 64 MiB is thousands of 8k-token prompts.
+_MAX_FRAME = 64 << 20
+_OPS = ("info", "score", "generate", "cancel")
+
+
+async def _read_frame(reader: asyncio.StreamReader) -> Any:
+    (size,) = _HEADER.unpack(await reader.readexactly(_HEADER.size))
+    if size > _MAX_FRAME:
+        raise ConnectionError(f"frame of {size} bytes, over the {_MAX_FRAME} limit")
+    return pickle.loads(await reader.readexactly(size))
+
+
+def _frame(message: object) -> bytes:
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(body)) + body
+
+
+def _encode_error(exc: BaseException) -> tuple[str, str, dict[str, Any]]:
+    """A domain error as (class name, message, attributes); anything else as a server
+    error naming its type only (no traceback or paths cross the socket)."""
+    if isinstance(exc, ReorderError):
+        return type(exc).__name__, exc.message, dict(vars(exc))
+    return "ServerError", f"the engine process failed ({type(exc).__name__})", {}
+
+
+def _decode_error(name: str, message: str, attrs: dict[str, Any]) -> ReorderError:
+    cls = getattr(service_errors, name, None)
+    if not (isinstance(cls, type) and issubclass(cls, ReorderError)):
+        cls = ServerError
+    # Rebuilt without its __init__ (LimitExceeded's takes param, limit and value): the same
+    # class with the same message and attributes as the engine raised.
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(attrs)
+    exc.message = message
+    exc.param = attrs.get("param")
+    return exc
+
+
+# --- the engine process's side ---------------------------------------------------------------
+
+
+async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event) -> None:
+    """Answer workers' calls on ``backend`` at the Unix socket ``path`` until ``stop`` is set.
+
+    Every call runs as a task of its own, so the backend's scheduler sees the calls of all
+    connections at once and batches them together.
+    """
+    connections: set[asyncio.Task[None]] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        connections.add(task)
+        calls: dict[int, asyncio.Task[None]] = {}
+        lock = asyncio.Lock()
+
+        async def answer(call_id: int, ok: bool, payload: object) -> None:
+            async with lock:
+                writer.write(_frame((call_id, ok, payload)))
+                await writer.drain()
+
+        async def run(call_id: int, op: str, payload: Any) -> None:
+            try:
+                if op == "info":
+                    result: object = {
+                        "model_id": backend.model_id,
+                        "max_model_len": backend.max_model_len,
+                    }
+                elif op == "score":
+                    result = await backend.score(payload)
+                else:
+                    result = await backend.generate(payload)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                if not isinstance(exc, ReorderError):
+                    log.exception("engine call %s failed", op)
+                with contextlib.suppress(ConnectionError):
+                    await answer(call_id, False, _encode_error(exc))
+            else:
+                with contextlib.suppress(ConnectionError):
+                    await answer(call_id, True, result)
+            finally:
+                calls.pop(call_id, None)
+
+        try:
+            while True:
+                call_id, op, payload = await _read_frame(reader)
+                if op == "cancel":
+                    call = calls.get(payload)
+                    if call is not None:
+                        call.cancel()
+                    continue
+                if op not in _OPS:
+                    raise ConnectionError(f"unknown op {op!r}")
+                calls[call_id] = asyncio.create_task(run(call_id, op, payload))
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the worker went away: what it asked for is of no use to anyone
+        finally:
+            for call in calls.values():
+                call.cancel()
+            writer.close()
+            connections.discard(task)
+
+    server = await asyncio.start_unix_server(handle, path=str(path))
+    log.info("engine process serving %s on %s", backend.model_id, path)
+    try:
+        await stop.wait()
+    finally:
+        server.close()
+        for conn in list(connections):
+            conn.cancel()
+        await server.wait_closed()
+
+
+# --- a worker's side -------------------------------------------------------------------------
+
+
+class SocketBackend:
+    """``LogprobBackend`` on the engine process at a Unix socket (module docstring)."""
+
+    def __init__(self, path: Path, tokenizer: PromptTokenizer, *, model_id: str) -> None:
+        """Args:
+        path: the engine process's socket.
+        tokenizer: the model's tokenizer, loaded in this process (prompts are built here).
+        model_id: the configured model, until ``connect`` reads the engine's own id.
+        """
+        self._path = path
+        self._tokenizer = tokenizer
+        self._model_id = model_id
+        self._max_model_len = 0
+        self._ids = itertools.count(1)
+        self._pending: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._reader_task: asyncio.Task[None] | None = None
+        self._connecting = asyncio.Lock()
+        self._closed = False
+        self.on_lost: Callable[[], None] | None = None
+        """Called when an open connection is lost (the app's watchdog probes at once)."""
+
+    @property
+    def model_id(self) -> str:
+        return self._model_id
+
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context length; 0 before the first ``connect``."""
+        return self._max_model_len
+
+    @property
+    def tokenizer(self) -> PromptTokenizer:
+        return self._tokenizer
+
+    @property
+    def connected(self) -> bool:
+        return self._writer is not None
+
+    async def connect(self) -> None:
+        """Reach the engine process and read its model and context length.
+
+        Raises:
+            EngineUnavailable: the engine process is not up (yet, or any more).
+        """
+        info = await self._call("info", None)
+        self._model_id = str(info["model_id"])
+        self._max_model_len = int(info["max_model_len"])
+
+    async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
+        """The engine process's ``score`` of ``requests``.
+
+        Raises:
+            EngineUnavailable: the engine process cannot be reached or went away.
+            InvalidRequest, LimitExceeded, BackendUnavailable: as the engine's backend.
+        """
+        result: list[ScoreResult] = await self._call("score", list(requests))
+        return result
+
+    async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
+        """The engine process's ``generate`` of ``requests``.
+
+        Raises:
+            EngineUnavailable, InvalidRequest, LimitExceeded, BackendUnavailable: as ``score``.
+        """
+        result: list[GenerateResult] = await self._call("generate", list(requests))
+        return result
+
+    async def aclose(self) -> None:
+        self._closed = True
+        self._drop("this worker is shutting down")
+
+    async def _call(self, op: str, payload: object) -> Any:
+        if self._closed:
+            raise EngineUnavailable("the engine connection is closed")
+        writer = await self._ensure()
+        call_id = next(self._ids)
+        future: asyncio.Future[tuple[bool, Any]] = asyncio.get_running_loop().create_future()
+        self._pending[call_id] = future
+        try:
+            writer.write(_frame((call_id, op, payload)))
+            await writer.drain()
+            ok, answer = await future
+        except asyncio.CancelledError:
+            # The caller gave up: the engine drops the call's prompts not yet forwarded.
+            if not writer.is_closing():
+                with contextlib.suppress(Exception):
+                    writer.write(_frame((0, "cancel", call_id)))
+            raise
+        except ConnectionError as exc:
+            self._drop(f"the engine process connection failed ({type(exc).__name__})")
+            raise EngineUnavailable("the engine process went away") from None
+        finally:
+            self._pending.pop(call_id, None)
+        if not ok:
+            raise _decode_error(*answer)
+        return answer
+
+    async def _ensure(self) -> asyncio.StreamWriter:
+        async with self._connecting:
+            if self._writer is not None:
+                return self._writer
+            try:
+                reader, writer = await asyncio.open_unix_connection(str(self._path))
+            except OSError as exc:
+                raise EngineUnavailable(
+                    f"the engine process is not reachable ({type(exc).__name__})"
+                ) from None
+            self._writer = writer
+            self._reader_task = asyncio.create_task(self._read(reader, writer))
+            return writer
+
+    async def _read(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while True:
+                call_id, ok, payload = await _read_frame(reader)
+                future = self._pending.get(call_id)
+                if future is not None and not future.done():
+                    future.set_result((ok, payload))
+        except (asyncio.IncompleteReadError, ConnectionError, OSError):
+            pass
+        finally:
+            if self._writer is writer:
+                self._drop("the engine process went away")
+
+    def _drop(self, why: str) -> None:
+        """Forget the connection; every call waiting on it fails with ``EngineUnavailable``."""
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+            if not self._closed and self.on_lost is not None:
+                self.on_lost()
+        pending = list(self._pending.values())
+        self._pending.clear()
+        for future in pending:
+            if not future.done():
+                future.set_exception(EngineUnavailable(why))

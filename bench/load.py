@@ -21,7 +21,11 @@ Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at con
 <= 3x its p50; no errors; p50 at concurrency 1 no worse than before (run once with
 ``--server-root /work/main --no-ceiling`` for that baseline).
 
-Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16]
+``--workers 1,2`` runs the levels once per worker count (``RAG_REORDER_WORKERS``: that many
+HTTP processes on one engine process, app/workers.py), one server after the other, against
+the same ceiling; each row says its worker count.
+
+Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16] [--workers 1]
            [--passages 10 20] [--queries 8] [--data <questions.jsonl>] [--server-root .]
            [--no-ceiling] [--warm-ceiling]
            [--out bench/results/load.json] [--resume]
@@ -153,8 +157,15 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, float]:
 # --- report -----------------------------------------------------------------------------------
 
 
+def measured(levels: list[dict[str, Any]], concurrency: int, workers: int) -> bool:
+    """Whether ``levels`` has the row of this concurrency and worker count."""
+    return any(
+        row["concurrency"] == concurrency and row.get("workers", 1) == workers for row in levels
+    )
+
+
 def verdicts(levels: list[dict[str, Any]], ceiling_tps: float | None) -> dict[str, Any]:
-    by_c = {row["concurrency"]: row for row in levels}
+    by_c = {row["concurrency"]: row for row in levels if row.get("workers", 1) == 1}
     out: dict[str, Any] = {"errors": sum(row["errors"] for row in levels)}
     out["no_errors_met"] = out["errors"] == 0
     if ceiling_tps:
@@ -164,6 +175,12 @@ def verdicts(levels: list[dict[str, Any]], ceiling_tps: float | None) -> dict[st
         if high:
             out["min_ratio_to_ceiling_at_c_ge_8"] = min(high)
             out["throughput_target_met"] = min(high) >= 0.9
+        for workers in sorted({row.get("workers", 1) for row in levels} - {1}):
+            at_8 = [row["ratio_to_ceiling"] for row in levels
+                    if row["concurrency"] == 8 and row.get("workers") == workers]  # fmt: skip
+            if at_8:
+                # issue 73's target for the paced engine here: 0.95x at 8 with 2 workers.
+                out[f"ratio_to_ceiling_at_c8_with_{workers}_workers"] = at_8[0]
     if 16 in by_c:
         out["p99_over_p50_at_c16"] = by_c[16]["p99_s"] / by_c[16]["p50_s"]
         out["tail_target_met"] = out["p99_over_p50_at_c16"] <= 3
@@ -188,15 +205,16 @@ def markdown(result: dict[str, Any]) -> str:
             "",
         ]
     lines += [
-        "| concurrency | requests | errors | req/s | prompt tok/s | x ceiling | p50 s | p95 s "
-        "| p99 s | server CPU ms/request |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| workers | concurrency | requests | errors | req/s | prompt tok/s | x ceiling | p50 s "
+        "| p95 s | p99 s | server CPU ms/request |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for row in result["levels"]:
         ratio = row.get("ratio_to_ceiling")
         cpu = row.get("server_cpu_s_per_request", math.nan)
         lines.append(
-            f"| {row['concurrency']} | {row['requests']} | {row['errors']} | "
+            f"| {row.get('workers', 1)} | {row['concurrency']} | {row['requests']} | "
+            f"{row['errors']} | "
             f"{row['requests_per_s']:.3f} | {row['prompt_tokens_per_s']:.0f} | "
             f"{'' if ratio is None else f'{ratio:.2f}'} | {row['p50_s']:.2f} | "
             f"{row['p95_s']:.2f} | {row['p99_s']:.2f} | "
@@ -212,10 +230,17 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    levels = result["levels"]
-    xs = [row["concurrency"] for row in levels]
+    groups = sorted({row.get("workers", 1) for row in result["levels"]})
+    xs = sorted({row["concurrency"] for row in result["levels"]})
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 4))
-    a.plot(xs, [row["prompt_tokens_per_s"] for row in levels], "o-", label="service")
+    for workers in groups:
+        levels = [row for row in result["levels"] if row.get("workers", 1) == workers]
+        name = "service" if groups == [1] else f"{workers} worker(s)"
+        cs = [row["concurrency"] for row in levels]
+        a.plot(cs, [row["prompt_tokens_per_s"] for row in levels], "o-", label=name)
+        suffix = "" if groups == [1] else f", {workers} w"
+        b.plot(cs, [row["p50_s"] for row in levels], "o-", label=f"p50{suffix}")
+        b.plot(cs, [row["p99_s"] for row in levels], "s-", label=f"p99{suffix}")
     if result.get("ceiling"):
         top = result["ceiling"]["prompt_tokens_per_s"]
         a.axhline(top, color="k", ls="--", label="offline ceiling")
@@ -229,8 +254,6 @@ def plot(result: dict[str, Any], path: Path) -> None:
     a.set_ylim(bottom=0)  # from zero: the levels' differences are a few percent
     a.set_xticks(xs, [str(x) for x in xs])
     a.legend(loc="lower right")
-    b.plot(xs, [row["p50_s"] for row in levels], "o-", label="p50")
-    b.plot(xs, [row["p99_s"] for row in levels], "s-", label="p99")
     b.set(
         xscale="log",
         yscale="log",
@@ -291,10 +314,6 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                 # keep that cold figure as its denominator, flattering the service.
                 await backend.score(prompts)
             ceilings.append(await ceiling(backend, prompts, args.ceiling_repeat))
-    port = free_port()
-    proc = start_server(
-        Path(args.server_root).resolve(), port, SERVER_ENV, Path(args.server_log), ready_s=600
-    )
     levels: list[dict[str, Any]] = list(done)
     served_tokens = 0
     before: dict[str, float] = {}
@@ -303,32 +322,46 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     def snapshot() -> dict[str, Any]:
         return report(args, bodies, prompts, ceilings, levels, served_tokens, load_before, None)
 
-    try:
-        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=3600) as client:
-            served_tokens = 0
-            for body in bodies:  # warm-up, and the prompt tokens of one cycle
-                r = await client.post("/v1/reorder", json=body)
-                r.raise_for_status()
-                served_tokens += r.json()["usage"]["prompt_tokens"]
-            before = await scrape(client)
-            for c in levels_wanted:
-                if any(row["concurrency"] == c for row in levels):
-                    continue  # measured by the run this one resumes
-                total = max(args.requests_per_level, c)
-                cpu_before = cpu_s(process_tree(proc.pid))
-                row = await level(client, bodies, c, total)
-                # The service's own CPU per request (its solver workers included): at GPU
-                # speed, what bounds throughput (issue 57).
-                cpu = cpu_s(process_tree(proc.pid)) - cpu_before
-                row["server_cpu_s_per_request"] = cpu / max(1, total - row["errors"])
-                print(f"  server CPU {row['server_cpu_s_per_request'] * 1e3:.0f} ms/request")
-                levels.append(row)
-                levels.sort(key=lambda row: row["concurrency"])
-                write(snapshot(), Path(args.out))
-            after = await scrape(client)
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(120)
+    for workers in (int(w) for w in args.workers.split(",")):
+        wanted = [c for c in levels_wanted if not measured(levels, c, workers)]
+        if not wanted:
+            continue  # measured by the run this one resumes
+        port = free_port()
+        env = {**SERVER_ENV, "RAG_REORDER_WORKERS": str(workers)}
+        proc = start_server(
+            Path(args.server_root).resolve(), port, env, Path(args.server_log), ready_s=600
+        )
+        try:
+            async with httpx.AsyncClient(
+                base_url=f"http://127.0.0.1:{port}", timeout=3600
+            ) as client:
+                served_tokens = 0
+                for body in bodies:  # warm-up, and the prompt tokens of one cycle
+                    r = await client.post("/v1/reorder", json=body)
+                    r.raise_for_status()
+                    served_tokens += r.json()["usage"]["prompt_tokens"]
+                scraped = await scrape(client)
+                for c in wanted:
+                    total = max(args.requests_per_level, c)
+                    # The supervisor, its workers, the engine process and the solver pools.
+                    cpu_before = cpu_s(process_tree(proc.pid))
+                    row = await level(client, bodies, c, total)
+                    # The service's own CPU per request (its solver workers included): at GPU
+                    # speed, what bounds throughput (issue 57).
+                    cpu = cpu_s(process_tree(proc.pid)) - cpu_before
+                    row["server_cpu_s_per_request"] = cpu / max(1, total - row["errors"])
+                    row["workers"] = workers
+                    print(f"  server CPU {row['server_cpu_s_per_request'] * 1e3:.0f} ms/request")
+                    levels.append(row)
+                    levels.sort(key=lambda row: (row.get("workers", 1), row["concurrency"]))
+                    write(snapshot(), Path(args.out))
+                if not before:
+                    # The scheduler's counters: in the server's one process only (with several
+                    # workers the scheduler runs in the engine process, which has no /metrics).
+                    before, after = scraped, await scrape(client)
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(120)
     if backend is not None:
         ceilings.append(await ceiling(backend, prompts, args.ceiling_repeat))
         await backend.aclose()
@@ -401,6 +434,11 @@ def main() -> None:
     ap = bench_parser("load", __doc__, data=True)
     ap.add_argument("--levels", default="1,2,4,8,16,32")
     ap.add_argument("--requests-per-level", type=int, default=16)
+    ap.add_argument(
+        "--workers",
+        default="1",
+        help="worker counts to serve with, one server each, e.g. 1,2 (RAG_REORDER_WORKERS)",
+    )
     ap.add_argument("--passages", type=int, nargs="+", default=[10, 20])
     ap.add_argument("--queries", type=int, default=8)
     ap.add_argument("--ceiling-repeat", type=int, default=1)

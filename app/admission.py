@@ -121,12 +121,19 @@ class Admission:
     """Counts admitted requests and their prompt tokens against the budgets and deadlines."""
 
     def __init__(
-        self, settings: Settings, metrics: ServiceMetrics, shared: SharedCounts | None = None
+        self,
+        settings: Settings,
+        metrics: ServiceMetrics,
+        shared: SharedCounts | None = None,
+        meter: ThroughputMeter | None = None,
     ) -> None:
         """Args:
         shared: with several worker processes (``workers`` > 1), the counts of all of them:
             the budgets and the queue ahead are the engine's, summed over the workers
             (``service.runtime.shared_counts``); ``None``: this process's alone.
+        meter: the engine's rates measured elsewhere (with several workers, the engine
+            process's: ``service.backends.engine_socket.EngineMeter``); ``None``: measured
+            here, from the calls this admission sees.
         """
         self._settings = settings
         self._metrics = metrics
@@ -134,8 +141,9 @@ class Admission:
         self._requests = 0
         self._tokens = 0
         self._new_tokens = 0  # the answer-budget part of ``_tokens`` (decode, not prefill)
-        self.meter = ThroughputMeter()
-        """The engine's prompt tokens per second, measured from the calls admitted here."""
+        self.meter = meter if meter is not None else ThroughputMeter()
+        """The engine's prompt tokens per second, measured from the calls admitted here (or
+        the engine process's, ``meter``)."""
         self.remeasure_wanted: str | None = None
         """Why the rate should be measured again (``None``: it need not); cleared by the
         rate canary (``app.main``) once it has run."""

@@ -55,7 +55,7 @@ from service.prompting.templates import get_template
 from service.runtime.cpus import process_budget
 from service.runtime.shared_counts import SharedCounts
 from service.runtime.solver_pool import close_shared
-from service.runtime.throughput import FRESH_S
+from service.runtime.throughput import FRESH_S, ThroughputMeter
 from service.state.state_store import open_state
 from service.state.traffic import TrafficSampler
 
@@ -107,6 +107,7 @@ def create_app(
     backend: LogprobBackend | None = None,
     *,
     shared: SharedCounts | None = None,
+    meter: ThroughputMeter | None = None,
 ) -> FastAPI:
     """Build the HTTP app.
 
@@ -117,6 +118,7 @@ def create_app(
             closes it on shutdown.
         shared: one of several worker processes on one engine (``app.workers``): the
             in-flight counts admission shares with the others.
+        meter: with ``shared``, the engine process's meter (``SocketBackend.meter``).
 
     Returns:
         The FastAPI app; its context is ``app.state.ctx`` (``app.state.AppContext``).
@@ -153,7 +155,7 @@ def create_app(
             ),
             state,
         ),
-        admission=Admission(settings, metrics, shared),
+        admission=Admission(settings, metrics, shared, meter),
         metrics=metrics,
         cpus=cpus,
     )

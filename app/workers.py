@@ -11,7 +11,8 @@ once and starts:
 - ``workers`` **worker processes** (``python -m app.workers worker``): the full app on the
   inherited socket (the kernel spreads connections over them), each scoring through a
   ``SocketBackend``. Admission's in-flight counts are summed over the workers
-  (``service.runtime.shared_counts``); metrics are written per process and summed at scrape
+  (``service.runtime.shared_counts``) and its rates are the engine process's, which meters
+  every worker's calls; metrics are written per process and summed at scrape
   (``PROMETHEUS_MULTIPROC_DIR``); ``auto``'s learning and the state store treat each worker
   as a replica sharing one store (files per process, one assessor at a time under the
   store's lock), as replicas of a deployment already do.
@@ -109,8 +110,12 @@ def _supervise(settings: Settings, host: str, port: int, run_dir: Path) -> None:
     listener.set_inheritable(True)
     (run_dir / _METRICS).mkdir()
     shared_counts.create(run_dir / _COUNTS, settings.workers)
-    env = {**os.environ, **_settings_env(settings)}
-    worker_env = {**env, "PROMETHEUS_MULTIPROC_DIR": str(run_dir / _METRICS)}
+    # Every process writes its metrics to the folder; a worker's /metrics sums them.
+    env = {
+        **os.environ,
+        **_settings_env(settings),
+        "PROMETHEUS_MULTIPROC_DIR": str(run_dir / _METRICS),
+    }
     python = sys.executable
     engine = _Child("engine", [python, "-m", "app.workers", "engine", "--run-dir", str(run_dir)])
     fd = listener.fileno()
@@ -133,14 +138,14 @@ def _supervise(settings: Settings, host: str, port: int, run_dir: Path) -> None:
     try:
         _start(engine, env)
         for w in workers:
-            _start(w, worker_env)
+            _start(w, env)
         while not stopping:
             time.sleep(_POLL_S)
             if not _keep_engine(engine, env, run_dir):
                 failed = True
                 break
             for w in workers:
-                _keep_worker(w, worker_env, run_dir)
+                _keep_worker(w, env, run_dir)
     finally:
         listener.close()
         _stop(workers, engine, settings)
@@ -249,8 +254,10 @@ def _stop(workers: Sequence[_Child], engine: _Child, settings: Settings) -> None
 
 def _engine_main(run_dir: Path) -> None:
     """The engine process: load the backend, answer the workers until SIGTERM."""
+    from app.metrics import ServiceMetrics
     from service.backends.engine_socket import serve_engine
     from service.backends.factory import create_backend, size_threads
+    from service.backends.scheduler import ForwardScheduler
     from service.runtime.cpus import process_budget
 
     settings = Settings()
@@ -261,6 +268,11 @@ def _engine_main(run_dir: Path) -> None:
     )
     size_threads(settings, process_budget(settings.cpus))
     backend = create_backend(settings)
+    scheduler = getattr(backend, "scheduler", None)
+    if isinstance(scheduler, ForwardScheduler):
+        # The forwards' histograms (batch fill, callers per forward, waits) in the workers'
+        # scrape: this process writes them to the shared metrics folder too.
+        ServiceMetrics(include_default_registry=False).track_scheduler(scheduler)
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -293,7 +305,8 @@ def _worker_main(run_dir: Path, slot: int, fd: int) -> None:
     settings = Settings()
     tokenizer = load_prompt_tokenizer(resolve_model(settings), name=settings.model)
     backend = SocketBackend(run_dir / _ENGINE_SOCKET, tokenizer, model_id=settings.model)
-    app = create_app(settings, backend, shared=SharedCounts(run_dir / _COUNTS, slot))
+    counts = SharedCounts(run_dir / _COUNTS, slot)
+    app = create_app(settings, backend, shared=counts, meter=backend.meter)
     listener = socket.socket(fileno=fd)
     serve_app(app, settings, "", 0, sockets=[listener])
 

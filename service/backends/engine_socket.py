@@ -17,6 +17,13 @@ answer ``(id, ok, payload)``; calls of one connection are answered as they finis
 order. ``cancel`` drops a call the worker gave up on (deadline, disconnected client), so its
 prompts not yet in a forward leave the scheduler, as they do in one process.
 
+Admission's rate (``ThroughputMeter``) is the engine's: a worker timing its own calls would
+count the engine's time on the other workers' prompts as its own, and read a rate N times
+too low (its estimates too long, a ``deadline_unreachable`` refusal possible for work that
+fits). So the engine process meters every call of every worker, as one process's admission
+meters its calls, and sends its meter to every worker after each call ends (at most every
+``_METER_PUSH_S``); a worker's ``EngineMeter`` reads that copy and leaves the timing to it.
+
 An error raised by the engine's backend comes back as the same domain error
 (``service.errors``: a request the engine refuses is the same 422 in any worker). A lost
 connection (the engine process died or restarts) fails the calls in flight with
@@ -32,6 +39,7 @@ import itertools
 import logging
 import pickle
 import struct
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -46,6 +54,7 @@ from service.backends.base import (
     SpanRequest,
 )
 from service.errors import EngineUnavailable, ReorderError, ServerError
+from service.runtime.throughput import ThroughputMeter
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +62,11 @@ _HEADER = struct.Struct(">I")
 # A frame larger than this is a bug or not our peer: 64 MiB is thousands of 8k-token prompts.
 _MAX_FRAME = 64 << 20
 _OPS = ("info", "score", "generate", "cancel")
+# The engine's meter goes to the workers at most this often: a rate a few milliseconds old
+# prices admission as well, and a busy engine ends hundreds of calls a second.
+_METER_PUSH_S = 0.02
+# An answer frame's id for the engine's meter (calls are numbered from 1).
+_METER_ID = 0
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
@@ -92,13 +106,61 @@ def _decode_error(name: str, message: str, attrs: dict[str, Any]) -> ReorderErro
 # --- the engine process's side ---------------------------------------------------------------
 
 
+def call_tokens(
+    op: str, payload: Sequence[SpanRequest] | Sequence[GenerationRequest]
+) -> tuple[int, int]:
+    """A call's prefilled tokens and answer budget, as admission counts them (``app.admission``):
+    a scoring call's prompts; a generation's prompts with their score ids, and its budget."""
+    if op == "score":
+        return sum(len(r.token_ids) for r in payload), 0
+    gens = [r for r in payload if isinstance(r, GenerationRequest)]
+    return sum(len(r.token_ids) + len(r.score_ids) for r in gens), sum(
+        r.max_new_tokens for r in gens
+    )
+
+
+class EngineMeter(ThroughputMeter):
+    """A worker's copy of the engine process's meter (module docstring): the engine times
+    every call; ``begin``, ``end`` and ``seed`` here are the worker's admission's, and do
+    nothing."""
+
+    def begin(self, now: float) -> None:
+        del now
+
+    def end(self, now: float, tokens: int | None, new_tokens: int = 0) -> None:
+        del now, tokens, new_tokens
+
+    def seed(self, tokens: int, seconds: float, now: float | None = None) -> None:
+        del tokens, seconds, now
+
+    def update(self, state: dict[str, Any]) -> None:
+        """Take the engine's meter as it is now."""
+        self.__dict__.update(state)
+
+
 async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event) -> None:
     """Answer workers' calls on ``backend`` at the Unix socket ``path`` until ``stop`` is set.
 
     Every call runs as a task of its own, so the backend's scheduler sees the calls of all
-    connections at once and batches them together.
+    connections at once and batches them together; each is timed into one meter, sent to
+    every worker (module docstring).
     """
     connections: set[asyncio.Task[None]] = set()
+    writers: dict[asyncio.StreamWriter, asyncio.Lock] = {}
+    meter = ThroughputMeter()
+    push: list[asyncio.TimerHandle] = []
+
+    def pushed() -> None:
+        push.clear()
+        frame = _frame((_METER_ID, True, dict(vars(meter))))
+        for writer in writers:
+            if not writer.is_closing():
+                writer.write(frame)  # small; the transport buffers it, no drain needed
+
+    def ended(now: float, tokens: int | None, new_tokens: int) -> None:
+        meter.end(now, tokens, new_tokens)
+        if not push:
+            push.append(asyncio.get_running_loop().call_later(_METER_PUSH_S, pushed))
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
@@ -106,6 +168,7 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
         connections.add(task)
         calls: dict[int, asyncio.Task[None]] = {}
         lock = asyncio.Lock()
+        writers[writer] = lock
 
         async def answer(call_id: int, ok: bool, payload: object) -> None:
             async with lock:
@@ -113,6 +176,10 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                 await writer.drain()
 
         async def run(call_id: int, op: str, payload: Any) -> None:
+            timed = op in ("score", "generate")
+            done: tuple[int, int] | None = None
+            if timed:
+                meter.begin(time.monotonic())
             try:
                 if op == "info":
                     result: object = {
@@ -123,6 +190,8 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                     result = await backend.score(payload)
                 else:
                     result = await backend.generate(payload)
+                if timed:
+                    done = call_tokens(op, payload)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -135,6 +204,9 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                     await answer(call_id, True, result)
             finally:
                 calls.pop(call_id, None)
+                if timed:
+                    # A failed or cancelled call adds no tokens (``ThroughputMeter.end``).
+                    ended(time.monotonic(), *(done if done is not None else (None, 0)))
 
         try:
             while True:
@@ -152,6 +224,7 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
         finally:
             for call in calls.values():
                 call.cancel()
+            writers.pop(writer, None)
             writer.close()
             connections.discard(task)
 
@@ -161,6 +234,8 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
         await stop.wait()
     finally:
         server.close()
+        for timer in push:
+            timer.cancel()
         for conn in list(connections):
             conn.cancel()
         await server.wait_closed()
@@ -188,6 +263,8 @@ class SocketBackend:
         self._reader_task: asyncio.Task[None] | None = None
         self._connecting = asyncio.Lock()
         self._closed = False
+        self.meter = EngineMeter()
+        """The engine's meter, as it last sent it: admission's rates in this worker."""
         self.on_lost: Callable[[], None] | None = None
         """Called when an open connection is lost (the app's watchdog probes at once)."""
 
@@ -285,6 +362,9 @@ class SocketBackend:
         try:
             while True:
                 call_id, ok, payload = await _read_frame(reader)
+                if call_id == _METER_ID:
+                    self.meter.update(payload)
+                    continue
                 future = self._pending.get(call_id)
                 if future is not None and not future.done():
                     future.set_result((ok, payload))

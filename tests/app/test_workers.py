@@ -87,6 +87,8 @@ def test_both_workers_serve_one_port_and_every_scrape_sums_their_counters(
     # Whichever worker answers the scrape, the sum is the same: both workers' tokens.
     sums = {counter(server, "rag_reorder_prompt_tokens_total") - before for _ in range(6)}
     assert len(sums) == 1 and sums.pop() > 0
+    # The engine process's forwards are in the same scrape.
+    assert counter(server, "rag_reorder_batch_fill_ratio_count") > 0
 
 
 def test_a_killed_worker_is_restarted_and_the_other_serves_meanwhile(server: ServerProcess) -> None:

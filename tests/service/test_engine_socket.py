@@ -72,6 +72,14 @@ def test_two_workers_share_the_engines_forwards_and_get_its_answers() -> None:
         assert all(isinstance(r, SpanLogprobs) for r in direct)
         # The prompts of both workers went through the engine's forwards together.
         assert max(callers) == 2
+        # One meter, the engine's, timed every worker's calls; both workers read it.
+        await asyncio.sleep(0.1)
+        assert a.meter.completed == b.meter.completed == 3
+        rate = a.meter.tokens_per_s
+        assert rate is not None and rate == b.meter.tokens_per_s
+        a.meter.begin(0.0)  # a worker's admission does not time calls itself
+        a.meter.end(1.0, 10_000)
+        assert (a.meter.completed, a.meter.tokens_per_s) == (3, rate)
         # The engine's refusal is the same error in the worker, with its figures.
         with pytest.raises(LimitExceeded) as info:
             await a.score([req(99, n=600)])

@@ -112,7 +112,7 @@ class Lifecycle:
         if phase == "loading":
             raise NotReady("the model is still loading")
         if phase == "engine_unavailable":
-            raise EngineUnavailable(f"the remote engine cannot be used now: {self.engine_down}")
+            raise EngineUnavailable(f"the engine cannot be used now: {self.engine_down}")
         if phase == "warming":
             raise NotReady("the model is warming up")
 
@@ -122,12 +122,13 @@ class Lifecycle:
         self._metrics.ready.set(1 if self.ready else 0)
 
     def engine(self, down: str | None) -> None:
-        """Record whether the remote engine can be used (``down``: why not)."""
+        """Record whether the engine (remote, or the shared engine process) can be used
+        (``down``: why not)."""
         if down != self.engine_down:
             if down is None:
-                log.info("remote engine usable again")
+                log.info("engine usable again")
             else:
-                log.warning("remote engine unusable: %s", down)
+                log.warning("engine unusable: %s", down)
         self.engine_down = down
         self._metrics.ready.set(1 if self.ready else 0)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import os
 import shutil
@@ -59,6 +60,7 @@ _RESTART_MAX_S = 5.0
 _ENGINE_STOP_S = 30.0
 _POLL_S = 0.1
 EXIT_ENGINE_FAILED = 1
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 @dataclass
@@ -171,8 +173,24 @@ def _settings_env(settings: Settings) -> dict[str, str]:
     return out
 
 
+def _die_with_parent() -> None:
+    """In the child before it runs: SIGTERM when the supervisor dies (Linux), so a killed
+    supervisor leaves no workers serving on the port without anyone to restart them."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass  # not Linux: the children outlive a killed supervisor
+
+
 def _start(child: _Child, env: dict[str, str]) -> None:
-    child.proc = subprocess.Popen(child.argv, env=env, pass_fds=child.pass_fds)
+    # The supervisor runs no threads of its own, so preexec_fn cannot deadlock here.
+    child.proc = subprocess.Popen(
+        child.argv,
+        env=env,
+        pass_fds=child.pass_fds,
+        preexec_fn=_die_with_parent,  # noqa: PLW1509
+    )
     child.started_at = time.monotonic()
     log.info("%s started (pid %d)", child.name, child.proc.pid)
 

@@ -170,6 +170,10 @@ for s in $STAGES; do
 from service.config.settings import Settings as S
 print(r(S()))")
         port=$REMOTE_PORT
+        # Eager on a CPU as the in-process engine there (vllm_engine.py), so that the two paths
+        # differ only in the server: compiling took over 2 minutes of the CPU check's start.
+        eager=()
+        [[ ${DEVICE:-cuda} == cpu ]] && eager=(--enforce-eager)
         # The in-process engine's step budget (the first of TOKENS): vLLM's OpenAI server takes
         # its own usage context's, 8192 on an H100/H200 where the in-process engine gets 16384
         # (vllm/engine/arg_utils.py), and remote against in-process compares the two paths only
@@ -177,7 +181,7 @@ print(r(S()))")
         VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} \
             "$PY" -m vllm.entrypoints.openai.api_server --model "$folder" \
             --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct --port "$port" \
-            --max-num-batched-tokens "${TOKENS%% *}" --gpu-memory-utilization 0.4 \
+            --max-num-batched-tokens "${TOKENS%% *}" --gpu-memory-utilization 0.4 "${eager[@]}" \
             > "$RES/vllm-serve.log" 2>&1 &
         served=$!
         echo "$served" > "$STATE/serve.pid"

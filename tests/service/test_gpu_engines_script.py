@@ -10,7 +10,9 @@ there (each process that reaches it says so), and checks what the device would s
 two files, every stage's results inside the tarball, the headline figures printed, and a
 repeated call skipping what is done.
 
-Runs in ``.venv-vllm`` (``-m vllm``), about 6 minutes: four vLLM engine starts on the CPU.
+Runs in ``.venv-vllm`` (``-m vllm``), about 6 minutes: four vLLM engine starts on the CPU
+(vLLM's OpenAI server eager, as the in-process engine: compiling took it 2 minutes), and four
+service servers without the rate canary (bench/load.py's).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ STAGES = [
     "load_transformers",
     "load_paced",
 ]
+SERVER_LOGS = [f"{name}.server.log" for name in STAGES if name.startswith("load_")]
 
 
 def run_script(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
@@ -114,7 +117,7 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         }
         text = {
             name: tar.extractfile(f"./{name}").read().decode()  # type: ignore[union-attr]
-            for name in ("machine.txt", "vllm-serve.log")
+            for name in ("machine.txt", "vllm-serve.log", *SERVER_LOGS)
         }
     machine, serve_log = text["machine.txt"], text["vllm-serve.log"]
     assert {"machine.txt", "pip-list.txt", "vllm-serve.log", "stages.tsv"} <= names
@@ -132,6 +135,11 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         assert [lv["concurrency"] for lv in results[name]["levels"]] == [1, 2], name
         assert results[name]["requests"]["data"] == data.name
     assert "max_num_batched_tokens=3072" in serve_log, serve_log[-3000:]
+    # Eager on the CPU, as the in-process engine there: compiling cost over 2 minutes.
+    assert "enforce_eager=True" in serve_log, serve_log[-3000:]
+    # bench/load.py's servers measure no rates before ready (11 s each on this CPU).
+    for name in SERVER_LOGS:
+        assert "engine rate measured" not in text[name], name
     # Every Python process of the run reached the site folder: the scripts, each service
     # server bench/load.py started (four), vLLM's OpenAI server.
     started = probe.read_text().splitlines()

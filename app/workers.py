@@ -70,6 +70,8 @@ class _Child:
     name: str
     argv: list[str]
     pass_fds: tuple[int, ...] = ()
+    slot: int | None = None
+    """A worker's slot in admission's shared counts."""
     proc: subprocess.Popen[bytes] | None = None
     restarts: int = 0
     not_before: float = 0.0
@@ -123,7 +125,7 @@ def _supervise(settings: Settings, host: str, port: int, run_dir: Path) -> None:
     fd = listener.fileno()
     role = [python, "-m", "app.workers", "worker", "--run-dir", str(run_dir), "--fd", str(fd)]
     workers = [
-        _Child(f"worker {i}", [*role, "--slot", str(i)], pass_fds=(fd,))
+        _Child(f"worker {i}", [*role, "--slot", str(i)], pass_fds=(fd,), slot=i)
         for i in range(settings.workers)
     ]
     stopping: list[int] = []
@@ -233,6 +235,10 @@ def _keep_worker(worker: _Child, env: dict[str, str], run_dir: Path) -> None:
         return
     log.error("%s (pid %d) exited with %d; restarting it", worker.name, proc.pid, code)
     _forget_gauges(run_dir / _METRICS, proc.pid)
+    if worker.slot is not None:
+        # What it held left with it: the other workers' admission stops counting it now,
+        # not when its successor is up.
+        shared_counts.SharedCounts(run_dir / _COUNTS, worker.slot)
     worker.proc = None
     _backoff(worker)
 

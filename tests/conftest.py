@@ -1,5 +1,5 @@
 """Session fixtures: real model folders built once per run (SmolLM2 once per machine), and
-vLLM's OpenAI server on the embedded SmolLM2, started once per session (~2.5 min on the CPU) for
+vLLM's OpenAI server on the embedded SmolLM2, started once per session (eager: ~40 s on the CPU) for
 every module that talks to a real server (tests/service, tests/offline)."""
 
 from __future__ import annotations
@@ -105,6 +105,10 @@ def vllm_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "float32",
         "--max-model-len",
         "2048",
+        # Eager, as the in-process engine on a CPU (service/backends/vllm_engine.py): without
+        # it the server compiles its model (torch.compile) before it answers, 126 s of one
+        # start on these 2 cores (2026-11-28, the GPU script's CPU check).
+        "--enforce-eager",
         "--host",
         "127.0.0.1",
         "--port",
@@ -115,6 +119,7 @@ def vllm_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
     url = f"http://127.0.0.1:{port}"
     try:
         wait_until_up(proc, f"{url}/v1/models", log_path, ready_s=900, poll_s=1)
+        assert "enforce_eager=True" in log_path.read_text(errors="replace"), "compiled at start"
         yield url
     finally:
         proc.terminate()

@@ -38,7 +38,13 @@ _helpers = _bench_server_process()
 free_port: Callable[[], int] = _helpers.free_port
 wait_until_up: Callable[..., Any] = _helpers.wait_until_up
 
-__all__ = ["ROOT", "ServerProcess", "free_port", "server_process"]
+__all__ = ["QUIET", "ROOT", "ServerProcess", "free_port", "server_process"]
+
+QUIET = {"RAG_REORDER_RATE_CANARY": "false"}
+"""What every server started here runs with unless its test's ``env`` says otherwise (as
+``settings_for`` does in-process): the rate canary measures a real engine before ``/ready``
+(9-11 s a start on this CPU), which only the tests of admission and its rates need; those
+pass ``RAG_REORDER_RATE_CANARY=true``."""
 
 
 @dataclass
@@ -73,12 +79,13 @@ def server_process(
 ) -> Iterator[ServerProcess]:
     """Run ``python <args>`` from the repository root; killed on exit if still running.
 
-    ``args`` must contain ``{port}``, replaced by a free loopback port. ``python``: the
+    ``args`` must contain ``{port}``, replaced by a free loopback port; ``env`` is added to
+    this process's environment and ``QUIET``, and wins over both. ``python``: the
     interpreter (default: this one); the client's tests, which run where the server is not
     installed, pass the server's virtualenv's.
     """
     port = free_port()
-    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}
+    full_env = {**os.environ, "PYTHONPATH": str(ROOT), **QUIET, **(env or {})}
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
             [python or sys.executable, *(a.replace("{port}", str(port)) for a in args)],

@@ -79,6 +79,9 @@ def test_a_busy_neighbour_at_start_leaves_no_lasting_refusal(
         "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
         "RAG_REORDER_OPEN_WRITES": "true",
         "HF_HUB_OFFLINE": "1",
+        # The rates measured under the hog, then re-measured once it is gone: this test's
+        # subject (tests/app/processes.py starts servers without the rate canary).
+        "RAG_REORDER_RATE_CANARY": "true",
     }
     args = ["-m", "app", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     seen: list[tuple[str, int, float, str | None]] = []

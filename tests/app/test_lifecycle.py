@@ -85,7 +85,9 @@ async def test_failed_model_load_is_fatal(tmp_path: Path, monkeypatch: pytest.Mo
     application = app.main.create_app(Settings(cache_dir=tmp_path))
     application.state.ctx.lifecycle.on_fatal = fatal.append
     async with application.router.lifespan_context(application):
-        await wait_until(lambda: bool(fatal))
+        # Before the load, size_threads imports torch: seconds in a fresh process (this module
+        # run alone), none inside the suite where torch is loaded already.
+        await wait_until(lambda: bool(fatal), timeout=60.0)
     assert fatal == ["loading the model failed (OSError)"]  # no path leaks into probes
 
 

@@ -79,6 +79,8 @@ from service.backends.base import (
     PromptTokenizer,
     ScoreResult,
     SpanRequest,
+    generation_tokens,
+    prompt_tokens,
 )
 from service.config.settings import Settings
 from service.errors import DeadlineUnreachable, LimitExceeded
@@ -456,18 +458,6 @@ def _unreachable(
     )
 
 
-def _prompt_tokens(requests: Sequence[SpanRequest]) -> int:
-    """A scoring call's prompt tokens, as admission and the meter count them."""
-    return sum(len(r.token_ids) for r in requests)
-
-
-def _generation_tokens(requests: Sequence[GenerationRequest]) -> tuple[int, int]:
-    """A generation call's prefilled tokens (a prompt's score ids are prefilled with it) and
-    its answer budget."""
-    prefilled = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
-    return prefilled, sum(r.max_new_tokens for r in requests)
-
-
 class MeteredBackend:
     """The shared backend as the service's own work sees it (the rate canary, ``auto``'s
     background runs): no admission, no request limits, but every call timed into the meter
@@ -491,11 +481,11 @@ class MeteredBackend:
         return self._inner.tokenizer
 
     async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
-        with self._admission.measured(_prompt_tokens(requests)):
+        with self._admission.measured(prompt_tokens(requests)):
             return await self._inner.score(requests)
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
-        prefilled, budget = _generation_tokens(requests)
+        prefilled, budget = generation_tokens(requests)
         with self._admission.measured(prefilled + budget, new_tokens=budget):
             return await self._inner.generate(requests)
 
@@ -598,12 +588,12 @@ class AdmittedBackend:
             raise LimitExceeded(
                 "design.num_prompts", max_prompts, n, what="distinct prompts to score"
             )
-        tokens = _prompt_tokens(requests)
+        tokens = prompt_tokens(requests)
         self._count_prompt_tokens(tokens, n)
 
         async def part(reqs: Sequence[SpanRequest]) -> list[ScoreResult]:
             with self._admission.tokens(
-                _prompt_tokens(reqs), self._deadline, reservation=self._reservation
+                prompt_tokens(reqs), self._deadline, reservation=self._reservation
             ):
                 return await self._inner.score(reqs)
 
@@ -619,11 +609,11 @@ class AdmittedBackend:
             Overloaded: the in-flight token budget is full, or the first parts of a long
                 request show it will not finish before its deadline.
         """
-        prefilled, _ = _generation_tokens(requests)
+        prefilled, _ = generation_tokens(requests)
         self._count_prompt_tokens(prefilled, len(requests))
 
         async def part(reqs: Sequence[GenerationRequest]) -> list[GenerateResult]:
-            tokens, budget = _generation_tokens(reqs)
+            tokens, budget = generation_tokens(reqs)
             with self._admission.tokens(
                 tokens + budget, self._deadline, new_tokens=budget, reservation=self._reservation
             ):

@@ -131,6 +131,19 @@ class PromptFailure:
 ScoreResult = SpanLogprobs | PromptFailure
 GenerateResult = Generation | PromptFailure
 
+
+def prompt_tokens(requests: Sequence[SpanRequest]) -> int:
+    """A scoring call's prompt tokens, as admission and the engine's meter count them."""
+    return sum(len(r.token_ids) for r in requests)
+
+
+def generation_tokens(requests: Sequence[GenerationRequest]) -> tuple[int, int]:
+    """A generation call's prefilled tokens (a prompt's score ids are prefilled with it) and
+    its answer budget, as admission and the engine's meter count them."""
+    prefilled = sum(len(r.token_ids) + len(r.score_ids) for r in requests)
+    return prefilled, sum(r.max_new_tokens for r in requests)
+
+
 # logit - logsumexp(logits) <= 0 holds exactly in exact arithmetic; kernels may round a
 # near-certain token a hair above 0. Anything larger is a broken row, not rounding.
 POSITIVE_TOLERANCE = 1e-5

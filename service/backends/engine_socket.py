@@ -52,6 +52,8 @@ from service.backends.base import (
     PromptTokenizer,
     ScoreResult,
     SpanRequest,
+    generation_tokens,
+    prompt_tokens,
 )
 from service.errors import EngineUnavailable, ReorderError, ServerError
 from service.runtime.throughput import ThroughputMeter
@@ -104,19 +106,6 @@ def _decode_error(name: str, message: str, attrs: dict[str, Any]) -> ReorderErro
 
 
 # --- the engine process's side ---------------------------------------------------------------
-
-
-def call_tokens(
-    op: str, payload: Sequence[SpanRequest] | Sequence[GenerationRequest]
-) -> tuple[int, int]:
-    """A call's prefilled tokens and answer budget, as admission counts them (``app.admission``):
-    a scoring call's prompts; a generation's prompts with their score ids, and its budget."""
-    if op == "score":
-        return sum(len(r.token_ids) for r in payload), 0
-    gens = [r for r in payload if isinstance(r, GenerationRequest)]
-    return sum(len(r.token_ids) + len(r.score_ids) for r in gens), sum(
-        r.max_new_tokens for r in gens
-    )
 
 
 class EngineMeter(ThroughputMeter):
@@ -191,7 +180,9 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                 else:
                     result = await backend.generate(payload)
                 if timed:
-                    done = call_tokens(op, payload)
+                    done = (
+                        (prompt_tokens(payload), 0) if op == "score" else generation_tokens(payload)
+                    )
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

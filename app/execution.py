@@ -94,7 +94,7 @@ async def run_admitted(
     Raises:
         as ``execute``, with ``timeout_name`` in the 504's message.
     """
-    ctx.lifecycle.check_serving()
+    await ctx.check_serving()
     backend = ctx.engine.require()
     settings = ctx.settings
     rid = request_id_of(request.scope)

@@ -63,6 +63,8 @@ log = logging.getLogger(__name__)
 
 # Longest wait between two attempts to reach a remote engine that is down.
 _ENGINE_RETRY_MAX_S = 5.0
+_LOCAL_ENGINE_RETRY_S = 0.25
+_JOIN_POLL_S = 0.02
 
 # The warm-up and canary request: two short passages, the default design (two prompts of one
 # passage each), so it costs two tiny forwards and still runs tokenizer, model and solver.
@@ -163,7 +165,7 @@ def create_app(
         title="rag-reorder",
         version=ctx.version,
         summary="Debiased passage ordering for RAG: native reorder API and Cohere-style rerank.",
-        lifespan=_lifespan(ctx, backend),
+        lifespan=_lifespan(ctx, backend, join_when_ready=shared is not None),
         redoc_url=None,
     )
     if settings.generator_url is not None or settings.feedback_max_requests > 0:
@@ -220,8 +222,13 @@ def _key(name: str, secret: SecretStr) -> str:
 
 
 def _lifespan(
-    ctx: AppContext, given: LogprobBackend | None
+    ctx: AppContext, given: LogprobBackend | None, *, join_when_ready: bool = False
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """Args:
+    join_when_ready: one of several workers on a shared socket (``app.workers``): the
+        lifespan returns, and uvicorn starts accepting, only once this worker can serve.
+    """
+
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         ctx.lifecycle.wake = anyio.Event()
@@ -243,6 +250,8 @@ def _lifespan(
             # The generator's sampled calls: in the background, never awaited by a request.
             tasks.add(loop.create_task(sampler.run_forever()))
         _say_who_places(ctx.settings)
+        if join_when_ready:
+            await _until_serving(ctx.lifecycle)
         try:
             yield
         finally:
@@ -324,6 +333,20 @@ async def _supervise(ctx: AppContext, given: LogprobBackend | None) -> None:
     except Exception as exc:
         log.exception("the engine supervisor failed")
         ctx.lifecycle.fail(f"the engine supervisor failed ({type(exc).__name__})")
+
+
+async def _until_serving(lc: Lifecycle) -> None:
+    """Wait until the worker is ready, failed or told to stop.
+
+    The kernel hands each new connection on a shared socket to any worker accepting on it. A
+    worker still loading or warming up would answer its share 503 while the others serve (one
+    restarted after a crash; the slower one at start, after ``/ready`` already said 200), so
+    it accepts only once it can serve, as vLLM's API servers start serving only once the
+    engine core is up. Until the first worker is ready nothing accepts: connections wait in
+    the socket's backlog and probes time out (the chart's startup probe allows for it).
+    """
+    while not (lc.ready or lc.fatal is not None or lc.draining):
+        await anyio.sleep(_JOIN_POLL_S)
 
 
 async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None:
@@ -491,7 +514,12 @@ async def _watch(ctx: AppContext, backend: LogprobBackend) -> None:
         # While a remote engine is down, look again every few seconds: it recovers on its own.
         interval = ctx.settings.canary_interval_s
         if lc.engine_down is not None:
-            interval = min(interval, _ENGINE_RETRY_MAX_S) if interval > 0 else _ENGINE_RETRY_MAX_S
+            # The engine process on this host: a failed connect costs nothing, and its restart
+            # should be noticed as soon as it serves.
+            retry = (
+                _LOCAL_ENGINE_RETRY_S if isinstance(backend, SocketBackend) else _ENGINE_RETRY_MAX_S
+            )
+            interval = min(interval, retry) if interval > 0 else retry
         if interval > 0:
             with anyio.move_on_after(interval):
                 await wake.wait()
@@ -502,7 +530,11 @@ async def _watch(ctx: AppContext, backend: LogprobBackend) -> None:
         recent = lc.last_success is not None and time.monotonic() - lc.last_success < interval
         if lc.draining or (recent and not suspected and lc.engine_down is None):
             continue  # real traffic is proving the engine alive; don't compete with it
-        if lc.engine_down is not None and isinstance(backend, RemoteBackend):
+        if lc.engine_down is not None and isinstance(backend, SocketBackend):
+            # The engine process restarting: a failed connect is not a failed canary.
+            if not await ctx.reach_engine_process():
+                continue
+        elif lc.engine_down is not None and isinstance(backend, RemoteBackend):
             # The engine was down: what comes back may be a redeploy (other weights under the
             # same name, a smaller context). Check it all again before scoring on it.
             checked = await _check_engine(ctx, backend)

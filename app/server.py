@@ -3,7 +3,8 @@
 SIGTERM (or the first Ctrl-C):
 
 1. ``/ready`` turns 503 (``draining``) and new requests get 503 + Retry-After;
-2. in-flight requests finish, for at most ``drain_timeout_s``;
+2. in-flight requests finish, for at most ``drain_timeout_s``, and the server waits until no
+   request has arrived for ``_DRAIN_QUIET_S`` (callers still sending get their 503 first);
 3. uvicorn stops: closes the listener, waits briefly for connections, runs the lifespan's
    shutdown, which closes the engine;
 4. the process exits 0.
@@ -32,6 +33,12 @@ log = logging.getLogger(__name__)
 EXIT_ENGINE_FAILED = 1
 # After the drain, uvicorn waits this long for connections still open before cancelling them.
 _CLOSE_GRACE_S = 2.0
+# A drained server closes only after this long without a new request. Closing a listening
+# socket resets the connections the kernel queued for it but nobody accepted, and closing an
+# accepted connection whose request is still unread resets it too; a caller sees a reset
+# instead of the 503 that tells it to go elsewhere. With several workers on one socket, the
+# first idle worker would otherwise leave at once, taking connections it had just accepted.
+_DRAIN_QUIET_S = 0.5
 
 
 class DrainingServer(uvicorn.Server):
@@ -42,6 +49,8 @@ class DrainingServer(uvicorn.Server):
         self.ctx = ctx
         self.drain_deadline: float | None = None
         self.drain_signal: int | None = None
+        self._requests_seen = 0
+        self._quiet_since = 0.0
         ctx.lifecycle.on_fatal = self._on_fatal
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -70,8 +79,12 @@ class DrainingServer(uvicorn.Server):
             self.drain_signal = None
             self.ctx.lifecycle.mark()
         if self.drain_deadline is not None and not self.should_exit:
-            idle = self.ctx.admission.in_flight == 0
-            if idle or time.monotonic() >= self.drain_deadline:
+            now = time.monotonic()
+            if self.server_state.total_requests != self._requests_seen:
+                self._requests_seen = self.server_state.total_requests
+                self._quiet_since = now
+            idle = self.ctx.admission.in_flight == 0 and now - self._quiet_since >= _DRAIN_QUIET_S
+            if idle or now >= self.drain_deadline:
                 if not idle:
                     log.warning(
                         "drain budget spent with %d request(s) in flight",

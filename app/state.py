@@ -17,6 +17,7 @@ from app.exceptions import Draining, NotReady, Unhealthy
 from app.metrics import ServiceMetrics
 from service.backends.base import LogprobBackend
 from service.backends.engine_load import EngineLoad
+from service.backends.engine_socket import SocketBackend
 from service.backends.score_mode_check import ScoreModeCheck
 from service.config.settings import Settings
 from service.errors import EngineUnavailable
@@ -171,6 +172,10 @@ class Engine:
         return self.backend
 
 
+# A connect to the engine process on this host answers at once unless it is stuck.
+_LOCAL_ENGINE_CONNECT_S = 1.0
+
+
 @dataclass(frozen=True)
 class AppContext:
     settings: Settings
@@ -181,6 +186,39 @@ class AppContext:
     metrics: ServiceMetrics
     cpus: CpuBudget
     """The CPUs the process may use and what is sized from them (``service.runtime.cpus``)."""
+
+    async def check_serving(self) -> None:
+        """``Lifecycle.check_serving``; an engine process on this host marked down is tried
+        once first (``reach_engine_process``).
+
+        Raises:
+            as ``Lifecycle.check_serving``.
+        """
+        if self.lifecycle.phase == "engine_unavailable":
+            await self.reach_engine_process()
+        self.lifecycle.check_serving()
+
+    async def reach_engine_process(self) -> bool:
+        """Whether the shared engine process (``app.workers``) answers now; recorded.
+
+        A worker learns that a restarted engine process is back only by reaching it. Refusing
+        on its last failed attempt would turn callers away for as long as its watchdog waits,
+        while the other workers already serve; a connect over the Unix socket costs
+        microseconds when the engine is still gone. ``False`` for any other backend.
+        """
+        backend = self.engine.backend
+        if not isinstance(backend, SocketBackend):
+            return False
+        try:
+            with anyio.fail_after(_LOCAL_ENGINE_CONNECT_S):
+                await backend.connect()
+        except EngineUnavailable as exc:
+            self.lifecycle.engine(exc.message)
+            return False
+        except TimeoutError:
+            return False
+        self.lifecycle.engine(None)
+        return True
 
 
 def context_of(scope: Scope) -> AppContext | None:

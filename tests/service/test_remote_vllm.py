@@ -262,16 +262,22 @@ def test_every_scoring_command_checks_the_engine_and_scores_through_it(
         "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
     }
 
-    def run(*args: str, **extra: str) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
+    def start(*args: str, **extra: str) -> subprocess.Popen[str]:
+        return subprocess.Popen(
             [sys.executable, "-m", "app", *args],
-            check=False,
             cwd=ROOT,
             env={**env, **extra},
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=600,
         )
+
+    def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
+        try:
+            out, err = proc.communicate(timeout=600)
+        finally:
+            proc.kill()
+        return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     # One question each: this checks each command's path through the engine, not its
     # statistics (two questions each took this test 43 s more: 196 s against 153 s).
@@ -296,19 +302,23 @@ def test_every_scoring_command_checks_the_engine_and_scores_through_it(
             "100",
         ),
     }
-    # Each command once (a process that connects, checks the engine and scores): the reorder's
-    # order is read from its first run, not from a second.
-    done: dict[str, subprocess.CompletedProcess[str]] = {}
-    for name, args in commands.items():
-        done[name] = run(*args)
+    # Each command once (a process that connects, checks the engine and scores), all side by
+    # side as several clients of one engine are (one after another they took 143 s, most of
+    # it each process's start); the reorder's order is read from its first run.
+    procs = {name: start(*args) for name, args in commands.items()}
+    # No engine behind the URL: a clear error, no traceback, nothing scored elsewhere.
+    procs["gone"] = start(
+        *commands["reorder"], RAG_REORDER_ENGINE_URL=f"http://127.0.0.1:{free_port()}"
+    )
+    # An engine URL with another backend is a contradiction, refused before anything loads.
+    procs["mixed"] = start(*commands["reorder"], RAG_REORDER_BACKEND="transformers")
+    done = {name: finish(proc) for name, proc in procs.items()}
+    for name in commands:
         assert done[name].returncode == 0, (name, done[name].stderr[-3000:])
     order = json.loads(done["reorder"].stdout)["order"]
     assert sorted(order) == list(range(len(PASSAGES)))
-    # No engine behind the URL: a clear error, no traceback, nothing scored elsewhere.
-    gone = run(*commands["reorder"], RAG_REORDER_ENGINE_URL=f"http://127.0.0.1:{free_port()}")
+    gone, mixed = done["gone"], done["mixed"]
     assert gone.returncode != 0 and "engine" in gone.stderr and "Traceback" not in gone.stderr
-    # An engine URL with another backend is a contradiction, refused before anything loads.
-    mixed = run(*commands["reorder"], RAG_REORDER_BACKEND="transformers")
     assert mixed.returncode == 2 and "RAG_REORDER_BACKEND=remote" in mixed.stderr
 
 

@@ -260,6 +260,10 @@ def test_every_scoring_command_checks_the_engine_and_scores_through_it(
         "RAG_REORDER_ENGINE_URL": vllm_server,
         "RAG_REORDER_CACHE_DIR": str(cache_dir_for_tests()),
         "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
+        # Four commands share vLLM's CPU server here: one call of calibrate-positions waited
+        # over the 60 s default behind the others' prompts in CI (2026-11-29). Each command's
+        # path is the subject, not the engine's latency on two busy cores.
+        "RAG_REORDER_ENGINE_TIMEOUT_S": "600",
     }
 
     def start(*args: str, **extra: str) -> subprocess.Popen[str]:

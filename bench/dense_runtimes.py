@@ -1,7 +1,8 @@
-"""The ``dense`` encoder (all-MiniLM-L6-v2) on the CPU under three runtimes, side by side:
+"""The ``dense`` encoder (all-MiniLM-L6-v2) on the CPU under several runtimes, side by side:
 eager PyTorch (what ``service/backends/embedding.py`` runs), ONNX Runtime (the same module,
-mean pooling and normalisation included, exported with ``torch.onnx.export``, opset 17) and
-``torch.compile(dynamic=True)``.
+mean pooling and normalisation included, exported with ``torch.onnx.export``, opset 17),
+``torch.compile(dynamic=True)``, and dynamic int8 quantisation of the linear layers
+(``torch.ao.quantization.quantize_dynamic``; ``--runtimes`` picks which beside eager).
 
 The batch is ``--questions`` NQ-Open dev questions' query and first 10 passages, tokenised
 once, run as the encoder runs a cross-request batch (rows sorted by length, 8 a forward, each
@@ -9,9 +10,10 @@ padded to its own longest), one thread (``torch.set_num_threads(1)``, ONNX Runti
 and inter-op threads 1): the CPU time of the calling thread per 10-passage request, for
 ``--rounds`` rounds alternating the runtimes (the machine is shared; the rounds show its
 noise). Each runtime's embeddings against eager's: the largest absolute difference, the
-lowest cosine, and how many questions' passage rankings are identical. A runtime is worth
-keeping only if it is faster by more than the noise and matches within 1e-5 (the encoder
-test's tolerance).
+lowest cosine, and how many questions' passage rankings are identical. A runtime that computes
+the same function (ONNX Runtime, the compile) is worth keeping only if it is faster by more
+than the noise and matches within 1e-5 (the encoder test's tolerance); int8 computes another
+one, so its lowest cosine and its identical rankings are the figures to weigh against its speed.
 
 ONNX Runtime and onnx are not dependencies of the service: install them beside it first
 (``pip install --target /tmp/ort-site onnxruntime onnx``; ``--ort-site`` is appended to the
@@ -28,6 +30,7 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
+import copy
 import json
 import sys
 import tempfile
@@ -83,9 +86,6 @@ def chunked(batch: list[list[int]], run: Callable[[np.ndarray, np.ndarray], np.n
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    sys.path.append(args.ort_site)
-    import onnxruntime as ort
-
     torch.set_num_threads(1)
     rows = [json.loads(line) for line in Path(args.data).read_text().splitlines()[: args.questions]]
     texts = [
@@ -104,35 +104,48 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
         return go
 
-    onnx_path = Path(tempfile.mkdtemp()) / "minilm.onnx"
-    x = torch.ones((2, 16), dtype=torch.long)
-    torch.onnx.export(
-        module, (x, x), str(onnx_path), input_names=["input_ids", "attention_mask"],
-        output_names=["embedding"], opset_version=17, dynamo=False,
-        dynamic_axes={"input_ids": {0: "b", 1: "t"}, "attention_mask": {0: "b", 1: "t"}},
-    )  # fmt: skip
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = 1
-    so.inter_op_num_threads = 1
-    sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
-    t0 = time.perf_counter()
-    compiled = torch.compile(module, dynamic=True)
-    chunked(ids, torch_run(compiled))
-    compile_s = time.perf_counter() - t0
     runtimes: dict[str, Callable[[np.ndarray, np.ndarray], np.ndarray]] = {
-        "eager": torch_run(module),
-        "onnxruntime": lambda i, a: np.asarray(
-            sess.run(None, {"input_ids": i, "attention_mask": a})[0]
-        ),
-        "torch.compile": torch_run(compiled),
+        "eager": torch_run(module)
     }
+    extra: dict[str, Any] = {}
+    if "onnxruntime" in args.runtimes:
+        sys.path.append(args.ort_site)
+        import onnxruntime as ort
+
+        onnx_path = Path(tempfile.mkdtemp()) / "minilm.onnx"
+        x = torch.ones((2, 16), dtype=torch.long)
+        torch.onnx.export(
+            module, (x, x), str(onnx_path), input_names=["input_ids", "attention_mask"],
+            output_names=["embedding"], opset_version=17, dynamo=False,
+            dynamic_axes={"input_ids": {0: "b", 1: "t"}, "attention_mask": {0: "b", 1: "t"}},
+        )  # fmt: skip
+        so = ort.SessionOptions()
+        so.intra_op_num_threads = 1
+        so.inter_op_num_threads = 1
+        sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        runtimes["onnxruntime"] = lambda i, a: np.asarray(
+            sess.run(None, {"input_ids": i, "attention_mask": a})[0]
+        )
+        extra["onnxruntime"] = ort.__version__
+    if "torch.compile" in args.runtimes:
+        t0 = time.perf_counter()
+        compiled = torch.compile(module, dynamic=True)
+        chunked(ids, torch_run(compiled))
+        extra["compile_first_call_s"] = time.perf_counter() - t0
+        runtimes["torch.compile"] = torch_run(compiled)
+    if "int8" in args.runtimes:
+        # Dynamic int8 quantisation of the linear layers (weights int8, activations quantised
+        # per batch): the usual CPU serving recipe for BERT-size encoders.
+        quantized = torch.ao.quantization.quantize_dynamic(
+            copy.deepcopy(module), {torch.nn.Linear}, dtype=torch.qint8
+        )
+        runtimes["int8"] = torch_run(quantized)
     ref = chunked(ids, runtimes["eager"])
     out: dict[str, Any] = {
         **report.provenance(),
         "questions": args.questions,
-        "onnxruntime": ort.__version__,
+        **extra,
         "torch": torch.__version__,
-        "compile_first_call_s": compile_s,
         "load_average_before": os.getloadavg(),
         "runtimes": {},
     }
@@ -164,6 +177,9 @@ def main() -> int:
     ap.add_argument("--questions", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--ort-site", default="/tmp/ort-site", help="where onnxruntime is installed")
+    ap.add_argument("--runtimes", type=lambda v: v.split(","),
+                    default=["onnxruntime", "torch.compile", "int8"],
+                    help="beside eager: onnxruntime, torch.compile, int8")  # fmt: skip
     return report.main(ap, run)
 
 

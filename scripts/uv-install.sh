@@ -23,4 +23,8 @@ if [[ -z ${UV_FIND_LINKS:-} ]]; then
         export UV_FIND_LINKS=$links
     fi
 fi
-exec "$VENV/bin/uv" pip install --quiet --python "$VENV/bin/python" "$@"
+# --compile-bytecode: pip compiles every module at install, uv only when asked. Where
+# PYTHONDONTWRITEBYTECODE is set (as on CI's machines) nothing is compiled later either, and
+# every process then compiled torch's, transformers' and vLLM's modules from source at import:
+# the vLLM suite took 705 s instead of 406.
+exec "$VENV/bin/uv" pip install --quiet --compile-bytecode --python "$VENV/bin/python" "$@"

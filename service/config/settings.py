@@ -274,6 +274,11 @@ class Settings(BaseSettings):
     auto_recalibrate_s: float = Field(default=5.0, ge=0.0)
     """Least seconds between two assessments of one profile in the background (each costs
     about a second of one low-priority thread), and how often stored profiles are re-read."""
+    auto_fit_nice: int = Field(default=10, ge=0, le=19)
+    """CPU priority (Unix nice) of the process that runs `auto`'s trust and drift
+    assessments: above 0, request work gets the CPU first; below 19, busy neighbours on a
+    shared node cannot starve it (19 kept a one-second assessment over two minutes beside two
+    busy processes; docs/operations.md, "Work the service does for itself")."""
     auto_lock_ttl_s: float = Field(default=300.0, gt=0.0)
     """Age after which another replica's assessment lock in a shared profile folder counts
     as abandoned."""

@@ -35,16 +35,16 @@ import contextlib
 import logging
 import os
 import socket
-import threading
 import time
 import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -54,6 +54,7 @@ import solver
 from service.config.settings import Settings
 from service.errors import StateUnavailable
 from service.learning.generator_online import GeneratorSampler
+from service.runtime.background import shared_worker
 from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile, profile_id
 from service.state.state_store import (
     FolderState,
@@ -230,6 +231,9 @@ class ProfileLearner:
         """Per key, the latest runs this replica kept: (monotonic time, caller)."""
         self._rng = np.random.default_rng(settings.seed)
         self._writer = ThreadPoolExecutor(1, "auto-spool")
+        self._background = shared_worker(settings.auto_fit_nice)
+        self._in_flight = 0
+        """Assessments of this learner now in the background worker (``close`` ends them)."""
         self._wake: anyio.Event | None = None
         self._closed = False
         self.explore_rate = settings.auto_explore_rate
@@ -604,14 +608,13 @@ class ProfileLearner:
             if len(explore) < self.rules.drift_min_runs:
                 return
             result = await self._off_loop(
-                lambda: trust_rules.drift(
-                    prof.coefficients,
-                    np.asarray(held.covariance),
-                    held.verdict,
-                    explore,
-                    placement_slots=slots,
-                    rules=self.rules,
-                )
+                trust_rules.drift,
+                prof.coefficients,
+                np.asarray(held.covariance),
+                held.verdict,
+                explore,
+                placement_slots=slots,
+                rules=self.rules,
             )
             if result.drifted:
                 await self._drifted(st, result)
@@ -620,9 +623,7 @@ class ProfileLearner:
             return
         try:
             found = await self._off_loop(
-                lambda: trust_rules.assess(
-                    runs, placement_slots=slots, rules=self.rules, also_slots=odd
-                )
+                trust_rules.assess, runs, placement_slots=slots, rules=self.rules, also_slots=odd
             )
         except solver.SolverError as exc:
             log.warning("auto: %d run(s) of %s cannot be fitted: %s", len(runs), key, exc)
@@ -765,23 +766,31 @@ class ProfileLearner:
         name = lock_name(key.model, key.template, key.slots)
         return held(self.locks, name, self.settings.auto_lock_ttl_s)
 
-    async def _off_loop(self, fn: Callable[[], _T]) -> _T:
-        """Run ``fn`` on a thread of the lowest CPU priority and await it.
+    async def _off_loop(self, fn: Callable[..., _T], /, *args: Any, **kwargs: Any) -> _T:
+        """``fn(*args, **kwargs)`` in the process's background worker (its own process at a
+        lower priority: ``service.runtime.background`` says why not a thread) and await it.
 
-        A daemon thread: a shutdown abandons an assessment in flight (it stores nothing until
-        it returns here) instead of waiting seconds for a bootstrap that nobody will read.
+        A worker that died under the call (killed, out of memory) is started again and the
+        call tried once more, unless this learner closed: ``close`` ends its calls in flight
+        instead of waiting seconds for a bootstrap nobody will read, and so does a cancelled
+        call.
         """
-        future: Future[_T] = Future()
-
-        def target() -> None:
-            _lowest_priority()
+        self._in_flight += 1
+        try:
             try:
-                future.set_result(fn())
-            except BaseException as exc:  # handed to the awaiting task
-                future.set_exception(exc)
-
-        threading.Thread(target=target, name="auto-fit", daemon=True).start()
-        return await anyio.to_thread.run_sync(future.result, abandon_on_cancel=True)
+                return await self._background.run(fn, *args, **kwargs)
+            except BrokenProcessPool:
+                if self._closed:
+                    raise
+                log.warning("auto: the background worker ended under an assessment: again")
+                return await self._background.run(fn, *args, **kwargs)
+        except anyio.get_cancelled_exc_class():
+            # Nobody will read it (a shutdown, a lost lock): end it rather than let it hold
+            # the one worker the next assessment needs.
+            self._background.abandon()
+            raise
+        finally:
+            self._in_flight -= 1
 
     def _append(self, spool: RunSpool, key: LearnKey, run: Run, at: float) -> None:
         try:
@@ -790,8 +799,11 @@ class ProfileLearner:
             log.warning("auto: could not keep a run in %s: %s", spool.where, exc)
 
     def close(self) -> None:
-        """Finish pending appends (blocks); later runs are not kept."""
+        """Finish pending appends (blocks); later runs are not kept; an assessment in flight
+        is ended with the background worker (the next learner's call starts a new one)."""
         self._closed = True
+        if self._in_flight:
+            self._background.abandon()
         self._writer.shutdown(wait=True)
 
 
@@ -849,12 +861,6 @@ def to_profile_trust(
         learning_since=learning_since,
         trusted_since=trusted_since if found.trusted else None,
     )
-
-
-def _lowest_priority() -> None:
-    # Linux schedules threads individually: this one yields the CPU to request work.
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
 
 
 def _order(key: LearnKey) -> tuple[str, str, int]:

@@ -18,6 +18,7 @@ from service.state.profile_store import ProfileStore
 from service.state.state_store import lock_name
 from solver import trust as trust_rules
 from tests.solver.conftest import bias_shape, synthesize
+from tests.support import slow_fits
 
 pytestmark = pytest.mark.anyio
 
@@ -138,7 +139,6 @@ async def test_an_abandoned_lock_expires(tmp_path: Path) -> None:
     stale = lr.root / "m__qa_default__L5.lock"
     stale.write_text("a replica that died")
     import os
-    import time
 
     os.utime(stale, (time.time() - 10, time.time() - 10))
     with lr._lock(KEY) as held:
@@ -322,13 +322,7 @@ async def test_a_slow_assessment_refreshes_its_lock(
     rng = np.random.default_rng(0)
     for _ in range(6):
         assert a.record(d, *run(bias_shape("recency", 5), rng))
-    real = trust_rules.assess
-
-    def slow(*args: Any, **kw: Any) -> trust_rules.Trust:
-        time.sleep(1.0)
-        return real(*args, **kw)
-
-    monkeypatch.setattr(trust_rules, "assess", slow)
+    monkeypatch.setattr(trust_rules, "assess", slow_fits.slow_assess)
     name = lock_name(MODEL, TEMPLATE, 5)
     async with anyio.create_task_group() as tg:
         tg.start_soon(a.cycle, KEY)

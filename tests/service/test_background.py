@@ -1,0 +1,74 @@
+"""The background worker (``service.runtime.background``): `auto`'s assessments in their own
+process at a lower CPU priority, ended on demand."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from concurrent.futures.process import BrokenProcessPool
+from pathlib import Path
+
+import anyio
+import numpy as np
+import pytest
+
+from service.runtime.background import BackgroundWorker, shared_worker
+from solver import trust as trust_rules
+from tests.support import slow_fits
+
+
+def _nice() -> tuple[int, int]:
+    return os.getpid(), os.getpriority(os.PRIO_PROCESS, 0)
+
+
+async def test_calls_run_in_another_process_at_the_configured_priority() -> None:
+    worker = BackgroundWorker(7)
+    try:
+        pid, nice = await worker.run(_nice)
+        assert pid != os.getpid() and nice == max(7, os.getpriority(os.PRIO_PROCESS, 0))
+        assert await worker.run(_nice) == (pid, nice)  # one process, started once
+    finally:
+        worker.abandon()
+
+
+async def test_abandon_ends_a_running_call_and_the_next_call_starts_a_new_worker() -> None:
+    worker = BackgroundWorker(10)
+    first, _ = await worker.run(_nice)
+    t0 = time.monotonic()
+    call = asyncio.ensure_future(worker.run(time.sleep, 60))
+    await asyncio.sleep(0.5)
+    await anyio.to_thread.run_sync(worker.abandon)
+    with pytest.raises(BrokenProcessPool):
+        await call
+    assert time.monotonic() - t0 < 30  # not the 60 s call's end
+    second, _ = await worker.run(_nice)
+    assert second != first and worker.restarts == 0  # abandoned, not died: no restart counted
+    worker.abandon()
+
+
+def test_nice_outside_unix_range_is_refused() -> None:
+    with pytest.raises(ValueError, match=r"nice must be 0\.\.19"):
+        BackgroundWorker(20)
+
+
+async def test_a_cancelled_assessment_does_not_keep_the_worker(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A shutdown or a lost lock cancels the cycle: the bootstrap nobody will read is ended,
+    # not left holding the one worker (or a core) for the next assessment.
+    from tests.service.test_learning import KEY, MODEL, TEMPLATE, N, bias_shape, learner, run
+
+    lr = learner(tmp_path, auto_explore_rate=0.0, auto_fit_nice=10)
+    d = lr.decide(MODEL, TEMPLATE, N, None)
+    rng = np.random.default_rng(0)
+    for _ in range(6):
+        assert lr.record(d, *run(bias_shape("recency", 5), rng))
+    monkeypatch.setattr(trust_rules, "assess", slow_fits.slow_assess)
+    worker = shared_worker(10)
+    pid, _ = await worker.run(_nice)
+    with anyio.move_on_after(0.5):
+        await lr.cycle(KEY)
+    assert lr.decide(MODEL, TEMPLATE, N, None).path == "moi"  # nothing stored
+    assert (await worker.run(_nice))[0] != pid  # the worker running it was ended
+    lr.close()

@@ -16,12 +16,12 @@ per passage count, so a restart and every replica pool them. The answer's text i
 once. The caller's own order is never randomised: only the service's background call is.
 
 After each answer the passage count's estimate is refitted (``fit_blind_profile``, auto's
-trust thresholds, on a low-priority thread). Trusted (``shaped``, or shown ``flat``), it is
-stored under the generator's name (identification ``answers-online``, trust source
-``generator_online``) and ``auto`` places that passage count by it (``placing``). A stored
-profile this sampler did not write (an operator's ``profile-generator`` run) is never
-overwritten; one it wrote that refits to ``undecided`` is stored as such, so every replica
-stops placing by it.
+trust thresholds, in the background worker process: ``service.runtime.background``). Trusted
+(``shaped``, or shown ``flat``), it is stored under the generator's name (identification
+``answers-online``, trust source ``generator_online``) and ``auto`` places that passage
+count by it (``placing``). A stored profile this sampler did not write (an operator's
+``profile-generator`` run) is never overwritten; one it wrote that refits to ``undecided``
+is stored as such, so every replica stops placing by it.
 
 Answers also come by feedback (``POST /v1/feedback``, ``feedback``): with
 ``feedback_max_requests`` > 0 the served ``/v1/reorder`` requests are kept in memory for a
@@ -76,6 +76,7 @@ from service.errors import (
 from service.passage import Passage
 from service.prompting.prompts import api_prompt
 from service.prompting.templates import get_template
+from service.runtime.background import shared_worker
 from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile
 from service.state.traffic import RunSpool, SampleKey
 from solver.blind_profile import (
@@ -310,9 +311,13 @@ class GeneratorSampler:
         self._queue: deque[_Sample] = deque()
         self._wake: anyio.Event | None = None
         self._status: dict[int, OnlineStatus] = {}
-        # Spool reads and writes, fits and stores: one thread, in order, at the lowest CPU
-        # priority, so neither the event loop nor a request's CPU work waits for them.
-        self._worker = ThreadPoolExecutor(1, "generator-online", initializer=_lowest_priority)
+        # Spool reads and writes, attribution and stores: one thread, in order, at the
+        # background worker's CPU priority (not 19: busy neighbours would starve it), so a
+        # request's CPU work goes first. The fits run in the background worker itself.
+        self._worker = ThreadPoolExecutor(
+            1, "generator-online", initializer=_lower_priority, initargs=(settings.auto_fit_nice,)
+        )
+        self._background = shared_worker(settings.auto_fit_nice)
         self._closed = False
         self.busy = False
         """Whether a sample is being asked or fitted now."""
@@ -511,10 +516,14 @@ class GeneratorSampler:
         rows = [r[1] for r in runs if r[1].shape == (n,)]
         if not rows:
             return
-        fit = await self._off_loop(
-            lambda: fit_blind_profile(
-                np.stack(rows), placement_slots=n, rules=self.rules, seed=self.settings.seed
-            )
+        # The bootstrap in the background worker, a process: on this thread it would hold
+        # the interpreter lock the event loop needs (service.runtime.background).
+        fit = await self._background.run(
+            fit_blind_profile,
+            np.stack(rows),
+            placement_slots=n,
+            rules=self.rules,
+            seed=self.settings.seed,
         )
         st.fit = fit
         ours = st.stored is None or st.stored.identification == IDENTIFICATION
@@ -566,7 +575,7 @@ class GeneratorSampler:
             await self._client.aclose()
 
 
-def _lowest_priority() -> None:
+def _lower_priority(nice: int) -> None:
     # Linux schedules threads individually: this one yields the CPU to request work.
     with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)

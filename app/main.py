@@ -52,10 +52,9 @@ from service.learning.learner import ProfileLearner, allowed_to_learn, rules_of
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.prompting.templates import get_template
-from service.runtime import background
 from service.runtime.cpus import process_budget
+from service.runtime.processes import close_shared
 from service.runtime.shared_counts import SharedCounts
-from service.runtime.solver_pool import close_shared
 from service.runtime.throughput import FRESH_S, ThroughputMeter
 from service.state.state_store import open_state
 from service.state.traffic import TrafficSampler
@@ -274,7 +273,6 @@ def _lifespan(
         # Then what is still queued for Redis (a bounded wait).
         await anyio.to_thread.run_sync(ctx.engine.state.close)
         await anyio.to_thread.run_sync(close_shared)
-        await anyio.to_thread.run_sync(background.close_shared)
 
     return lifespan
 

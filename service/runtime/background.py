@@ -16,128 +16,28 @@ A process has its own interpreter lock, so the event loop never waits for it, an
 (``RAG_REORDER_AUTO_FIT_NICE``, 10 by default) still gives request work the CPU first while
 leaving the assessment a share no neighbour can take. Started with ``spawn`` (the server has
 threads and may hold CUDA, neither of which survives ``fork``), once, at the first call, one
-per process and nice level. ``abandon()`` ends a call in flight by ending the worker, which the
-next call starts again: a shutdown does not wait seconds for a bootstrap nobody will read, and
-no abandoned assessment keeps burning a core.
+per process and nice level (``service.runtime.processes``, as the solver pool's).
+``abandon()`` ends a call in flight by ending the worker, which the next call starts again: a
+shutdown does not wait seconds for a bootstrap nobody will read, and no abandoned assessment
+keeps burning a core.
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import functools
-import multiprocessing
-import os
-import threading
-import time
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
-from typing import Any, TypeVar
-
-T = TypeVar("T")
+from service.runtime.processes import WorkerProcesses, shared
 
 
-def exit_with_parent(poll_s: float = 1.0) -> None:
-    """In a worker process: exit once the process that started it is gone.
+class BackgroundWorker(WorkerProcesses):
+    """One spawned process at ``nice``. A call whose worker died or was abandoned raises
+    ``BrokenProcessPool``; whether to try again is the caller's (an abandoned assessment must
+    not run again)."""
 
-    A server killed outright (SIGKILL, the OOM killer) leaves its pool's workers waiting on a
-    pipe nobody writes, each holding its imports' memory: a day of test servers killed this
-    way left about 60 on this machine, ~150 MB each (2026-11-29). In a container they die
-    with it; on a host nothing else would end them. A thread polls the parent's pid (not
-    ``PR_SET_PDEATHSIG``, which fires when the starting *thread* ends).
-    """
-    parent = os.getppid()
-
-    def watch() -> None:
-        while os.getppid() == parent:
-            time.sleep(poll_s)
-        os._exit(0)
-
-    threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
-
-
-def _start(nice: int) -> None:
-    exit_with_parent()
-    # The whole worker process: every thread it starts (BLAS's) inherits it.
-    with contextlib.suppress(OSError):
-        os.setpriority(os.PRIO_PROCESS, 0, nice)
-
-
-class BackgroundWorker:
-    """Runs picklable module-level functions in one spawned process at ``nice``."""
-
-    def __init__(self, nice: int) -> None:
-        if not 0 <= nice <= 19:
-            raise ValueError(f"nice must be 0..19, got {nice}")
-        self.nice = nice
-        self._pool: ProcessPoolExecutor | None = None
-        self._lock = threading.Lock()
-        self.restarts = 0
-
-    def _executor(self) -> ProcessPoolExecutor:
-        with self._lock:
-            if self._pool is None:
-                self._pool = ProcessPoolExecutor(
-                    1,
-                    mp_context=multiprocessing.get_context("spawn"),
-                    initializer=_start,
-                    initargs=(self.nice,),
-                )
-            return self._pool
-
-    async def run(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> T:
-        """``fn(*args, **kwargs)`` in the worker. If the worker died or was abandoned under
-        the call, ``BrokenProcessPool`` is raised and the next call starts a new one (whether
-        to try again is the caller's: an abandoned call must not run again)."""
-        pool = self._executor()
-        try:
-            return await asyncio.get_running_loop().run_in_executor(
-                pool, functools.partial(fn, *args, **kwargs)
-            )
-        except BrokenProcessPool:
-            self._drop(pool)
-            raise
-
-    def _drop(self, pool: ProcessPoolExecutor) -> None:
-        with self._lock:
-            if self._pool is not pool:
-                return
-            self._pool = None
-            self.restarts += 1
-        pool.shutdown(wait=False, cancel_futures=True)
-
-    def abandon(self, *, wait: bool = True) -> None:
-        """End the worker and whatever it runs (the next call starts a new one); ``wait``:
-        until its process is reaped (``False`` from the event loop, which must not block)."""
-        with self._lock:
-            pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        # ProcessPoolExecutor cannot cancel a running call (3.14 adds terminate_workers()):
-        # its worker is ended directly, and the executor then reports the pool broken.
-        for proc in list(getattr(pool, "_processes", {}).values()):
-            with contextlib.suppress(OSError):
-                proc.terminate()
-        pool.shutdown(wait=wait, cancel_futures=True)
-
-
-_shared: dict[int, BackgroundWorker] = {}
-_shared_lock = threading.Lock()
+    def __init__(self, nice: int = 10, size: int = 1) -> None:
+        if size != 1:
+            raise ValueError(f"a background worker is one process, got {size}")
+        super().__init__(1, nice)
 
 
 def shared_worker(nice: int) -> BackgroundWorker:
     """The process's background worker at ``nice`` (one per level: every learner shares it)."""
-    with _shared_lock:
-        if nice not in _shared:
-            _shared[nice] = BackgroundWorker(nice)
-        return _shared[nice]
-
-
-def close_shared() -> None:
-    """End every shared background worker (the app's shutdown)."""
-    with _shared_lock:
-        workers = list(_shared.values())
-        _shared.clear()
-    for worker in workers:
-        worker.abandon()
+    return shared(BackgroundWorker, 1, nice)

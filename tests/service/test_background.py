@@ -52,6 +52,24 @@ def test_nice_outside_unix_range_is_refused() -> None:
         BackgroundWorker(20)
 
 
+async def test_one_registry_shares_each_kind_and_the_shutdown_ends_them_all() -> None:
+    # The solver pool and the background worker are the same mechanism (processes.py): one
+    # of each per process and setting, and the app's shutdown ends every one it started.
+    from service.runtime.processes import close_shared
+    from service.runtime.solver_pool import SolverPool, shared_pool
+
+    worker, pool = shared_worker(9), shared_pool(1)
+    assert worker is shared_worker(9) and worker is not shared_worker(8)
+    assert isinstance(pool, SolverPool) and pool is shared_pool(1)
+    pids = [(await worker.run(_nice))[0], await pool.run(os.getpid)]
+    await anyio.to_thread.run_sync(close_shared)
+    assert shared_worker(9) is not worker and shared_pool(1) is not pool
+    deadline = time.monotonic() + 15
+    while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    assert not [p for p in pids if _alive(p)]
+
+
 async def test_a_cancelled_assessment_does_not_keep_the_worker(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -17,7 +17,7 @@ export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: install test lint docs check serve bench clean vllm-venv client-venv test-tools \
-	test-vllm test-client test-main test-beside test-units
+	test-vllm test-client test-main test-beside test-units test-fast test-slow
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -114,14 +114,21 @@ test-vllm: vllm-venv
 test-client: client-venv install
 	cd clients/python && RAG_REORDER_SERVER_PYTHON=$(abspath $(BIN))/python ../../.venv-client/bin/pytest -q
 
-# Last, so its summary line closes the log. In two runs: the tests that load no real model and
-# start no real server (1,208 of 1,344) on two workers, each module whole on one (XDIST); then
-# the rest on one worker, since their timing checks (deadlines, waits for the event loop)
-# failed at random with two real-server modules sharing the two cores (the whole suite on two
-# workers, 2026-11-28: 1,173 s against 1,316 s). docs/development.md, Tests, has the times.
+# Last. Side by side, one worker each: the main suite's tests that load no real model and start
+# no real server (`-m "not slow"`: tests/app, 297 tests), and those that do (`-m slow`, 136).
+# The slow ones used 1.4 of the 2 cores on average (600 s, 836 CPU-seconds, 2026-11-29), the
+# rest of a core idle, which the not-slow ones (about 300 CPU-seconds) now fill. The slow ones
+# stay on one worker: their timing checks (deadlines, waits for the event loop) failed at
+# random with two real-server modules sharing the two cores (the whole suite on two workers,
+# 2026-11-28: 1,173 s against 1,316 s). docs/development.md, Tests, has the times.
 test-main: install test-tools vllm-venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) $(XDIST) -m "not slow" \
+	$(MAKE) --no-print-directory -j2 -O test-slow test-fast
+
+test-fast: install test-tools vllm-venv
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m "not slow" \
 		$(MAIN_SUITE) $(UNITS:%=--ignore=%) $(BESIDE:%=--ignore=%)
+
+test-slow: install test-tools vllm-venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(MAIN_SUITE)
 
 # The local quick start: calibration over HTTP is open (RAG_REORDER_OPEN_WRITES); the image and

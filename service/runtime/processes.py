@@ -29,16 +29,20 @@ T = TypeVar("T")
 W = TypeVar("W", bound="WorkerProcesses")
 
 
-def exit_with_parent(poll_s: float = 1.0) -> None:
+def exit_with_parent(parent: int | None = None, poll_s: float = 1.0) -> None:
     """In a worker process: exit once the process that started it is gone.
 
     A server killed outright (SIGKILL, the OOM killer) leaves its pool's workers waiting on a
     pipe nobody writes, each holding its imports' memory: a day of test servers killed this
     way left about 60 on this machine, ~150 MB each (2026-11-29). In a container they die
     with it; on a host nothing else would end them. A thread polls the parent's pid (not
-    ``PR_SET_PDEATHSIG``, which fires when the starting *thread* ends).
+    ``PR_SET_PDEATHSIG``, which fires when the starting *thread* ends). ``parent`` is the pid
+    the starting process passed: read here instead, a parent killed while its worker started
+    reads as pid 1, which the watch would then wait on for good (seven such workers were left
+    by one `make test`, 2026-11-29).
     """
-    parent = os.getppid()
+    if parent is None:
+        parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -48,8 +52,8 @@ def exit_with_parent(poll_s: float = 1.0) -> None:
     threading.Thread(target=watch, name="exit-with-parent", daemon=True).start()
 
 
-def _start(nice: int) -> None:
-    exit_with_parent()
+def _start(nice: int, parent: int) -> None:
+    exit_with_parent(parent)
     if nice:
         # The whole worker process: every thread it starts (BLAS's) inherits it.
         with contextlib.suppress(OSError):
@@ -78,7 +82,7 @@ class WorkerProcesses:
                     self.size,
                     mp_context=multiprocessing.get_context("spawn"),
                     initializer=_start,
-                    initargs=(self.nice,),
+                    initargs=(self.nice, os.getpid()),
                 )
             return self._pool
 

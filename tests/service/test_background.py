@@ -138,3 +138,20 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def test_a_worker_whose_parent_died_before_it_started_exits() -> None:
+    # The parent's pid comes from the parent: read in the worker, a parent killed while the
+    # worker started reads as pid 1, and the watch would wait on pid 1 for good.
+    import subprocess
+    import sys
+
+    from tests.app.processes import ROOT
+
+    code = (
+        "import time; from service.runtime.processes import exit_with_parent; "
+        "exit_with_parent(parent=2**22 + 1, poll_s=0.1); time.sleep(60)"
+    )
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, timeout=30, check=False)
+    assert done.returncode == 0 and time.monotonic() - t0 < 20

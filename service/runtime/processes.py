@@ -29,7 +29,7 @@ T = TypeVar("T")
 W = TypeVar("W", bound="WorkerProcesses")
 
 
-def exit_with_parent(parent: int | None = None, poll_s: float = 1.0) -> None:
+def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
     """In a worker process: exit once the process that started it is gone.
 
     A server killed outright (SIGKILL, the OOM killer) leaves its pool's workers waiting on a
@@ -37,12 +37,10 @@ def exit_with_parent(parent: int | None = None, poll_s: float = 1.0) -> None:
     way left about 60 on this machine, ~150 MB each (2026-11-29). In a container they die
     with it; on a host nothing else would end them. A thread polls the parent's pid (not
     ``PR_SET_PDEATHSIG``, which fires when the starting *thread* ends). ``parent`` is the pid
-    the starting process passed: read here instead, a parent killed while its worker started
+    the starting process passed, never read here: a parent killed while its worker started
     reads as pid 1, which the watch would then wait on for good (seven such workers were left
     by one `make test`, 2026-11-29).
     """
-    if parent is None:
-        parent = os.getppid()
 
     def watch() -> None:
         while os.getppid() == parent:

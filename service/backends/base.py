@@ -6,8 +6,10 @@ receives byte-identical token ids and can be cross-checked against the others on
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
 
@@ -130,6 +132,30 @@ class PromptFailure:
 
 ScoreResult = SpanLogprobs | PromptFailure
 GenerateResult = Generation | PromptFailure
+
+
+_BACKGROUND: ContextVar[bool] = ContextVar("rag_reorder_background_work", default=False)
+
+
+@contextlib.contextmanager
+def background_work() -> Iterator[None]:
+    """Mark the engine calls made inside (and in the tasks and threads started from it) as the
+    service's own work: ``auto``'s background learning and explore runs. The scheduler
+    (``service.backends.scheduler``) serves callers' calls before them and keeps a forward of
+    them alone short, so a caller arriving while one runs waits a fraction of a second, not a
+    full forward batch (about 10 s on a 2-core CPU), and admission's progress check does not
+    read that wait as a slow engine. Not the rate canary: it measures the engine's rate, so
+    its forwards must be packed as callers' are (they are short: about 600 tokens)."""
+    token = _BACKGROUND.set(True)
+    try:
+        yield
+    finally:
+        _BACKGROUND.reset(token)
+
+
+def in_background() -> bool:
+    """Whether the running code is the service's own work (``background_work``)."""
+    return _BACKGROUND.get()
 
 
 def prompt_tokens(requests: Sequence[SpanRequest]) -> int:

@@ -15,7 +15,9 @@ this user may enter (the supervisor makes it with ``tempfile.mkdtemp``, mode 070
 can connect can already run code as this user. A request is ``(id, op, payload)``, an
 answer ``(id, ok, payload)``; calls of one connection are answered as they finish, in any
 order. ``cancel`` drops a call the worker gave up on (deadline, disconnected client), so its
-prompts not yet in a forward leave the scheduler, as they do in one process.
+prompts not yet in a forward leave the scheduler, as they do in one process. A ``score`` or
+``generate`` payload is ``(requests, background)``: whether the worker made the call as the
+service's own work (``background_work``), which the engine's scheduler serves after callers.
 
 Admission's rate (``ThroughputMeter``) is the engine's: a worker timing its own calls would
 count the engine's time on the other workers' prompts as its own, and read a rate N times
@@ -52,7 +54,9 @@ from service.backends.base import (
     PromptTokenizer,
     ScoreResult,
     SpanRequest,
+    background_work,
     generation_tokens,
+    in_background,
     prompt_tokens,
 )
 from service.errors import EngineUnavailable, ReorderError, ServerError
@@ -175,13 +179,17 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                         "model_id": backend.model_id,
                         "max_model_len": backend.max_model_len,
                     }
-                elif op == "score":
-                    result = await backend.score(payload)
                 else:
-                    result = await backend.generate(payload)
-                if timed:
+                    requests, background = payload
+                    with background_work() if background else contextlib.nullcontext():
+                        if op == "score":
+                            result = await backend.score(requests)
+                        else:
+                            result = await backend.generate(requests)
                     done = (
-                        (prompt_tokens(payload), 0) if op == "score" else generation_tokens(payload)
+                        (prompt_tokens(requests), 0)
+                        if op == "score"
+                        else generation_tokens(requests)
                     )
             except asyncio.CancelledError:
                 raise
@@ -293,7 +301,7 @@ class SocketBackend:
             EngineUnavailable: the engine process cannot be reached or went away.
             InvalidRequest, LimitExceeded, BackendUnavailable: as the engine's backend.
         """
-        result: list[ScoreResult] = await self._call("score", list(requests))
+        result: list[ScoreResult] = await self._call("score", (list(requests), in_background()))
         return result
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
@@ -302,7 +310,9 @@ class SocketBackend:
         Raises:
             EngineUnavailable, InvalidRequest, LimitExceeded, BackendUnavailable: as ``score``.
         """
-        result: list[GenerateResult] = await self._call("generate", list(requests))
+        result: list[GenerateResult] = await self._call(
+            "generate", (list(requests), in_background())
+        )
         return result
 
     async def aclose(self) -> None:

@@ -24,6 +24,15 @@ forwards.
 - Failures: the batch function isolates failed prompts itself (``PromptFailure`` per prompt).
   An exception from it for a shared forward is retried caller by caller, so only the call whose
   prompts make the engine raise fails (with that exception) and its neighbours are served.
+- The service's own work yields (``service.backends.base.background_work``: ``auto``'s
+  background learning and explore runs): callers' calls are packed before it whatever
+  their age, never beside it, and a forward of its prompts alone is kept to about
+  ``BACKGROUND_FORWARD_S`` at the pace the forwards so far ran (one prompt at least). A
+  background forward cannot be stopped once started, so this bounds what a caller arriving
+  during one waits: a full budget of 4096 padded tokens is about 10 s on a 2-core CPU, and
+  admission's progress check once read that wait as a slow engine and stopped the caller's
+  request (a 503 at 36.9 s of a ``query_likelihood`` request that follows an ``auto`` cold
+  start, ``bench/results/estimates/quiet_20``).
 - The worker cannot strand a caller: whatever ends it (an exception in the packing, a
   cancellation, even one before it first ran), a done-callback fails every caller still waiting
   with ``BackendUnavailable``, and the next call starts a new worker.
@@ -42,13 +51,20 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from service.backends.base import ScoreResult, SpanRequest
+from service.backends.base import ScoreResult, SpanRequest, in_background
 from service.backends.batching import BatchFill, HeadMode, longest_first
 from service.errors import BackendUnavailable
 
 logger = logging.getLogger(__name__)
 
 RunBatch = Callable[[list[SpanRequest]], Awaitable[list[ScoreResult]]]
+
+BACKGROUND_FORWARD_S = 0.25
+"""About how long a forward of the service's own work alone may take (module docstring)."""
+
+_PACE_WEIGHT = 0.3
+"""Weight of the newest forward in the seconds-per-padded-token average (it heals within a few
+forwards when the engine's speed changes)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +99,8 @@ class _Caller:
     results: list[ScoreResult | None]
     enqueued: float
     done: asyncio.Future[None]
+    background: bool = False
+    """The service's own work (``background_work``): packed after callers, in short forwards."""
     remaining: int = field(init=False)
     started: bool = False
 
@@ -127,6 +145,9 @@ class ForwardScheduler:
         self._running: list[_Caller] = []
         self._worker: asyncio.Task[None] | None = None
         self._observers: list[ForwardObserver] = []
+        # Seconds per padded token of the forwards so far (``None`` before the first), which
+        # sizes the service's own forwards (``_background_budget``).
+        self._s_per_token: float | None = None
 
     @property
     def queue_depth(self) -> int:
@@ -161,6 +182,7 @@ class ForwardScheduler:
             results=[None] * len(reqs),
             enqueued=time.perf_counter(),
             done=loop.create_future(),
+            background=in_background(),
         )
         self._queue.append(caller)
         self._ensure_worker(loop)
@@ -272,10 +294,15 @@ class ForwardScheduler:
         first = [c for c in callers if not c.started]
         for caller in first:
             caller.started = True
+        padded = len(batch) * max(len(req.token_ids) for _, req, _ in batch)
+        if padded and seconds > 0:
+            pace = seconds / padded
+            old = self._s_per_token
+            self._s_per_token = pace if old is None else old + _PACE_WEIGHT * (pace - old)
         stats = ForwardStats(
             prompts=len(batch),
             callers=len(callers),
-            padded_tokens=len(batch) * max(len(req.token_ids) for _, req, _ in batch),
+            padded_tokens=padded,
             token_budget=self._token_budget,
             waits_s=tuple(started - c.enqueued for _, _, c in batch),
             queue_waits_s=tuple(started - c.enqueued for c in first),
@@ -291,14 +318,21 @@ class ForwardScheduler:
         """The next forward: the oldest caller's prompts while they fit, then one prompt per
         other caller per pass (``_offer``), the offers that pad least first, while the budgets
         allow."""
-        fill = BatchFill(
-            token_budget=self._token_budget, row_budget=self._row_budget, head_mode=self._head_mode
-        )
         batch: list[tuple[int, SpanRequest, _Caller]] = []
         self._queue = [c for c in self._queue if c.pending]
         if not self._queue:
             return batch, []
-        oldest = self._queue[0]
+        # Callers' calls first, oldest first; the service's own only when no caller waits,
+        # alone and in short forwards (module docstring).
+        callers_first = [c for c in self._queue if not c.background]
+        background = not callers_first
+        fill = BatchFill(
+            token_budget=self._background_budget() if background else self._token_budget,
+            row_budget=self._row_budget,
+            head_mode=self._head_mode,
+        )
+        eligible = self._queue if background else callers_first
+        oldest = eligible[0]
         while oldest.pending:
             at = _offer(oldest.pending, fill.width)
             index, req = oldest.pending[at]
@@ -307,7 +341,7 @@ class ForwardScheduler:
             fill.add(req)
             del oldest.pending[at]
             batch.append((index, req, oldest))
-        active = [c for c in self._queue[1:] if c.pending]
+        active = [c for c in eligible[1:] if c.pending]
         while active:
             # Each pass: one prompt per caller, the offers that pad least first.
             width = fill.width
@@ -329,6 +363,15 @@ class ForwardScheduler:
         # Arrival order is kept: callers with nothing left to pack leave the queue.
         self._queue = [c for c in self._queue if c.pending]
         return batch, callers
+
+    def _background_budget(self) -> int:
+        """Padded tokens a forward of the service's own work alone may take: about
+        ``BACKGROUND_FORWARD_S`` at the measured pace, within the normal budget; before any
+        forward was timed, 0 (one prompt a forward: ``BatchFill`` takes one whatever its size).
+        """
+        if self._s_per_token is None:
+            return 0
+        return min(self._token_budget, int(BACKGROUND_FORWARD_S / self._s_per_token))
 
 
 def _offer(pending: deque[tuple[int, SpanRequest]], width: int) -> int:

@@ -51,6 +51,7 @@ import anyio.to_thread
 import numpy as np
 
 import solver
+from service.backends.base import background_work
 from service.config.settings import Settings
 from service.errors import StateUnavailable
 from service.learning.generator_online import GeneratorSampler
@@ -478,7 +479,8 @@ class ProfileLearner:
 
             async def work() -> None:
                 try:
-                    with anyio.fail_after(self.settings.request_timeout_s):
+                    # Its forwards yield to callers' and stay short (``background_work``).
+                    with background_work(), anyio.fail_after(self.settings.request_timeout_s):
                         result.append(await run())
                 except TimeoutError as exc:
                     log.warning(

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
 
-from service.backends.base import SpanLogprobs, SpanRequest
+from service.backends.base import ScoreResult, SpanLogprobs, SpanRequest
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.engine_socket import SocketBackend, serve_engine
 from service.backends.paced import PacedBackend, PacedProfile
@@ -113,6 +114,37 @@ def test_a_lost_engine_fails_calls_as_unavailable_and_a_new_one_is_reached() -> 
         await task
 
     asyncio.run(main())
+
+
+def test_a_workers_background_work_is_background_work_in_the_engine_process() -> None:
+    # auto's learning runs in a worker; the engine's scheduler must see it as the service's
+    # own work (served after callers, in short forwards), so the mark crosses the socket.
+    from service.backends.base import background_work, in_background
+
+    seen: list[tuple[str, bool]] = []
+
+    class Marking(PacedBackend):
+        async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
+            seen.append((requests[0].request_id, in_background()))
+            return await super().score(requests)
+
+    async def main() -> None:
+        path = socket_path()
+        stop, task = await started(
+            Marking(ByteTokenizer(), SLOW, model="m", max_model_len=512, vocab_size=259,
+                    batch_token_budget=8192),
+            path,
+        )  # fmt: skip
+        client = SocketBackend(path, ByteTokenizer(), model_id="m")
+        await client.score([req(1)])
+        with background_work():
+            await client.score([req(2)])
+        await client.aclose()
+        stop.set()
+        await task
+
+    asyncio.run(main())
+    assert seen == [("r1", False), ("r2", True)]
 
 
 def test_admission_counts_are_summed_over_the_workers(tmp_path: Path) -> None:

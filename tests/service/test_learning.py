@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import solver
+from service.backends.base import in_background
 from service.config.settings import Settings
 from service.learning.learner import Decision, LearnKey, ProfileLearner, allowed_to_learn
 from service.state.profile_store import ProfileStore
@@ -277,7 +278,11 @@ async def test_explore_runs_wait_for_an_idle_engine_and_yield_to_requests(
         await anyio.sleep(60)
         return good
 
+    marked: list[bool] = []
+
     async def quick() -> tuple[np.ndarray, np.ndarray]:
+        # Its engine calls are the service's own work: after callers', in short forwards.
+        marked.append(in_background())
         return good
 
     async def until(cond: Any) -> None:
@@ -300,6 +305,7 @@ async def test_explore_runs_wait_for_an_idle_engine_and_yield_to_requests(
         assert lr.explore_later(d, quick)
         await until(lambda: lr.counters.shadow_runs["recorded"] == 1)
         tg.cancel_scope.cancel()
+    assert marked == [True] and not in_background()
     assert lr.counters.shadow_runs == {
         "recorded": 1,
         "preempted": 1,

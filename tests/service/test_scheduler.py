@@ -8,6 +8,7 @@ test_transformers_backend.py).
 from __future__ import annotations
 
 import asyncio
+import time
 
 import anyio
 import pytest
@@ -306,3 +307,92 @@ def test_no_caller_waits_forever_when_the_worker_stops(how: str) -> None:
     sched._run_batch = forward
     sched.__dict__.pop("_take", None)
     assert len(anyio.run(lambda: sched.score(prompts("later", 2)))) == 2
+
+
+class PacedForward(FakeForward):
+    """Takes ``s_per_token`` a padded token, as an engine does; records each batch's tags."""
+
+    def __init__(self, s_per_token: float) -> None:
+        super().__init__(delay=0)
+        self.s_per_token = s_per_token
+        self.padded: list[int] = []
+
+    async def __call__(self, batch: list[SpanRequest]) -> list[ScoreResult]:
+        padded = len(batch) * max(len(r.token_ids) for r in batch)
+        self.padded.append(padded)
+        self.delay = padded * self.s_per_token
+        return await super().__call__(batch)
+
+
+def test_the_services_own_work_yields_to_a_caller_within_a_short_forward(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A background learning run of 30 prompts holds the engine when a caller arrives: the
+    # caller's prompts go in the next forward (not after the run's), alone, and the run's
+    # forwards were kept to about BACKGROUND_FORWARD_S (0.05 s here: 25 tokens at 2 ms a
+    # token, two 12-token prompts), so the caller waited one short forward; before, the run's
+    # forwards filled the whole budget (600 tokens here, 1.2 s).
+    from service.backends import scheduler as scheduler_module
+    from service.backends.base import background_work
+
+    monkeypatch.setattr(scheduler_module, "BACKGROUND_FORWARD_S", 0.05)
+    forward = PacedForward(s_per_token=0.002)
+    sched = scheduler(forward, token_budget=600)
+    stats: list[ForwardStats] = []
+    sched.add_observer(stats.append)
+    background = [SpanRequest(f"b{i}", tuple(range(12)), 1, 3) for i in range(30)]
+
+    async def main() -> float:
+        async def learn() -> None:
+            with background_work():
+                await sched.score(background)
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(learn)
+            await anyio.sleep(0.1)
+            t0 = time.perf_counter()
+            await sched.score(prompts("c", 3))
+            return time.perf_counter() - t0
+
+    caller_s = anyio.run(main)
+    first_caller = next(i for i, b in enumerate(forward.batches) if b[0].startswith("c"))
+    assert all({rid[0] for rid in b} in ({"b"}, {"c"}) for b in forward.batches)
+    assert forward.batches[first_caller] == ["c2", "c1", "c0"]
+    # Before any forward was timed, one prompt; then about 0.05 s of tokens.
+    assert forward.padded[0] == 12
+    assert all(
+        p <= 25 for p, b in zip(forward.padded, forward.batches, strict=True) if b[0][0] == "b"
+    )
+    assert sum(len(b) for b in forward.batches) == 33
+    # One short background forward at most ahead of it, and its own.
+    (waited,) = [s.queue_waits_s[0] for s in stats if s.queue_waits_s and s.prompts == 3]
+    assert waited <= 0.05 + 0.03
+    assert caller_s < 0.3
+
+
+def test_a_callers_call_is_packed_before_older_background_work() -> None:
+    from service.backends.base import background_work, in_background
+
+    forward = FakeForward(delay=0)
+    sched = scheduler(forward)
+
+    async def main() -> None:
+        async def learn() -> None:
+            with background_work():
+                assert in_background()
+                await sched.score(prompts("b", 2))
+
+        # Both queue while the first forward runs; the caller came second, goes first.
+        forward.gate = asyncio.Event()
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(sched.score, prompts("a", 1))
+            await anyio.sleep(0.01)
+            tg.start_soon(learn)
+            await anyio.sleep(0.01)
+            tg.start_soon(sched.score, prompts("c", 1))
+            await anyio.sleep(0.01)
+            assert not in_background()
+            forward.gate.set()
+
+    anyio.run(main)
+    assert [b[0][0] for b in forward.batches] == ["a", "c", "b"]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import functools
 import logging
 import os
 import shutil
@@ -175,14 +176,21 @@ def _settings_env(settings: Settings) -> dict[str, str]:
     return out
 
 
-def _die_with_parent() -> None:
+def _die_with_parent(supervisor: int) -> None:
     """In the child before it runs: SIGTERM when the supervisor dies (Linux), so a killed
-    supervisor leaves no workers serving on the port without anyone to restart them."""
+    supervisor leaves no workers serving on the port without anyone to restart them.
+
+    A supervisor killed between the fork and the ``prctl`` would leave the child without the
+    signal (it is armed for the parent the child has then, already init): so the child
+    compares its parent with ``supervisor``, the pid the supervisor passed before forking,
+    and ends itself if they differ."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
     except (OSError, AttributeError):
-        pass  # not Linux: the children outlive a killed supervisor
+        return  # not Linux: the children outlive a killed supervisor
+    if os.getppid() != supervisor:
+        os._exit(1)
 
 
 def _start(child: _Child, env: dict[str, str]) -> None:
@@ -191,7 +199,7 @@ def _start(child: _Child, env: dict[str, str]) -> None:
         child.argv,
         env=env,
         pass_fds=child.pass_fds,
-        preexec_fn=_die_with_parent,  # noqa: PLW1509
+        preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # noqa: PLW1509
     )
     child.started_at = time.monotonic()
     log.info("%s started (pid %d)", child.name, child.proc.pid)

@@ -95,6 +95,11 @@ RATE_PASSAGES = tuple(
 _REMEASURE_MIN_S = 10.0
 # How often the rate canary's loop looks at the estimate's age.
 _REMEASURE_POLL_S = 30.0
+# The rate canary starts only once the engine has been idle this long: a refused caller, or
+# a client sending one request after another, sends its next request within milliseconds of
+# the last answer, and a canary started then had its forward (about 1.5 s on a 2-core CPU)
+# sit in front of that request. It is preempted when a request arrives either way.
+_REMEASURE_IDLE_S = 1.0
 
 
 def _version() -> str:
@@ -597,12 +602,25 @@ async def _remeasure(ctx: AppContext, backend: LogprobBackend) -> None:
             wake = anyio.Event()
             admission.on_remeasure = wake.set
             continue
-        while admission.tokens_in_flight:
-            await anyio.sleep(0.1)
+        await _idle_for(admission, _REMEASURE_IDLE_S)
         last = time.monotonic()
         # Not measured (failed, or preempted by a request whose own calls measure the engine):
         # asked again later.
         await _measure_rates(ctx, backend, why)
+
+
+async def _idle_for(admission: Admission, seconds: float, poll_s: float = 0.05) -> None:
+    """Return once no request has used the engine for ``seconds`` on end."""
+    idle_since: float | None = None
+    while True:
+        now = time.monotonic()
+        if admission.tokens_in_flight:
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        elif now - idle_since >= seconds:
+            return
+        await anyio.sleep(poll_s)
 
 
 async def _measure_rates(ctx: AppContext, backend: LogprobBackend, why: str) -> bool:

@@ -1,12 +1,13 @@
-"""What the service's own engine work costs a caller who arrives while it runs: ``auto``'s
-background learning run (queued by a cold-path request) against the caller's request right
-after it, on the embedded SmolLM2 through a real server process, for two checkouts of the
-service side by side (``--arms name=path,...``: the code before and after a change).
+"""What the service's own engine work costs a caller who arrives while it runs, on the
+embedded SmolLM2 through a real server process, for two checkouts of the service side by side
+(``--arms name=path,...``: the code before and after a change). The work is started by a
+``--trigger`` request just before the caller's: ``auto`` (its cold path queues a MoI learning
+run for the background) or a strategy refused 422 ``deadline_unreachable`` (``convex_score``:
+a refusal asks the rate canary to re-measure the engine).
 
 Per arm, one server; per question (NQ-Open dev, 10 passages), the caller's ``--strategy``
-request twice, paired: **alone** (the engine idle, nothing queued) and **after auto**
-(an ``auto`` request that takes the cold path and queues its MoI run for the background,
-then ``--gap-s`` later, once that run holds the engine, the caller's). Reported per arm:
+request twice, paired: **alone** (the engine idle, nothing queued) and **after the
+trigger** (the trigger request, then ``--gap-s`` later the caller's). Reported per arm:
 the caller's seconds in both, the paired difference (what the service's own work added to
 the caller's time), and the answers that were not 200 (an admitted request stopped early
 by the progress check is a 503). Arms alternate question by question, so a slower hour
@@ -59,12 +60,12 @@ def post(client: httpx.Client, url: str, question: Any, strategy: str) -> dict[s
     return row
 
 
-def summarise(rows: Sequence[dict[str, Any]], arms: Sequence[str]) -> dict[str, Any]:
+def summarise(rows: Sequence[dict[str, Any]], arms: Sequence[str], trigger: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for arm in arms:
         mine = [r for r in rows if r["arm"] == arm]
         alone = {r["question"]: r for r in mine if r["condition"] == "alone"}
-        after = {r["question"]: r for r in mine if r["condition"] == "after_auto"}
+        after = {r["question"]: r for r in mine if r["condition"] == f"after_{trigger}"}
         paired = [
             (alone[q]["elapsed_s"], after[q]["elapsed_s"])
             for q in alone
@@ -79,19 +80,19 @@ def summarise(rows: Sequence[dict[str, Any]], arms: Sequence[str]) -> dict[str, 
                 if r["status"] != 200
             ],
             "alone_s_median": statistics.median(a for a, _ in paired) if paired else None,
-            "after_auto_s_median": statistics.median(b for _, b in paired) if paired else None,
+            "after_trigger_s_median": statistics.median(b for _, b in paired) if paired else None,
             "added_s_median": statistics.median(added) if added else None,
             "added_s_max": max(added) if added else None,
         }
     return out
 
 
-def table(summary: dict[str, Any], strategy: str) -> str:
+def table(summary: dict[str, Any], strategy: str, trigger: str) -> str:
     lines = [
         f"Caller's `{strategy}` request (10 passages, embedded SmolLM2) alone and right after "
-        "an `auto` cold-path request whose MoI run went to the background, paired by question.",
+        f"a `{trigger}` request, paired by question.",
         "",
-        "| arm | questions | alone, median s | after auto, median s | added, median s | "
+        f"| arm | questions | alone, median s | after {trigger}, median s | added, median s | "
         "added, max s | not 200 |",
         "|---|---:|---:|---:|---:|---:|---|",
     ]
@@ -103,7 +104,7 @@ def table(summary: dict[str, Any], strategy: str) -> str:
         bad = ", ".join(f"{b['status']} ({b['condition']})" for b in s["not_200"]) or "none"
         lines.append(
             f"| {arm} | {s['questions']} | {f(s['alone_s_median'])} | "
-            f"{f(s['after_auto_s_median'])} | {f(s['added_s_median'])} | "
+            f"{f(s['after_trigger_s_median'])} | {f(s['added_s_median'])} | "
             f"{f(s['added_s_max'])} | {bad} |"
         )
     return "\n".join(lines) + "\n"
@@ -115,7 +116,8 @@ def main() -> None:
     ap.add_argument("--arms", default=f"after={ROOT}", help="name=checkout,... (side by side)")
     ap.add_argument("--questions", type=int, default=6)
     ap.add_argument("--strategy", default="moi", help="the caller's strategy")
-    ap.add_argument("--gap-s", type=float, default=1.0, help="auto request to caller's request")
+    ap.add_argument("--trigger", default="auto", help="the request before the caller's")
+    ap.add_argument("--gap-s", type=float, default=1.0, help="trigger to caller's request")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -129,8 +131,14 @@ def main() -> None:
 
     questions = [prepare(e, PASSAGES) for e in load_examples(Path(args.data), limit=args.questions)]
     servers: dict[str, tuple[Any, str]] = {}
+    wanted = {
+        (arm, c, q.id)
+        for arm in arms
+        for q in questions
+        for c in ("alone", f"after_{args.trigger}")
+    }
     try:
-        for arm, root in arms.items():
+        for arm, root in arms.items() if wanted - done else ():
             port = free_port()
             env = {
                 "HF_HUB_OFFLINE": "1",
@@ -155,12 +163,13 @@ def main() -> None:
                         print(json.dumps(row), flush=True)
                         report.append(path, row)
                         rows.append(row)
-                    if (arm, "after_auto", question.id) not in done:
-                        cold = post(client, url, question, "auto")
+                    after = f"after_{args.trigger}"
+                    if (arm, after, question.id) not in done:
+                        trigger = post(client, url, question, args.trigger)
                         time.sleep(args.gap_s)
-                        row = {"arm": arm, "condition": "after_auto", "question": question.id}
+                        row = {"arm": arm, "condition": after, "question": question.id}
                         row |= post(client, url, question, args.strategy)
-                        row["auto"] = cold
+                        row[args.trigger] = trigger
                         print(json.dumps(row), flush=True)
                         report.append(path, row)
                         rows.append(row)
@@ -170,16 +179,17 @@ def main() -> None:
         for proc, _ in servers.values():
             proc.terminate()
             proc.wait(timeout=60)
-    summary = summarise(rows, list(arms))
+    summary = summarise(rows, list(arms), args.trigger)
     result = {
         **report.provenance(),
         "strategy": args.strategy,
+        "trigger": args.trigger,
         "gap_s": args.gap_s,
         "arms": {a: str(Path(r).resolve()) for a, r in arms.items()},
         "summary": summary,
     }
     report.write(result, out / "summary.json")
-    text = table(summary, args.strategy)
+    text = table(summary, args.strategy, args.trigger)
     (out / "summary.md").write_text(text)
     print(text)
 

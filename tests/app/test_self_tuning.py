@@ -127,6 +127,29 @@ def test_one_slow_first_measurement_never_refuses_for_good() -> None:
     admission.release(reservation)
 
 
+async def test_the_rate_canary_waits_for_the_engine_to_stay_idle() -> None:
+    # A client sending one request after another (or a refused caller retrying) sends the
+    # next within milliseconds: a canary started at the first idle instant had its forward
+    # sit in front of that request. It starts only after _REMEASURE_IDLE_S of idleness.
+    from app.main import _idle_for
+
+    admission = _admission()
+    estimate = Estimate(prompts=2, prompt_tokens=100, new_tokens=0, param="passages")
+    t0 = time.monotonic()
+    async with anyio.create_task_group() as tg:
+
+        async def traffic() -> None:
+            await anyio.sleep(0.2)
+            held = admission.reserve(estimate, None, timeout_s=10.0)
+            await anyio.sleep(0.2)
+            admission.release(held)
+
+        tg.start_soon(traffic)
+        await _idle_for(admission, 0.5)
+    # Idle from 0 to 0.2 s (too short), busy to 0.4 s, then 0.5 s idle on end.
+    assert time.monotonic() - t0 >= 0.9
+
+
 # --- over HTTP ------------------------------------------------------------------------------
 
 

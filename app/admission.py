@@ -93,6 +93,15 @@ from service.strategies.request import Estimate
 # its cores), and without the margin 2 of the 19 requests admitted at 3x capacity missed their
 # deadline by that little (bench/results/overload_no_headroom.md).
 _HEADROOM = 0.9
+_LONG_MARGIN = 1.2
+"""A request's own work is admitted only if its estimate times this fits the usable time.
+Work estimated near its deadline ran over it by the estimate's own error: split into parts
+(``_in_parts``), it was stopped early by its pace after 25-53 s with a 503 (2 of 20
+``self_consistency`` requests estimated just under 108 s, quiet,
+bench/results/estimates/quiet_20_after). The long requests' model seconds over their
+estimates: at most 1.18 quiet and 1.12 after the yield changes, p90 1.10 with a competing
+process (bench/results/estimates); such work is now refused at once (422 on a confirmed
+rate), saying how much of it would fit."""
 _REMEASURE_GUESS_S = 10.0
 """Retry-After's share for the rate canary before one has run (a few seconds on this CPU)."""
 _MIN_DECODE = 2
@@ -232,14 +241,16 @@ class Admission:
         now = time.monotonic()
         own_s = self.meter.seconds_for(estimate.prompt_tokens, estimate.new_tokens)
         usable = _HEADROOM * timeout_s
-        if own_s is not None and deadline is not None and own_s > usable:
+        # The estimate's own error: work estimated near the deadline is over it (_LONG_MARGIN).
+        allowed = usable / _LONG_MARGIN
+        if own_s is not None and deadline is not None and own_s > allowed:
             # Over the deadline alone. For good (422) only on a confirmed rate, and only if
             # even the fastest the engine has recently shown cannot fit it; else it is the
             # estimate that is in doubt: admitted on an idle engine (its calls re-measure),
             # 503 behind others, and either way a re-measurement is asked for.
             best_s = self.meter.best_seconds_for(now, estimate.prompt_tokens, estimate.new_tokens)
             decode_ok = estimate.new_tokens == 0 or self.meter.decode_completed >= _MIN_DECODE
-            if self.meter.confirmed(now) and decode_ok and best_s is not None and best_s > usable:
+            if self.meter.confirmed(now) and decode_ok and best_s is not None and best_s > allowed:
                 self._metrics.admission_rejections.labels("unreachable").inc()
                 self.remeasure("refused")
                 raise _unreachable(estimate, best_s, self.meter, now, timeout_s, timeout_name)
@@ -249,7 +260,7 @@ class Admission:
                 self._metrics.admission_rejections.labels("deadline").inc()
                 raise Overloaded(
                     f"this request's {estimate.prompts} model calls are estimated at "
-                    f"{own_s:.1f} s, over the {usable:.1f} s its deadline allows, on a rate "
+                    f"{own_s:.1f} s, over the {allowed:.1f} s its deadline allows, on a rate "
                     f"not yet confirmed ({self._rate_basis(now)}); it is admitted when the "
                     f"engine is idle (about {wait_s:.0f} s of work is queued ahead)",
                     retry_after_s=max(1, math.ceil(wait_s)),
@@ -437,7 +448,7 @@ def _unreachable(
 ) -> DeadlineUnreachable:
     """The 422 for work that cannot finish by its deadline even alone: the estimate, how it
     was made (the rate, and the calls it rests on), the deadline, and what would fit."""
-    usable = _HEADROOM * timeout_s
+    allowed = _HEADROOM * timeout_s / _LONG_MARGIN
     rate = meter.best_rate(now) or 0.0
     parts = [
         f"{estimate.prompt_tokens} prompt tokens at the measured {rate:.0f}/s "
@@ -446,14 +457,15 @@ def _unreachable(
     decode = meter.decode_tokens_per_s
     if estimate.new_tokens and decode is not None:
         parts.append(f"{estimate.new_tokens} answer tokens at {decode:.0f}/s")
-    share = usable / own_s
+    share = allowed / own_s
     return DeadlineUnreachable(
         estimate.param,
-        round(usable, 3),
+        round(allowed, 3),
         round(own_s, 3),
         f"this request's {estimate.prompts} model calls are estimated at {own_s:.1f} s on an "
-        f"idle engine ({'; '.join(parts)}), over the {usable:.1f} s its deadline allows "
-        f"({name} = {timeout_s:g} s, 90% usable); about {share:.0%} of this work would fit: "
+        f"idle engine ({'; '.join(parts)}), over the {allowed:.1f} s its deadline allows "
+        f"({name} = {timeout_s:g} s: 90% usable, less a {_LONG_MARGIN - 1:.0%} margin for the "
+        f"estimate's error); about {share:.0%} of this work would fit: "
         f"send fewer passages, prompts or samples ({estimate.param}), or raise {name}",
     )
 

@@ -39,25 +39,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from bench import report
-from bench.estimates import body
+from bench.estimates import one
 from bench.server_process import free_port, start_server
 
 PASSAGES = 10
-
-
-def post(client: httpx.Client, url: str, question: Any, strategy: str) -> dict[str, Any]:
-    t = time.perf_counter()
-    r = client.post(f"{url}/v1/reorder", json=body(question, strategy))
-    data = r.json()
-    row: dict[str, Any] = {"status": r.status_code, "elapsed_s": round(time.perf_counter() - t, 3)}
-    if r.status_code == 200:
-        row["estimated_s"] = data["timing"]["estimated_s"]
-        row["scoring_s"] = data["timing"]["scoring_s"]
-        row["path"] = (data.get("auto") or {}).get("path")
-        row["recorded"] = (data.get("auto") or {}).get("recorded")
-    else:
-        row["message"] = data.get("error", {}).get("message")
-    return row
 
 
 def summarise(rows: Sequence[dict[str, Any]], arms: Sequence[str], trigger: str) -> dict[str, Any]:
@@ -159,16 +144,16 @@ def main() -> None:
                             "condition": "alone",
                             "question": question.id,
                         }
-                        row |= post(client, url, question, args.strategy)
+                        row |= one(client, url, question, args.strategy)
                         print(json.dumps(row), flush=True)
                         report.append(path, row)
                         rows.append(row)
                     after = f"after_{args.trigger}"
                     if (arm, after, question.id) not in done:
-                        trigger = post(client, url, question, args.trigger)
+                        trigger = one(client, url, question, args.trigger)
                         time.sleep(args.gap_s)
                         row = {"arm": arm, "condition": after, "question": question.id}
-                        row |= post(client, url, question, args.strategy)
+                        row |= one(client, url, question, args.strategy)
                         row[args.trigger] = trigger
                         print(json.dumps(row), flush=True)
                         report.append(path, row)

@@ -48,7 +48,11 @@ from service.errors import (
     EngineUnavailable,
 )
 from service.learning.generator_online import GeneratorSampler
-from service.learning.learner import ProfileLearner, allowed_to_learn, rules_of
+from service.learning.learner import (
+    ProfileLearner,
+    allowed_to_learn,
+    generator_rules_of,
+)
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.prompting.templates import get_template
@@ -178,7 +182,9 @@ def create_app(
         # its sampled calls, and the answers fed back to POST /v1/feedback.
         spool = state.spool("auto/generator", settings.generator_max_answers, None)
         assert spool is not None  # every store keeps auto's spools
-        ctx.engine.learner.generator = GeneratorSampler(settings, store, spool, rules_of(settings))
+        ctx.engine.learner.generator = GeneratorSampler(
+            settings, store, spool, generator_rules_of(settings)
+        )
         metrics.track_generator(ctx.engine.learner.generator)
     metrics.track_traffic(ctx.engine.traffic)
     metrics.track_auto(ctx.engine.learner)

@@ -6,6 +6,7 @@
 #
 #   eval/blind_profile.sh [DATA_DIR] [OUT]    # defaults ../shared/data, bench/results/blind_profile
 #
+# SmolLM2 to 600 questions: QUESTIONS=600 STEPS=50,100,200,300,400,500,600 TIMEOUT=1800 eval/blind_profile.sh
 # Gemma-3-270m: MODEL=google/gemma-3-270m NAME=gemma-3-270m API=completions TEMPLATE=qa_completion eval/blind_profile.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -38,7 +39,7 @@ nice -n 10 $RR profile-generator --no-labels --base-url "http://127.0.0.1:$PORT/
     --model "$MODEL" --api "$API" --template "$TEMPLATE" --data "$DATA/nq_open_train.jsonl" \
     --limit "$QUESTIONS" --slots 10 --max-tokens 16 --concurrency 4 --timeout "${TIMEOUT:-600}" --no-progress \
     --out "$OUT/$NAME" || { rc=$?; [ "$rc" -eq 3 ] || exit "$rc"; }
-.venv/bin/python eval/compare_blind_profile.py --blind "$OUT/$NAME" \
+.venv/bin/python eval/compare_blind_profile.py --blind "$OUT/$NAME" --steps "${STEPS:-50,100,200}" \
     --data "$DATA/nq_open_train.jsonl" \
     --gold "eval/results/answer_profile/$NAME/profile.json" > "$OUT/compare_$NAME.json"
 cat "$OUT/compare_$NAME.json"

@@ -87,6 +87,9 @@ def main() -> None:
     ap.add_argument("--steps", default="50,100,200")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threshold", type=float, default=DEFAULT_THRESHOLD)
+    ap.add_argument(
+        "--top-slots", type=int, default=2, help="strongest slots the trust rule compares (1, 2)"
+    )
     args = ap.parse_args()
 
     recs = (
@@ -102,7 +105,7 @@ def main() -> None:
     gold = json.loads(args.gold.read_text())["fit"]
     acc = np.asarray(gold["accuracy"])
     slots = len(acc)
-    rules = TrustRules()
+    rules = TrustRules(top_slots=args.top_slots)
     gold_top = top_slots(acc, slots, 2)
 
     def compare(n: int) -> dict[str, Any]:

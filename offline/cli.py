@@ -299,6 +299,13 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
     pg.add_argument("--no-logprobs", action="store_true", help="do not ask for output log-probs")
     pg.add_argument("--seed", type=int, default=0, help="the distractors' arrangement")
     pg.add_argument("--alpha", type=float, default=0.05, help="level of the flatness test")
+    pg.add_argument(
+        "--top-slots",
+        type=int,
+        default=2,
+        help="with --no-labels: strongest slots whose order must be stable for trust (1 or 2; "
+        "1: the best slot alone, for a generator with one clear slot and a flat rest)",
+    )
     pg.add_argument("--force", action="store_true", help="store a profile that looks flat")
     pg.add_argument(
         "--profile-model", help="the model name to store the profile under (default: --model)"

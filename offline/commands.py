@@ -219,6 +219,8 @@ async def _profile_generator_blind(
 
     if not 0.0 < args.threshold <= 1.0:
         raise ClientError(f"--threshold must be in (0, 1], got {args.threshold}", param="threshold")
+    if args.top_slots not in (1, 2):
+        raise ClientError(f"--top-slots must be 1 or 2, got {args.top_slots}", param="top_slots")
     job = BlindJob(
         endpoint=endpoint,
         examples=read_examples(args.data, args.limit),
@@ -229,7 +231,7 @@ async def _profile_generator_blind(
         max_calls=args.max_calls,
         seed=args.seed,
         threshold=args.threshold,
-        rules=TrustRules(alpha=args.alpha),
+        rules=TrustRules(alpha=args.alpha, top_slots=args.top_slots),
         force=args.force,
         progress=not args.no_progress,
         profile_model=args.profile_model,

@@ -196,6 +196,12 @@ class Settings(BaseSettings):
     generator_max_answers: int = Field(default=2000, ge=10, le=100_000)
     """Most generator answers pooled per passage count (the latest), numbers only: the order
     shown and the slots the answer was attributed to, never its text."""
+    generator_top_slots: int = Field(default=2, ge=1, le=2)
+    """Strongest slots whose order the generator's label-free profile must place stably
+    (`auto_min_stability` of its bootstrap refits) before it is trusted: 2, as `auto`'s own
+    profiles; 1 trusts a profile whose best slot is stable while the runner-up is not
+    separated (SmolLM2-135M: its best slot trusted from 140 answered questions, its top two
+    not in 600; docs/generator-profile.md, "Calls to trust")."""
     feedback_max_requests: int = Field(default=0, ge=0, le=1_000_000)
     """Served `/v1/reorder` requests kept in this replica's memory (query, passages and
     served order; the latest) so that `POST /v1/feedback` can take the generator's answer to

@@ -32,6 +32,7 @@ stored profile, which carries its trust figures (``StoredProfile.trust``).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import socket
@@ -836,6 +837,12 @@ def rules_of(settings: Settings) -> trust_rules.TrustRules:
         flat_effect=settings.auto_flat_effect,
         min_runs=settings.auto_min_runs,
     )
+
+
+def generator_rules_of(settings: Settings) -> trust_rules.TrustRules:
+    """``rules_of`` for the generator's label-free profile: its top slots its own setting
+    (``generator_top_slots``)."""
+    return dataclasses.replace(rules_of(settings), top_slots=settings.generator_top_slots)
 
 
 def to_profile_trust(

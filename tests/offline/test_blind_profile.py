@@ -57,12 +57,15 @@ class Generator:
     def __init__(self) -> None:
         self.calls = 0
 
+    def slot(self, q: int) -> int:
+        return 0 if q % 4 == 0 else 3
+
     def __call__(self, request: httpx.Request) -> httpx.Response:
         self.calls += 1
         text = json.loads(request.content)["messages"][-1]["content"]
         q = int(re.search(r"question (\d+) want", text).group(1))  # type: ignore[union-attr]
         docs = re.split(r"Document \[\d+\]", text)[1:]
-        slot = 0 if q % 4 == 0 else 3
+        slot = self.slot(q)
         word = re.search(r"w\d+_\d+", docs[slot]).group(0)  # type: ignore[union-attr]
         answer = word if q % 2 == 0 else f"It is {word}."
         if q % 5 == 4:
@@ -166,6 +169,36 @@ async def test_the_budget_stops_a_run_the_next_continues_and_few_answers_are_not
     assert gen.calls == 60
 
 
+class OneSlotGenerator(Generator):
+    """Slot 3 in three questions of four; the fourth slot 0 or slot 1 in turn: one clear
+    slot, and no runner-up among the rest."""
+
+    def slot(self, q: int) -> int:
+        return 3 if q % 4 else (q // 4) % 2
+
+
+async def test_one_clear_slot_is_trusted_on_its_best_slot_alone_when_asked(
+    tmp_path: Path,
+) -> None:
+    """The rule asks for the same two strongest slots (``TrustRules.top_slots``, auto's); a
+    generator whose runner-up is a tie never gives them, however many answers; with
+    ``top_slots=1`` (``--top-slots 1``, ``generator_top_slots``) its best slot is enough."""
+    from solver.trust import TrustRules
+
+    verdicts = {}
+    for k in (2, 1):
+        out = await run_blind_profile(
+            job(tmp_path / str(k), n=120, rules=TrustRules(top_slots=k)),
+            ProfileStore(tmp_path / str(k) / "profiles"),
+            transport=httpx.MockTransport(OneSlotGenerator()),
+        )
+        assert out.fit is not None and out.fit.top_slots[0] == 3
+        verdicts[k] = (out.fit.verdict, out.fit.reason, out.stored is not None)
+    assert verdicts[2][0] == "undecided" and "same top 2" in verdicts[2][1], verdicts
+    assert not verdicts[2][2]
+    assert verdicts[1][0] == "shaped" and verdicts[1][2], verdicts
+
+
 def test_the_command_refuses_a_bad_threshold_before_any_call(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -177,6 +210,8 @@ def test_the_command_refuses_a_bad_threshold_before_any_call(
     argv += ["--no-labels", "--data", str(data), "--slots", "2", "--out", str(tmp_path / "p")]
     assert main([*argv, "--threshold", "1.5"]) == 2
     assert "--threshold must be in (0, 1], got 1.5" in capsys.readouterr().err
+    assert main([*argv, "--top-slots", "3"]) == 2
+    assert "--top-slots must be 1 or 2, got 3" in capsys.readouterr().err
     assert not (tmp_path / "p").exists()
 
 

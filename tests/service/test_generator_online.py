@@ -24,7 +24,7 @@ from service.learning.generator_online import (
     GeneratorSampler,
     ServedRequests,
 )
-from service.learning.learner import rules_of
+from service.learning.learner import generator_rules_of, rules_of
 from service.passage import Passage
 from service.state.state_store import FolderState
 from tests.support.canned_generator import canned_generator
@@ -62,7 +62,12 @@ def sampler_for(
     spool = state.spool("auto/generator", settings.generator_max_answers, "test")
     assert spool is not None
     return GeneratorSampler(
-        settings, state.profiles, spool, rules_of(settings), environ=environ or {}, clock=clock
+        settings,
+        state.profiles,
+        spool,
+        generator_rules_of(settings),
+        environ=environ or {},
+        clock=clock,
     )
 
 
@@ -228,3 +233,14 @@ def test_served_requests_are_kept_for_a_bounded_time_and_count() -> None:
     off = ServedRequests(0, 60.0)
     off.keep("r", "q", passages(0), (0, 1), "shuffle")
     assert len(off) == 0
+
+
+def test_the_generator_s_rules_are_auto_s_but_its_top_slots(tmp_path: Path) -> None:
+    """The online generator profile is judged by auto's thresholds (``auto_*``) except the
+    strongest slots it must place stably, ``generator_top_slots`` (default 2, as auto's)."""
+    base = Settings(cache_dir=tmp_path, auto_alpha=0.01, auto_min_runs=7)
+    assert generator_rules_of(base) == rules_of(base)
+    one = generator_rules_of(base.model_copy(update={"generator_top_slots": 1}))
+    assert one.top_slots == 1 and one.alpha == 0.01 and one.min_runs == 7
+    with pytest.raises(ValueError, match="generator_top_slots"):
+        Settings(cache_dir=tmp_path, generator_top_slots=3)

@@ -120,7 +120,7 @@ def fit(
             the additive model is exact, overconfident on real scores; ``jackknife``:
             delete-one-prompt (at most 20 groups) refits warm-started from the fit
             (``_jackknife_cov``; the service's default, ``Settings.confidence_method``),
-            2.5-8x the solver time (bench/jackknife_cost.py).
+            1.9-3.6x the solver time (bench/confidence_real.py).
         fixed_bias: ``L`` coefficients taken as the bias (a calibrated profile), whatever the
             design identifies: the fit is then linear in the utilities and needs only ``N``
             independent prompts (the adaptive design, ``solver.adaptive``).
@@ -354,8 +354,8 @@ def _jackknife_cov(
     errors independent. On SmolLM2's scores it is not: with the default design at N = 10
     (20 prompts, 6 residual degrees of freedom) the delta method's adjacent pairs claimed
     0.683 on average where an independent fit of five times the prompts confirmed 0.574, and
-    its claims in [0.75, 0.9) averaged 0.82 for 0.56 confirmed; the jackknife's 0.602
-    overall, and 0.81 for 0.79 (bench/confidence_real.py, 48 fits). On exact synthetic data
+    its claims in [0.75, 0.9) averaged 0.82 for 0.56 confirmed; the jackknife's 0.603
+    overall, and 0.81 for 0.82 (bench/confidence_real.py, 48 fits). On exact synthetic data
     the jackknife is conservative (bench/confidence.py).
 
     Each refit drops one prompt and restarts from the full fit and its bounds; all of them

@@ -60,6 +60,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         generator_sample_rate=1.0,
         generator_max_calls_per_hour=args.max_calls_per_hour,
         generator_timeout_s=args.timeout,
+        generator_top_slots=args.top_slots,
     )
     app = create_app(settings, backend=FakeBackend(truth))
     progress = args.work / "progress.jsonl"
@@ -116,6 +117,9 @@ def main() -> int:
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--max-calls-per-hour", type=int, default=1000)
     ap.add_argument("--timeout", type=float, default=600.0, help="seconds per generator call")
+    ap.add_argument(
+        "--top-slots", type=int, default=2, help="RAG_REORDER_GENERATOR_TOP_SLOTS (1 or 2)"
+    )
     ap.add_argument(
         "--work", type=Path, default=Path("bench/results/online_generator"),
         help="pooled answers and progress.jsonl (a rerun continues)",

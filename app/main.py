@@ -47,6 +47,7 @@ from service.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
+from service.learning.answer_likelihood import AnswerLikelihood
 from service.learning.generator_online import GeneratorSampler
 from service.learning.learner import (
     ProfileLearner,
@@ -381,6 +382,12 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
     # are timed into admission's rate: the service's own work re-measures the engine.
     ctx.engine.learner.shadow_backend = MeteredBackend(backend, ctx.admission)
     ctx.engine.learner.idle = lambda: ctx.admission.tokens_in_flight == 0
+    if ctx.engine.learner.generator is not None:
+        # The generator's answers held by several passages go to the likeliest under the
+        # scorer (service.learning.answer_likelihood), scored as the service's own work.
+        ctx.engine.learner.generator.likelihood = AnswerLikelihood(
+            ctx.engine.learner.shadow_backend
+        )
     load = _engine_load(ctx, backend)
     if load is not None:
         # A remote engine may serve other replicas and applications too: their work counts

@@ -4,7 +4,7 @@
 (``solver.blind_profile.attribute``); when several hold it equally, each takes an equal share of
 its weight. A tie-break would give the whole weight to the passage under which the scoring
 model finds the answer most likely: ``log P(answer | passage, question)``, summed over the
-answer's tokens, the prompt ``Document: <passage>\\nQuestion: <question>\\nAnswer:``.
+answer's tokens (``service.learning.answer_likelihood``, the code the service runs).
 
 Measured on the labelled runs' answers (every call of ``eval/results/answer_profile/<name>/
 answers.jsonl``, each a uniformly random placement with the answer text kept), the gold labels
@@ -20,6 +20,7 @@ answered.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
@@ -31,37 +32,25 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.batch.dataset import load_examples
 from service.config.settings import EMBEDDED_MODEL, Settings
+from service.learning.answer_likelihood import AnswerLikelihood
 from service.model_assets import resolve_model
 from solver.blind_profile import attribute
 
 RUNS = ("smollm2", "gemma-3-270m")
 
 
-class Scorer:
-    """``log P(answer | passage, question)`` under a causal LM, summed over the answer."""
+def likelihood(model: str) -> AnswerLikelihood:
+    """The product's tie-break scorer (``service.learning.answer_likelihood``) over ``model``
+    in process (transformers, float32, CPU)."""
+    from service.backends.transformers_backend import TransformersBackend
 
-    def __init__(self, model: str) -> None:
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        torch.set_num_threads(1)
-        folder = resolve_model(Settings(model=model))
-        self.torch = torch
-        self.tok = AutoTokenizer.from_pretrained(folder)
-        self.model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-
-    def loglik(self, passage: str, question: str, answer: str) -> float:
-        torch = self.torch
-        prefix = self.tok(f"Document: {passage}\nQuestion: {question}\nAnswer:")["input_ids"]
-        ans = self.tok(" " + answer.strip())["input_ids"]
-        ids = torch.tensor([prefix + ans])
-        with torch.no_grad():
-            lp = torch.log_softmax(self.model(ids).logits[0, :-1].float(), -1)
-        target = ids[0, 1:]
-        return float(lp[torch.arange(target.shape[0]), target][len(prefix) - 1 :].sum())
+    folder = resolve_model(Settings(model=model))
+    return AnswerLikelihood(TransformersBackend.load(folder, model_id=model, device="cpu"))
 
 
-def measure(name: str, answers: Path, data: Path, scorer: Scorer, seed: int) -> dict[str, Any]:
+async def measure(
+    name: str, answers: Path, data: Path, scorer: AnswerLikelihood, seed: int
+) -> dict[str, Any]:
     examples = {ex.id: ex for ex in load_examples(data)}
     split: list[float] = []
     picked: list[float] = []
@@ -77,7 +66,7 @@ def measure(name: str, answers: Path, data: Path, scorer: Scorer, seed: int) -> 
             continue
         shown = [rec["order"][i] for i in found.passages]
         gold = set(ex.gold)
-        ll = [scorer.loglik(texts[i], ex.question, rec["answer"]) for i in found.passages]
+        ll = await scorer(ex.question, [texts[i] for i in found.passages], rec["answer"])
         split.append(len(gold & set(shown)) / len(shown))
         picked.append(float(shown[int(np.argmax(ll))] in gold))
     diff = np.asarray(picked) - np.asarray(split)
@@ -105,12 +94,18 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=Path("bench/results/blind_profile/tiebreak.json"))
     args = ap.parse_args()
-    scorer = Scorer(args.scorer)
-    rows = []
-    for name in RUNS:
-        row = measure(name, args.runs / name / "answers.jsonl", args.data, scorer, args.seed)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    scorer = likelihood(args.scorer)
+
+    async def every_run() -> list[dict[str, Any]]:
+        rows = []
+        for name in RUNS:
+            answers = args.runs / name / "answers.jsonl"
+            rows.append(await measure(name, answers, args.data, scorer, args.seed))
+            print(json.dumps(rows[-1]), flush=True)
+        await scorer.backend.aclose()
+        return rows
+
+    rows = asyncio.run(every_run())
     args.out.write_text(
         json.dumps({"command": " ".join(sys.argv), "scorer": args.scorer, "runs": rows}, indent=1)
         + "\n"

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import random
 import sys
 import time
@@ -46,13 +47,23 @@ from offline.generator_api import (
     run_workers,
 )
 from service.batch.dataset import Example
-from service.errors import InvalidRequest
+from service.errors import InvalidRequest, ReorderError
+from service.learning.answer_likelihood import Likelihood
 from service.prompting.prompts import ApiPrompt, api_prompt
 from service.prompting.templates import PromptTemplate
 from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile
-from solver.blind_profile import DEFAULT_THRESHOLD, BlindProfile, attribute, fit_blind_profile
+from solver.blind_profile import (
+    DEFAULT_THRESHOLD,
+    Attribution,
+    BlindProfile,
+    attribute,
+    break_tie,
+    fit_blind_profile,
+)
 from solver.blind_profile import slot_weights as weights_of
 from solver.trust import TrustRules
+
+log = logging.getLogger(__name__)
 
 ANSWERS_FILE = "blind-answers.jsonl"
 RUN_FILE = "blind-run.json"
@@ -77,6 +88,9 @@ class BlindJob:
     progress: bool = True
     profile_model: str | None = None
     """The model name the profile is stored under (default: ``endpoint.model``)."""
+    likelihood: Likelihood | None = None
+    """The tie-break's scorer (``service.learning.answer_likelihood``): an answer held by
+    several passages goes to the likeliest under it; ``None``: its weight is split."""
 
 
 @dataclass(frozen=True)
@@ -221,6 +235,8 @@ async def run_blind_profile(
                 return
             text, _, p_tokens, c_tokens = parse_answer(data)
             found = attribute(text, call.passages, question=call.question, threshold=job.threshold)
+            if len(found.passages) > 1 and job.likelihood is not None:
+                found = await _break_tie(job.likelihood, found, call, text)
             # The answer's text is not kept: the order and the attribution are the estimate's.
             rec = {
                 "question_id": call.question_id,
@@ -228,6 +244,7 @@ async def run_blind_profile(
                 "attributed": list(found.passages),
                 "kind": found.kind,
                 "overlap": round(found.overlap, 4),
+                "tied": found.tied,
                 "prompt_tokens": p_tokens,
                 "completion_tokens": c_tokens,
                 "at": time.time(),
@@ -305,6 +322,7 @@ def _finish(
         "attributed_contained": kinds.count("contained"),
         "attributed_overlap": kinds.count("overlap"),
         "attributed_none": kinds.count("none"),
+        "ties_broken": sum(int(r.get("tied") or 0) > 0 for r in records),
         "calls_this_run": made,
         "attempts_this_run": attempts,
         "prompt_tokens": tokens,
@@ -316,3 +334,15 @@ def _finish(
     path = job.out / REPORT_FILE
     path.write_text(json.dumps(report, indent=1) + "\n")
     return BlindOutcome(est, made, attempts, fit, stored, refused, (path,))
+
+
+async def _break_tie(
+    likelihood: Likelihood, found: Attribution, call: BlindCall, answer: str
+) -> Attribution:
+    """``found``'s tie broken by the scorer; kept split (and logged) if the scorer fails."""
+    try:
+        shown = [call.passages[i] for i in found.passages]
+        return break_tie(found, await likelihood(call.question, shown, answer))
+    except (ReorderError, ValueError) as exc:
+        log.warning("question %s: the answer's tie kept split: %s", call.question_id, exc)
+        return found

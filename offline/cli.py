@@ -300,6 +300,12 @@ def add_commands(sub: Any, example: Callable[[str], str]) -> None:
     pg.add_argument("--seed", type=int, default=0, help="the distractors' arrangement")
     pg.add_argument("--alpha", type=float, default=0.05, help="level of the flatness test")
     pg.add_argument(
+        "--tie-break",
+        action="store_true",
+        help="with --no-labels: an answer held by several passages goes to the one under which "
+        "the scoring model (RAG_REORDER_MODEL, loaded here) finds it likeliest, not split",
+    )
+    pg.add_argument(
         "--top-slots",
         type=int,
         default=2,

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from service.batch.commandline import open_pipeline, progress_line, read_examples
 from service.config.settings import Settings
 from service.errors import ClientError
+from service.learning.answer_likelihood import AnswerLikelihood
 
 if TYPE_CHECKING:
     from offline.generator_api import GeneratorEndpoint
@@ -235,6 +236,7 @@ async def _profile_generator_blind(
         force=args.force,
         progress=not args.no_progress,
         profile_model=args.profile_model,
+        likelihood=await _tie_break_scorer(settings) if args.tie_break else None,
     )
 
     def announce(est: Estimate) -> None:
@@ -247,9 +249,13 @@ async def _profile_generator_blind(
             flush=True,
         )
 
-    outcome = await run_blind_profile(
-        job, ProfileStore(settings.profiles_path), on_estimate=announce
-    )
+    try:
+        outcome = await run_blind_profile(
+            job, ProfileStore(settings.profiles_path), on_estimate=announce
+        )
+    finally:
+        if isinstance(job.likelihood, AnswerLikelihood):
+            await job.likelihood.backend.aclose()
     fit = outcome.fit
     print(
         json.dumps(
@@ -273,6 +279,18 @@ async def _profile_generator_blind(
         print(f"profile not stored: {outcome.refused}", file=sys.stderr)
         return NOT_STORED
     return 0
+
+
+async def _tie_break_scorer(settings: Settings) -> AnswerLikelihood:
+    """The configured scoring model (``RAG_REORDER_MODEL``, the embedded SmolLM2 by default;
+    not ``--model``, which names the generator), loaded in this process, as the attribution's
+    tie-break."""
+    import anyio.to_thread
+
+    from service.backends.factory import create_backend
+
+    scorer = settings.model_copy(update={"model": Settings().model})
+    return AnswerLikelihood(await anyio.to_thread.run_sync(create_backend, scorer))
 
 
 async def distill(settings: Settings, args: argparse.Namespace) -> int:

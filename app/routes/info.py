@@ -232,6 +232,7 @@ def _generator(sampler: GeneratorSampler) -> GeneratorOnlineOut:
         samples=dict(c.samples),
         failures=dict(c.failures),
         answers=dict(c.answers),
+        ties=dict(c.ties),
         feedback=dict(c.feedback),
         kept_for_feedback=len(sampler.served),
         profiles=rows,

@@ -198,6 +198,9 @@ class GeneratorOnlineOut(_Model):
     failures: dict[str, int]
     answers: dict[str, int]
     """Answers since start (sampled and fed back) by attribution: contained, overlap, none."""
+    ties: dict[str, int]
+    """Answers since start held by several passages: the tie broken by the scoring model's
+    likelihood of the answer under each (`broken`), or the weight split (`split`)."""
     feedback: dict[str, int]
     """`POST /v1/feedback` answers since start: used (a random placement), unused."""
     kept_for_feedback: int

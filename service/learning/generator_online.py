@@ -71,8 +71,10 @@ from service.errors import (
     EngineUnavailable,
     InvalidRequest,
     NotFound,
+    ReorderError,
     StateUnavailable,
 )
+from service.learning.answer_likelihood import Likelihood
 from service.passage import Passage
 from service.prompting.prompts import api_prompt
 from service.prompting.templates import get_template
@@ -85,6 +87,7 @@ from solver.blind_profile import (
     AttributionKind,
     BlindProfile,
     attribute,
+    break_tie,
     fit_blind_profile,
     slot_weights,
 )
@@ -238,6 +241,9 @@ class GeneratorCounters:
     was not a random placement)."""
     stored: int = 0
     """Profiles stored (trusted, or a trusted one of ours withdrawn)."""
+    ties: dict[str, int] = field(default_factory=lambda: {"broken": 0, "split": 0})
+    """Answers held by several passages: the tie broken by the scoring model's likelihood
+    (``broken``), or the weight split among them (``split``: no scorer, or it failed)."""
 
 
 class GeneratorSampler:
@@ -268,6 +274,7 @@ class GeneratorSampler:
         transport: httpx.AsyncBaseTransport | None = None,
         environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
+        likelihood: Likelihood | None = None,
     ) -> None:
         url, model = settings.generator_url, settings.generator_model
         if model is None:
@@ -279,6 +286,8 @@ class GeneratorSampler:
         self.model = model
         self.template = get_template(settings.generator_template)
         self.threshold = DEFAULT_THRESHOLD
+        self.likelihood = likelihood
+        """The tie-break's scorer (``service.learning.answer_likelihood``); ``None``: split."""
         named = settings.generator_api_key_env
         self.budget = CallBudget(per_hour=settings.generator_max_calls_per_hour, clock=clock)
         self.endpoint: GeneratorEndpoint | None = None
@@ -452,6 +461,8 @@ class GeneratorSampler:
         found = await self._off_loop(
             lambda: attribute(answer, texts, question=query, threshold=self.threshold)
         )
+        if len(found.passages) > 1:
+            found = await self._break_tie(found, query, texts, answer)
         # The answer's text goes no further: the order and the attributed slots are all the
         # estimate needs. ``found`` indexes the shown passages, slot by slot.
         self.counters.answers[found.kind] += 1
@@ -460,6 +471,23 @@ class GeneratorSampler:
         run = (np.asarray([order], dtype=np.int64), weights)
         await self._off_loop(lambda: self.spool.append(self._key(n), run, time.time()))
         await self._refit(n)
+        return found
+
+    async def _break_tie(
+        self, found: Attribution, query: str, texts: Sequence[str], answer: str
+    ) -> Attribution:
+        """``found``'s tie broken by the scorer's likelihood of ``answer`` under each tied
+        passage; kept split when there is no scorer or it fails (logged, counted)."""
+        if self.likelihood is not None:
+            try:
+                ll = await self.likelihood(query, [texts[i] for i in found.passages], answer)
+                broken = break_tie(found, ll)
+            except (ReorderError, ValueError) as exc:
+                log.warning("generator answer's tie kept split: %s", exc)
+            else:
+                self.counters.ties["broken"] += 1
+                return broken
+        self.counters.ties["split"] += 1
         return found
 
     async def feedback(self, response_id: str, answer: str) -> Feedback:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -250,3 +251,73 @@ async def test_no_labels_against_vllms_openai_server(vllm_server: str, tmp_path:
     )
     with pytest.raises(EngineUnavailable):
         await run_blind_profile(dataclasses.replace(real, endpoint=gone, out=tmp_path / "g"), store)
+
+
+async def test_a_tie_goes_to_the_passage_the_scorer_finds_the_answer_likeliest_under(
+    tmp_path: Path,
+) -> None:
+    """``BlindJob.likelihood`` (``--tie-break``): passage 1 repeats passage 0's word, so every
+    answer from passage 0 is held by both; the scorer's pick takes its whole weight, and the
+    record and the report say a tie was broken."""
+    tied = [
+        dataclasses.replace(
+            ex,
+            passages=(
+                ex.passages[0],
+                Passage(text=f"Also here: w{q}_0 and w{q}_1."),
+                *ex.passages[2:],
+            ),
+        )
+        for q, ex in enumerate(examples(12))
+    ]
+
+    class FromPassageZero(Generator):
+        def __call__(self, request: httpx.Request) -> httpx.Response:
+            text = json.loads(request.content)["messages"][-1]["content"]
+            docs = re.split(r"Document \[\d+\]", text)[1:]
+            self.slot = lambda q: next(i for i, d in enumerate(docs) if "Filler 0" in d)  # type: ignore[method-assign]
+            return super().__call__(request)
+
+    asked: list[list[str]] = []
+
+    async def prefers_filler(question: str, shown: Sequence[str], answer: str) -> list[float]:
+        asked.append(list(shown))
+        return [-1.0 if "Filler 0" in s else -5.0 for s in shown]
+
+    out = await run_blind_profile(
+        job(tmp_path, n=12, examples=tied, likelihood=prefers_filler, force=True),
+        ProfileStore(tmp_path / "profiles"),
+        transport=httpx.MockTransport(FromPassageZero()),
+    )
+    records = [json.loads(x) for x in (tmp_path / "out" / ANSWERS_FILE).read_text().splitlines()]
+    held = [r for r in records if r["kind"] != "none"]  # contained, or by overlap
+    assert len(held) == 10 and len(asked) == len(held)  # every fifth: "I do not know."
+    for r in held:
+        assert r["tied"] == 2 and len(r["attributed"]) == 1
+        assert r["attributed"] == [0]  # passage 0 (the records index passages, not slots)
+    report = json.loads((tmp_path / "out" / REPORT_FILE).read_text())
+    assert report["ties_broken"] == len(held)
+    assert out.calls_made == 12
+
+
+def test_the_command_breaks_ties_with_the_scoring_model(
+    tmp_path: Path, smollm2_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``--tie-break`` loads the configured scorer (the embedded SmolLM2) in the command's
+    process; a real HTTP generator answers with a sentence two passages hold, and the answer
+    goes to one of them, the record saying a tie of two was broken."""
+    from app.cli import main
+    from tests.support.canned_generator import canned_generator
+
+    data = tmp_path / "q.jsonl"
+    passages = [{"text": "Mary Shelley wrote it."}, {"text": "Mary Shelley wrote it. In 1818."}]
+    data.write_text(json.dumps({"question": "Who wrote Frankenstein?", "passages": passages}))
+    with canned_generator(lambda call: 0) as gen:
+        argv = ["profile-generator", "--base-url", gen.url, "--model", "m", "--no-labels"]
+        argv += ["--data", str(data), "--slots", "2", "--out", str(tmp_path / "p")]
+        assert main([*argv, "--tie-break", "--no-progress"]) == 3  # one answer: not stored
+    assert len(gen.calls) == 1
+    (rec,) = [json.loads(x) for x in (tmp_path / "p" / ANSWERS_FILE).read_text().splitlines()]
+    assert rec["kind"] == "contained" and rec["tied"] == 2 and len(rec["attributed"]) == 1
+    assert json.loads((tmp_path / "p" / REPORT_FILE).read_text())["ties_broken"] == 1
+    capsys.readouterr()

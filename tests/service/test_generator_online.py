@@ -8,7 +8,7 @@ bounds; the key sent only where the offline tool sends it; a refusal counted, no
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
@@ -244,3 +244,35 @@ def test_the_generator_s_rules_are_auto_s_but_its_top_slots(tmp_path: Path) -> N
     assert one.top_slots == 1 and one.alpha == 0.01 and one.min_runs == 7
     with pytest.raises(ValueError, match="generator_top_slots"):
         Settings(cache_dir=tmp_path, generator_top_slots=3)
+
+
+async def test_an_answer_held_by_several_passages_goes_to_the_likeliest(tmp_path: Path) -> None:
+    """The tie-break (``service.learning.answer_likelihood`` in the app): the answer's weight
+    goes to the passage under which the scorer finds it likeliest; with no scorer, or one that
+    fails, it stays split. Each outcome is counted (``/info``'s ``ties``)."""
+    from service.errors import EngineUnavailable
+
+    texts = ["Mary Shelley wrote it.", "A filler.", "It was Mary Shelley, in 1818.", "Another."]
+    passages = [Passage(text=t) for t in texts]
+    order = [2, 1, 0, 3]  # slot k shows passage order[k]: the answer is in slots 0 and 2
+    asked: list[tuple[str, list[str], str]] = []
+
+    async def likeliest_second(question: str, shown: Sequence[str], answer: str) -> list[float]:
+        asked.append((question, list(shown), answer))
+        return [-9.0, -1.0]
+
+    async def down(question: str, shown: Sequence[str], answer: str) -> list[float]:
+        raise EngineUnavailable("the engine is restarting")
+
+    sampler = sampler_for(tmp_path, "http://127.0.0.1:9/v1")
+    split = await sampler._learn("Who wrote it?", passages, order, "Mary Shelley")
+    assert split.passages == (0, 2) and split.tied == 0
+    sampler.likelihood = likeliest_second
+    broken = await sampler._learn("Who wrote it?", passages, order, "Mary Shelley")
+    assert broken.passages == (2,) and broken.tied == 2
+    assert asked == [("Who wrote it?", [" " + texts[2], " " + texts[0]], "Mary Shelley")]
+    sampler.likelihood = down
+    kept = await sampler._learn("Who wrote it?", passages, order, "Mary Shelley")
+    assert kept.passages == (0, 2)
+    assert sampler.counters.ties == {"broken": 1, "split": 2}
+    await sampler.aclose()

@@ -6,7 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from solver.blind_profile import attribute, fit_blind_profile, flat_test, normalize, slot_weights
+from solver.blind_profile import (
+    attribute,
+    break_tie,
+    fit_blind_profile,
+    flat_test,
+    normalize,
+    slot_weights,
+)
 from solver.trust import TrustRules
 
 PASSAGES = (
@@ -127,3 +134,17 @@ def test_bad_weight_matrices_are_refused() -> None:
         fit_blind_profile([[0.7, 0.7]])
     with pytest.raises(ValueError, match=">= 2 slots"):
         fit_blind_profile([[1.0]])
+
+
+def test_a_tie_goes_to_the_likeliest_passage_and_exact_ties_stay_split() -> None:
+    tied = attribute("Paris", PASSAGES)
+    assert tied.passages == (1, 2) and tied.tied == 0
+    one = break_tie(tied, [-7.5, -2.0])
+    assert one.passages == (2,) and one.tied == 2 and one.kind == tied.kind
+    assert break_tie(tied, [-3.0, -3.0]).passages == (1, 2)
+    single = attribute("Google Glass", PASSAGES)
+    assert break_tie(single, []) is single  # nothing to break
+    with pytest.raises(ValueError, match="need 2 finite"):
+        break_tie(tied, [-1.0])
+    with pytest.raises(ValueError, match="need 2 finite"):
+        break_tie(tied, [-1.0, float("nan")])

@@ -558,20 +558,8 @@ def test_the_jackknife_s_looser_refit_rules_keep_its_answer(
 
     fit_module = importlib.import_module("solver.fit")
     assert (fit_module._JACKKNIFE_TOL, fit_module._JACKKNIFE_MAX_ITER) == (1e-6, 60)
-    path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
-    cases = [
-        (np.asarray(d["perms"]), np.asarray(d["scores"]), int(q["n_passages"]))
-        for q in json.loads(path.read_text())["questions"]
-        for d in q["designs"]
-    ]
-    solves = [0]
-    real_solve = lm._solve_each
-
-    def counted(lhs: np.ndarray, rhs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        solves[0] += 1
-        return real_solve(lhs, rhs)
-
-    monkeypatch.setattr(lm, "_solve_each", counted)
+    cases = _committed_fits()
+    solves = _count_solves(monkeypatch)
     fits, counts = [], []
     for tol, max_iter in ((1e-12, 200), (1e-6, 60)):
         monkeypatch.setattr(fit_module, "_JACKKNIFE_TOL", tol)
@@ -631,25 +619,9 @@ def test_the_jackknife_s_refits_keep_the_fit_s_face(monkeypatch: pytest.MonkeyPa
 
     fit_module = importlib.import_module("solver.fit")
     assert fit_module._JACKKNIFE_ROUNDS == 1
-    path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
-    real = [
-        (np.asarray(d["perms"]), np.asarray(d["scores"]), int(q["n_passages"]))
-        for q in json.loads(path.read_text())["questions"]
-        for d in q["designs"]
-    ]
-    rng = np.random.default_rng(0)
-    noise = []
-    for seed in range(12):
-        perms = plan("pruned_random", 10, seed=seed)
-        noise.append((perms, -rng.uniform(0.05, 4.0, size=(perms.shape[0], 12)).sum(axis=1), 10))
-    solves = [0]
-    real_solve = lm._solve_each
-
-    def counted(lhs: np.ndarray, rhs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        solves[0] += 1
-        return real_solve(lhs, rhs)
-
-    monkeypatch.setattr(lm, "_solve_each", counted)
+    real = _committed_fits()
+    noise = _structureless_fits(12)
+    solves = _count_solves(monkeypatch)
     fits, counts = [], []
     for rounds in (None, 1):
         monkeypatch.setattr(fit_module, "_JACKKNIFE_ROUNDS", rounds)
@@ -672,16 +644,8 @@ def test_the_fit_finishes_with_the_exact_hessian(monkeypatch: pytest.MonkeyPatch
     ``_EXACT_FROM`` (1e-3) relative (``_EXACT_FROM`` = 0: never). On the 48 committed SmolLM2
     fits and 24 of structureless scores: every objective equal or lower, the same orders and
     warnings, confidences within 1e-3, in at most 60% of the steps (46% measured)."""
-    path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
-    cases = [
-        (np.asarray(d["perms"]), np.asarray(d["scores"]), int(q["n_passages"]))
-        for q in json.loads(path.read_text())["questions"]
-        for d in q["designs"]
-    ]
-    rng = np.random.default_rng(0)
-    for seed in range(24):
-        perms = plan("pruned_random", 10, seed=seed)
-        cases.append((perms, -rng.uniform(0.05, 4.0, size=(perms.shape[0], 12)).sum(axis=1), 10))
+    cases = _committed_fits()
+    cases += _structureless_fits(24)
     assert lm._EXACT_FROM == 1e-3
     fits = []
     for exact_from in (0.0, 1e-3):
@@ -693,3 +657,40 @@ def test_the_fit_finishes_with_the_exact_hessian(monkeypatch: pytest.MonkeyPatch
         assert ex.confidence is not None and gn.confidence is not None
         np.testing.assert_allclose(ex.confidence, gn.confidence, atol=1e-3)
     assert sum(f.iterations for f in fits[1]) <= 0.6 * sum(f.iterations for f in fits[0])
+
+
+Case = tuple[np.ndarray, np.ndarray, int]
+
+
+def _committed_fits() -> list[Case]:
+    """The 48 committed SmolLM2 default fits (perms, scores, N)."""
+    path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
+    return [
+        (np.asarray(d["perms"]), np.asarray(d["scores"]), int(q["n_passages"]))
+        for q in json.loads(path.read_text())["questions"]
+        for d in q["designs"]
+    ]
+
+
+def _structureless_fits(count: int) -> list[Case]:
+    """Default designs at N = 10 with the paced engine's kind of scores: no structure (a sum
+    of 12 values uniform in [-4, -0.05] per prompt)."""
+    rng = np.random.default_rng(0)
+    out = []
+    for seed in range(count):
+        perms = plan("pruned_random", 10, seed=seed)
+        out.append((perms, -rng.uniform(0.05, 4.0, size=(perms.shape[0], 12)).sum(axis=1), 10))
+    return out
+
+
+def _count_solves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """A counter (its one item) of ``lm._solve_each`` calls from now on."""
+    solves = [0]
+    real_solve = lm._solve_each
+
+    def counted(lhs: np.ndarray, rhs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        solves[0] += 1
+        return real_solve(lhs, rhs)
+
+    monkeypatch.setattr(lm, "_solve_each", counted)
+    return solves

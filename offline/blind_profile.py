@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
-import logging
 import random
 import sys
 import time
@@ -47,23 +46,19 @@ from offline.generator_api import (
     run_workers,
 )
 from service.batch.dataset import Example
-from service.errors import InvalidRequest, ReorderError
-from service.learning.answer_likelihood import Likelihood
+from service.errors import InvalidRequest
+from service.learning.answer_likelihood import Likelihood, resolve_tie
 from service.prompting.prompts import ApiPrompt, api_prompt
 from service.prompting.templates import PromptTemplate
 from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile
 from solver.blind_profile import (
     DEFAULT_THRESHOLD,
-    Attribution,
     BlindProfile,
     attribute,
-    break_tie,
     fit_blind_profile,
 )
 from solver.blind_profile import slot_weights as weights_of
 from solver.trust import TrustRules
-
-log = logging.getLogger(__name__)
 
 ANSWERS_FILE = "blind-answers.jsonl"
 RUN_FILE = "blind-run.json"
@@ -235,8 +230,14 @@ async def run_blind_profile(
                 return
             text, _, p_tokens, c_tokens = parse_answer(data)
             found = attribute(text, call.passages, question=call.question, threshold=job.threshold)
-            if len(found.passages) > 1 and job.likelihood is not None:
-                found = await _break_tie(job.likelihood, found, call, text)
+            found = await resolve_tie(
+                job.likelihood,
+                found,
+                call.question,
+                call.passages,
+                text,
+                where=f"question {call.question_id}",
+            )
             # The answer's text is not kept: the order and the attribution are the estimate's.
             rec = {
                 "question_id": call.question_id,
@@ -334,15 +335,3 @@ def _finish(
     path = job.out / REPORT_FILE
     path.write_text(json.dumps(report, indent=1) + "\n")
     return BlindOutcome(est, made, attempts, fit, stored, refused, (path,))
-
-
-async def _break_tie(
-    likelihood: Likelihood, found: Attribution, call: BlindCall, answer: str
-) -> Attribution:
-    """``found``'s tie broken by the scorer; kept split (and logged) if the scorer fails."""
-    try:
-        shown = [call.passages[i] for i in found.passages]
-        return break_tie(found, await likelihood(call.question, shown, answer))
-    except (ReorderError, ValueError) as exc:
-        log.warning("question %s: the answer's tie kept split: %s", call.question_id, exc)
-        return found

@@ -13,10 +13,14 @@ model's BOS, if any, first), then the answer; scored as the service's own work
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 
 from service.backends.base import LogprobBackend, PromptFailure, SpanRequest, background_work
-from service.errors import ScoringFailed
+from service.errors import ReorderError, ScoringFailed
+from solver.blind_profile import Attribution, break_tie
+
+log = logging.getLogger(__name__)
 
 PROMPT = "Document: {passage}\nQuestion: {question}\nAnswer:"
 
@@ -59,3 +63,25 @@ class AnswerLikelihood:
                 raise ScoringFailed(f"a tie-break prompt failed to score: {r.reason}")
             out.append(r.total)
         return out
+
+
+async def resolve_tie(
+    likelihood: Likelihood | None,
+    found: Attribution,
+    question: str,
+    texts: Sequence[str],
+    answer: str,
+    *,
+    where: str,
+) -> Attribution:
+    """``found`` with its tie broken by ``likelihood`` (``solver.blind_profile.break_tie``;
+    ``texts[i]`` is passage ``i`` of ``found.passages``); as it is when no passages tie, there
+    is no scorer, or the scorer fails (logged with ``where``). A broken tie has ``tied > 0``."""
+    if len(found.passages) < 2 or likelihood is None:
+        return found
+    try:
+        shown = [texts[i] for i in found.passages]
+        return break_tie(found, await likelihood(question, shown, answer))
+    except (ReorderError, ValueError) as exc:
+        log.warning("%s: the answer's tie kept split: %s", where, exc)
+        return found

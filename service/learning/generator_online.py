@@ -71,10 +71,9 @@ from service.errors import (
     EngineUnavailable,
     InvalidRequest,
     NotFound,
-    ReorderError,
     StateUnavailable,
 )
-from service.learning.answer_likelihood import Likelihood
+from service.learning.answer_likelihood import Likelihood, resolve_tie
 from service.passage import Passage
 from service.prompting.prompts import api_prompt
 from service.prompting.templates import get_template
@@ -87,7 +86,6 @@ from solver.blind_profile import (
     AttributionKind,
     BlindProfile,
     attribute,
-    break_tie,
     fit_blind_profile,
     slot_weights,
 )
@@ -462,7 +460,10 @@ class GeneratorSampler:
             lambda: attribute(answer, texts, question=query, threshold=self.threshold)
         )
         if len(found.passages) > 1:
-            found = await self._break_tie(found, query, texts, answer)
+            found = await resolve_tie(
+                self.likelihood, found, query, texts, answer, where="generator answer"
+            )
+            self.counters.ties["broken" if found.tied else "split"] += 1
         # The answer's text goes no further: the order and the attributed slots are all the
         # estimate needs. ``found`` indexes the shown passages, slot by slot.
         self.counters.answers[found.kind] += 1
@@ -471,23 +472,6 @@ class GeneratorSampler:
         run = (np.asarray([order], dtype=np.int64), weights)
         await self._off_loop(lambda: self.spool.append(self._key(n), run, time.time()))
         await self._refit(n)
-        return found
-
-    async def _break_tie(
-        self, found: Attribution, query: str, texts: Sequence[str], answer: str
-    ) -> Attribution:
-        """``found``'s tie broken by the scorer's likelihood of ``answer`` under each tied
-        passage; kept split when there is no scorer or it fails (logged, counted)."""
-        if self.likelihood is not None:
-            try:
-                ll = await self.likelihood(query, [texts[i] for i in found.passages], answer)
-                broken = break_tie(found, ll)
-            except (ReorderError, ValueError) as exc:
-                log.warning("generator answer's tie kept split: %s", exc)
-            else:
-                self.counters.ties["broken"] += 1
-                return broken
-        self.counters.ties["split"] += 1
         return found
 
     async def feedback(self, response_id: str, answer: str) -> Feedback:

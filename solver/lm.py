@@ -158,9 +158,7 @@ def run(prob: Problem, st: State, aff: Affine, max_iter: int = _MAX_ITER) -> Sta
             break
         h = jac.T @ jac
         if exact and k:
-            cross = (r @ prob.design.slot_incidence).reshape(n, -1) @ aff.basis
-            h[:n, n : n + k] += cross
-            h[n : n + k, :n] += cross.T
+            _add_cross(h, r, prob.design.slot_incidence, aff.basis, n)
         dg = np.diagonal(h).copy()
         diag = np.maximum(dg, 1e-12 * max(1.0, float(dg.max())))
         di = np.arange(h.shape[0])
@@ -335,7 +333,6 @@ def run_batch(
     """
     d = prob.design
     n = d.n_passages
-    slots = d.slots
     k = bt.basis.shape[2]
     w_all = np.asarray(weights, dtype=np.float64)
     ext = d.extended
@@ -386,9 +383,7 @@ def run_batch(
             continue
         h = np.matmul(jac.transpose(0, 2, 1), jac)
         if k:
-            cross = (r[live] @ inc).reshape(live.size, n, slots) @ basis[live]
-            h[:, :n, n : n + k] += cross
-            h[:, n : n + k, :n] += cross.transpose(0, 2, 1)
+            _add_cross(h, r[live], inc, basis[live], n)
         dg = np.diagonal(h, axis1=1, axis2=2)
         diag = np.maximum(dg, 1e-12 * np.maximum(1.0, dg.max(axis=1, keepdims=True)))
         pending = np.arange(live.size)
@@ -440,6 +435,17 @@ def run_batch(
     bt.iterations[idx] += its
     bt.converged[idx] = converged
     return bt
+
+
+def _add_cross(h: FloatArray, r: FloatArray, inc: FloatArray, basis: FloatArray, n: int) -> None:
+    """Add to ``h`` (``... x q x q``, ``u`` first, then the bias's ``k`` directions) the
+    bilinear model's residual-weighted cross term between ``u`` and ``a``, which turns
+    ``J^T J`` into the exact Hessian: ``r`` (``... x M``) the residuals, ``inc`` the design's
+    ``slot_incidence``, ``basis`` (``... x L x k``) the bias's directions."""
+    k = basis.shape[-1]
+    cross = (r @ inc).reshape(*r.shape[:-1], n, -1) @ basis
+    h[..., :n, n : n + k] += cross
+    h[..., n : n + k, :n] += np.swapaxes(cross, -1, -2)
 
 
 def run_nonneg_batch(

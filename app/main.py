@@ -420,8 +420,9 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
         except BackendUnavailable as exc:
             lc.fail(f"score mode check failed: {exc}")
             return
-        ctx.engine.score_mode_check = check
-        ctx.metrics.score_mode.labels(check.mode, check.outcome).set(1)
+        if check is not None:  # None: an engine process without vLLM's check
+            ctx.engine.score_mode_check = check
+            ctx.metrics.score_mode.labels(check.mode, check.outcome).set(1)
     if ctx.settings.warmup:
         error, _ = await _probe(ctx, backend, "warmup")
         if error is None and ctx.settings.strategy not in ("moi", "auto"):

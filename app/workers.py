@@ -6,8 +6,9 @@ bounds throughput. Here the supervisor (the ``serve`` process) binds the listeni
 once and starts:
 
 - one **engine process** (``python -m app.workers engine``): the configured backend (paced or
-  transformers) with its cross-request scheduler, answering every worker's calls on a Unix
-  socket (``service.backends.engine_socket``), so prompts of all workers share forwards;
+  transformers with its cross-request scheduler, or vLLM's ``AsyncLLM``, whose own scheduler
+  batches), answering every worker's calls on a Unix socket
+  (``service.backends.engine_socket``), so prompts of all workers share forwards;
 - ``workers`` **worker processes** (``python -m app.workers worker``): the full app on the
   inherited socket (the kernel spreads connections over them), each scoring through a
   ``SocketBackend``. Admission's in-flight counts are summed over the workers
@@ -88,10 +89,10 @@ def serve_workers(settings: Settings, host: str, port: int) -> None:
             engine process fails before it first serves.
     """
     kind = resolve_backend(settings)
-    if kind not in ("paced", "transformers"):
+    if kind not in ("paced", "transformers", "vllm"):
         raise SystemExit(
-            f"RAG_REORDER_WORKERS={settings.workers} runs the paced and transformers backends "
-            f"only; the backend here resolves to {kind!r} (set RAG_REORDER_WORKERS=1)"
+            f"RAG_REORDER_WORKERS={settings.workers} runs the paced, transformers and vllm "
+            f"backends; the backend here resolves to {kind!r} (set RAG_REORDER_WORKERS=1)"
         )
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -306,11 +307,17 @@ def _engine_main(run_dir: Path) -> None:
         # scrape: this process writes them to the shared metrics folder too.
         ServiceMetrics(include_default_registry=False).track_scheduler(scheduler)
 
-    async def main() -> None:
+    async def main() -> bool:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+        check_score_mode = getattr(backend, "check_score_mode", None)
+        if check_score_mode is not None:
+            # vLLM's fast score path earns its place here, once for every worker, before the
+            # engine serves (the workers read the outcome with the engine's info). A forced
+            # mode that disagrees raises BackendUnavailable: the start fails, as in one process.
+            await check_score_mode()
         path = run_dir / _ENGINE_SOCKET
         path.unlink(missing_ok=True)
         serving = asyncio.create_task(serve_engine(backend, path, stop))
@@ -318,11 +325,14 @@ def _engine_main(run_dir: Path) -> None:
             await asyncio.sleep(0.01)
         (run_dir / _ENGINE_READY).touch()
         try:
-            await serving
+            return await serving
         finally:
             await backend.aclose()
 
-    asyncio.run(main())
+    if asyncio.run(main()):
+        # The backend died (a vLLM engine core does not come back): exit non-zero, so the
+        # supervisor starts a new engine process.
+        raise SystemExit(EXIT_ENGINE_FAILED)
 
 
 def _worker_main(run_dir: Path, slot: int, fd: int) -> None:

@@ -42,7 +42,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 from bench import report
 from bench.report import provenance
@@ -58,13 +59,22 @@ from service.prompting.prompts import build_prompts
 STEP_TOKENS = 2048  # tokens per engine step on both sides
 
 
-def start_vllm_server(folder: Path, port: int, log: Path, kv_bytes: int) -> subprocess.Popen[bytes]:
+def start_vllm_server(
+    folder: Path, port: int, log: Path, kv_bytes: int, api_servers: int | None = None
+) -> subprocess.Popen[bytes]:
+    """vLLM's OpenAI server on ``folder``. ``api_servers``: through ``vllm serve`` with
+    ``--api-server-count`` (that many API processes in front of one engine core,
+    ``scripts/vllm_serve.py``); ``None``: one API process, ``python -m
+    vllm.entrypoints.openai.api_server``, the engine core its child."""
+    launch = (
+        ["-m", "vllm.entrypoints.openai.api_server", "--model", str(folder)]
+        if api_servers is None
+        else [str(ROOT / "scripts" / "vllm_serve.py"), str(folder), "--api-server-count",
+              str(api_servers)]
+    )  # fmt: skip
     cmd = [
         sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        "--model",
-        str(folder),
+        *launch,
         "--served-model-name",
         EMBEDDED_MODEL,
         "--dtype",

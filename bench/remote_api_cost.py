@@ -11,8 +11,15 @@ backend sends) and without, and the client's JSON decoding of the answer. The AP
 CPU does not depend on the forward's speed, so its per-token figure carries to a GPU, where
 it bounds the throughput of one API process: 1 / (seconds per token) prompt tokens/s.
 
+``--api-server-counts 1,2`` runs one server per count through ``vllm serve
+--api-server-count N`` (``scripts/vllm_serve.py``: N API processes in front of one engine
+core, the connections spread over them by the kernel) and sums the API processes' CPU; the
+bound is then N times one process's.
+
     VLLM_ENABLE_V1_MULTIPROCESSING=1 .venv-vllm/bin/python bench/remote_api_cost.py \\
         --out bench/results/remote_api_cost.json        # ~3 min
+    .venv-vllm/bin/python bench/remote_api_cost.py --api-server-counts 1,2 \\
+        --out bench/results/remote_api_servers.json     # ~8 min
 """
 
 from __future__ import annotations
@@ -39,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.remote import start_vllm_server
 from bench.report import provenance
-from bench.server_process import cpu_s, free_port
+from bench.server_process import free_port
 from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
 
@@ -67,57 +74,88 @@ def ask(
     return decode, len(text)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompts", type=int, default=8, help="prompts per call (one request's share)")
-    ap.add_argument("--tokens", default="128,512", help="prompt lengths to try, comma-separated")
-    ap.add_argument("--repeats", type=int, default=3, help="calls per length and mode")
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
+def process_cpu_s(proc: Any) -> float:
+    """A process's CPU seconds, every thread's, to the nanosecond (``/proc/<pid>/task/*/
+    schedstat``; ``psutil``'s clock ticks are 10 ms, a tenth of one call's figure here)."""
+    total = 0
+    for task in Path(f"/proc/{proc.pid}/task").iterdir():
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread that ended meanwhile
+    return total / 1e9
 
+
+def api_processes(server: Any, count: int) -> list[Any]:
+    """The server's API processes: itself with one (``vllm serve`` runs it in the main
+    process, the engine core a child), else its ``VLLM::APIServer_<i>`` children."""
     import psutil
 
+    if count == 1:
+        return [psutil.Process(server.pid)]
+    found: list[Any] = []
+    for _ in range(120):
+        found = [
+            p for p in psutil.Process(server.pid).children() if p.name().startswith("VLLM::APIServ")
+        ]
+        if len(found) == count:
+            return found
+        time.sleep(0.5)
+    raise RuntimeError(f"{len(found)} API processes, not {count}")
+
+
+def measure(args: argparse.Namespace, count: int) -> list[dict[str, Any]]:
+    """Every call of the run against one server with ``count`` API processes."""
     folder = resolve_model(Settings())
     port = free_port()
     log = Path(tempfile.mkdtemp()) / "vllm-serve.log"
-    proc = start_vllm_server(folder, port, log, kv_bytes=1 << 30)
-    api = psutil.Process(proc.pid)
+    proc = start_vllm_server(folder, port, log, kv_bytes=1 << 30, api_servers=count)
+    apis = api_processes(proc, count)
     url = f"http://127.0.0.1:{port}/v1/completions"
     rows: list[dict[str, Any]] = []
     try:
-        with httpx.Client() as client:
-            ask(client, url, [[1, 2, 3]], True)  # warm the route
-            for length in [int(x) for x in args.tokens.split(",")]:
-                for logprobs in (False, True):
-                    for rep in range(args.repeats):
-                        # Distinct prompts each call: no prefix-cache hit flatters either mode.
-                        base = 100 + 7 * rep + (1000 if logprobs else 0)
-                        prompts = [
-                            [(base + i * 13 + j) % 40000 + 10 for j in range(length)]
-                            for i in range(args.prompts)
-                        ]
-                        before = cpu_s([api])
-                        t = time.perf_counter()
+        for _ in range(2 * count):  # warm each process's route (connections spread over them)
+            with httpx.Client() as client:
+                ask(client, url, [[1, 2, 3]], True)
+        for length in [int(x) for x in args.tokens.split(",")]:
+            for logprobs in (False, True):
+                for rep in range(args.repeats):
+                    # Distinct prompts each call: no prefix-cache hit flatters either mode.
+                    base = 100 + 7 * rep + (1000 if logprobs else 0)
+                    prompts = [
+                        [(base + i * 13 + j) % 40000 + 10 for j in range(length)]
+                        for i in range(args.prompts)
+                    ]
+                    before = [process_cpu_s(a) for a in apis]
+                    t = time.perf_counter()
+                    # A connection of its own: with several API processes the kernel picks
+                    # one for each (SO_REUSEPORT), as for callers.
+                    with httpx.Client() as client:
                         decode, size = ask(client, url, prompts, logprobs)
-                        wall = time.perf_counter() - t
-                        used = cpu_s([api]) - before
-                        tokens = length * args.prompts
-                        rows.append(
-                            {
-                                "prompt_tokens": tokens,
-                                "prompt_logprobs": logprobs,
-                                "api_cpu_s": used,
-                                "api_cpu_us_per_token": 1e6 * used / tokens,
-                                "wall_s": wall,
-                                "answer_bytes": size,
-                                "client_decode_us_per_token": 1e6 * decode / tokens,
-                            }
-                        )
-                        print(json.dumps(rows[-1]))
+                    wall = time.perf_counter() - t
+                    used = [process_cpu_s(a) - b for a, b in zip(apis, before, strict=True)]
+                    tokens = length * args.prompts
+                    rows.append(
+                        {
+                            "api_servers": count,
+                            "prompt_tokens": tokens,
+                            "prompt_logprobs": logprobs,
+                            "api_cpu_s": sum(used),
+                            "api_cpu_s_by_process": used,
+                            "api_cpu_us_per_token": 1e6 * sum(used) / tokens,
+                            "wall_s": wall,
+                            "answer_bytes": size,
+                            "client_decode_us_per_token": 1e6 * decode / tokens,
+                        }
+                    )
+                    print(json.dumps(rows[-1]), flush=True)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    return rows
 
+
+def summarise(args: argparse.Namespace, rows: list[dict[str, Any]], count: int) -> dict[str, Any]:
     def mean(key: str, logprobs: bool) -> float:
         vals = [
             r[key]
@@ -129,24 +167,50 @@ def main() -> int:
 
     with_lp = mean("api_cpu_us_per_token", True)
     without = mean("api_cpu_us_per_token", False)
-    summary = {
+    by_process = [sum(r["api_cpu_s_by_process"][i] for r in rows) for i in range(count)]
+    return {
+        "api_servers": count,
         "api_cpu_us_per_token_with_prompt_logprobs": with_lp,
         "api_cpu_us_per_token_without": without,
         "prompt_logprobs_share_us_per_token": with_lp - without,
         "client_decode_us_per_token": mean("client_decode_us_per_token", True),
         "answer_bytes_per_token": mean("answer_bytes", True)
         / (max(int(x) for x in args.tokens.split(",")) * args.prompts),
-        # One API process, busy only on this, serves at most this many prompt tokens/s.
-        "one_api_process_max_prompt_tokens_per_s": 1e6 / with_lp,
+        # Each API process's share of the API CPU over the run: how evenly the kernel spread
+        # the connections.
+        "api_cpu_share_by_process": [x / sum(by_process) for x in by_process],
+        # The API processes, busy only on this with the work spread evenly, serve at most
+        # this many prompt tokens/s.
+        "api_processes_max_prompt_tokens_per_s": count * 1e6 / with_lp,
     }
-    print(json.dumps(summary, indent=2))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=8, help="prompts per call (one request's share)")
+    ap.add_argument("--tokens", default="128,512", help="prompt lengths to try, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3, help="calls per length and mode")
+    ap.add_argument(
+        "--api-server-counts",
+        default="1",
+        help="vllm serve --api-server-count values, one server each, comma-separated",
+    )
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    rows: list[dict[str, Any]] = []
+    summaries = []
+    for count in [int(x) for x in args.api_server_counts.split(",")]:
+        mine = measure(args, count)
+        rows += mine
+        summaries.append(summarise(args, mine, count))
+        print(json.dumps(summaries[-1], indent=2), flush=True)
     if args.out:
         args.out.write_text(
             json.dumps(
                 {
                     "provenance": provenance(),
                     "args": vars(args) | {"out": str(args.out)},
-                    "summary": summary,
+                    "summary": summaries[0] if len(summaries) == 1 else summaries,
                     "rows": rows,
                 },
                 indent=2,

@@ -15,14 +15,18 @@
 #   paced    the same load on the paced engine at this GPU's measured rate, on this host's CPU
 #            (issue 57's projection, beside load_transformers)
 #   remote   the same load through vLLM's OpenAI server on the same GPU (the remote backend), at
-#            the in-process engine's step budget (the first of TOKENS)
+#            the in-process engine's step budget (the first of TOKENS), one server per count
+#            of API_SERVERS (default "1 4": vLLM's API processes in front of its engine core)
+#   workers  the load with several HTTP workers in front of one engine process
+#            (RAG_REORDER_WORKERS), one server per count of WORKERS (default 1,2,4), at the
+#            concurrencies of WORKERS_LEVELS (default 8,32), vLLM then transformers
 #
 # nvidia-smi samples memory and utilisation every 5 s into gpu-util-<HHMMSS>.csv, one per call.
 set -uo pipefail
 OUT=${OUT:?set by the device tool}
 STATE=${STATE:-/tmp/gpu-engines}
 VENV=${VENV:-/tmp/vllm-env}
-STAGES=${STAGES:-info tests scoring load load_transformers paced remote}
+STAGES=${STAGES:-info tests scoring load load_transformers paced remote workers}
 DATA=${DATA:-/tmp/data/nq_open_dev.jsonl}
 # The device tool returns at most 8 files from $OUT (2026-11-27: 13 were written, and the
 # vLLM scoring's JSON was among those left behind). So every result goes to $RES, kept while the
@@ -163,9 +167,12 @@ for s in $STAGES; do
         load load_paced 200 RAG_REORDER_BACKEND=paced RAG_REORDER_PACED_PROFILE="$profile"
         ;;
     remote)
-        done_before load_remote && continue  # no server started for nothing
         # vLLM's own OpenAI server on the same GPU, the service's remote backend pointed at it:
-        # the same load as `load`, remote against in-process.
+        # the same load as `load`, remote against in-process. One server per count of
+        # API_SERVERS (default "1 4"): 1 is one API process (`python -m
+        # vllm.entrypoints.openai.api_server`, stage load_remote); N > 1 is vLLM's multi-process
+        # front end, N API processes in front of one engine core (`vllm serve
+        # --api-server-count N` through scripts/vllm_serve.py, stage load_remote_apiN).
         folder=$("$PY" -c "from service.model_assets import resolve_model as r
 from service.config.settings import Settings as S
 print(r(S()))")
@@ -174,31 +181,51 @@ print(r(S()))")
         # differ only in the server: compiling took over 2 minutes of the CPU check's start.
         eager=()
         [[ ${DEVICE:-cuda} == cpu ]] && eager=(--enforce-eager)
-        # The in-process engine's step budget (the first of TOKENS): vLLM's OpenAI server takes
-        # its own usage context's, 8192 on an H100/H200 where the in-process engine gets 16384
-        # (vllm/engine/arg_utils.py), and remote against in-process compares the two paths only
-        # at one budget. The backend's own default (vllm_backend.py): no FlashInfer sampler JIT.
-        VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} \
-            "$PY" -m vllm.entrypoints.openai.api_server --model "$folder" \
-            --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct --port "$port" \
-            --max-num-batched-tokens "${TOKENS%% *}" --gpu-memory-utilization 0.4 "${eager[@]}" \
-            > "$RES/vllm-serve.log" 2>&1 &
-        served=$!
-        echo "$served" > "$STATE/serve.pid"
-        for _ in $(seq 300); do
-            # A server that died (2026-11-26: no torch) must not cost the 300 s of this wait.
-            kill -0 "$served" 2> /dev/null || break
-            python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/v1/models', timeout=2)" \
-                2> /dev/null && break
-            sleep 1
+        for n in ${API_SERVERS:-1 4}; do
+            name=load_remote serve_log=vllm-serve.log
+            launch=(-m vllm.entrypoints.openai.api_server --model "$folder")
+            if [[ $n != 1 ]]; then
+                name=load_remote_api$n serve_log=vllm-serve-api$n.log
+                launch=(scripts/vllm_serve.py "$folder" --api-server-count "$n")
+            fi
+            done_before "$name" && continue  # no server started for nothing
+            # The in-process engine's step budget (the first of TOKENS): vLLM's OpenAI server
+            # takes its own usage context's, 8192 on an H100/H200 where the in-process engine
+            # gets 16384 (vllm/engine/arg_utils.py), and remote against in-process compares the
+            # two paths only at one budget. The backend's own default (vllm_backend.py): no
+            # FlashInfer sampler JIT.
+            VLLM_USE_FLASHINFER_SAMPLER=${VLLM_USE_FLASHINFER_SAMPLER:-0} \
+                "$PY" "${launch[@]}" \
+                --served-model-name HuggingFaceTB/SmolLM2-135M-Instruct --port "$port" \
+                --max-num-batched-tokens "${TOKENS%% *}" --gpu-memory-utilization 0.4 "${eager[@]}" \
+                > "$RES/$serve_log" 2>&1 &
+            served=$!
+            echo "$served" > "$STATE/serve.pid"
+            for _ in $(seq 300); do
+                # A server that died (2026-11-26: no torch) must not cost the 300 s of this wait.
+                kill -0 "$served" 2> /dev/null || break
+                python3 -c "import urllib.request as u; u.urlopen('http://127.0.0.1:$port/v1/models', timeout=2)" \
+                    2> /dev/null && break
+                sleep 1
+            done
+            # No ceiling: the engine is not in this process.
+            LOAD_FLAGS=--no-ceiling load "$name" 240 RAG_REORDER_BACKEND=remote \
+                RAG_REORDER_ENGINE_URL="http://127.0.0.1:$port"
+            # Gone (its API processes and engine core with it) before the next server or
+            # stage asks for the GPU.
+            kill "$served" 2> /dev/null
+            wait "$served" 2> /dev/null
+            rm -f "$STATE/serve.pid"
         done
-        # No ceiling: the engine is not in this process.
-        LOAD_FLAGS=--no-ceiling load load_remote 240 RAG_REORDER_BACKEND=remote \
-            RAG_REORDER_ENGINE_URL="http://127.0.0.1:$port"
-        # Gone before the next stage's engines ask for the GPU.
-        kill "$served" 2> /dev/null
-        wait "$served" 2> /dev/null
-        rm -f "$STATE/serve.pid"
+        ;;
+    workers)
+        # The multi-process front end at GPU speed: MoI requests against 1, 2 and 4 workers
+        # sharing one engine (x its ceiling; gpu-util-*.csv has the GPU's utilisation).
+        for backend in vllm transformers; do
+            LOAD_FLAGS="--workers ${WORKERS:-1,2,4} --levels ${WORKERS_LEVELS:-8,32}" \
+                load "load_workers_$backend" 420 RAG_REORDER_BACKEND="$backend" \
+                RAG_REORDER_MAX_NUM_BATCHED_TOKENS="${TOKENS%% *}"
+        done
         ;;
     *) echo "unknown stage $s" >&2 ;;
     esac

@@ -59,7 +59,8 @@ from service.backends.base import (
     in_background,
     prompt_tokens,
 )
-from service.errors import EngineUnavailable, ReorderError, ServerError
+from service.backends.score_mode_check import ScoreModeCheck
+from service.errors import BackendUnavailable, EngineUnavailable, ReorderError, ServerError
 from service.runtime.throughput import ThroughputMeter
 
 log = logging.getLogger(__name__)
@@ -131,13 +132,23 @@ class EngineMeter(ThroughputMeter):
         self.__dict__.update(state)
 
 
-async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event) -> None:
-    """Answer workers' calls on ``backend`` at the Unix socket ``path`` until ``stop`` is set.
+async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event) -> bool:
+    """Answer workers' calls on ``backend`` at the Unix socket ``path`` until ``stop`` is set,
+    or until the backend is dead.
 
     Every call runs as a task of its own, so the backend's scheduler sees the calls of all
     connections at once and batches them together; each is timed into one meter, sent to
     every worker (module docstring).
+
+    A backend that raises ``BackendUnavailable`` is dead (a vLLM engine core that died cannot
+    be recovered; one process would exit): the call is not answered, serving stops and every
+    connection closes, so each worker's calls in flight fail with ``EngineUnavailable`` and
+    its ``/ready`` is 503 until the supervisor's restart of this process is reached.
+
+    Returns:
+        Whether serving stopped because the backend is dead.
     """
+    dead: list[BackendUnavailable] = []
     connections: set[asyncio.Task[None]] = set()
     writers: dict[asyncio.StreamWriter, asyncio.Lock] = {}
     meter = ThroughputMeter()
@@ -178,6 +189,8 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                     result: object = {
                         "model_id": backend.model_id,
                         "max_model_len": backend.max_model_len,
+                        # vLLM's start-up check of its score mode, run in this process.
+                        "score_mode_check": getattr(backend, "score_mode_check", None),
                     }
                 else:
                     requests, background = payload
@@ -193,6 +206,11 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                     )
             except asyncio.CancelledError:
                 raise
+            except BackendUnavailable as exc:
+                if not dead:
+                    log.error("the engine's backend is dead (%s): the engine process stops", exc)
+                dead.append(exc)
+                stop.set()
             except Exception as exc:
                 if not isinstance(exc, ReorderError):
                     log.exception("engine call %s failed", op)
@@ -238,6 +256,7 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
         for conn in list(connections):
             conn.cancel()
         await server.wait_closed()
+    return bool(dead)
 
 
 # --- a worker's side -------------------------------------------------------------------------
@@ -256,6 +275,7 @@ class SocketBackend:
         self._tokenizer = tokenizer
         self._model_id = model_id
         self._max_model_len = 0
+        self._score_mode_check: ScoreModeCheck | None = None
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future[tuple[bool, Any]]] = {}
         self._writer: asyncio.StreamWriter | None = None
@@ -293,6 +313,13 @@ class SocketBackend:
         info = await self._call("info", None)
         self._model_id = str(info["model_id"])
         self._max_model_len = int(info["max_model_len"])
+        self._score_mode_check = info.get("score_mode_check")
+
+    async def check_score_mode(self) -> ScoreModeCheck | None:
+        """The outcome of vLLM's score-mode check, which the engine process ran before it
+        served (``service.backends.score_mode_check``); ``None`` for an engine without one.
+        Read at ``connect``."""
+        return self._score_mode_check
 
     async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
         """The engine process's ``score`` of ``requests``.

@@ -436,9 +436,9 @@ class Settings(BaseSettings):
     """HTTP worker processes serving on one port, each parsing, tokenising, designing and
     fitting its own requests, all scoring on one engine process that batches their prompts
     together (`app/workers.py`). `1`: one process, the engine in it. More than one runs the
-    `paced` and `transformers` backends only; admission and the state store are shared by
-    the workers, and `/metrics` sums their counters (docs/operations.md, "When to use more
-    workers")."""
+    `paced`, `transformers` and `vllm` backends (not `remote`); admission and the state store
+    are shared by the workers, and `/metrics` sums their counters (docs/operations.md, "When
+    to use more workers")."""
     confidence_method: Literal["jackknife", "delta"] = "jackknife"
     """How MoI estimates the spread of its utilities behind `passages[].stderr` and
     `confidence_above_next`. `jackknife`: refit with each prompt left out (past 20 prompts,
@@ -526,14 +526,14 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _workers_share_an_engine_process(self) -> Settings:
-        # Several workers share one engine process that this service starts; vLLM runs its
-        # own multi-process front end (one engine core, an API server per process), and a
-        # remote engine is already shared: neither is wired to the engine process yet.
-        if self.workers > 1 and self.backend in ("vllm", "remote"):
+        # Several workers share one engine process that this service starts; a remote engine
+        # is another deployment's, with its own front end (vLLM's --api-server-count), and is
+        # not wired to the engine process.
+        if self.workers > 1 and self.backend == "remote":
             raise ValueError(
-                f"RAG_REORDER_WORKERS={self.workers} runs the paced and transformers backends "
-                f"only, not RAG_REORDER_BACKEND={self.backend!r}; set RAG_REORDER_WORKERS=1 "
-                '(docs/operations.md, "When to use more workers")'
+                f"RAG_REORDER_WORKERS={self.workers} runs the paced, transformers and vllm "
+                f"backends, not RAG_REORDER_BACKEND={self.backend!r}; set "
+                'RAG_REORDER_WORKERS=1 (docs/operations.md, "When to use more workers")'
             )
         return self
 

@@ -16,7 +16,7 @@ from service.backends.engine_socket import SocketBackend, serve_engine
 from service.backends.paced import PacedBackend, PacedProfile
 from service.backends.scheduler import ForwardStats
 from service.config.settings import Settings
-from service.errors import EngineUnavailable, LimitExceeded
+from service.errors import BackendUnavailable, EngineUnavailable, LimitExceeded
 from service.runtime import shared_counts
 from service.runtime.shared_counts import SharedCounts
 
@@ -160,12 +160,49 @@ def test_admission_counts_are_summed_over_the_workers(tmp_path: Path) -> None:
         SharedCounts(tmp_path / "counts", 2)
 
 
-def test_several_workers_are_refused_for_engines_they_cannot_share() -> None:
-    for backend in ("vllm", "remote"):
-        extra = {"engine_url": "http://e:8000"} if backend == "remote" else {}
-        with pytest.raises(
-            ValueError, match=f"WORKERS=2 runs the paced and transformers.*{backend}"
-        ):
-            Settings(backend=backend, workers=2, **extra)
-    assert Settings(backend="paced", workers=2).workers == 2
+def test_several_workers_are_refused_for_a_remote_engine_only() -> None:
+    with pytest.raises(
+        ValueError, match=r"WORKERS=2 runs the paced, transformers and vllm.*remote"
+    ):
+        Settings(backend="remote", workers=2, engine_url="http://e:8000")
+    for backend in ("paced", "transformers", "vllm"):
+        assert Settings(backend=backend, workers=2).workers == 2
     assert Settings().workers == 1
+
+
+class _DyingEngine(PacedBackend):
+    """A backend whose engine dies on its second call (as a vLLM engine core can)."""
+
+    calls = 0
+
+    async def score(self, requests: Sequence[SpanRequest]) -> list[ScoreResult]:
+        self.calls += 1
+        if self.calls > 1:
+            raise BackendUnavailable("engine core died")
+        return await super().score(requests)
+
+
+def test_a_dead_backend_stops_the_engine_process_and_its_workers_see_it_unavailable() -> None:
+    async def main() -> None:
+        path = socket_path()
+        inner = _DyingEngine(
+            ByteTokenizer(), SLOW, model="m", max_model_len=512, vocab_size=259,
+            batch_token_budget=8192,
+        )  # fmt: skip
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve_engine(inner, path, stop))
+        while not path.exists():
+            await asyncio.sleep(0.005)
+        client = SocketBackend(path, ByteTokenizer(), model_id="m")
+        await client.connect()
+        assert await client.check_score_mode() is None  # no vLLM check in this engine
+        assert isinstance((await client.score([req(1)]))[0], SpanLogprobs)
+        # Not the engine's BackendUnavailable (a worker would take itself for dead): the
+        # connection drops, as when the engine process exits, and the supervisor restarts it.
+        with pytest.raises(EngineUnavailable):
+            await client.score([req(2)])
+        assert await asyncio.wait_for(task, 5) is True
+        assert stop.is_set()
+        await client.aclose()
+
+    asyncio.run(main())

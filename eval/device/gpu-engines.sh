@@ -17,6 +17,8 @@
 #   remote   the same load through vLLM's OpenAI server on the same GPU (the remote backend), at
 #            the in-process engine's step budget (the first of TOKENS), one server per count
 #            of API_SERVERS (default "1 4": vLLM's API processes in front of its engine core)
+#   default_path  `auto` placing by a trusted profile: caller scores (1 and 2 workers) and
+#            `dense` with the encoder on the GPU, at DEFAULT_PATH_LEVELS (default 1,16,64)
 #   workers  the load with several HTTP workers in front of one engine process
 #            (RAG_REORDER_WORKERS), one server per count of WORKERS (default 1,2,4), at the
 #            concurrencies of WORKERS_LEVELS (default 8,32), vLLM then transformers
@@ -26,7 +28,7 @@ set -uo pipefail
 OUT=${OUT:?set by the device tool}
 STATE=${STATE:-/tmp/gpu-engines}
 VENV=${VENV:-/tmp/vllm-env}
-STAGES=${STAGES:-info tests scoring load load_transformers paced remote workers}
+STAGES=${STAGES:-info tests scoring load load_transformers paced remote default_path workers}
 DATA=${DATA:-/tmp/data/nq_open_dev.jsonl}
 # The device tool returns at most 8 files from $OUT (2026-11-27: 13 were written, and the
 # vLLM scoring's JSON was among those left behind). So every result goes to $RES, kept while the
@@ -47,7 +49,7 @@ for path in sorted(pathlib.Path(sys.argv[1]).glob("*.json")):
         result = json.loads(path.read_text())
     except ValueError:
         continue
-    keep = {k: result[k] for k in ("summary", "targets", "ceiling") if k in result}
+    keep = {k: result[k] for k in ("summary", "targets", "ceiling", "verdicts") if k in result}
     for level in result.get("levels", []):
         keep.setdefault("levels", []).append(
             {k: level.get(k) for k in ("concurrency", "prompt_tokens_per_s", "ratio_to_ceiling", "p99_s")}
@@ -217,6 +219,17 @@ print(r(S()))")
             wait "$served" 2> /dev/null
             rm -f "$STATE/serve.pid"
         done
+        ;;
+    default_path)
+        # `auto` placing by a trusted profile, no language-model call (bench/default_path.py;
+        # its servers run the paced engine, no scoring model): the caller's scores from one
+        # process and from two workers, and ranked by `dense` with the encoder on this
+        # device (RAG_REORDER_DEVICE: CUDA here), batched across requests. `load`'s level 8
+        # is the MoI path beside it.
+        stage default_path 300 "$PY" bench/default_path.py --data "$DATA" \
+            --cases auto_scores,auto_scores_2w,auto_dense --levels "${DEFAULT_PATH_LEVELS:-1,16,64}" \
+            --seconds "${DEFAULT_PATH_SECONDS:-8}" --cache-dir "$RAG_REORDER_CACHE_DIR" \
+            --out "$RES/default_path.json"
         ;;
     workers)
         # The multi-process front end at GPU speed: MoI requests against 1, 2 and 4 workers

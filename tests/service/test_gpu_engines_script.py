@@ -41,6 +41,7 @@ STAGES = [
     "load_paced",
     "load_workers_vllm",
     "load_workers_transformers",
+    "default_path",
 ]
 SERVER_LOGS = [f"{name}.server.log" for name in STAGES if name.startswith("load_")]
 
@@ -86,7 +87,10 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         "DEVICE": "cpu",
         "VENV": sys.prefix,  # this interpreter's virtualenv: vLLM's CPU build
         "SITE": str(site),
-        "STAGES": "info scoring load remote load_transformers paced workers",
+        "STAGES": "info scoring load remote load_transformers paced default_path workers",
+        # The default path's three servers, a second a level (the encoder on the CPU here).
+        "DEFAULT_PATH_LEVELS": "2",
+        "DEFAULT_PATH_SECONDS": "1",
         # Two workers only, at concurrency 2: the mechanics (one server a backend).
         "WORKERS": "2",
         "WORKERS_LEVELS": "2",
@@ -150,6 +154,10 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         levels = [(lv["workers"], lv["concurrency"]) for lv in results[name]["levels"]]
         assert levels == [(2, 2)], name
         assert results[name]["requests"]["data"] == data.name
+    cases = results["default_path"]["cases"]
+    assert set(cases) == {"auto_scores", "auto_scores_2w", "auto_dense"}, results["default_path"]
+    for name, case in cases.items():
+        assert [(lv["concurrency"], lv["errors"]) for lv in case["levels"]] == [(2, 0)], name
     assert "max_num_batched_tokens=3072" in serve_log, serve_log[-3000:]
     # Eager on the CPU, as the in-process engine there: compiling cost over 2 minutes.
     assert "enforce_eager=True" in serve_log, serve_log[-3000:]
@@ -157,9 +165,10 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
     for name in SERVER_LOGS:
         assert "engine rate measured" not in text[name], name
     # Every Python process of the run reached the site folder: the scripts, each service
-    # server bench/load.py started (six), vLLM's OpenAI server.
+    # server bench/load.py (six) and bench/default_path.py (three) started, vLLM's OpenAI
+    # server.
     started = probe.read_text().splitlines()
-    assert sum("-m app serve" in line for line in started) == 6, started
+    assert sum("-m app serve" in line for line in started) == 9, started
     assert any("scripts/vllm_serve.py" in line for line in started), started
     assert sum("bench/load.py" in line for line in started) == 6, started
     # The headline figures are in the output too (the tool returns its last 12,000 chars).

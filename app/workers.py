@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import ctypes
 import functools
 import logging
@@ -195,15 +196,30 @@ def _die_with_parent(supervisor: int) -> None:
 
 
 def _start(child: _Child, env: dict[str, str]) -> None:
-    # The supervisor runs no threads of its own, so preexec_fn cannot deadlock here.
+    # The supervisor runs no threads of its own, so preexec_fn cannot deadlock here. Each
+    # child leads a process group of its own (a session), so what it starts (vLLM's engine
+    # core, the solver pool) can be found and ended with it (_reap).
     child.proc = subprocess.Popen(
         child.argv,
         env=env,
         pass_fds=child.pass_fds,
+        start_new_session=True,
         preexec_fn=functools.partial(_die_with_parent, os.getpid()),  # noqa: PLW1509
     )
     child.started_at = time.monotonic()
     log.info("%s started (pid %d)", child.name, child.proc.pid)
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL whatever is left of an exited child's process group.
+
+    A child that dies without its own shutdown (SIGKILL, a crash) leaves its children
+    running: vLLM's engine core (with ``VLLM_ENABLE_V1_MULTIPROCESSING=1``, its default on a
+    GPU) would keep the model and its KV cache in GPU memory, and the restarted engine process
+    could not load beside it, failing again at every restart.
+    """
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def _backoff(child: _Child) -> None:
@@ -223,6 +239,7 @@ def _keep_engine(engine: _Child, env: dict[str, str], run_dir: Path) -> bool:
     code = proc.poll()
     if code is None:
         return True
+    _reap(proc)
     if not (run_dir / _ENGINE_READY).exists():
         log.error("the engine process exited with %d before it served", code)
         return False
@@ -242,6 +259,7 @@ def _keep_worker(worker: _Child, env: dict[str, str], run_dir: Path) -> None:
     code = proc.poll()
     if code is None:
         return
+    _reap(proc)
     log.error("%s (pid %d) exited with %d; restarting it", worker.name, proc.pid, code)
     _forget_gauges(run_dir / _METRICS, proc.pid)
     if worker.slot is not None:
@@ -272,6 +290,7 @@ def _stop(workers: Sequence[_Child], engine: _Child, settings: Settings) -> None
             log.warning("worker pid %d still running after the drain: killed", proc.pid)
             proc.kill()
             proc.wait()
+        _reap(proc)
     if engine.proc is not None and engine.proc.poll() is None:
         engine.proc.send_signal(signal.SIGTERM)
         try:
@@ -279,6 +298,8 @@ def _stop(workers: Sequence[_Child], engine: _Child, settings: Settings) -> None
         except subprocess.TimeoutExpired:
             engine.proc.kill()
             engine.proc.wait()
+    if engine.proc is not None:
+        _reap(engine.proc)
     log.info("all processes stopped")
 
 

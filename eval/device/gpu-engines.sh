@@ -21,7 +21,8 @@
 #            `dense` with the encoder on the GPU, at DEFAULT_PATH_LEVELS (default 1,16,64)
 #   workers  the load with several HTTP workers in front of one engine process
 #            (RAG_REORDER_WORKERS), one server per count of WORKERS (default 1,2,4), at the
-#            concurrencies of WORKERS_LEVELS (default 8,32), vLLM then transformers
+#            concurrencies of WORKERS_LEVELS (default 8,32), on WORKERS_BACKENDS (default vLLM
+#            then transformers); WORKERS_FLAGS adds bench/load.py options
 #
 # nvidia-smi samples memory and utilisation every 5 s into gpu-util-<HHMMSS>.csv, one per call.
 set -uo pipefail
@@ -234,8 +235,8 @@ print(r(S()))")
     workers)
         # The multi-process front end at GPU speed: MoI requests against 1, 2 and 4 workers
         # sharing one engine (x its ceiling; gpu-util-*.csv has the GPU's utilisation).
-        for backend in vllm transformers; do
-            LOAD_FLAGS="--workers ${WORKERS:-1,2,4} --levels ${WORKERS_LEVELS:-8,32}" \
+        for backend in ${WORKERS_BACKENDS:-vllm transformers}; do
+            LOAD_FLAGS="--workers ${WORKERS:-1,2,4} --levels ${WORKERS_LEVELS:-8,32} ${WORKERS_FLAGS:-}" \
                 load "load_workers_$backend" 420 RAG_REORDER_BACKEND="$backend" \
                 RAG_REORDER_MAX_NUM_BATCHED_TOKENS="${TOKENS%% *}"
         done

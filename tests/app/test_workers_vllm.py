@@ -9,7 +9,6 @@ engine) is a 503 until the supervisor's new engine process serves, SIGTERM drain
 
 from __future__ import annotations
 
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -48,7 +47,9 @@ def server(
         "RAG_REORDER_CACHE_DIR": str(folder),
         "RAG_REORDER_CANARY_INTERVAL_S": "0",
         "RAG_REORDER_DRAIN_TIMEOUT_S": "20",
-        "VLLM_ENABLE_V1_MULTIPROCESSING": os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0"),
+        # vLLM's default on a GPU: its engine core in a child of the engine process, which
+        # must not outlive it (the engine-death test below).
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         "HF_HUB_OFFLINE": "1",
     }
     with server_process(["-m", "app", "serve", "--port", "{port}"], folder / "log", env) as s:
@@ -106,12 +107,18 @@ def test_both_workers_score_on_one_vllm_engine_with_the_same_answers(server: Ser
 
 def test_the_engine_process_dying_is_a_503_until_a_new_one_serves(server: ServerProcess) -> None:
     engine = children(server, "engine")[0]
+    # vLLM's engine core and its worker, which a killed engine process leaves running on
+    # their own (holding the model and its KV cache: on a GPU, memory the next engine needs).
+    core = engine.children(recursive=True)
+    assert any("EngineCore" in p.name() for p in core), [p.name() for p in core]
     engine.kill()
     engine.wait(10)
     assert reorder(server)[0] == 503
     wait_for(lambda: ready_everywhere(server), 240, "/ready 200 on a new engine process")
     assert [reorder(server)[0] for _ in range(3)] == [200] * 3
     assert engine.pid not in {p.pid for p in children(server, "engine")}
+    left = [p for p in core if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert not left, [p.name() for p in left]
 
 
 def test_sigterm_stops_the_workers_and_the_engine_and_exits_0(server: ServerProcess) -> None:

@@ -40,7 +40,6 @@ STAGES = [
     "load_transformers",
     "load_paced",
     "load_workers_vllm",
-    "load_workers_transformers",
     "default_path",
 ]
 SERVER_LOGS = [f"{name}.server.log" for name in STAGES if name.startswith("load_")]
@@ -91,9 +90,12 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         # The default path's three servers, a second a level (the encoder on the CPU here).
         "DEFAULT_PATH_LEVELS": "2",
         "DEFAULT_PATH_SECONDS": "1",
-        # Two workers only, at concurrency 2: the mechanics (one server a backend).
+        # Two workers on vLLM at concurrency 2, no ceiling (the load stages check it): the
+        # mechanics, one server; transformers runs the same loop on the GPU.
         "WORKERS": "2",
         "WORKERS_LEVELS": "2",
+        "WORKERS_BACKENDS": "vllm",
+        "WORKERS_FLAGS": "--no-ceiling",
         # vLLM's multi-process front end (two API processes, scripts/vllm_serve.py): the one
         # API process of API_SERVERS' default 1 starts as every earlier session's did.
         "API_SERVERS": "2",
@@ -149,7 +151,7 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         # A warm ceiling: a cut-off run must not keep a cold first pass as its denominator.
         assert "--warm-ceiling" in results[name]["command"], name
         assert [lv["concurrency"] for lv in results[name]["levels"]] == [1, 2], name
-    for name in ("load_workers_vllm", "load_workers_transformers"):
+    for name in ("load_workers_vllm",):
         assert results[name]["targets"]["errors"] == 0, name
         levels = [(lv["workers"], lv["concurrency"]) for lv in results[name]["levels"]]
         assert levels == [(2, 2)], name
@@ -165,12 +167,12 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
     for name in SERVER_LOGS:
         assert "engine rate measured" not in text[name], name
     # Every Python process of the run reached the site folder: the scripts, each service
-    # server bench/load.py (six) and bench/default_path.py (three) started, vLLM's OpenAI
+    # server bench/load.py (five) and bench/default_path.py (three) started, vLLM's OpenAI
     # server.
     started = probe.read_text().splitlines()
-    assert sum("-m app serve" in line for line in started) == 9, started
+    assert sum("-m app serve" in line for line in started) == 8, started
     assert any("scripts/vllm_serve.py" in line for line in started), started
-    assert sum("bench/load.py" in line for line in started) == 6, started
+    assert sum("bench/load.py" in line for line in started) == 5, started
     # The headline figures are in the output too (the tool returns its last 12,000 chars).
     for name in results:
         assert f"{name}.json " in first.stdout

@@ -44,7 +44,7 @@ docs: install
 # The main suite: everything but the vLLM modules, which run in .venv-vllm (test-vllm); here
 # they could only skip.
 MAIN_SUITE := --ignore=tests/service/test_vllm_backend.py --ignore=tests/service/test_vllm_lora.py \
-	--ignore=tests/service/test_gpu_engines_script.py
+	--ignore=tests/service/test_gpu_engines_script.py --ignore=tests/app/test_workers_vllm.py
 # Each suite's slowest tests, in CI's log: where the time of a fresh `make test` goes
 # (docs/development.md, Tests).
 DURATIONS := --durations=30 --durations-min=5

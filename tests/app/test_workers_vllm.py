@@ -10,7 +10,6 @@ engine) is a 503 until the supervisor's new engine process serves, SIGTERM drain
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +20,7 @@ import psutil
 import pytest
 
 from tests.app.processes import ServerProcess, server_process
+from tests.app.test_workers import children, wait_for
 
 pytest.importorskip(
     "vllm", reason="vllm is not installed here; run in .venv-vllm (scripts/vllm-venv.sh)"
@@ -57,10 +57,6 @@ def server(
         yield s
 
 
-def children(server: ServerProcess, role: str) -> list[psutil.Process]:
-    return [p for p in psutil.Process(server.proc.pid).children() if role in p.cmdline()]
-
-
 def reorder(server: ServerProcess) -> tuple[int, dict[str, Any]]:
     try:
         answer = httpx.post(f"{server.base_url}/v1/reorder", json=BODY, timeout=120)
@@ -74,14 +70,6 @@ def ready_everywhere(server: ServerProcess) -> bool:
     return all(
         httpx.get(f"{server.base_url}/ready", timeout=5).status_code == 200 for _ in range(6)
     )
-
-
-def wait_for(cond: object, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not reached in {timeout} s: {what}")
-        time.sleep(0.5)
 
 
 def test_both_workers_score_on_one_vllm_engine_with_the_same_answers(server: ServerProcess) -> None:

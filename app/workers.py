@@ -20,10 +20,12 @@ once and starts:
 
 The supervisor restarts a worker that exits (a crash loses only the requests it held) and the
 engine process if it dies once it has served (the workers' ``/ready`` is 503 meanwhile, and
-turns 200 again once their watchdog reaches the new engine). An engine that fails before it
-first serves (a model that does not load) stops the server with status 1, as one process
-would. SIGTERM (or Ctrl-C) drains: every worker gets SIGTERM and drains as one process does
-(``app.server``), then the engine process is stopped, and the supervisor exits 0.
+turns 200 again once their watchdog reaches the new engine); each child leads a process group
+of its own, and what a dead one leaves running in it (vLLM's engine core) is killed before
+the restart. An engine that fails before it first serves (a model that does not load) stops
+the server with status 1, as one process would. SIGTERM (or Ctrl-C) drains: every worker gets
+SIGTERM and drains as one process does (``app.server``), then the engine process is stopped,
+and the supervisor exits 0.
 """
 
 from __future__ import annotations

@@ -17,7 +17,8 @@ export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: install test lint docs check serve bench clean vllm-venv client-venv test-tools \
-	test-vllm test-client test-main test-beside test-units test-fast test-slow
+	test-vllm test-client test-main test-beside test-units test-fast test-slow \
+	test-vllm-workers
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -76,11 +77,11 @@ test: install
 	$(MAKE) --no-print-directory test-main
 
 # Beside the vLLM suite, one after another: the client's suite, then on one worker `make
-# check`'s tests and the main suite's folders whose not-slow tests check no timing (BESIDE):
-# the vLLM suite uses about 1.3 of the 2 cores, and these fill the rest (docs/development.md,
-# Tests).
+# check`'s tests and the main suite's folders whose not-slow tests check no timing (BESIDE),
+# then the vLLM workers' test: the vLLM suite uses about 1.3 of the 2 cores, and these fill
+# the rest (docs/development.md, Tests).
 test-beside:
-	$(MAKE) --no-print-directory -j1 test-client test-units
+	$(MAKE) --no-print-directory -j1 test-client test-units test-vllm-workers
 
 test-units: install test-tools vllm-venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m "not slow and not vllm" \
@@ -104,11 +105,17 @@ test-tools: install
 
 test-vllm: vllm-venv
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
-		$(DURATIONS) -m vllm
+		$(DURATIONS) -m vllm --ignore=tests/app/test_workers_vllm.py
 	# bfloat16 too, production's dtype on a GPU: its near-ties and tolerance are what the H200
 	# showed the float32 checks alone miss (2026-11-27, bench/results/gpu_h200_20261127).
 	RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 		.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
+
+# Several HTTP workers on one vLLM engine process, as real processes (about 120 s): in the lane
+# beside the vLLM suite, which the GPU script's rehearsal makes the longer one.
+test-vllm-workers: vllm-venv
+	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m vllm \
+		tests/app/test_workers_vllm.py
 
 # The client's tests call real server processes run by this virtualenv's interpreter.
 test-client: client-venv install

@@ -228,7 +228,8 @@ print(r(S()))")
         # device (RAG_REORDER_DEVICE: CUDA here), batched across requests. `load`'s level 8
         # is the MoI path beside it.
         stage default_path 300 "$PY" bench/default_path.py --data "$DATA" \
-            --cases auto_scores,auto_scores_2w,auto_dense --levels "${DEFAULT_PATH_LEVELS:-1,16,64}" \
+            --cases "${DEFAULT_PATH_CASES:-auto_scores,auto_scores_2w,auto_dense}" \
+            --levels "${DEFAULT_PATH_LEVELS:-1,16,64}" \
             --seconds "${DEFAULT_PATH_SECONDS:-8}" --cache-dir "$RAG_REORDER_CACHE_DIR" \
             --out "$RES/default_path.json"
         ;;

@@ -101,6 +101,24 @@ def start_vllm_server(
     return proc
 
 
+def load_in_process_vllm(folder: Path, kv_bytes: int) -> Any:
+    """The ``vllm`` backend on ``folder`` with ``start_vllm_server``'s engine settings
+    (float32, eager, ``STEP_TOKENS`` a step, the same KV cache), so the two differ only in
+    the HTTP server between them. Blocks for seconds."""
+    # Here, not at the top: `--help` must work where vLLM is not installed (tests/bench).
+    from service.backends.vllm_backend import VLLMBackend
+
+    return VLLMBackend.load(
+        folder,
+        model_id=EMBEDDED_MODEL,
+        dtype="float32",
+        max_model_len=4096,
+        kv_cache_memory_bytes=kv_bytes,
+        max_num_batched_tokens=STEP_TOKENS,
+        enforce_eager=True,
+    )
+
+
 @contextmanager
 def suspended(processes: list[Any]) -> Iterator[None]:
     """The processes stopped (SIGSTOP) for the block's duration, resumed after."""
@@ -169,9 +187,6 @@ def serialisation_cost(calls: list[list[SpanRequest]], answer: dict[str, Any]) -
 
 
 async def run(args: argparse.Namespace) -> dict[str, Any]:
-    # Here, not at the top: `--help` must work where vLLM is not installed (tests/bench).
-    from service.backends.vllm_backend import VLLMBackend
-
     settings = Settings(model=EMBEDDED_MODEL, dtype="float32", device="cpu")
     folder = resolve_model(settings)
     kv_bytes = 1 << 30
@@ -180,16 +195,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     local: Any = None
     remote: RemoteBackend | None = None
     try:
-        local = await asyncio.to_thread(
-            VLLMBackend.load,
-            folder,
-            model_id=EMBEDDED_MODEL,
-            dtype="float32",
-            max_model_len=4096,
-            kv_cache_memory_bytes=kv_bytes,
-            max_num_batched_tokens=STEP_TOKENS,
-            enforce_eager=True,
-        )
+        local = await asyncio.to_thread(load_in_process_vllm, folder, kv_bytes)
         remote = RemoteBackend.from_settings(
             Settings(
                 backend="remote",

@@ -46,7 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.remote import start_vllm_server
 from bench.report import provenance
-from bench.server_process import free_port
+from bench.server_process import free_port, thread_cpu_s
 from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
 
@@ -72,18 +72,6 @@ def ask(
         rows = sum(len(c["prompt_logprobs"]) for c in parsed["choices"])
         assert rows == sum(len(p) for p in prompts), (rows, [len(p) for p in prompts])
     return decode, len(text)
-
-
-def process_cpu_s(proc: Any) -> float:
-    """A process's CPU seconds, every thread's, to the nanosecond (``/proc/<pid>/task/*/
-    schedstat``; ``psutil``'s clock ticks are 10 ms, a tenth of one call's figure here)."""
-    total = 0
-    for task in Path(f"/proc/{proc.pid}/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a thread that ended meanwhile
-    return total / 1e9
 
 
 def api_processes(server: Any, count: int) -> list[Any]:
@@ -126,14 +114,14 @@ def measure(args: argparse.Namespace, count: int) -> list[dict[str, Any]]:
                         [(base + i * 13 + j) % 40000 + 10 for j in range(length)]
                         for i in range(args.prompts)
                     ]
-                    before = [process_cpu_s(a) for a in apis]
+                    before = [thread_cpu_s([a]) for a in apis]
                     t = time.perf_counter()
                     # A connection of its own: with several API processes the kernel picks
                     # one for each (SO_REUSEPORT), as for callers.
                     with httpx.Client() as client:
                         decode, size = ask(client, url, prompts, logprobs)
                     wall = time.perf_counter() - t
-                    used = [process_cpu_s(a) - b for a, b in zip(apis, before, strict=True)]
+                    used = [thread_cpu_s([a]) - b for a, b in zip(apis, before, strict=True)]
                     tokens = length * args.prompts
                     rows.append(
                         {

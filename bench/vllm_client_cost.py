@@ -42,14 +42,15 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.remote import STEP_TOKENS, start_vllm_server
-from bench.report import provenance
-from bench.server_process import free_port
+from bench import report
+from bench.remote import load_in_process_vllm, start_vllm_server
+from bench.server_process import free_port, thread_cpu_s
 from service.backends.base import SpanLogprobs, SpanRequest
-from service.config.settings import EMBEDDED_MODEL, Settings
+from service.config.settings import Settings
 from service.model_assets import resolve_model
 
 
@@ -74,32 +75,6 @@ def _calls(prompts: int, length: int, repeats: int, vocab: int) -> list[list[Spa
     return calls
 
 
-def _process_cpu_s() -> float:
-    """This process's CPU seconds, every thread's, to the nanosecond (``/proc/.../schedstat``:
-    ``psutil``'s clock ticks are 10 ms, a third of one call's figure here)."""
-    total = 0
-    for task in Path("/proc/self/task").iterdir():
-        try:
-            total += int((task / "schedstat").read_text().split()[0])
-        except (FileNotFoundError, ProcessLookupError):
-            continue  # a thread that ended meanwhile
-    return total / 1e9
-
-
-async def _in_process() -> Any:
-    from service.backends.vllm_backend import VLLMBackend
-
-    return VLLMBackend.load(
-        resolve_model(Settings()),
-        model_id=EMBEDDED_MODEL,
-        dtype="float32",
-        max_model_len=4096,
-        kv_cache_memory_bytes=1 << 30,
-        enforce_eager=True,
-        max_num_batched_tokens=STEP_TOKENS,
-    )
-
-
 async def _remote(port: int) -> Any:
     from service.backends.remote_backend import RemoteBackend
 
@@ -117,15 +92,16 @@ async def _remote(port: int) -> Any:
 
 async def _measure(backend: Any, args: argparse.Namespace) -> dict[str, Any]:
     vocab = len(backend.tokenizer.hf_tokenizer)
+    me = psutil.Process()
     rows: list[dict[str, Any]] = []
     await backend.score(_calls(2, 32, 1, vocab)[0])  # warm
     for length in [int(x) for x in args.tokens.split(",")]:
         for call in _calls(args.prompts, length, args.repeats, vocab):
-            before = _process_cpu_s()
+            before = thread_cpu_s([me])
             t = time.perf_counter()
             results = await backend.score(call)
             wall = time.perf_counter() - t
-            used = _process_cpu_s() - before
+            used = thread_cpu_s([me]) - before
             assert all(isinstance(r, SpanLogprobs) for r in results), results
             t = time.perf_counter()
             for _ in range(5):
@@ -166,11 +142,13 @@ async def _measure(backend: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 async def _run(args: argparse.Namespace) -> dict[str, Any]:
-    out: dict[str, Any] = {}
+    out: dict[str, Any] = {**report.provenance(), "args": vars(args)}
     for engine in args.engines.split(","):
         server = None
         if engine == "in_process":
-            backend = await _in_process()
+            backend = await asyncio.to_thread(
+                load_in_process_vllm, resolve_model(Settings()), 1 << 30
+            )
         elif engine == "remote":
             port = free_port()
             log = Path(tempfile.mkdtemp()) / "vllm-serve.log"
@@ -190,21 +168,14 @@ async def _run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = report.parser("vllm_client_cost", __doc__)
     ap.add_argument("--prompts", type=int, default=20, help="prompts per call (one MoI request's)")
     ap.add_argument("--tokens", default="128,750", help="prompt lengths, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="calls per length")
     ap.add_argument(
         "--engines", default="in_process,remote", help="in_process, remote, comma-separated"
     )
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    result = asyncio.run(_run(args))
-    out = {"provenance": provenance(), "args": {k: str(v) for k, v in vars(args).items()}, **result}
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(out, indent=1) + "\n")
-    return 0
+    return report.main(ap, _run)
 
 
 if __name__ == "__main__":

@@ -176,9 +176,7 @@ for s in $STAGES; do
         # vllm.entrypoints.openai.api_server`, stage load_remote); N > 1 is vLLM's multi-process
         # front end, N API processes in front of one engine core (`vllm serve
         # --api-server-count N` through scripts/vllm_serve.py, stage load_remote_apiN).
-        folder=$("$PY" -c "from service.model_assets import resolve_model as r
-from service.config.settings import Settings as S
-print(r(S()))")
+        folder=''
         port=$REMOTE_PORT
         # Eager on a CPU as the in-process engine there (vllm_engine.py), so that the two paths
         # differ only in the server: compiling took over 2 minutes of the CPU check's start.
@@ -186,12 +184,14 @@ print(r(S()))")
         [[ ${DEVICE:-cuda} == cpu ]] && eager=(--enforce-eager)
         for n in ${API_SERVERS:-1 4}; do
             name=load_remote serve_log=vllm-serve.log
-            launch=(-m vllm.entrypoints.openai.api_server --model "$folder")
-            if [[ $n != 1 ]]; then
-                name=load_remote_api$n serve_log=vllm-serve-api$n.log
-                launch=(scripts/vllm_serve.py "$folder" --api-server-count "$n")
-            fi
+            [[ $n != 1 ]] && name=load_remote_api$n serve_log=vllm-serve-api$n.log
             done_before "$name" && continue  # no server started for nothing
+            # Once, and only for a server that starts: the lookup imports the service.
+            [[ -n $folder ]] || folder=$("$PY" -c "from service.model_assets import resolve_model as r
+from service.config.settings import Settings as S
+print(r(S()))")
+            launch=(-m vllm.entrypoints.openai.api_server --model "$folder")
+            [[ $n != 1 ]] && launch=(scripts/vllm_serve.py "$folder" --api-server-count "$n")
             # The in-process engine's step budget (the first of TOKENS): vLLM's OpenAI server
             # takes its own usage context's, 8192 on an H100/H200 where the in-process engine
             # gets 16384 (vllm/engine/arg_utils.py), and remote against in-process compares the

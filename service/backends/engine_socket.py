@@ -148,7 +148,7 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
     Returns:
         Whether serving stopped because the backend is dead.
     """
-    dead: list[BackendUnavailable] = []
+    dead = False
     connections: set[asyncio.Task[None]] = set()
     writers: dict[asyncio.StreamWriter, asyncio.Lock] = {}
     meter = ThroughputMeter()
@@ -180,6 +180,7 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                 await writer.drain()
 
         async def run(call_id: int, op: str, payload: Any) -> None:
+            nonlocal dead
             timed = op in ("score", "generate")
             done: tuple[int, int] | None = None
             if timed:
@@ -209,7 +210,7 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
             except BackendUnavailable as exc:
                 if not dead:
                     log.error("the engine's backend is dead (%s): the engine process stops", exc)
-                dead.append(exc)
+                dead = True
                 stop.set()
             except Exception as exc:
                 if not isinstance(exc, ReorderError):
@@ -256,7 +257,7 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
         for conn in list(connections):
             conn.cancel()
         await server.wait_closed()
-    return bool(dead)
+    return dead
 
 
 # --- a worker's side -------------------------------------------------------------------------

@@ -47,6 +47,10 @@ def server(
         "RAG_REORDER_CACHE_DIR": str(folder),
         "RAG_REORDER_CANARY_INTERVAL_S": "0",
         "RAG_REORDER_DRAIN_TIMEOUT_S": "20",
+        # The product's default (QUIET turns it off): admission priced the first concurrent
+        # requests by the warm-up's tiny probe (32 s each beside CI's other lane) and sent 5 of
+        # 12 away with 503 before any request had measured the engine.
+        "RAG_REORDER_RATE_CANARY": "true",
         # vLLM's default on a GPU: its engine core in a child of the engine process, which
         # must not outlive it (the engine-death test below).
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",

@@ -45,7 +45,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.remote import start_vllm_server
-from bench.report import provenance
+from bench.report import main as report_main
+from bench.report import parser, provenance
 from bench.server_process import free_port, thread_cpu_s
 from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
@@ -173,8 +174,24 @@ def summarise(args: argparse.Namespace, rows: list[dict[str, Any]], count: int) 
     }
 
 
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    rows: list[dict[str, Any]] = []
+    summaries = []
+    for count in [int(x) for x in args.api_server_counts.split(",")]:
+        mine = measure(args, count)
+        rows += mine
+        summaries.append(summarise(args, mine, count))
+        print(json.dumps(summaries[-1], indent=2), flush=True)
+    return {
+        "provenance": provenance(),
+        "args": vars(args),
+        "summary": summaries[0] if len(summaries) == 1 else summaries,
+        "rows": rows,
+    }
+
+
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = parser("remote_api_cost", __doc__)
     ap.add_argument("--prompts", type=int, default=8, help="prompts per call (one request's share)")
     ap.add_argument("--tokens", default="128,512", help="prompt lengths to try, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="calls per length and mode")
@@ -183,29 +200,7 @@ def main() -> int:
         default="1",
         help="vllm serve --api-server-count values, one server each, comma-separated",
     )
-    ap.add_argument("--out", type=Path, default=None)
-    args = ap.parse_args()
-    rows: list[dict[str, Any]] = []
-    summaries = []
-    for count in [int(x) for x in args.api_server_counts.split(",")]:
-        mine = measure(args, count)
-        rows += mine
-        summaries.append(summarise(args, mine, count))
-        print(json.dumps(summaries[-1], indent=2), flush=True)
-    if args.out:
-        args.out.write_text(
-            json.dumps(
-                {
-                    "provenance": provenance(),
-                    "args": vars(args) | {"out": str(args.out)},
-                    "summary": summaries[0] if len(summaries) == 1 else summaries,
-                    "rows": rows,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-    return 0
+    return report_main(ap, run)
 
 
 if __name__ == "__main__":

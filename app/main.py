@@ -731,7 +731,17 @@ async def _probe(
     dead = False
     try:
         with anyio.fail_after(ctx.settings.canary_timeout_s):
-            result = await reorderer.reorder(req)
+            try:
+                result = await reorderer.reorder(req)
+            except EngineUnavailable as exc:
+                if what != "canary":
+                    raise
+                # One connection cut mid-call (a keep-alive the engine or a proxy between was
+                # closing) is not an engine down: every caller would get 503 until the next
+                # check. The probe is the service's own and tiny, so it asks once more; an
+                # engine really gone fails this too and is called down.
+                log.info("canary: %s; asking the engine once more", exc.message)
+                result = await reorderer.reorder(req)
         if result.usage.prompts_failed:
             error = f"{result.usage.prompts_failed} of {result.usage.prompts} prompts failed"
         else:

@@ -29,10 +29,18 @@ class Switch:
     def __init__(self, server: ScriptedServer) -> None:
         self.server = server
         self.up = False
+        self.cut = 0
+        """Scoring calls still to cut mid-call (a connection closed with no answer)."""
+        self.completions = 0
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
         if not self.up:
             raise httpx.ConnectError("connection refused", request=request)
+        if request.url.path == "/v1/completions":
+            self.completions += 1
+            if self.cut > 0:
+                self.cut -= 1
+                raise httpx.RemoteProtocolError("Server disconnected", request=request)
         return self.server(request)
 
 
@@ -81,6 +89,36 @@ async def test_readiness_follows_the_engine_and_the_service_recovers_on_its_own(
         metrics = (await http.get("/metrics")).text
         assert 'rag_reorder_engine_calls_total{outcome="ok",path="/v1/completions"}' in metrics
         assert "rag_reorder_engine_calls_in_flight" in metrics
+
+
+async def test_one_cut_canary_call_is_asked_again_two_call_the_engine_down(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    # A keep-alive connection the engine (or a proxy between) was closing cuts one call: not
+    # an engine down, which would turn every caller away with 503 until the next check.
+    switch = Switch(ScriptedServer(tokenizer))
+    switch.up = True
+    client = EngineClient("http://engine:8000", transport=httpx.MockTransport(switch), retries=0)
+    backend = RemoteBackend(client, tokenizer, model_id="tiny")
+    app = create_app(settings_for(tmp_path, canary_interval_s=0.05), backend=backend)
+    async with app.router.lifespan_context(app):
+        ctx = app.state.ctx
+        await wait_until(lambda: ctx.lifecycle.ready, timeout=15)
+        downs: list[str | None] = []
+        engine = ctx.lifecycle.engine
+        ctx.lifecycle.engine = lambda down: (downs.append(down), engine(down))[1]  # type: ignore[method-assign]
+        calls = switch.completions
+        switch.cut = 1
+        await wait_until(lambda: switch.completions >= calls + 3, timeout=10)
+        assert ctx.lifecycle.ready and ctx.lifecycle.canary_failures == 0
+        assert downs == [] and ctx.metrics.registry.get_sample_value(
+            "rag_reorder_canary_failures_total"
+        ) in (None, 0.0)
+        # Cut again on the second asking: the engine is called down, then back by itself.
+        switch.cut = 2
+        await wait_until(lambda: bool(downs) and downs[0] is not None, timeout=10)
+        assert "RemoteProtocolError" in str(downs[0])
+        await wait_until(lambda: ctx.lifecycle.ready, timeout=15)
 
 
 async def test_a_server_with_another_model_is_fatal_at_start(

@@ -17,8 +17,8 @@ export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
 
 .PHONY: install test lint docs check serve bench clean vllm-venv client-venv test-tools \
-	test-vllm test-client test-main test-beside test-units test-fast test-slow \
-	test-vllm-workers
+	test-vllm test-client test-heavy test-light test-units test-fast test-slow \
+	test-vllm-workers test-rehearsal
 
 $(BIN)/.installed: pyproject.toml clients/python/pyproject.toml Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -68,20 +68,23 @@ check: lint
 
 # What CI runs. Steps that share no files run side by side (make -j; -O keeps each one's output
 # together): the vLLM and client virtualenvs are mostly downloads and unpacking, built while
-# lint and the docs use the CPU; then the vLLM suite beside the client's (the vLLM suite used
-# 1.3 of the 2 cores on average: side by side it took 467 s against 477 s alone, the client's
-# 205 s against 160 s; 2026-11-29, docs/development.md, Tests); then the main suite.
+# lint and the docs use the CPU; then two lanes, each one suite after another. The heavy lane
+# holds the two suites that keep more than a core busy (the GPU script's rehearsal, 1.3 cores;
+# the slow tests, 1.4), one after the other, never side by side: their timing checks failed at
+# random with two real-server suites sharing the two cores. The light lane fills the rest of
+# the CPU beside them (docs/development.md, Tests).
 test: install
 	$(MAKE) --no-print-directory -j5 -O lint docs vllm-venv client-venv test-tools
-	$(MAKE) --no-print-directory -j2 -O test-vllm test-beside
-	$(MAKE) --no-print-directory test-main
+	$(MAKE) --no-print-directory -j2 -O test-heavy test-light
 
-# Beside the vLLM suite, one after another: the client's suite, then on one worker `make
-# check`'s tests and the main suite's folders whose not-slow tests check no timing (BESIDE),
-# then the vLLM workers' test: the vLLM suite uses about 1.3 of the 2 cores, and these fill
-# the rest (docs/development.md, Tests).
-test-beside:
-	$(MAKE) --no-print-directory -j1 test-client test-units test-vllm-workers
+test-heavy:
+	$(MAKE) --no-print-directory -j1 test-rehearsal test-slow
+
+# Beside the rehearsal: the vLLM suite's other modules, several workers on one vLLM engine, the
+# client's suite, `make check`'s tests; beside the slow tests: the rest of `make check`'s and
+# the main suite's not-slow tests, then the CLI's slow module.
+test-light:
+	$(MAKE) --no-print-directory -j1 test-vllm test-vllm-workers test-client test-units test-fast
 
 test-units: install test-tools vllm-venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m "not slow and not vllm" \
@@ -105,14 +108,20 @@ test-tools: install
 
 test-vllm: vllm-venv
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
-		$(DURATIONS) -m vllm --ignore=tests/app/test_workers_vllm.py
+		$(DURATIONS) -m vllm --ignore=tests/app/test_workers_vllm.py \
+		--ignore=tests/service/test_gpu_engines_script.py
 	# bfloat16 too, production's dtype on a GPU: its near-ties and tolerance are what the H200
 	# showed the float32 checks alone miss (2026-11-27, bench/results/gpu_h200_20261127).
 	RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 		.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
 
-# Several HTTP workers on one vLLM engine process, as real processes (about 120 s): in the lane
-# beside the vLLM suite, which the GPU script's rehearsal makes the longer one.
+# eval/device/gpu-engines.sh end to end on the CPU, as the GPU session will run it (about 510 s
+# alone, 650 s beside the light lane): every stage's mechanics, no figures.
+test-rehearsal: vllm-venv
+	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
+		$(DURATIONS) -m vllm tests/service/test_gpu_engines_script.py
+
+# Several HTTP workers on one vLLM engine process, as real processes (about 145 s).
 test-vllm-workers: vllm-venv
 	.venv-vllm/bin/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m vllm \
 		tests/app/test_workers_vllm.py
@@ -121,22 +130,20 @@ test-vllm-workers: vllm-venv
 test-client: client-venv install
 	cd clients/python && RAG_REORDER_SERVER_PYTHON=$(abspath $(BIN))/python ../../.venv-client/bin/pytest -q
 
-# Last. Side by side, one worker each: the main suite's tests that load no real model and start
-# no real server (`-m "not slow"`: tests/app, 297 tests), and those that do (`-m slow`, 136).
-# The slow ones used 1.4 of the 2 cores on average (600 s, 836 CPU-seconds, 2026-11-29), the
-# rest of a core idle, which the not-slow ones (about 300 CPU-seconds) now fill. The slow ones
-# stay on one worker: their timing checks (deadlines, waits for the event loop) failed at
-# random with two real-server modules sharing the two cores (the whole suite on two workers,
-# 2026-11-28: 1,173 s against 1,316 s). docs/development.md, Tests, has the times.
-test-main: install test-tools vllm-venv
-	$(MAKE) --no-print-directory -j2 -O test-slow test-fast
-
+# The main suite's tests that load no real model and start no real server (`-m "not slow"`:
+# tests/app), then the CLI's slow module (its commands on SmolLM2, about 100 s; no timing
+# checks): in the light lane, beside the slow tests, which it makes about as long.
+SLOW_LIGHT := tests/app/test_cli.py
 test-fast: install test-tools vllm-venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m "not slow" \
 		$(MAIN_SUITE) $(UNITS:%=--ignore=%) $(BESIDE:%=--ignore=%)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(SLOW_LIGHT)
 
+# The main suite's tests that load a real model or start a real server (`-m slow`), one worker:
+# used 1.4 of the 2 cores on average (600 s, 836 CPU-seconds, 2026-11-29).
 test-slow: install test-tools vllm-venv
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(MAIN_SUITE)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(MAIN_SUITE) \
+		$(SLOW_LIGHT:%=--ignore=%)
 
 # The local quick start: calibration over HTTP is open (RAG_REORDER_OPEN_WRITES); the image and
 # the chart leave it closed unless an admin key is set.

@@ -131,26 +131,19 @@ test-client: client-venv install
 	cd clients/python && RAG_REORDER_SERVER_PYTHON=$(abspath $(BIN))/python ../../.venv-client/bin/pytest -q
 
 # The main suite's tests that load no real model and start no real server (`-m "not slow"`:
-# tests/app), then the slow tests that check no timing and need no server of the slow suite's
-# (the CLI's commands on SmolLM2, tests/service's real models in process; about 170 s): in the
-# light lane, beside the slow suite, which it makes about as long.
-SLOW_LIGHT := tests/app/test_cli.py tests/service
-# The slow suite's folders: every test folder but tests/service (and those that hold no tests).
-SLOW_FOLDERS := $(filter-out tests/service tests/data tests/support tests/__pycache__, \
-	$(patsubst %/,%,$(wildcard tests/*/)))
-# tests/service's module on the session's vLLM OpenAI server, which the slow suite starts.
-SLOW_VLLM_SERVER := tests/service/test_remote_vllm.py
+# tests/app), then the CLI's slow module (its commands on SmolLM2, about 100 s; no timing
+# checks): in the light lane, beside the slow tests, which it makes about as long.
+SLOW_LIGHT := tests/app/test_cli.py
 test-fast: install test-tools vllm-venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m "not slow" \
 		$(MAIN_SUITE) $(UNITS:%=--ignore=%) $(BESIDE:%=--ignore=%)
-	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(MAIN_SUITE) \
-		--ignore=$(SLOW_VLLM_SERVER) $(SLOW_LIGHT)
+	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(SLOW_LIGHT)
 
 # The main suite's tests that load a real model or start a real server (`-m slow`), one worker:
 # used 1.4 of the 2 cores on average (600 s, 836 CPU-seconds, 2026-11-29).
 test-slow: install test-tools vllm-venv
 	$(BIN)/python -m pytest -q -p no:cacheprovider $(DURATIONS) -m slow $(MAIN_SUITE) \
-		--ignore=tests/app/test_cli.py $(SLOW_FOLDERS) $(SLOW_VLLM_SERVER)
+		$(SLOW_LIGHT:%=--ignore=%)
 
 # The local quick start: calibration over HTTP is open (RAG_REORDER_OPEN_WRITES); the image and
 # the chart leave it closed unless an admin key is set.

@@ -92,7 +92,7 @@ async def test_readiness_follows_the_engine_and_the_service_recovers_on_its_own(
 
 
 async def test_one_cut_canary_call_is_asked_again_two_call_the_engine_down(
-    tmp_path: Path, tokenizer: Any
+    tmp_path: Path, tokenizer: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A keep-alive connection the engine (or a proxy between) was closing cuts one call: not
     # an engine down, which would turn every caller away with 503 until the next check.
@@ -104,9 +104,16 @@ async def test_one_cut_canary_call_is_asked_again_two_call_the_engine_down(
     async with app.router.lifespan_context(app):
         ctx = app.state.ctx
         await wait_until(lambda: ctx.lifecycle.ready, timeout=15)
+        # Every call of Lifecycle.engine, so that a down called and lifted between two polls
+        # is still seen.
         downs: list[str | None] = []
         engine = ctx.lifecycle.engine
-        ctx.lifecycle.engine = lambda down: (downs.append(down), engine(down))[1]  # type: ignore[method-assign]
+
+        def recorded(down: str | None) -> None:
+            downs.append(down)
+            engine(down)
+
+        monkeypatch.setattr(ctx.lifecycle, "engine", recorded)
         calls = switch.completions
         switch.cut = 1
         await wait_until(lambda: switch.completions >= calls + 3, timeout=10)

@@ -565,7 +565,7 @@ class GeneratorSampler:
             identification=IDENTIFICATION,
             runs=fit.questions,
             prompts=answers,
-            r2=float("nan"),
+            r2=None,  # no prompt-scoring fit: answers, not log-probabilities
             source=(
                 f"learned online from the generator's answers: {fit.questions} sampled "
                 f"request(s) x {fit.slots} passages in random order, {fit.attributed:.1f} "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import math
 import re
 import threading
 import time
@@ -118,7 +119,10 @@ class StoredProfile:
     identification: str
     runs: int
     prompts: int
-    r2: float
+    r2: float | None
+    """Share of the prompt log-probabilities the fit explains; ``None`` where there is no
+    such fit (a profile learned from the generator's answers) or it was not finite. Stored
+    as a JSON number or ``null``, never ``NaN``, so every JSON reader takes the file."""
     source: str
     created_at: float
     oriented_by: str = "prior"
@@ -164,7 +168,7 @@ class ProfileStore:
         identification: str,
         runs: int,
         prompts: int,
-        r2: float,
+        r2: float | None,
         source: str,
         oriented_by: str | None = None,
         trust: ProfileTrust | None = None,
@@ -184,7 +188,7 @@ class ProfileStore:
             identification,
             runs,
             prompts,
-            r2,
+            _finite_or_none(r2),
             source,
             time.time(),
             oriented_by or _default_orientation(identification),
@@ -349,6 +353,13 @@ def _load(path: Path) -> StoredProfile:
     return parse_profile(path.read_text())
 
 
+def _finite_or_none(x: float | None) -> float | None:
+    if x is None:
+        return None
+    v = float(x)
+    return v if math.isfinite(v) else None
+
+
 def dump_profile(prof: StoredProfile) -> str:
     """A profile as its stored JSON document."""
     return json.dumps(asdict(prof), indent=1)
@@ -360,6 +371,8 @@ def parse_profile(text: str) -> StoredProfile:
     data = json.loads(text)
     data["coefficients"] = tuple(float(c) for c in data["coefficients"])
     data.setdefault("oriented_by", _default_orientation(str(data.get("identification"))))
+    # Files written before r2 was optional hold ``NaN`` there (Python's JSON reads it).
+    data["r2"] = _finite_or_none(data.get("r2"))
     if data.get("trust") is not None:
         data["trust"] = _trust_from(data["trust"])
     return StoredProfile(**data)

@@ -6,6 +6,7 @@ Two "replicas" are two store objects on one folder or one Redis, as two pods are
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -21,7 +22,7 @@ from pydantic import SecretStr
 
 from service.config.settings import Settings
 from service.errors import StateUnavailable
-from service.state.profile_store import StoredProfile
+from service.state.profile_store import StoredProfile, dump_profile, parse_profile
 from service.state.redis_state import RedisState, redact
 from service.state.state_store import FolderState, StateStore, held, open_state
 from service.state.traffic import SampleKey
@@ -114,6 +115,29 @@ def test_a_profile_one_replica_stores_is_read_by_another(replicas: Factory) -> N
     eventually(lambda: b.profiles.get("m", "qa_default", 3) == newer)
     assert b.profiles.stamp("m", "qa_default", 3) != before
     assert b.profiles.get("m", "qa_default", 4) is None
+
+
+def test_a_profile_without_an_r2_is_strict_json_and_reads_back_equal(replicas: Factory) -> None:
+    # A profile learned from the generator's answers has no prompt-scoring fit. It was stored
+    # as ``NaN`` (not JSON: jq and most readers refuse it) and read back as another NaN, which
+    # compares unequal, so a refreshed read looked like a different profile.
+    a, b = replicas(), replicas()
+    stored = a.profiles.put(
+        model="m", template="qa_default", coefficients=(0.2, 0.3, 0.5), identification="answers",
+        runs=40, prompts=40, r2=float("nan"), source="answers", oriented_by="data",
+    )  # fmt: skip
+    assert stored.r2 is None
+    doc = dump_profile(stored)
+    assert json.loads(doc, parse_constant=_refuse)["r2"] is None
+    eventually(lambda: b.profiles.get("m", "qa_default", 3) == stored)
+    # A document written before r2 could be null still loads.
+    old = json.loads(doc)
+    old["r2"] = float("nan")
+    assert parse_profile(json.dumps(old)) == stored
+
+
+def _refuse(token: str) -> None:
+    raise ValueError(f"not JSON: {token}")
 
 
 def test_a_reader_never_sees_half_a_profile(replicas: Factory) -> None:

@@ -72,6 +72,10 @@ PY=$VENV/bin/python
 LOAD_ARGS=${LOAD_ARGS:---levels 1,4,8,16,32 --requests-per-level 32 --queries 8 --passages 10}
 SCORING_ARGS=${SCORING_ARGS:---queries 8 --passages 10 --warm-each}
 REMOTE_PORT=${REMOTE_PORT:-8011}
+# Each stage's limit is sized for the GPU, where a hung stage must not eat the session; the CPU
+# rehearsal multiplies them (vLLM's CPU engine on two shared cores took over the scoring
+# stage's 150 s in a CI run, and the fallback to the V1 runner was taken for nothing).
+LIMIT_SCALE=${LIMIT_SCALE:-1}
 # vLLM's step budgets for `load` (one stage each) and `remote` (the first).
 TOKENS=${TOKENS:-16384}
 # A call cut off by the device tool can leave the vLLM server it started holding its share of
@@ -92,7 +96,7 @@ done_before() {  # done_before NAME: true (and said) if stage NAME succeeded in 
 }
 
 stage() {  # stage NAME LIMIT_S COMMAND...: run it once, log it, record rc and seconds
-    local name=$1 limit=$2
+    local name=$1 limit=$(($2 * LIMIT_SCALE))
     shift 2
     done_before "$name" && return 0
     local t0=$SECONDS

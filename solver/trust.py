@@ -67,6 +67,12 @@ class TrustRules:
     """Fewer runs than this are ``undecided`` whatever they show."""
     resamples: int = 200
     """Bootstrap resamples of the runs."""
+    keep_stability: float = 0.8
+    """Share of bootstrap fits a *trusted* label-free profile's refit must still give the same
+    top slots for the profile to stay trusted (``holds``): below ``min_stability``, so that the
+    resampling noise of one more answer does not withdraw it (SmolLM2's recorded answers,
+    best slot: at 0.9 withdrawn and trusted again three times between 103 and 132 answers, at
+    0.8 never; ``eval/trust_hysteresis.py``)."""
     drift_alpha: float = 0.001
     """Level of the drift test (strict: it is repeated as newer runs arrive)."""
     drift_min_runs: int = 8
@@ -300,6 +306,47 @@ def verdict(
         f"to exclude a "
         f"spread of {rules.flat_effect:g} (upper bound {spread_upper:.3f})"
     )
+
+
+def holds(
+    held: Verdict,
+    held_top: Sequence[int],
+    *,
+    flat_p: float,
+    stability: float,
+    top: Sequence[int],
+    rules: TrustRules,
+) -> tuple[bool, str]:
+    """Whether a refit that ``verdict`` calls undecided still supports a profile trusted as
+    ``held`` (top slots ``held_top``), and why: a hysteresis, so a profile refitted after every
+    answer is not withdrawn and trusted again as its figures wander about the bars.
+
+    A ``shaped`` profile holds while the refit still tells it from flat (``flat_p < alpha``),
+    puts the same top slots first, and does so in at least ``keep_stability`` of its resampled
+    fits; a ``flat`` one while the refit still cannot tell it from flat. A generator that
+    changed moves the pooled refit past these as its new answers accumulate."""
+    if held == "shaped":
+        if flat_p >= rules.alpha:
+            return False, f"no longer told from flat (p = {flat_p:.2g} >= {rules.alpha:g})"
+        if tuple(top) != tuple(held_top):
+            return (
+                False,
+                f"the refit's top slots {tuple(top)} are not the profile's {tuple(held_top)}",
+            )
+        if stability < rules.keep_stability:
+            return False, (
+                f"{stability:.0%} of resampled fits place the same top slots, under the "
+                f"{rules.keep_stability:.0%} a trusted profile keeps"
+            )
+        return True, (
+            f"kept: the refit places the same top slots in {stability:.0%} of resampled fits "
+            f"(trusting needs {rules.min_stability:.0%}, keeping {rules.keep_stability:.0%})"
+        )
+    if held == "flat":
+        if flat_p < rules.alpha:
+            return False, f"a slot preference shows (p = {flat_p:.2g} < {rules.alpha:g})"
+        return True, f"kept: still no slot preference (p = {flat_p:.2g})"
+    return False, "not trusted"
 
 
 def top_slots(a: ArrayLike, placement_slots: int, k: int) -> tuple[int, ...]:

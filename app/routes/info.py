@@ -219,6 +219,7 @@ def _generator(sampler: GeneratorSampler) -> GeneratorOnlineOut:
                 high=list(fit.high) if fit else [],
                 profile=st.stored.id if st.stored is not None else None,
                 placing=st.placing is not None,
+                kept=st.kept,
             )
         )
     return GeneratorOnlineOut(

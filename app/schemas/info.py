@@ -177,6 +177,10 @@ class GeneratorProfileOut(_Model):
     """Id of the stored profile of the generator for this passage count (null: none)."""
     placing: bool
     """Whether `auto` places requests of this passage count by it (stored with trust)."""
+    kept: str | None = None
+    """Why it is still placed by though `verdict` (the last refit) is `undecided`: a trusted
+    profile stays trusted while the refit keeps its top slots in `generator_keep_stability` of
+    resampled fits (null: not so kept)."""
 
 
 class GeneratorOnlineOut(_Model):

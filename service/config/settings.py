@@ -202,6 +202,11 @@ class Settings(BaseSettings):
     profiles; 1 trusts a profile whose best slot is stable while the runner-up is not
     separated (SmolLM2-135M: its best slot trusted from 140 answered questions, its top two
     not in 600; docs/generator-profile.md, "Calls to trust")."""
+    generator_keep_stability: float = Field(default=0.8, gt=0.0, le=1.0)
+    """Share of bootstrap refits that must still place the same top slots for a *trusted*
+    label-free profile to stay trusted as answers arrive (at most `auto_min_stability`, which
+    trusting needs): the gap keeps one answer's resampling noise from withdrawing and
+    re-trusting it (docs/generator-profile.md, "Kept, not flipped")."""
     feedback_max_requests: int = Field(default=0, ge=0, le=1_000_000)
     """Served `/v1/reorder` requests kept in this replica's memory (query, passages and
     served order; the latest) so that `POST /v1/feedback` can take the generator's answer to
@@ -510,6 +515,16 @@ class Settings(BaseSettings):
                 f"generator, another model than the scoring model {self.model!r} (got "
                 f"{self.generator_model!r}); when the scorer is the generator, auto learns its "
                 "profile from the log-probs it scores"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _keeping_is_no_stricter_than_trusting(self) -> Settings:
+        if self.generator_keep_stability > self.auto_min_stability:
+            raise ValueError(
+                f"RAG_REORDER_GENERATOR_KEEP_STABILITY={self.generator_keep_stability:g} is above "
+                f"RAG_REORDER_AUTO_MIN_STABILITY={self.auto_min_stability:g}: a trusted profile "
+                "would need more to stay trusted than to become so; set it at most that"
             )
         return self
 

@@ -89,7 +89,7 @@ from solver.blind_profile import (
     fit_blind_profile,
     slot_weights,
 )
-from solver.trust import TrustRules
+from solver.trust import TrustRules, holds
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,9 @@ class OnlineStatus:
     """The stored profile of the generator for this passage count, if any."""
     read_at: float | None = None
     """Monotonic time ``stored`` was last read from the store."""
+    kept: str | None = None
+    """Why the trusted profile is still placed by though the last refit is undecided
+    (``solver.trust.holds``); ``None`` when it is not so kept."""
 
     @property
     def placing(self) -> StoredProfile | None:
@@ -539,7 +542,19 @@ class GeneratorSampler:
         )
         st.fit = fit
         ours = st.stored is None or st.stored.identification == IDENTIFICATION
-        withdraw = st.placing is not None and not fit.trusted
+        placing = st.placing
+        kept, why = False, ""
+        if ours and placing is not None and placing.trust is not None and not fit.trusted:
+            # A hysteresis: refitted after every answer, a profile near the trust bar would
+            # be withdrawn and trusted again answer after answer (solver.trust.holds).
+            kept, why = holds(
+                placing.trust.verdict, placing.trust.top_slots, flat_p=fit.flat_p,
+                stability=fit.stability, top=fit.top_slots, rules=self.rules,
+            )  # fmt: skip
+        if kept and st.kept is None and placing is not None:
+            log.info("generator profile %s %s (the refit: %s)", placing.id, why, fit.reason)
+        st.kept = why if kept else None
+        withdraw = placing is not None and not fit.trusted and not kept
         if not ours or not (fit.trusted or withdraw):
             return
         held = st.stored.trust if st.stored is not None else None
@@ -550,7 +565,9 @@ class GeneratorSampler:
         st.stored = await self._off_loop(lambda: self._store(fit, trust, len(rows)))
         self.counters.stored += 1
         if withdraw:
-            log.warning("generator profile %s no longer trusted: %s", st.stored.id, fit.reason)
+            log.warning(
+                "generator profile %s no longer trusted: %s; %s", st.stored.id, why, fit.reason
+            )
         elif since is None:
             log.info(
                 "generator profile %s trusted after %d answer(s): %s (%s)",

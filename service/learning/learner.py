@@ -840,9 +840,13 @@ def rules_of(settings: Settings) -> trust_rules.TrustRules:
 
 
 def generator_rules_of(settings: Settings) -> trust_rules.TrustRules:
-    """``rules_of`` for the generator's label-free profile: its top slots its own setting
-    (``generator_top_slots``)."""
-    return dataclasses.replace(rules_of(settings), top_slots=settings.generator_top_slots)
+    """``rules_of`` for the generator's label-free profile: its top slots and the stability a
+    trusted one keeps its own settings (``generator_top_slots``, ``generator_keep_stability``)."""
+    return dataclasses.replace(
+        rules_of(settings),
+        top_slots=settings.generator_top_slots,
+        keep_stability=settings.generator_keep_stability,
+    )
 
 
 def to_profile_trust(

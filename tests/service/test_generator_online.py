@@ -7,6 +7,7 @@ bounds; the key sent only where the offline tool sends it; a refusal counted, no
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
 from service.config.settings import Settings
@@ -27,6 +29,7 @@ from service.learning.generator_online import (
 from service.learning.learner import generator_rules_of, rules_of
 from service.passage import Passage
 from service.state.state_store import FolderState
+from solver.blind_profile import slot_weights
 from tests.support.canned_generator import canned_generator
 
 N = 4
@@ -244,6 +247,65 @@ def test_the_generator_s_rules_are_auto_s_but_its_top_slots(tmp_path: Path) -> N
     assert one.top_slots == 1 and one.alpha == 0.01 and one.min_runs == 7
     with pytest.raises(ValueError, match="generator_top_slots"):
         Settings(cache_dir=tmp_path, generator_top_slots=3)
+    assert one.keep_stability == 0.8 and one.min_stability == 0.9
+    with pytest.raises(ValueError, match=r"GENERATOR_KEEP_STABILITY=0\.95 is above"):
+        Settings(cache_dir=tmp_path, generator_keep_stability=0.95)
+
+
+RECORDED = Path(__file__).resolve().parents[2] / "bench/results/blind_profile/smollm2"
+
+
+async def test_a_trusted_profile_is_kept_through_noise_and_withdrawn_when_its_slot_moves(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SmolLM2-135M's 600 recorded answers (a ``profile-generator --no-labels`` run) pooled one
+    by one as the sampler pools its own: with ``generator_top_slots=1`` the profile is trusted
+    at the 102nd, and the refits after it drop under the 90% that trusting needs (88% at the
+    103rd): without the hysteresis it was withdrawn and trusted again three times by the
+    132nd. Then the same answers from a generator whose slots are mirrored: the pooled refit
+    moves and the profile is withdrawn."""
+    recs = [json.loads(x) for x in (RECORDED / "blind-answers.jsonl").read_text().splitlines()]
+    w = slot_weights([r["order"] for r in recs], [r["attributed"] for r in recs])
+    n = w.shape[1]
+    sampler = sampler_for(tmp_path, "http://127.0.0.1:9/v1", generator_top_slots=1)
+    key = sampler._key(n)
+    shown = np.asarray([list(range(n))], dtype=np.int64)
+
+    async def pool(row: np.ndarray) -> tuple[tuple[int, ...] | None, str | None, str]:
+        """The top slots placed by (``None``: not placing), why kept, the refit's verdict."""
+        sampler.spool.append(key, (shown, row), time.time())
+        await sampler._refit(n)
+        st = sampler.status()[0]
+        assert st.fit is not None
+        top = st.placing.trust.top_slots if st.placing and st.placing.trust else None
+        return top, st.kept, st.fit.verdict
+
+    def pooled(rows: np.ndarray) -> None:  # answers pooled without a refit each
+        for row in rows:
+            sampler.spool.append(key, (shown, row), time.time())
+
+    pooled(w[:98])  # not trusted before the 102nd
+    seen = [await pool(row) for row in w[98:140]]
+    placing = [top == (n - 1,) for top, _, _ in seen]
+    assert placing.index(True) == 101 - 98 and all(placing[101 - 98 :])
+    kept = [(i + 99, why, v) for i, (_, why, v) in enumerate(seen) if why is not None]
+    assert kept and kept[0][0] == 103 and "kept: the refit places the same top slots" in kept[0][1]
+    assert {v for _, _, v in kept} == {"undecided"}
+    assert "no longer trusted" not in caplog.text
+
+    mirrored = w[140:, ::-1]  # the same answers from a generator with its slots mirrored
+    pooled(mirrored[:60])
+    moved = None
+    for i, row in enumerate(mirrored[60:], 61):
+        top, why, _ = await pool(row)
+        if top != (n - 1,):
+            moved = i
+            break
+    assert moved is not None, "the mirrored generator's answers never moved the profile"
+    assert top is None and why is None
+    assert "no longer trusted" in caplog.text
+    assert moved == 69  # after 140 answers of the first (eval/trust_hysteresis.py's 300: 249)
+    await sampler.aclose()
 
 
 async def test_an_answer_held_by_several_passages_goes_to_the_likeliest(tmp_path: Path) -> None:

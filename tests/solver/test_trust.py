@@ -150,3 +150,21 @@ def test_stability_is_checked_for_every_passage_count_placed() -> None:
     assert both.verdict == "undecided" and both.stability < 0.9
     assert "of 9 passages" in both.reason
     assert both.top_slots == (7, 6) and both.placement_slots == 10
+
+
+def test_a_trusted_profile_holds_while_its_refit_keeps_its_top_slots_and_shape() -> None:
+    rules = trust.TrustRules()  # trusting needs 90% stability, keeping 80%
+    shaped = {"flat_p": 0.001, "stability": 0.85, "top": (9, 0), "rules": rules}
+    ok, why = trust.holds("shaped", (9, 0), **shaped)
+    assert ok and why.startswith("kept:") and "85%" in why
+    for change, words in [
+        ({"stability": 0.79}, "under the 80%"),
+        ({"top": (0, 9)}, "top slots (0, 9) are not the profile's (9, 0)"),
+        ({"flat_p": 0.2}, "no longer told from flat"),
+    ]:
+        ok, why = trust.holds("shaped", (9, 0), **{**shaped, **change})
+        assert not ok and words in why, (change, why)
+    # A flat profile holds while no slot preference shows, whatever its top slots.
+    assert trust.holds("flat", (3,), flat_p=0.4, stability=0.1, top=(7,), rules=rules)[0]
+    assert not trust.holds("flat", (3,), flat_p=0.01, stability=1.0, top=(3,), rules=rules)[0]
+    assert not trust.holds("undecided", (3,), flat_p=0.001, stability=1.0, top=(3,), rules=rules)[0]

@@ -32,7 +32,7 @@ from app.schemas.rerank import RerankDocument
 from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import ReorderResult
-from service.state.profile_store import ProfileTrust, StoredProfile
+from service.state.profile_store import ProfileTrust, StoredProfile, finite_or_none
 from service.strategies.request import AdaptiveReport, AutoReport
 
 UNKNOWN_CALLER: Final = "unknown"
@@ -73,14 +73,6 @@ def to_passages(items: Sequence[PassageIn | RerankDocument]) -> list[Passage]:
     ]
 
 
-def _finite(x: float | None) -> float | None:
-    """JSON has no NaN: a value the fit could not estimate is null."""
-    if x is None:
-        return None
-    v = float(x)
-    return v if math.isfinite(v) else None
-
-
 def _profile(p: StoredProfile | None) -> ProfileOut | None:
     if p is None:
         return None
@@ -97,7 +89,7 @@ def profile_out(p: StoredProfile) -> ProfileOut:
         identification=p.identification,
         runs=p.runs,
         prompts=p.prompts,
-        r2=_finite(p.r2),
+        r2=finite_or_none(p.r2),
         source=p.source,
         created_at=p.created_at,
         oriented_by=cast(Literal["data", "profile", "prior"], p.oriented_by),
@@ -112,10 +104,10 @@ def trust_out(t: ProfileTrust | None) -> TrustOut | None:
         verdict=t.verdict,
         reason=t.reason,
         runs=t.runs,
-        flat_p=_finite(t.flat_p) or 0.0,
-        spread=_finite(t.spread) or 0.0,
-        spread_upper=_finite(t.spread_upper) or 0.0,
-        stability=_finite(t.stability) or 0.0,
+        flat_p=finite_or_none(t.flat_p) or 0.0,
+        spread=finite_or_none(t.spread) or 0.0,
+        spread_upper=finite_or_none(t.spread_upper) or 0.0,
+        stability=finite_or_none(t.stability) or 0.0,
         top_slots=list(t.top_slots),
         placement_slots=t.placement_slots,
         resamples=t.resamples,
@@ -182,14 +174,14 @@ def _passages_out(result: ReorderResult, passages: Sequence[Passage]) -> list[Pa
             PassageOut(
                 index=idx,
                 id=passages[idx].id if idx < len(passages) else None,
-                utility=_finite(fit.utilities[idx]) if fit is not None else None,
-                score=_finite(scores[idx]) if scores is not None else None,
-                stderr=_finite(stderr[idx]) if stderr is not None else None,
+                utility=finite_or_none(fit.utilities[idx]) if fit is not None else None,
+                score=finite_or_none(scores[idx]) if scores is not None else None,
+                stderr=finite_or_none(stderr[idx]) if stderr is not None else None,
                 confidence_above_next=(
-                    _finite(conf[k]) if conf is not None and k < len(conf) else None
+                    finite_or_none(conf[k]) if conf is not None and k < len(conf) else None
                 ),
                 shown=bool(fit.shown[idx]) if fit is not None else result.usage.prompts > 0,
-                distracting_effect=_finite(de[idx]) if de is not None else None,
+                distracting_effect=finite_or_none(de[idx]) if de is not None else None,
                 answer=answers[idx] if answers is not None else None,
             )
         )
@@ -205,7 +197,7 @@ def _json_safe(value: Any) -> Any:
     if hasattr(value, "tolist"):
         return _json_safe(value.tolist())
     if isinstance(value, float):
-        return _finite(value)
+        return finite_or_none(value)
     return value
 
 
@@ -220,7 +212,7 @@ def reorder_meta(
             identified=fit.bias_identified,
             identification=fit.identification,
             orientation=fit.orientation,
-            orientation_strength=_finite(fit.orientation_strength),
+            orientation_strength=finite_or_none(fit.orientation_strength),
             profile=_profile(result.profile),
         )
     pp = result.positional_profile
@@ -249,7 +241,7 @@ def reorder_meta(
                 passage=answer.passage,
                 votes=answer.votes,
                 samples=answer.samples,
-                probability=_finite(answer.probability),
+                probability=finite_or_none(answer.probability),
             )
             if answer is not None
             else None
@@ -265,11 +257,11 @@ def reorder_meta(
             prompts=result.prompts,
             prompts_failed=result.usage.prompts_failed,
             slots=result.slots,
-            r2=_finite(fit.r2) if fit is not None else None,
+            r2=finite_or_none(fit.r2) if fit is not None else None,
             converged=fit.converged if fit is not None else None,
             iterations=fit.iterations if fit is not None else None,
             residual_dof=fit.residual_dof if fit is not None else None,
-            prior_sensitivity=_finite(fit.prior_sensitivity) if fit is not None else None,
+            prior_sensitivity=finite_or_none(fit.prior_sensitivity) if fit is not None else None,
             warnings=list(result.warnings),
             details=_json_safe(result.details),
             adaptive=adaptive_out(result.adaptive),

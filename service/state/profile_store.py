@@ -188,7 +188,7 @@ class ProfileStore:
             identification,
             runs,
             prompts,
-            _finite_or_none(r2),
+            finite_or_none(r2),
             source,
             time.time(),
             oriented_by or _default_orientation(identification),
@@ -353,7 +353,9 @@ def _load(path: Path) -> StoredProfile:
     return parse_profile(path.read_text())
 
 
-def _finite_or_none(x: float | None) -> float | None:
+def finite_or_none(x: float | None) -> float | None:
+    """JSON has no NaN: a value the fit could not estimate is null (the stored documents and
+    the API's answers alike)."""
     if x is None:
         return None
     v = float(x)
@@ -372,7 +374,7 @@ def parse_profile(text: str) -> StoredProfile:
     data["coefficients"] = tuple(float(c) for c in data["coefficients"])
     data.setdefault("oriented_by", _default_orientation(str(data.get("identification"))))
     # Files written before r2 was optional hold ``NaN`` there (Python's JSON reads it).
-    data["r2"] = _finite_or_none(data.get("r2"))
+    data["r2"] = finite_or_none(data.get("r2"))
     if data.get("trust") is not None:
         data["trust"] = _trust_from(data["trust"])
     return StoredProfile(**data)

@@ -15,7 +15,7 @@ hysteresis):
   many of the mirrored answers the profile stops being placed by.
 
     python eval/trust_hysteresis.py --blind bench/results/blind_profile/smollm2 --top-slots 1 \\
-        --out bench/results/blind_profile/trust_hysteresis_smollm2.json
+        --out bench/results/blind_profile/trust_hysteresis_smollm2_top1.json
 """
 
 from __future__ import annotations

@@ -82,15 +82,8 @@ def answer(server: ServerProcess, **extra: object) -> tuple[int, str]:
         return r.status_code, r.text[:80]
 
 
-def counter(server: ServerProcess, name: str) -> float:
-    for line in httpx.get(f"{server.base_url}/metrics", timeout=10).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
-def gauge(server: ServerProcess, name: str) -> float:
-    """The sum of ``name``'s samples, whatever their labels (a gauge per worker or one)."""
+def metric(server: ServerProcess, name: str) -> float:
+    """The sum of ``name``'s samples in one scrape, whatever their labels (0 when absent)."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith((name + " ", name + "{")))  # fmt: skip
@@ -112,16 +105,16 @@ def test_both_workers_serve_one_port_and_every_scrape_sums_their_counters(
     server: ServerProcess,
 ) -> None:
     assert len(children(server, "worker")) == 2 and len(children(server, "engine")) == 1
-    before = counter(server, "rag_reorder_prompt_tokens_total")
+    before = metric(server, "rag_reorder_prompt_tokens_total")
     with ThreadPoolExecutor(8) as pool:
         codes = list(pool.map(lambda _: reorder(server), range(24)))
     assert codes == [200] * 24
     assert len(started(server)) == 2
     # Whichever worker answers the scrape, the sum is the same: both workers' tokens.
-    sums = {counter(server, "rag_reorder_prompt_tokens_total") - before for _ in range(6)}
+    sums = {metric(server, "rag_reorder_prompt_tokens_total") - before for _ in range(6)}
     assert len(sums) == 1 and sums.pop() > 0
     # The engine process's forwards are in the same scrape.
-    assert counter(server, "rag_reorder_batch_fill_ratio_count") > 0
+    assert metric(server, "rag_reorder_batch_fill_ratio_count") > 0
 
 
 def test_a_killed_worker_is_restarted_and_the_other_serves_meanwhile(server: ServerProcess) -> None:
@@ -173,7 +166,7 @@ def test_sigterm_drains_every_worker_then_exits_0(server: ServerProcess) -> None
         # The signal goes while the server says requests are admitted and running (a scrape
         # sums both workers), so there is a drain to check: a request takes about 0.6 s in
         # the engine, far longer than from this scrape to the signal.
-        wait_for(lambda: gauge(server, "rag_reorder_requests_in_flight") >= 2, 60, "in flight")
+        wait_for(lambda: metric(server, "rag_reorder_requests_in_flight") >= 2, 60, "in flight")
         signalled.append(time.monotonic())
         server.proc.send_signal(signal.SIGTERM)
         for c in clients:

@@ -271,18 +271,18 @@ async def test_a_trusted_profile_is_kept_through_noise_and_withdrawn_when_its_sl
     key = sampler._key(n)
     shown = np.asarray([list(range(n))], dtype=np.int64)
 
+    def pooled(rows: Sequence[np.ndarray]) -> None:  # answers pooled without a refit each
+        for row in rows:
+            sampler.spool.append(key, (shown, row), time.time())
+
     async def pool(row: np.ndarray) -> tuple[tuple[int, ...] | None, str | None, str]:
         """The top slots placed by (``None``: not placing), why kept, the refit's verdict."""
-        sampler.spool.append(key, (shown, row), time.time())
+        pooled([row])
         await sampler._refit(n)
         st = sampler.status()[0]
         assert st.fit is not None
         top = st.placing.trust.top_slots if st.placing and st.placing.trust else None
         return top, st.kept, st.fit.verdict
-
-    def pooled(rows: np.ndarray) -> None:  # answers pooled without a refit each
-        for row in rows:
-            sampler.spool.append(key, (shown, row), time.time())
 
     pooled(w[:98])  # not trusted before the 102nd
     seen = [await pool(row) for row in w[98:140]]

@@ -257,6 +257,9 @@ def _lifespan(
         learner = loop.create_task(ctx.engine.learner.run_forever())
         shadows = loop.create_task(ctx.engine.learner.run_shadows())
         tasks = {supervisor, learner, shadows}
+        # One of several workers: its scrape-time counters reach the others' scrapes (in one
+        # process this returns at once).
+        tasks.add(loop.create_task(ctx.metrics.sync_forever()))
         sampler = ctx.engine.learner.generator
         if sampler is not None:
             # The generator's sampled calls: in the background, never awaited by a request.

@@ -5,14 +5,24 @@ registered once per registry). ``/metrics`` also exposes prometheus_client's def
 where an in-process vLLM engine registers its own metrics, and the process collectors.
 Labels are low-cardinality by construction: route templates from a fixed list, status codes,
 the fixed error vocabulary.
+
+With several worker processes (``app.workers`` sets ``PROMETHEUS_MULTIPROC_DIR``) a scrape
+reaches one worker, and prometheus_client sums the counters and histograms every process
+writes to that folder. The counters of the collectors read at scrape (``auto``, the
+generator's sampler, the state store) live in each worker's memory, where the scraping worker
+cannot see the others': ``_CounterMirror`` writes each worker's totals to the folder as
+multiprocess counters (the growth since its last write, at most ``MIRROR_S`` old), so they are
+summed like the rest, and a dead worker's totals stay in the sums (its successor counts from 0
+in a file of its own: no counter goes back).
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
 import os
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TypeVar
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
@@ -42,6 +52,10 @@ _FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 2.0)
 _WAIT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 _QUEUE_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 30, 60, 90, 120, 300)
 _SHARING_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+MIRROR_S = 1.0
+"""Seconds between two writes of a worker's scrape-time counters to the shared folder: how
+old another worker's counts in a scrape may be (a worker killed outright loses at most this
+much of its counts)."""
 
 
 class _DefaultRegistry(Collector):
@@ -76,13 +90,45 @@ class _TrafficSample(Collector):
         yield family
 
 
-class _State(Collector):
+class _ScrapeTime(Collector):
+    """A collector read at scrape whose counters ``_CounterMirror`` can also write to the
+    shared folder (several workers): ``counters`` and ``gauges`` apart."""
+
+    def counters(self) -> Iterator[CounterMetricFamily]:
+        """The counter families (totals since this process started)."""
+        return iter(())
+
+    def gauges(self) -> Iterator[Metric]:
+        """The gauge families (this process's own view)."""
+        return iter(())
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self.counters()
+        yield from self.gauges()
+
+
+class _State(_ScrapeTime):
     """The state store's health, failures and queue (read at scrape)."""
 
     def __init__(self, state: StateStore) -> None:
         self._state = state
 
-    def collect(self) -> Iterator[Metric]:
+    def counters(self) -> Iterator[CounterMetricFamily]:
+        s = self._state
+        yield _labelled(
+            "state_store_failures",
+            "Operations on the state store that failed, by operation (read, write, lock).",
+            "operation",
+            {op: s.failures.get(op, 0) for op in ("read", "write", "lock")},
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_state_store_dropped_writes",
+            "Sampled runs dropped from a full queue while the state store could not be reached "
+            "(state_max_pending_bytes).",
+            value=s.dropped,
+        )
+
+    def gauges(self) -> Iterator[Metric]:
         s = self._state
         yield GaugeMetricFamily(
             f"{PREFIX}_state_store_up",
@@ -90,22 +136,10 @@ class _State(Collector):
             "operation; 0 while Redis cannot be reached (requests are then served from memory).",
             value=1 if s.up else 0,
         )
-        yield _labelled(
-            "state_store_failures",
-            "Operations on the state store that failed, by operation (read, write, lock).",
-            "operation",
-            {op: s.failures.get(op, 0) for op in ("read", "write", "lock")},
-        )
         yield GaugeMetricFamily(
             f"{PREFIX}_state_store_pending_writes",
             "Writes (profiles, sampled runs) queued for the state store, not yet stored.",
             value=s.pending,
-        )
-        yield CounterMetricFamily(
-            f"{PREFIX}_state_store_dropped_writes",
-            "Sampled runs dropped from a full queue while the state store could not be reached "
-            "(state_max_pending_bytes).",
-            value=s.dropped,
         )
 
 
@@ -122,13 +156,13 @@ def _labelled(
     return family
 
 
-class _Generator(Collector):
+class _Generator(_ScrapeTime):
     """``auto``'s online sampling of the generator (``generator_url``), at scrape."""
 
     def __init__(self, sampler: GeneratorSampler) -> None:
         self._sampler = sampler
 
-    def collect(self) -> Iterator[Metric]:
+    def counters(self) -> Iterator[CounterMetricFamily]:
         c = self._sampler.counters
         yield _labelled(
             "generator_samples",
@@ -166,6 +200,8 @@ class _Generator(Collector):
             "outcome",
             c.feedback,
         )
+
+    def gauges(self) -> Iterator[Metric]:
         trusted = GaugeMetricFamily(
             f"{PREFIX}_generator_profile_trusted",
             "1 while auto places requests of this passage count by the generator's profile "
@@ -177,13 +213,13 @@ class _Generator(Collector):
         yield trusted
 
 
-class _Auto(Collector):
+class _Auto(_ScrapeTime):
     """``auto``'s paths, recalibrations, drift events and each profile's trust (at scrape)."""
 
     def __init__(self, learner: ProfileLearner) -> None:
         self._learner = learner
 
-    def collect(self) -> Iterator[Metric]:
+    def counters(self) -> Iterator[CounterMetricFamily]:
         c = self._learner.counters
         yield _labelled(
             "auto_requests",
@@ -234,6 +270,8 @@ class _Auto(Collector):
             "(RAG_REORDER_AUTO_MAX_CALLER_SHARE) while other callers contribute.",
             value=c.caller_capped,
         )
+
+    def gauges(self) -> Iterator[Metric]:
         labels = ["template", "slots"]
         trusted = GaugeMetricFamily(
             f"{PREFIX}_auto_profile_trusted",
@@ -273,6 +311,51 @@ class _Auto(Collector):
             if st.trusted and held is not None and held.trusted_since is not None:
                 age.add_metric(lv, max(0.0, now - held.trusted_since))
         yield from (trusted, runs, age, flat_p, stability)
+
+
+class _CounterMirror:
+    """Writes the counters of a worker's scrape-time collectors to the shared multiprocess
+    folder (module docstring), where every worker's scrape sums them.
+
+    Each family becomes a prometheus_client ``Counter`` registered nowhere (its values go to
+    this process's ``counter_<pid>.db``; ``/metrics`` reads them through the folder, never
+    through a registry, so nothing is exposed twice), advanced by what the in-memory total
+    grew since the last ``sync``. Every label value is written at once, zeros included, so a
+    scrape lists the same series as one process does.
+    """
+
+    def __init__(self) -> None:
+        self._sources: list[_ScrapeTime] = []
+        self._counters: dict[str, Counter] = {}
+        self._written: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def add(self, source: _ScrapeTime) -> None:
+        self._sources.append(source)
+        self.sync()
+
+    def sync(self) -> None:
+        """Write what each counter grew since the last call (event-loop thread: the
+        sources' totals are updated there)."""
+        for source in self._sources:
+            self._write(source.counters())
+
+    def _write(self, families: Iterable[CounterMetricFamily]) -> None:
+        for family in families:
+            for sample in family.samples:
+                if not sample.name.endswith("_total"):
+                    continue  # _created: a multiprocess counter has none
+                names = tuple(sample.labels)
+                values = tuple(sample.labels[n] for n in names)
+                counter = self._counters.get(family.name)
+                if counter is None:
+                    counter = self._counters[family.name] = Counter(
+                        family.name, family.documentation, names, registry=None
+                    )
+                child = counter.labels(*values) if names else counter
+                last = self._written.get((family.name, values), 0.0)
+                if sample.value > last:
+                    child.inc(sample.value - last)
+                    self._written[family.name, values] = sample.value
 
 
 class ServiceMetrics:
@@ -530,6 +613,8 @@ class ServiceMetrics:
         )
         if include_default_registry:
             r.register(_DefaultRegistry())
+        # Decided at start, as prometheus_client decides where its values live.
+        self._mirror = _CounterMirror() if os.environ.get("PROMETHEUS_MULTIPROC_DIR") else None
 
     def observe(self, result: ReorderResult) -> None:
         """Record a successful request's work."""
@@ -597,15 +682,38 @@ class ServiceMetrics:
 
     def track_generator(self, sampler: GeneratorSampler) -> None:
         """Expose ``auto``'s online sampling of the generator."""
-        self.registry.register(_Generator(sampler))
+        self._track(_Generator(sampler))
 
     def track_auto(self, learner: ProfileLearner) -> None:
         """Expose what the auto strategy does and how far it trusts its profiles."""
-        self.registry.register(_Auto(learner))
+        self._track(_Auto(learner))
 
     def track_state(self, state: StateStore) -> None:
         """Expose the state store's health (Redis; the folder is always up)."""
-        self.registry.register(_State(state))
+        self._track(_State(state))
+
+    def _track(self, collector: _ScrapeTime) -> None:
+        self.registry.register(collector)
+        if self._mirror is not None:
+            self._mirror.add(collector)
+
+    def sync_counters(self) -> None:
+        """With several workers, write this worker's scrape-time counters to the shared
+        folder now (``_CounterMirror``); nothing to do in one process."""
+        if self._mirror is not None:
+            self._mirror.sync()
+
+    async def sync_forever(self) -> None:
+        """``sync_counters`` every ``MIRROR_S`` until cancelled, and once more then (a
+        draining worker's last counts reach the sums). Returns at once in one process."""
+        if self._mirror is None:
+            return
+        try:
+            while True:
+                self._mirror.sync()
+                await asyncio.sleep(MIRROR_S)
+        finally:
+            self._mirror.sync()
 
     def track_traffic(self, sampler: TrafficSampler) -> None:
         """Expose the size of the live-traffic calibration sample."""
@@ -614,18 +722,21 @@ class ServiceMetrics:
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition for an ``Accept`` header: body and content type. With several
         worker processes (``PROMETHEUS_MULTIPROC_DIR``, set by ``app.workers``) counters and
-        histograms are the sums over every worker, gauges this worker's own."""
+        histograms are the sums over every worker (this worker's scrape-time counters written
+        first, so its own are current), gauges this worker's own."""
         encoder, content_type = choose_encoder(accept)
         folder = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
         if folder:
+            self.sync_counters()
             return encoder(_AcrossWorkers(self.registry, folder)), content_type
         return encoder(self.registry), content_type
 
 
 class _AcrossWorkers(CollectorRegistry):
-    """Counters and histograms summed over the worker processes' files, gauges (the ones
-    read by a function at scrape, which multiprocess files cannot hold, and the collectors
-    of auto, state and traffic) from this worker's registry."""
+    """Counters and histograms summed over the worker processes' files (the scrape-time
+    collectors' counters among them, through ``_CounterMirror``), gauges (the ones read by a
+    function at scrape, which multiprocess files cannot hold, and the collectors of auto,
+    state and traffic) from this worker's registry."""
 
     _SUMMED = frozenset({"counter", "histogram", "summary"})
 

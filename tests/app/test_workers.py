@@ -1,8 +1,9 @@
 """``RAG_REORDER_WORKERS=2``: two HTTP workers and one engine process, as real processes.
 
-One server for the module (the paced engine on SmolLM2's tokenizer: no weights to load);
-the tests run in file order, the last one stops it: requests served by both workers with
-one set of counters, a worker's crash, the engine process's crash, SIGTERM under load.
+One server for the module (the paced engine on SmolLM2's tokenizer: no weights to load;
+the state store in a real Redis), the tests run in file order, the last one stops it:
+requests served by both workers with one set of counters (the scrape-time ones of ``auto``
+and the state store too), a worker's crash, the engine process's crash, SIGTERM under load.
 """
 
 from __future__ import annotations
@@ -17,8 +18,10 @@ from pathlib import Path
 import httpx
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.app.processes import ServerProcess, server_process
+from tests.support.redis_server import RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -32,9 +35,21 @@ LONG = [" ".join([f"Passage {i} says something about topic {i % 3} and more word
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Iterator[ServerProcess]:
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    redis = RedisServer(tmp_path_factory.mktemp("redis"))
+    redis.start()
+    yield redis
+    redis.kill()
+
+
+@pytest.fixture(scope="module")
+def server(
+    tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path, redis_server: RedisServer
+) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("workers")
     env = {
+        "RAG_REORDER_STATE_URL": redis_server.url,
+        "RAG_REORDER_STATE_PASSWORD": redis_server.password,
         "RAG_REORDER_BACKEND": "paced",
         "RAG_REORDER_PACED_PROFILE": "h100-transformers-float32",
         "RAG_REORDER_MODEL": str(smollm2_dir),
@@ -89,6 +104,13 @@ def metric(server: ServerProcess, name: str) -> float:
                if line.startswith((name + " ", name + "{")))  # fmt: skip
 
 
+def scrape(server: ServerProcess, family: str) -> float:
+    """The sum of a family's ``_total`` samples in one scrape, parsed as Prometheus does."""
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    return sum(s.value for f in text_string_to_metric_families(text) if f.name == family
+               for s in f.samples if s.name == family + "_total")  # fmt: skip
+
+
 def wait_for(cond: object, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not cond():  # type: ignore[operator]
@@ -115,6 +137,30 @@ def test_both_workers_serve_one_port_and_every_scrape_sums_their_counters(
     assert len(sums) == 1 and sums.pop() > 0
     # The engine process's forwards are in the same scrape.
     assert metric(server, "rag_reorder_batch_fill_ratio_count") > 0
+
+
+def test_every_scrape_sums_the_workers_auto_and_state_store_counters(
+    server: ServerProcess, redis_server: RedisServer
+) -> None:
+    # Held in each worker's memory and read at scrape: each worker writes them to the shared
+    # metrics folder (app.metrics._CounterMirror), so whichever worker answers, a scrape
+    # counts both workers' requests.
+    before = scrape(server, "rag_reorder_auto_requests")
+    with ThreadPoolExecutor(8) as pool:
+        codes = list(pool.map(lambda _: reorder(server, strategy="auto"), range(24)))
+    assert codes == [200] * 24
+    wait_for(lambda: {scrape(server, "rag_reorder_auto_requests") - before for _ in range(6)}
+             == {24}, 10, "24 auto requests in every scrape")  # fmt: skip
+    # A Redis outage: each worker's reads of the store fail while it is down.
+    redis_server.kill()
+    wait_for(lambda: scrape(server, "rag_reorder_state_store_failures") >= 2, 30, "failures")
+    redis_server.start()
+    wait_for(lambda: all(metric(server, "rag_reorder_state_store_up") == 1 for _ in range(6)),
+             30, "both workers reach Redis again")  # fmt: skip
+    # Both workers' failures, the same in every scrape once the last are written (1 s).
+    wait_for(lambda: len({scrape(server, "rag_reorder_state_store_failures") for _ in range(6)})
+             == 1, 10, "one failure count in every scrape")  # fmt: skip
+    assert scrape(server, "rag_reorder_state_store_failures") >= 2
 
 
 def test_a_killed_worker_is_restarted_and_the_other_serves_meanwhile(server: ServerProcess) -> None:

@@ -230,8 +230,8 @@ class Settings(BaseSettings):
     wait only adds latency: a forward's cost grows with its rows)."""
     dense_cache_entries: int = Field(default=4096, ge=0, le=1 << 22)
     """Passage embeddings the `dense` encoder keeps, by a hash of the text (about 1.5 KB
-    each; the same retrieved chunk recurs across requests); least recently used go first.
-    0: no cache. Hits are in `/info` (`dense`)."""
+    each; the same retrieved chunk recurs across requests), per worker process; least
+    recently used go first. 0: no cache. Hits are in `/info` (`dense`)."""
     auto_explore_rate: float = Field(default=0.05, ge=0.0, le=1.0)
     """Share of `auto`'s requests that still run MoI once a profile is trusted; their runs
     test the profile for drift (a changed generator or template). 0: never re-checked."""
@@ -262,17 +262,23 @@ class Settings(BaseSettings):
     included: the profile every request is placed by is not one caller's to shape. The
     caller is the client address as the HTTP server resolves it behind the proxies in
     `forwarded_allow_ips`, or `auto_caller_header`'s value when that is set. Counted per
-    replica. 1 disables the bound."""
+    worker process, in memory (each of `workers` and of the replicas bounds the runs it
+    keeps: docs/operations.md, "Bounds and their scope"). 1 disables the bound."""
     auto_caller_window_s: float = Field(default=600.0, gt=0.0, le=86_400.0)
     """Seconds a kept run counts toward its caller's share: counts decay, so an honest
     caller's old runs do not let another caller add as many in a row, and a caller seen once
     does not bound the others for good. The share is also taken over only the latest runs
     (as many as a drift test or a trust decision needs, 8 by default)."""
     auto_bound_lone_caller: bool = False
-    """Bound a caller even while no other caller's run is in the window: no profile is then
-    trusted (nor reset by a drift) on one caller's runs alone, e.g. when the first caller
-    after a restart could be hostile. Leave off when one RAG backend is the only caller:
-    with it on, such a deployment never trusts a profile."""
+    """Bound a caller even while no other caller's run is in the window: a caller alone then
+    has one run kept per `auto_caller_window_s` on each worker process, so no profile is
+    trusted (nor reset by a drift) quickly on one caller's runs, e.g. when the first caller
+    after a restart could be hostile, or when a caller's connections reach a worker no other
+    caller's do ("alone" is decided per worker process). Turn it on wherever several callers
+    share the server. Off by default for the deployment with one RAG backend as its only
+    caller: with it on, that caller teaches `auto` at one run per window (6 an hour per
+    worker at the defaults), so trusting a profile takes hours and a drift test (8 explore
+    runs) over an hour."""
     auto_caller_header: str | None = Field(
         default=None, min_length=1, max_length=128, pattern=r"^[A-Za-z0-9!#$%&'*+.^_`|~-]+$"
     )
@@ -367,7 +373,8 @@ class Settings(BaseSettings):
     prompt is rendered, so an oversized request is refused before it is tokenised). The
     default is 8 characters a token of `max_prompt_tokens_x_prompts`: more than prose needs."""
     max_inflight_prompt_tokens: int | None = Field(default=None, ge=64)
-    """A hard cap on the prompt tokens of all requests being scored at once (503 with
+    """A hard cap, per server (its workers share it), on the prompt tokens of all requests
+    being scored at once (503 with
     Retry-After above it; one request is always admitted when none runs). Unset: no fixed cap;
     admission then bounds the queue by the engine's measured rate and each request's deadline
     (a request whose tokens, behind those admitted, would not finish in time gets 503 at once),
@@ -378,7 +385,8 @@ class Settings(BaseSettings):
     a queue waiting at start is not all let in at once (503 with Retry-After above it; one
     request is always admitted when none runs)."""
     max_concurrent_requests: int = Field(default=64, ge=1)
-    """Most reorder/rerank requests in flight; the next one gets 503 with Retry-After."""
+    """Most reorder/rerank requests in flight per server (its workers share it); the next one
+    gets 503 with Retry-After."""
     retry_after_s: int = Field(default=2, ge=1, le=3600)
     """Seconds sent in `Retry-After` with 503 (admission, warm-up, draining)."""
     request_timeout_s: float = Field(default=120.0, gt=0)
@@ -395,8 +403,9 @@ class Settings(BaseSettings):
     scored) whose scored permutations are kept in memory, numbers only, for `POST
     /v1/bias-profiles/calibrate` with `from_traffic`; 0 keeps none."""
     traffic_sample_max_runs: int = Field(default=1000, ge=1, le=100_000)
-    """Most sampled runs kept per (template, design, slot count); the oldest go first. With
-    `traffic_sample_dir`, also the most pooled from all replicas (the latest)."""
+    """Most sampled runs kept per (template, design, slot count) in each worker process's
+    memory; the oldest go first. With `traffic_sample_dir`, also the most pooled from all
+    replicas (the latest)."""
     traffic_sample_dir: Path | None = None
     """A folder every replica mounts (e.g. the bias-profile volume): each replica also appends
     its sampled runs there, and calibration from traffic on any replica pools the latest
@@ -424,9 +433,10 @@ class Settings(BaseSettings):
     """Connect and read timeout of one Redis call. Calls run beside requests, never in
     their path."""
     state_max_pending_bytes: int = Field(default=64 * 2**20, ge=2**16, le=2**34)
-    """Most bytes of sampled runs queued for Redis while it cannot be reached (a run is
-    about 43 KiB at 100 passages); past it the oldest queued runs are dropped (counted).
-    Profiles queue one write each, the latest."""
+    """Most bytes of sampled runs queued for Redis while it cannot be reached, per worker
+    process (a server holds `workers` times it; a run is about 43 KiB at 100 passages); past
+    it the oldest queued runs are dropped (counted). Profiles queue one write each, the
+    latest."""
     cpus: float | None = Field(default=None, gt=0.0, le=4096.0)
     """CPUs the process may use. Default: the smallest of its affinity mask (`taskset`,
     cpusets) and its cgroup CPU quota (v2 `cpu.max`, v1 CFS quota), rounded up; torch's
@@ -436,7 +446,8 @@ class Settings(BaseSettings):
     """Worker processes that run MoI's fits (with the jackknife) beside the event loop, so the
     service's CPU work uses more than one core (`service/runtime/solver_pool.py`). Default: one per
     CPU the process may use (`cpus`) beyond the first, at least one, at most 8; `0` fits in a
-    thread of the server process (under its GIL, one fit at a time)."""
+    thread of the server process (under its GIL, one fit at a time). Per worker process:
+    with `workers` > 1 each starts its own pool (set it to the spare CPUs over `workers`)."""
     workers: int = Field(default=1, ge=1, le=64)
     """HTTP worker processes serving on one port, each parsing, tokenising, designing and
     fitting its own requests, all scoring on one engine process that batches their prompts

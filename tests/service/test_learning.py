@@ -261,6 +261,39 @@ def test_a_lone_caller_is_bounded_when_the_operator_asks(tmp_path: Path) -> None
     lr.close()
 
 
+async def test_the_caller_share_and_a_lone_callers_bound_hold_per_worker_process(
+    tmp_path: Path,
+) -> None:
+    # Two workers of one server (RAG_REORDER_WORKERS=2): two learners on one store. The
+    # share, and whether a caller is alone, are each worker's, as the settings and
+    # docs/operations.md ("Bounds and their scope") state.
+    def two(**kw: Any) -> tuple[ProfileLearner, ProfileLearner]:
+        kw.update(auto_max_caller_share=0.5, auto_caller_window_s=0.3)
+        return learner(tmp_path, **kw), learner(tmp_path, **kw)
+
+    rng = np.random.default_rng(0)
+
+    def keeps(lr: ProfileLearner, who: str, k: int) -> int:
+        d = lr.decide(MODEL, TEMPLATE, N, None)
+        return sum(lr.record(d, *run(bias_shape("recency", 5), rng), who) for _ in range(k))
+
+    w1, w2 = two()
+    assert keeps(w1, "10.0.0.2", 1) == 1
+    assert keeps(w1, "10.0.0.9", 6) == 2  # bounded where another caller contributes: 2 of 3
+    assert keeps(w2, "10.0.0.9", 6) == 6  # alone on the other worker: not bounded there
+    for lr in (w1, w2):
+        lr.close()
+
+    # With auto_bound_lone_caller a caller alone has one run kept per window on each
+    # worker: a one-caller deployment still learns, at W runs a window.
+    w1, w2 = two(auto_bound_lone_caller=True)
+    assert (keeps(w1, "10.0.0.9", 6), keeps(w2, "10.0.0.9", 6)) == (1, 1)
+    await anyio.sleep(0.35)  # its runs no longer count
+    assert (keeps(w1, "10.0.0.9", 6), keeps(w2, "10.0.0.9", 6)) == (1, 1)
+    for lr in (w1, w2):
+        lr.close()
+
+
 async def test_explore_runs_wait_for_an_idle_engine_and_yield_to_requests(
     tmp_path: Path,
 ) -> None:

@@ -16,6 +16,7 @@ from app import metrics as metrics_module
 from app.metrics import ServiceMetrics
 from service.backends.base import ScoreResult, SpanLogprobs, SpanRequest
 from service.backends.scheduler import ForwardScheduler
+from service.learning.generator_online import GeneratorCounters
 from service.learning.learner import LearnerCounters
 from tests.app.conftest import PASSAGES, QUERY, serving
 
@@ -105,7 +106,8 @@ async def test_the_scheduler_metrics_follow_its_forwards() -> None:
 
 class _Worker:
     """One simulated worker process of ``app.workers``: its own pid in the shared metrics
-    folder, its learner's and state store's in-memory totals (only what the metrics read)."""
+    folder, its learner's, generator sampler's and state store's in-memory totals (only what
+    the metrics read)."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, pid: int) -> None:
         # prometheus_client picks the file of a value by the pid when the value is made:
@@ -113,11 +115,13 @@ class _Worker:
         value_class = values.MultiProcessValue(lambda: pid)  # type: ignore[no-untyped-call]
         monkeypatch.setattr(values, "ValueClass", value_class)
         self.learner = SimpleNamespace(counters=LearnerCounters(), status=list)
+        self.generator = SimpleNamespace(counters=GeneratorCounters(), calls=0, status=list)
         self.state = SimpleNamespace(
             up=True, pending=0, dropped=0, failures={"read": 0, "write": 0, "lock": 0}
         )
         self.metrics = ServiceMetrics(include_default_registry=False)
         self.metrics.track_auto(self.learner)  # type: ignore[arg-type]
+        self.metrics.track_generator(self.generator)  # type: ignore[arg-type]
         self.metrics.track_state(self.state)
 
     def scrape(self) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -144,6 +148,8 @@ def test_every_workers_scrape_time_counters_are_summed_in_any_workers_scrape(
     b.state.failures["write"] += 1
     b.state.dropped += 4
     b.state.up = False
+    a.generator.calls, b.generator.calls = 5, 2
+    b.generator.counters.answers["contained"] += 1
     b.metrics.sync_counters()  # b's periodic write (sync_forever); a's own scrape writes a's
     for scrape in (a.scrape(), b.scrape()):
         assert scrape["rag_reorder_auto_requests_total", (("path", "profile"),)] == 4
@@ -152,6 +158,8 @@ def test_every_workers_scrape_time_counters_are_summed_in_any_workers_scrape(
         assert scrape["rag_reorder_auto_drift_events_total", ()] == 2
         assert scrape["rag_reorder_state_store_failures_total", (("operation", "write"),)] == 3
         assert scrape["rag_reorder_state_store_dropped_writes_total", ()] == 4
+        assert scrape["rag_reorder_generator_calls_total", ()] == 7
+        assert scrape["rag_reorder_generator_answers_total", (("attribution", "contained"),)] == 1
     # Gauges are the scraping worker's own.
     assert a.scrape()["rag_reorder_state_store_up", ()] == 1
     assert b.scrape()["rag_reorder_state_store_up", ()] == 0

@@ -334,8 +334,8 @@ class _CounterMirror:
         self.sync()
 
     def sync(self) -> None:
-        """Write what each counter grew since the last call (event-loop thread: the
-        sources' totals are updated there)."""
+        """Write what each counter grew since the last call (on the event loop, as a scrape
+        reads them: two calls never interleave)."""
         for source in self._sources:
             self._write(source.counters())
 

@@ -35,7 +35,7 @@ from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.engine_client import EngineClient
 from service.backends.engine_load import EngineLoad
-from service.backends.engine_socket import SocketBackend
+from service.backends.engine_socket import SocketBackend, unmetered
 from service.backends.factory import create_backend, size_threads
 from service.backends.remote_backend import RemoteBackend
 from service.backends.scheduler import ForwardScheduler, ForwardStats
@@ -733,7 +733,9 @@ async def _probe(
     error: str | None = None
     dead = False
     try:
-        with anyio.fail_after(ctx.settings.canary_timeout_s):
+        # Not timed into the engine process's meter (several workers): admission's rate is
+        # of real work, as in one process, where this probe bypasses admission (issue 90).
+        with unmetered(), anyio.fail_after(ctx.settings.canary_timeout_s):
             try:
                 result = await reorderer.reorder(req)
             except EngineUnavailable as exc:

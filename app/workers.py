@@ -18,14 +18,25 @@ once and starts:
   as a replica sharing one store (files per process, one assessor at a time under the
   store's lock), as replicas of a deployment already do.
 
-The supervisor restarts a worker that exits (a crash loses only the requests it held) and the
-engine process if it dies once it has served (the workers' ``/ready`` is 503 meanwhile, and
-turns 200 again once their watchdog reaches the new engine); each child leads a process group
-of its own, and what a dead one leaves running in it (vLLM's engine core) is killed before
-the restart. An engine that fails before it first serves (a model that does not load) stops
-the server with status 1, as one process would. SIGTERM (or Ctrl-C) drains: every worker gets
-SIGTERM and drains as one process does (``app.server``), then the engine process is stopped,
-and the supervisor exits 0.
+The supervisor restarts a worker that exits (a crash loses only the requests it held), one
+that hangs without exiting (below), and the engine process if it dies once it has served (the
+workers' ``/ready`` is 503 meanwhile, and turns 200 again once their watchdog reaches the new
+engine); each child leads a process group of its own, and what a dead one leaves running in it
+(vLLM's engine core) is killed before the restart. An engine that fails before it first serves
+(a model that does not load) stops the server with status 1, as one process would. SIGTERM
+(or Ctrl-C) drains: every worker gets SIGTERM and drains as one process does
+(``app.server``), then the engine process is stopped, and the supervisor exits 0.
+
+A hung worker (stopped, deadlocked, its event loop blocked: alive to ``poll`` but serving
+nobody) is found by its heartbeat: from its lifespan's start, each worker's event loop adds
+one to a counter of its own in a file of the run folder (``heartbeats``, 8 bytes a slot)
+every second (``_beat_period``). The supervisor reads the counters every ``_POLL_S`` and,
+when a worker's has not changed for ``worker_hang_timeout_s`` (0: no check) by the
+supervisor's own clock, SIGKILLs its process group and restarts it as one that crashed. A
+worker is checked from its first beat, so loading its tokenizer is not a hang. The engine
+process meanwhile closes a connection that has not read for the same time
+(``service.backends.engine_socket``), so a hung worker does not grow its memory. A counter,
+not a time: no clock is shared, and a torn read only looks like a beat.
 """
 
 from __future__ import annotations
@@ -40,14 +51,17 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
+from typing import Any
 
 from service.backends.factory import resolve_backend
 from service.config.settings import Settings
@@ -59,6 +73,8 @@ _ENGINE_SOCKET = "engine.sock"
 _ENGINE_READY = "engine.ready"
 _COUNTS = "admission.counts"
 _METRICS = "metrics"
+_HEARTBEATS = "heartbeats"
+_BEAT = struct.Struct("<Q")
 # Longest wait before restarting a process that keeps exiting.
 _RESTART_MAX_S = 5.0
 # The engine's own close after the workers have drained (a model's release).
@@ -81,6 +97,10 @@ class _Child:
     restarts: int = 0
     not_before: float = 0.0
     started_at: float = field(default=0.0)
+    beat: int = 0
+    """A worker's heartbeat counter as last read (0: none since its start)."""
+    beat_seen_at: float = 0.0
+    """When ``beat`` last changed (the supervisor's monotonic clock)."""
 
 
 def serve_workers(settings: Settings, host: str, port: int) -> None:
@@ -119,6 +139,8 @@ def _supervise(settings: Settings, host: str, port: int, run_dir: Path) -> None:
     listener.set_inheritable(True)
     (run_dir / _METRICS).mkdir()
     shared_counts.create(run_dir / _COUNTS, settings.workers)
+    beats = os.open(run_dir / _HEARTBEATS, os.O_RDWR | os.O_CREAT, 0o600)
+    os.ftruncate(beats, _BEAT.size * settings.workers)
     # Every process writes its metrics to the folder; a worker's /metrics sums them.
     env = {
         **os.environ,
@@ -147,16 +169,18 @@ def _supervise(settings: Settings, host: str, port: int, run_dir: Path) -> None:
     try:
         _start(engine, env)
         for w in workers:
-            _start(w, env)
+            _start_worker(w, env, beats)
         while not stopping:
             time.sleep(_POLL_S)
             if not _keep_engine(engine, env, run_dir):
                 failed = True
                 break
             for w in workers:
-                _keep_worker(w, env, run_dir)
+                _kill_if_hung(w, beats, settings.worker_hang_timeout_s)
+                _keep_worker(w, env, run_dir, beats)
     finally:
         listener.close()
+        os.close(beats)
         _stop(workers, engine, settings)
         for s, handler in old.items():
             signal.signal(s, handler)
@@ -252,11 +276,40 @@ def _keep_engine(engine: _Child, env: dict[str, str], run_dir: Path) -> bool:
     return True
 
 
-def _keep_worker(worker: _Child, env: dict[str, str], run_dir: Path) -> None:
+def _start_worker(worker: _Child, env: dict[str, str], beats: int) -> None:
+    # Its heartbeat counts from 0 again: the previous worker of the slot is gone.
+    assert worker.slot is not None
+    os.pwrite(beats, _BEAT.pack(0), worker.slot * _BEAT.size)
+    worker.beat, worker.beat_seen_at = 0, time.monotonic()
+    _start(worker, env)
+
+
+def _kill_if_hung(worker: _Child, beats: int, timeout_s: float) -> None:
+    """SIGKILL a worker whose heartbeat has not changed for ``timeout_s`` (0: never) since
+    its first beat; ``_keep_worker`` then restarts it (module docstring)."""
+    proc = worker.proc
+    if timeout_s <= 0 or proc is None or worker.slot is None or proc.poll() is not None:
+        return
+    (beat,) = _BEAT.unpack(os.pread(beats, _BEAT.size, worker.slot * _BEAT.size))
+    now = time.monotonic()
+    if beat != worker.beat:
+        worker.beat, worker.beat_seen_at = beat, now
+        return
+    if beat == 0 or now - worker.beat_seen_at <= timeout_s:
+        return
+    log.error(
+        "%s (pid %d) unresponsive: no heartbeat for %.1f s (worker_hang_timeout_s %g); "
+        "killing it", worker.name, proc.pid, now - worker.beat_seen_at, timeout_s,
+    )  # fmt: skip
+    _reap(proc)
+    proc.wait()
+
+
+def _keep_worker(worker: _Child, env: dict[str, str], run_dir: Path, beats: int) -> None:
     proc = worker.proc
     if proc is None:
         if time.monotonic() >= worker.not_before:
-            _start(worker, env)
+            _start_worker(worker, env, beats)
         return
     code = proc.poll()
     if code is None:
@@ -343,7 +396,9 @@ def _engine_main(run_dir: Path) -> None:
             await check_score_mode()
         path = run_dir / _ENGINE_SOCKET
         path.unlink(missing_ok=True)
-        serving = asyncio.create_task(serve_engine(backend, path, stop))
+        serving = asyncio.create_task(
+            serve_engine(backend, path, stop, write_timeout_s=settings.worker_hang_timeout_s)
+        )
         while not path.exists() and not serving.done():
             await asyncio.sleep(0.01)
         (run_dir / _ENGINE_READY).touch()
@@ -372,8 +427,52 @@ def _worker_main(run_dir: Path, slot: int, fd: int) -> None:
     backend = SocketBackend(run_dir / _ENGINE_SOCKET, tokenizer, model_id=settings.model)
     counts = SharedCounts(run_dir / _COUNTS, slot)
     app = create_app(settings, backend, shared=counts, meter=backend.meter)
+    if settings.worker_hang_timeout_s > 0:
+        app.router.lifespan_context = _beating(
+            app.router.lifespan_context,
+            run_dir / _HEARTBEATS,
+            slot,
+            _beat_period(settings.worker_hang_timeout_s),
+        )
     listener = socket.socket(fileno=fd)
     serve_app(app, settings, "", 0, sockets=[listener])
+
+
+def _beat_period(timeout_s: float) -> float:
+    """A second, or a quarter of a shorter hang timeout: several beats fit in it."""
+    return min(1.0, timeout_s / 4)
+
+
+_Lifespan = Callable[[Any], AbstractAsyncContextManager[Any]]
+
+
+def _beating(lifespan: _Lifespan, path: Path, slot: int, period_s: float) -> _Lifespan:
+    """``lifespan`` with the worker's heartbeat beside it (module docstring): from the event
+    loop, so a loop that stops turning stops beating."""
+
+    @asynccontextmanager
+    async def beating(app: Any) -> AsyncIterator[Any]:
+        fd = os.open(path, os.O_RDWR)
+        beats = 0
+        loop = asyncio.get_running_loop()
+        timer: list[asyncio.TimerHandle] = []
+
+        def beat() -> None:
+            nonlocal beats
+            beats += 1
+            os.pwrite(fd, _BEAT.pack(beats), slot * _BEAT.size)
+            timer[:] = [loop.call_later(period_s, beat)]
+
+        beat()
+        try:
+            async with lifespan(app) as state:
+                yield state
+        finally:
+            for t in timer:
+                t.cancel()
+            os.close(fd)
+
+    return beating
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -16,15 +16,33 @@ can connect can already run code as this user. A request is ``(id, op, payload)`
 answer ``(id, ok, payload)``; calls of one connection are answered as they finish, in any
 order. ``cancel`` drops a call the worker gave up on (deadline, disconnected client), so its
 prompts not yet in a forward leave the scheduler, as they do in one process. A ``score`` or
-``generate`` payload is ``(requests, background)``: whether the worker made the call as the
-service's own work (``background_work``), which the engine's scheduler serves after callers.
+``generate`` payload is ``(requests, background, metered)``: ``background``, whether the
+worker made the call as the service's own work (``background_work``), which the engine's
+scheduler serves after callers; ``metered``, below.
 
 Admission's rate (``ThroughputMeter``) is the engine's: a worker timing its own calls would
 count the engine's time on the other workers' prompts as its own, and read a rate N times
 too low (its estimates too long, a ``deadline_unreachable`` refusal possible for work that
-fits). So the engine process meters every call of every worker, as one process's admission
+fits). So the engine process meters the calls of every worker, as one process's admission
 meters its calls, and sends its meter to every worker after each call ends (at most every
 ``_METER_PUSH_S``); a worker's ``EngineMeter`` reads that copy and leaves the timing to it.
+``metered`` is false for the liveness probes (the warm-up, the canary), made under
+``unmetered()``: they are not timed, as one process does not time them (issue 90: with every
+worker's canary timed, an idle server's rate decayed to the canary's, 86,302 to 1,938
+tokens/s, and stayed "fresh", so admission refused work that fits with 422). The warm-up's
+rate reaches the engine as one process's does, as a ``seed`` (a request without an answer),
+counted only until a real call completes.
+
+The engine process's memory stays bounded whatever a worker does (issue 90: a worker that
+stopped reading grew it 180 MB in 10 s, each of 50 meter copies a second holding the times
+of every call of the last 300 s: 540 KiB at 200 calls a second). The meter sent is its
+``snapshot``, about 4.2 KiB at most (300 one-second buckets of call counts); each worker has
+at most one snapshot waiting (latest wins), written only once what was written before has
+gone (asyncio's write-buffer high-water mark, 64 KiB); answers wait for the worker to read
+them the same way. A connection whose writes do not drain for ``write_timeout_s``
+(``worker_hang_timeout_s``) is closed: its calls are cancelled, and the worker, if it ever
+reads again, reconnects. So per worker connection the engine process holds at most 64 KiB
+plus one frame in its write buffer.
 
 An error raised by the engine's backend comes back as the same domain error
 (``service.errors``: a request the engine refuses is the same 422 in any worker). A lost
@@ -42,7 +60,8 @@ import logging
 import pickle
 import struct
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -68,12 +87,24 @@ log = logging.getLogger(__name__)
 _HEADER = struct.Struct(">I")
 # A frame larger than this is a bug or not our peer: 64 MiB is thousands of 8k-token prompts.
 _MAX_FRAME = 64 << 20
-_OPS = ("info", "score", "generate", "cancel")
+_OPS = ("info", "score", "generate", "cancel", "seed")
 # The engine's meter goes to the workers at most this often: a rate a few milliseconds old
 # prices admission as well, and a busy engine ends hundreds of calls a second.
 _METER_PUSH_S = 0.02
 # An answer frame's id for the engine's meter (calls are numbered from 1).
 _METER_ID = 0
+_METERED: ContextVar[bool] = ContextVar("rag_reorder_engine_metered", default=True)
+
+
+@contextlib.contextmanager
+def unmetered() -> Iterator[None]:
+    """The engine process times no call made within into its meter: the liveness probes
+    (warm-up, canary), which one process does not meter either (module docstring)."""
+    token = _METERED.set(False)
+    try:
+        yield
+    finally:
+        _METERED.reset(token)
 
 
 async def _read_frame(reader: asyncio.StreamReader) -> Any:
@@ -115,8 +146,15 @@ def _decode_error(name: str, message: str, attrs: dict[str, Any]) -> ReorderErro
 
 class EngineMeter(ThroughputMeter):
     """A worker's copy of the engine process's meter (module docstring): the engine times
-    every call; ``begin``, ``end`` and ``seed`` here are the worker's admission's, and do
-    nothing."""
+    every metered call; ``begin`` and ``end`` here are the worker's admission's, and do
+    nothing; ``seed`` (the warm-up's rate) goes to the engine process."""
+
+    def __init__(self, send_seed: Callable[[int, float], None] | None = None) -> None:
+        """Args:
+        send_seed: hands a seed's tokens and seconds to the engine process.
+        """
+        super().__init__()
+        self._send_seed = send_seed
 
     def begin(self, now: float) -> None:
         del now
@@ -125,20 +163,88 @@ class EngineMeter(ThroughputMeter):
         del now, tokens, new_tokens
 
     def seed(self, tokens: int, seconds: float, now: float | None = None) -> None:
-        del tokens, seconds, now
+        del now  # the engine process dates it on receipt (the same monotonic clock)
+        if self._send_seed is not None:
+            self._send_seed(tokens, seconds)
 
     def update(self, state: dict[str, Any]) -> None:
-        """Take the engine's meter as it is now."""
+        """Take the engine's meter as it is now (its ``snapshot``)."""
         self.__dict__.update(state)
 
 
-async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event) -> bool:
+class _Peer:
+    """One worker's connection as the engine process writes to it (module docstring): every
+    write waits for the worker to read (``drain``) at most ``write_timeout_s`` (0: no limit),
+    and of the meter's snapshots only the newest waits its turn."""
+
+    def __init__(self, writer: asyncio.StreamWriter, write_timeout_s: float) -> None:
+        self.writer = writer
+        self._timeout_s = write_timeout_s
+        self._lock = asyncio.Lock()
+        self._meter: bytes | None = None
+        self._meter_task: asyncio.Task[None] | None = None
+
+    async def send(self, frame: bytes) -> None:
+        """Write ``frame`` once the frames before it have drained.
+
+        Raises:
+            ConnectionError: the connection is closed, or was closed because the worker
+                read nothing for ``write_timeout_s``.
+        """
+        async with self._lock:
+            if self.writer.is_closing():
+                raise ConnectionResetError("the worker's connection is closed")
+            self.writer.write(frame)
+            await self._drain()
+
+    async def _drain(self) -> None:
+        if self._timeout_s <= 0:
+            await self.writer.drain()
+            return
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await self.writer.drain()
+        except TimeoutError:
+            waiting = self.writer.transport.get_write_buffer_size()
+            log.warning(
+                "a worker read nothing for %g s with %d bytes waiting for it: its connection "
+                "is closed (worker_hang_timeout_s)", self._timeout_s, waiting,
+            )  # fmt: skip
+            self.writer.transport.abort()
+            raise ConnectionResetError("the worker stopped reading") from None
+
+    def push_meter(self, frame: bytes) -> None:
+        """Send the meter's newest snapshot; one not yet written is replaced (latest wins)."""
+        self._meter = frame
+        if self._meter_task is None:
+            self._meter_task = asyncio.create_task(self._send_meter())
+
+    async def _send_meter(self) -> None:
+        try:
+            while self._meter is not None:
+                frame, self._meter = self._meter, None
+                await self.send(frame)
+        except ConnectionError:
+            pass  # the connection's reader ends it
+        finally:
+            self._meter_task = None
+
+    def close(self) -> None:
+        if self._meter_task is not None:
+            self._meter_task.cancel()
+        self.writer.close()
+
+
+async def serve_engine(
+    backend: LogprobBackend, path: Path, stop: asyncio.Event, *, write_timeout_s: float = 60.0
+) -> bool:
     """Answer workers' calls on ``backend`` at the Unix socket ``path`` until ``stop`` is set,
     or until the backend is dead.
 
     Every call runs as a task of its own, so the backend's scheduler sees the calls of all
-    connections at once and batches them together; each is timed into one meter, sent to
-    every worker (module docstring).
+    connections at once and batches them together; each metered one is timed into one meter,
+    sent to every worker (module docstring). A connection whose writes do not drain for
+    ``write_timeout_s`` (0: no limit) is closed.
 
     A backend that raises ``BackendUnavailable`` is dead (a vLLM engine core that died cannot
     be recovered; one process would exit): the call is not answered, serving stops and every
@@ -150,38 +256,39 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
     """
     dead = False
     connections: set[asyncio.Task[None]] = set()
-    writers: dict[asyncio.StreamWriter, asyncio.Lock] = {}
+    peers: set[_Peer] = set()
     meter = ThroughputMeter()
     push: list[asyncio.TimerHandle] = []
 
     def pushed() -> None:
         push.clear()
-        frame = _frame((_METER_ID, True, dict(vars(meter))))
-        for writer in writers:
-            if not writer.is_closing():
-                writer.write(frame)  # small; the transport buffers it, no drain needed
+        frame = _frame((_METER_ID, True, meter.snapshot()))
+        for peer in peers:
+            peer.push_meter(frame)
+
+    def changed() -> None:
+        if not push:
+            push.append(asyncio.get_running_loop().call_later(_METER_PUSH_S, pushed))
 
     def ended(now: float, tokens: int | None, new_tokens: int) -> None:
         meter.end(now, tokens, new_tokens)
-        if not push:
-            push.append(asyncio.get_running_loop().call_later(_METER_PUSH_S, pushed))
+        changed()
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
         connections.add(task)
         calls: dict[int, asyncio.Task[None]] = {}
-        lock = asyncio.Lock()
-        writers[writer] = lock
+        peer = _Peer(writer, write_timeout_s)
+        peers.add(peer)
 
         async def answer(call_id: int, ok: bool, payload: object) -> None:
-            async with lock:
-                writer.write(_frame((call_id, ok, payload)))
-                await writer.drain()
+            await peer.send(_frame((call_id, ok, payload)))
 
         async def run(call_id: int, op: str, payload: Any) -> None:
             nonlocal dead
-            timed = op in ("score", "generate")
+            # A payload of (requests, background, metered); a liveness probe is not timed.
+            timed = op in ("score", "generate") and bool(payload[2])
             done: tuple[int, int] | None = None
             if timed:
                 meter.begin(time.monotonic())
@@ -194,7 +301,7 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                         "score_mode_check": getattr(backend, "score_mode_check", None),
                     }
                 else:
-                    requests, background = payload
+                    requests, background, _ = payload
                     with background_work() if background else contextlib.nullcontext():
                         if op == "score":
                             result = await backend.score(requests)
@@ -234,6 +341,12 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
                     if call is not None:
                         call.cancel()
                     continue
+                if op == "seed":
+                    # The warm-up's rate, as one process's admission seeds it (module docstring).
+                    tokens, seconds = payload
+                    meter.seed(int(tokens), float(seconds), time.monotonic())
+                    changed()
+                    continue
                 if op not in _OPS:
                     raise ConnectionError(f"unknown op {op!r}")
                 calls[call_id] = asyncio.create_task(run(call_id, op, payload))
@@ -242,8 +355,8 @@ async def serve_engine(backend: LogprobBackend, path: Path, stop: asyncio.Event)
         finally:
             for call in calls.values():
                 call.cancel()
-            writers.pop(writer, None)
-            writer.close()
+            peers.discard(peer)
+            peer.close()
             connections.discard(task)
 
     server = await asyncio.start_unix_server(handle, path=str(path))
@@ -283,7 +396,7 @@ class SocketBackend:
         self._reader_task: asyncio.Task[None] | None = None
         self._connecting = asyncio.Lock()
         self._closed = False
-        self.meter = EngineMeter()
+        self.meter = EngineMeter(self._send_seed)
         """The engine's meter, as it last sent it: admission's rates in this worker."""
         self.on_lost: Callable[[], None] | None = None
         """Called when an open connection is lost (the app's watchdog probes at once)."""
@@ -329,7 +442,9 @@ class SocketBackend:
             EngineUnavailable: the engine process cannot be reached or went away.
             InvalidRequest, LimitExceeded, BackendUnavailable: as the engine's backend.
         """
-        result: list[ScoreResult] = await self._call("score", (list(requests), in_background()))
+        result: list[ScoreResult] = await self._call(
+            "score", (list(requests), in_background(), _METERED.get())
+        )
         return result
 
     async def generate(self, requests: Sequence[GenerationRequest]) -> list[GenerateResult]:
@@ -339,13 +454,20 @@ class SocketBackend:
             EngineUnavailable, InvalidRequest, LimitExceeded, BackendUnavailable: as ``score``.
         """
         result: list[GenerateResult] = await self._call(
-            "generate", (list(requests), in_background())
+            "generate", (list(requests), in_background(), _METERED.get())
         )
         return result
 
     async def aclose(self) -> None:
         self._closed = True
         self._drop("this worker is shutting down")
+
+    def _send_seed(self, tokens: int, seconds: float) -> None:
+        """The warm-up's rate to the engine process (no answer); dropped while no
+        connection is open (the warm-up has just connected, so there is one)."""
+        writer = self._writer
+        if writer is not None and not writer.is_closing():
+            writer.write(_frame((0, "seed", (tokens, seconds))))
 
     async def _call(self, op: str, payload: object) -> Any:
         if self._closed:

@@ -455,6 +455,12 @@ class Settings(BaseSettings):
     `paced`, `transformers` and `vllm` backends (not `remote`); admission and the state store
     are shared by the workers, and `/metrics` sums their counters (docs/operations.md, "When
     to use more workers")."""
+    worker_hang_timeout_s: float = Field(default=60.0, ge=0)
+    """With `workers` > 1: seconds a worker's event loop may go without its heartbeat (one a
+    second) before the supervisor SIGKILLs and restarts it, and that a worker's connection
+    to the engine process may go without reading before the engine closes it (its write
+    buffer stays bounded meanwhile). Per worker process; `0` turns both checks off
+    (docs/operations.md, "When to use more workers")."""
     confidence_method: Literal["jackknife", "delta"] = "jackknife"
     """How MoI estimates the spread of its utilities behind `passages[].stderr` and
     `confidence_above_next`. `jackknife`: refit with each prompt left out (past 20 prompts,

@@ -3,7 +3,8 @@
 One server for the module (the paced engine on SmolLM2's tokenizer: no weights to load;
 the state store in a real Redis), the tests run in file order, the last one stops it:
 requests served by both workers with one set of counters (the scrape-time ones of ``auto``
-and the state store too), a worker's crash, the engine process's crash, SIGTERM under load.
+and the state store too), the workers' canaries left out of the engine's rate, a worker's
+crash, a worker's hang, the engine process's crash, SIGTERM under load.
 """
 
 from __future__ import annotations
@@ -56,7 +57,10 @@ def server(
         "RAG_REORDER_WORKERS": "2",
         "RAG_REORDER_SOLVER_PROCESSES": "0",
         "RAG_REORDER_CACHE_DIR": str(folder),
-        "RAG_REORDER_CANARY_INTERVAL_S": "0",
+        # Canaries whenever a worker is idle for 0.5 s: they must not move the engine's rate.
+        "RAG_REORDER_CANARY_INTERVAL_S": "0.5",
+        # A stopped worker is replaced within seconds (and the engine closes its connection).
+        "RAG_REORDER_WORKER_HANG_TIMEOUT_S": "5",
         "RAG_REORDER_DRAIN_TIMEOUT_S": "20",
     }
     with server_process(["-m", "app", "serve", "--port", "{port}"], folder / "log", env) as s:
@@ -163,6 +167,31 @@ def test_every_scrape_sums_the_workers_auto_and_state_store_counters(
     assert scrape(server, "rag_reorder_state_store_failures") >= 2
 
 
+def capacity(server: ServerProcess) -> dict[str, float]:
+    """``/info``'s engine rate as one worker reads it (the engine process's meter)."""
+    out: dict[str, float] = httpx.get(f"{server.base_url}/info", timeout=10).json()["capacity"]
+    return out
+
+
+def test_the_workers_canaries_leave_the_engines_rate_to_real_work(server: ServerProcess) -> None:
+    # Issue 90: the engine process timed each worker's liveness canary (two tiny prompts) as
+    # a measurement, so an idle server's rate fell to the canary's and never went stale.
+    # MoI's (auto may queue a background run after a request, timed into the rate as the
+    # service's own work), then a second for any such run left to end.
+    assert [reorder(server, strategy="moi") for _ in range(4)] == [200] * 4
+    time.sleep(1.0)
+    first = capacity(server)
+    forwards = metric(server, "rag_reorder_batch_fill_ratio_count")
+    time.sleep(4.0)
+    later = capacity(server)
+    # The canaries ran (each one forward or more in the engine process) ...
+    assert metric(server, "rag_reorder_batch_fill_ratio_count") >= forwards + 4
+    # ... and the rate is still the real work's, measured 4 s before.
+    assert first["prefill_tokens_per_s"] is not None
+    assert later["prefill_tokens_per_s"] == pytest.approx(first["prefill_tokens_per_s"])
+    assert later["age_s"] >= first["age_s"] + 3.5, (first, later)
+
+
 def test_a_killed_worker_is_restarted_and_the_other_serves_meanwhile(server: ServerProcess) -> None:
     victim = children(server, "worker")[0]
     victim.kill()
@@ -171,6 +200,21 @@ def test_a_killed_worker_is_restarted_and_the_other_serves_meanwhile(server: Ser
     wait_for(lambda: len(children(server, "worker")) == 2, 30, "a new worker")
     assert victim.pid not in {p.pid for p in children(server, "worker")}
     assert "exited with -9; restarting it" in server.log()
+
+
+def test_a_stopped_worker_is_killed_and_replaced(server: ServerProcess) -> None:
+    # Both workers beating first (the one restarted above may still be starting).
+    wait_for(lambda: all(ready(server) == 200 for _ in range(6)), 120, "both workers ready")
+    victim = children(server, "worker")[0]
+    victim.suspend()  # SIGSTOP: alive to the supervisor's poll(), serving nobody
+    try:
+        wait_for(lambda: not victim.is_running(), 30, "the stopped worker killed")
+    finally:
+        if victim.is_running():
+            victim.resume()
+    assert "unresponsive: no heartbeat for" in server.log()
+    assert [reorder(server) for _ in range(4)] == [200] * 4
+    wait_for(lambda: len(children(server, "worker")) == 2, 30, "a new worker")
 
 
 def test_the_engine_process_dying_turns_ready_503_until_its_restart_is_reached(

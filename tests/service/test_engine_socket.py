@@ -4,15 +4,18 @@ process over a real Unix socket (app.workers runs them in separate processes).""
 from __future__ import annotations
 
 import asyncio
+import socket
 import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from service.backends.base import ScoreResult, SpanLogprobs, SpanRequest
 from service.backends.byte_tokenizer import ByteTokenizer
-from service.backends.engine_socket import SocketBackend, serve_engine
+from service.backends.engine_socket import SocketBackend, serve_engine, unmetered
 from service.backends.paced import PacedBackend, PacedProfile
 from service.backends.scheduler import ForwardStats
 from service.config.settings import Settings
@@ -206,3 +209,179 @@ def test_a_dead_backend_stops_the_engine_process_and_its_workers_see_it_unavaila
         await client.aclose()
 
     asyncio.run(main())
+
+
+def test_a_workers_liveness_probes_are_not_timed_into_the_engines_meter() -> None:
+    # Issue 90: the engine process timed every worker's canary (two tiny prompts, its fixed
+    # cost dominating) as a measurement, so an idle server's rate decayed to the canary's and
+    # stayed fresh, and admission refused with 422 work that fits. Made under unmetered(),
+    # as app.main's probes are, they leave the meter as real work left it.
+    from app.admission import Admission
+    from app.metrics import ServiceMetrics
+    from service.strategies.request import Estimate
+
+    async def main() -> None:
+        path = socket_path()
+        stop, task = await started(engine(), path)
+        worker = SocketBackend(path, ByteTokenizer(), model_id="m")
+        await worker.connect()
+        for i in range(5):  # real work: 600 prompt tokens a call, about 0.05 s each
+            await worker.score([req(6 * i + k) for k in range(6)])
+        await asyncio.sleep(0.1)
+        meter = worker.meter
+        rate, measured_at = meter.tokens_per_s, meter.updated_at
+        assert rate is not None and meter.completed == 5 and meter.calls(time.monotonic()) == 5
+        with unmetered():
+            for i in range(40):  # canaries: 30 tokens, the 0.02 s overhead each
+                await worker.score([req(100 + i, n=15), req(200 + i, n=15)])
+        await asyncio.sleep(0.1)
+        now = time.monotonic()
+        assert meter.tokens_per_s == rate and meter.completed == 5 and meter.calls(now) == 5
+        # The newest measurement is still the real work's: the rate's age grows, so the rate
+        # canary's stale trigger can fire.
+        assert measured_at is not None and meter.updated_at == measured_at
+        assert meter.age_s(now) == pytest.approx(now - measured_at) and now - measured_at > 0.8
+        # Work that takes 5 s at the real rate fits a 10 s deadline (7.5 s allowed): admitted.
+        # (With the canaries timed, the rate fell to about a third and this was a 422.)
+        admission = Admission(Settings(), ServiceMetrics(include_default_registry=False),
+                              meter=meter)  # fmt: skip
+        big = Estimate(prompts=100, prompt_tokens=int(5 * rate), new_tokens=0, param="passages")
+        admission.release(admission.reserve(big, now + 10.0, timeout_s=10.0))
+        await worker.aclose()
+        stop.set()
+        await task
+
+    asyncio.run(main())
+
+
+def test_the_warm_ups_seed_reaches_the_engines_meter_until_a_call_completes() -> None:
+    # One process seeds admission's meter with the warm-up's rate; with the warm-up unmetered,
+    # a worker's seed goes to the engine process's meter instead.
+    async def main() -> None:
+        path = socket_path()
+        stop, task = await started(engine(), path)
+        worker = SocketBackend(path, ByteTokenizer(), model_id="m")
+        await worker.connect()
+        worker.meter.seed(300, 0.1)
+        await asyncio.sleep(0.1)
+        assert worker.meter.tokens_per_s == pytest.approx(3000.0)
+        assert worker.meter.completed == 0
+        await worker.score([req(1)])
+        worker.meter.seed(10, 10.0)  # ignored once a real call completed
+        await asyncio.sleep(0.1)
+        assert worker.meter.completed == 1 and (worker.meter.tokens_per_s or 0.0) > 3000.0
+        await worker.aclose()
+        stop.set()
+        await task
+
+    asyncio.run(main())
+
+
+class _Accepted:
+    """The engine's side of every worker connection, as ``serve_engine`` accepts them (the
+    test's window on its write buffers); the kernel's send buffer of each is made small, so
+    what a worker does not read piles up in the engine process at once."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.writers: list[asyncio.StreamWriter] = []
+        real = asyncio.start_unix_server
+
+        async def capturing(handle: Any, *args: Any, **kwargs: Any) -> asyncio.Server:
+            async def accepted(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+                self.writers.append(writer)
+                await handle(reader, writer)
+
+            return await real(accepted, *args, **kwargs)
+
+        # The one the engine side calls (service.backends.engine_socket uses asyncio's).
+        monkeypatch.setattr(asyncio, "start_unix_server", capturing)
+
+
+async def _silent_peer(path: Path) -> socket.socket:
+    """A connection that never reads (a worker stopped or hung)."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, str(path))
+    return sock
+
+
+async def _busy(worker: SocketBackend, seconds: float, until: Callable[[], bool]) -> None:
+    """Calls back to back, 20 at a time, each ending one push of the meter."""
+    deadline = time.monotonic() + seconds
+    i = 0
+    while time.monotonic() < deadline and not until():
+        await asyncio.gather(*(worker.score([req(i + k, n=20)]) for k in range(20)))
+        i += 20
+
+
+# asyncio's write-buffer high-water mark, and the largest meter snapshot (301 buckets).
+_BOUND = 64 * 1024 + 8 * 1024
+
+
+def test_a_worker_that_stops_reading_does_not_grow_the_engines_write_buffer(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 90: the engine wrote its whole meter to every worker up to 50 times a second
+    # without waiting, so one that stopped reading grew the engine's memory 180 MB in 10 s.
+    accepted = _Accepted(monkeypatch)
+
+    async def main() -> int:
+        path = socket_path()
+        stop, task = await started(engine(), path)
+        silent = await _silent_peer(path)
+        worker = SocketBackend(path, ByteTokenizer(), model_id="m")
+        await worker.connect()
+        while len(accepted.writers) < 2:
+            await asyncio.sleep(0.005)
+        peak = 0
+
+        async def watch() -> None:
+            nonlocal peak
+            while True:
+                peak = max(peak, accepted.writers[0].transport.get_write_buffer_size())
+                await asyncio.sleep(0.01)
+
+        watching = asyncio.create_task(watch())
+        await _busy(worker, 3.0, lambda: False)
+        watching.cancel()
+        await worker.aclose()
+        silent.close()
+        stop.set()
+        await task
+        return peak
+
+    peak = asyncio.run(main())
+    assert peak <= _BOUND, f"{peak} bytes waiting for a worker that reads nothing"
+
+
+def test_a_worker_connection_that_does_not_drain_in_time_is_closed(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    accepted = _Accepted(monkeypatch)
+
+    async def main() -> None:
+        path = socket_path()
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve_engine(engine(), path, stop, write_timeout_s=0.5))
+        while not path.exists():
+            await asyncio.sleep(0.005)
+        silent = await _silent_peer(path)
+        worker = SocketBackend(path, ByteTokenizer(), model_id="m")
+        await worker.connect()
+        while len(accepted.writers) < 2:
+            await asyncio.sleep(0.005)
+        gone = accepted.writers[0]
+        await _busy(worker, 20.0, gone.is_closing)
+        assert gone.is_closing() and gone.transport.get_write_buffer_size() == 0
+        # The worker that reads is served on.
+        assert isinstance((await worker.score([req(1)]))[0], SpanLogprobs)
+        assert worker.connected
+        await worker.aclose()
+        silent.close()
+        stop.set()
+        await task
+
+    asyncio.run(main())
+    assert "a worker read nothing for 0.5 s" in caplog.text

@@ -53,6 +53,9 @@ DEFAULT_THRESHOLD = 0.6
 """Share of an answer's content tokens a passage must hold to support it (no containment)."""
 FLAT_TEST_RESAMPLES = 999
 """Permutations in the flatness test: p-values in steps of 1/1000."""
+CHUNK_BYTES = 16 << 20
+"""About the most the bootstrap and the flatness test copy at once (``_chunk``): their
+peak allocation is bounded by this, not by resamples x answers x slots."""
 _FLOOR = 1e-3
 """Smallest stored slot weight: a slot no answer came from yet still ranks."""
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -174,10 +177,22 @@ def slot_weights(
     return out
 
 
+def _chunk(resamples: int, rows: int, slots: int) -> int:
+    """Resamples drawn at once so that one chunk's rows x slots copies stay near
+    ``CHUNK_BYTES`` (at least one resample)."""
+    return max(1, min(resamples, CHUNK_BYTES // max(1, rows * slots * 8)))
+
+
 def flat_test(weights: FloatArray, rng: np.random.Generator) -> float:
     """Randomisation p-value of "no slot preference" for answers placed uniformly at random
     (module docstring): each row's slot weights permuted independently, the chi-square distance
-    of the summed weights from flat compared with the observed one."""
+    of the summed weights from flat compared with the observed one.
+
+    The permutations are drawn ``_chunk`` resamples at a time, so the peak allocation is
+    about ``CHUNK_BYTES`` whatever ``FLAT_TEST_RESAMPLES`` (all at once it was resamples x
+    answers x slots: 1.5 GB at 2,000 answers x 100 slots). ``Generator.permuted`` shuffles
+    the rows in order, so the chunks draw the same permutations as one call: the p-value of
+    a seed is unchanged."""
     m, slots = weights.shape
     expected = weights.sum() / slots
 
@@ -185,9 +200,30 @@ def flat_test(weights: FloatArray, rng: np.random.Generator) -> float:
         return np.asarray(((totals - expected) ** 2).sum(axis=-1) / expected, dtype=np.float64)
 
     observed = distance(weights.sum(axis=0))
-    null = rng.permuted(np.broadcast_to(weights, (FLAT_TEST_RESAMPLES, m, slots)), axis=2)
-    as_far = int((distance(null.sum(axis=1)) >= observed - 1e-12).sum())
+    step = _chunk(FLAT_TEST_RESAMPLES, m, slots)
+    as_far = 0
+    for start in range(0, FLAT_TEST_RESAMPLES, step):
+        n = min(step, FLAT_TEST_RESAMPLES - start)
+        null = rng.permuted(np.broadcast_to(weights, (n, m, slots)), axis=2)
+        as_far += int((distance(null.sum(axis=1)) >= observed - 1e-12).sum())
+        del null
     return (1 + as_far) / (1 + FLAT_TEST_RESAMPLES)
+
+
+def _bootstrap_sums(
+    informative: FloatArray, resamples: int, rng: np.random.Generator
+) -> FloatArray:
+    """Each bootstrap resample's summed slot weights (the answers drawn with replacement),
+    ``_chunk`` resamples at a time: the same draws and sums as
+    ``informative[rng.integers(0, m, (resamples, m))].sum(axis=1)`` without its resamples x
+    answers x slots copy (320 MB at 200 x 2,000 x 100)."""
+    m, slots = informative.shape
+    out = np.empty((resamples, slots))
+    step = _chunk(resamples, m, slots)
+    for start in range(0, resamples, step):
+        picks = rng.integers(0, m, size=(min(step, resamples - start), m))
+        out[start : start + picks.shape[0]] = informative[picks].sum(axis=1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -262,8 +298,7 @@ def fit_blind_profile(
         )  # fmt: skip
     share = informative.sum(axis=0) / informative.sum()
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, m, size=(rules.resamples, m))
-    sums = informative[picks].sum(axis=1)  # resamples x slots
+    sums = _bootstrap_sums(informative, rules.resamples, rng)  # resamples x slots
     boot = sums / sums.sum(axis=1, keepdims=True)
     cov = np.cov(boot, rowvar=False)
     low, high = np.percentile(boot, [50 * rules.alpha, 100 - 50 * rules.alpha], axis=0)

@@ -3,9 +3,12 @@ over randomised placements with auto's trust rule."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
+import solver.blind_profile as blind
 from solver.blind_profile import (
     attribute,
     break_tie,
@@ -127,6 +130,28 @@ def test_the_flatness_test_holds_its_level_on_few_answers() -> None:
     skewed = np.zeros((15, 10))
     skewed[:8, 9] = skewed[8:, 0] = 1.0
     assert flat_test(skewed, np.random.default_rng(0)) < 0.01
+
+
+def test_a_refit_s_peak_memory_is_bounded_whatever_the_resamples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 90, item 5: the flatness test and the bootstrap copied resamples x answers x
+    slots at once (999 x 400 x 50 doubles, 160 MB, here; +1.5 GB at 2,000 x 100). Chunked,
+    the peak is about ``CHUNK_BYTES`` (16 MiB), and the figures of a seed are unchanged:
+    one resample a chunk gives exactly what one chunk of all of them (the old code) gives."""
+    theta = np.linspace(1.0, 2.0, 50)
+    w = _simulate(theta / theta.sum(), 400, seed=4)
+    tracemalloc.start()
+    try:
+        fit = fit_blind_profile(w, seed=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 48 << 20, f"peak {peak / 2**20:.0f} MiB"  # 3 x CHUNK_BYTES
+    monkeypatch.setattr(blind, "CHUNK_BYTES", 1 << 40)  # all at once, as before
+    assert fit_blind_profile(w, seed=0) == fit
+    monkeypatch.setattr(blind, "CHUNK_BYTES", 1)  # one resample at a time
+    assert fit_blind_profile(w, seed=0) == fit
 
 
 def test_bad_weight_matrices_are_refused() -> None:

@@ -44,7 +44,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from solver.trust import TrustRules, Verdict, top_slots, verdict
+from solver.trust import Drift, TrustRules, Verdict, equal_p, top_slots, verdict
 
 FloatArray = NDArray[np.float64]
 AttributionKind = Literal["contained", "overlap", "none"]
@@ -334,3 +334,77 @@ def fit_blind_profile(
         placement_slots=placement,
         resamples=rules.resamples,
     )
+
+
+def _shares(informative: FloatArray, resamples: int, rng: np.random.Generator) -> tuple[
+    FloatArray, FloatArray
+]:  # fmt: skip
+    """The slot shares of attributed answers and their bootstrap covariance."""
+    share = informative.sum(axis=0) / informative.sum()
+    sums = _bootstrap_sums(informative, resamples, rng)
+    boot = sums / sums.sum(axis=1, keepdims=True)
+    return share, np.atleast_2d(np.cov(boot, rowvar=False))
+
+
+def drift(
+    older: ArrayLike,
+    newer: ArrayLike,
+    *,
+    held: Verdict,
+    held_top: Sequence[int],
+    placement_slots: int | None = None,
+    rules: TrustRules | None = None,
+    seed: int = 0,
+) -> Drift:
+    """Whether a trusted label-free profile's ``newer`` answers (questions x slots, as
+    ``fit_blind_profile`` takes) disagree with the ``older`` ones, as ``solver.trust.drift``
+    tests ``auto``'s explore runs against its profile: the two-sample Wald test of equal slot
+    shares (``equal_p``, both sets' bootstrap covariances) at ``drift_alpha``, and a change
+    that matters: for a ``shaped`` profile (top slots ``held_top``), the newer answers put
+    other top slots first; for a ``flat`` one, the newer answers are not flat by the
+    randomisation test (p <= ``drift_alpha``: its smallest p-value is 0.001). The two sets
+    share no answer, so the test compares independent estimates. Either set with fewer than
+    ``drift_min_runs`` attributed answers is no evidence: no drift.
+
+    Raises:
+        ValueError: not two matrices of the same >= 2 slots.
+    """
+    rules = rules or TrustRules()
+    old = np.asarray(older, dtype=np.float64)
+    new = np.asarray(newer, dtype=np.float64)
+    if old.ndim != 2 or new.ndim != 2 or old.shape[1] != new.shape[1] or old.shape[1] < 2:
+        raise ValueError(f"need two questions x slots matrices, got {old.shape} and {new.shape}")
+    L = old.shape[1]
+    placement = placement_slots or L
+    k = min(rules.top_slots, placement)
+    o, w = old[old.sum(axis=1) > 0], new[new.sum(axis=1) > 0]
+    if min(o.shape[0], w.shape[0]) < rules.drift_min_runs:
+        flat = np.full(L, 1.0 / L)
+        return Drift(
+            False, 1.0, w.shape[0], flat, top_slots(flat, placement, k),
+            f"{o.shape[0]} older and {w.shape[0]} newer attributed answer(s): fewer than "
+            f"{rules.drift_min_runs}",
+        )  # fmt: skip
+    rng = np.random.default_rng(seed)
+    a_old, cov_old = _shares(o, rules.resamples, rng)
+    a_new, cov_new = _shares(w, rules.resamples, rng)
+    p = equal_p(a_new, a_old, cov_new, cov_old)
+    new_top = top_slots(a_new, placement, k)
+    runs = w.shape[0]
+    if p >= rules.drift_alpha:
+        return Drift(False, p, runs, a_new, new_top, f"agrees (p = {p:.2g})")
+    if held == "flat":
+        flat_p = flat_test(w, rng)
+        if flat_p <= rules.drift_alpha:
+            return Drift(
+                True, p, runs, a_new, new_top,
+                f"differs (p = {p:.2g}) and is no longer flat (p = {flat_p:.2g})",
+            )  # fmt: skip
+        return Drift(False, p, runs, a_new, new_top, "differs but is still flat")
+    if new_top != tuple(held_top):
+        return Drift(
+            True, p, runs, a_new, new_top,
+            f"differs (p = {p:.2g}) and places slots {list(new_top)} first, not "
+            f"{list(held_top)}",
+        )  # fmt: skip
+    return Drift(False, p, runs, a_new, new_top, "differs but places the same top slots")

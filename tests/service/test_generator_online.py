@@ -8,7 +8,10 @@ bounds; the key sent only where the offline tool sends it; a refusal counted, no
 from __future__ import annotations
 
 import json
+import random
+import re
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -178,7 +181,12 @@ async def test_the_hourly_budget_and_the_queue_bound_what_is_sent(tmp_path: Path
         # Offered before the background runs: the queue holds QUEUE_SIZE, the rest dropped.
         took = [sampler.offer(f"r{q}", "which word?", passages(q)) for q in range(QUEUE_SIZE + 2)]
         assert took == [True] * QUEUE_SIZE + [False, False]
-        assert sampler.counters.samples == {"taken": QUEUE_SIZE, "dropped": 2, "over_budget": 0}
+        assert sampler.counters.samples == {
+            "taken": QUEUE_SIZE,
+            "dropped": 2,
+            "over_budget": 0,
+            "caller_capped": 0,
+        }
         async with running(sampler):
             await drained(sampler)
             # Three calls this hour, the rest of the queue refused at the transport.
@@ -338,3 +346,103 @@ async def test_an_answer_held_by_several_passages_goes_to_the_likeliest(tmp_path
     assert kept.passages == (0, 2)
     assert sampler.counters.ties == {"broken": 1, "split": 2}
     await sampler.aclose()
+
+
+# --- issue 90: nothing a caller sends steers the profile ------------------------------
+
+
+def old_order(rid: str, n: int = N) -> list[int]:
+    """The order the sampler showed before issue 90: seeded by the caller's request id."""
+    order = list(range(n))
+    random.Random(zlib.crc32(f"generator:0:{rid}".encode())).shuffle(order)
+    return order
+
+
+def shown_orders(gen: Any, queries: Sequence[int]) -> list[tuple[int, ...]]:
+    """The order of request ``queries[i]``'s passages in the generator's i-th prompt."""
+    out = []
+    for q, call in zip(queries, gen.calls, strict=True):
+        prompt = call["body"]["messages"][-1]["content"]
+        out.append(tuple(sorted(range(N), key=lambda p: prompt.index(f"w{q}_{p}"))))
+    return out
+
+
+def answers_passage(p: int) -> Callable[[dict[str, Any]], str]:
+    """A generator with no slot preference: it answers from passage ``p`` wherever it is."""
+
+    def answer(body: dict[str, Any]) -> str:
+        prompt = body["messages"][-1]["content"]
+        found = re.search(rf"Filler {p}: the word here is w\d+_{p}\.", prompt)
+        assert found is not None
+        return found.group(0)
+
+    return answer
+
+
+async def test_a_constant_request_id_gets_random_orders(tmp_path: Path) -> None:
+    """An honest client that sends one X-Request-Id: the generator sees a new random order
+    each time (before, one permutation: the "profile" measured the client's retriever)."""
+    with canned_generator(last_slot_mostly) as gen:
+        async with running(sampler_for(tmp_path, gen.url)) as sampler:
+            for q in range(12):
+                assert sampler.offer("the-same-id", f"Which word for {q}?", passages(q))
+                await drained(sampler)
+        orders = shown_orders(gen, range(12))
+    # All alike has chance 24**-11 with random orders; before, all 12 were one order.
+    assert len(set(orders)) > 1, orders
+
+
+async def test_a_caller_choosing_request_ids_cannot_make_a_flat_generator_look_shaped(
+    tmp_path: Path,
+) -> None:
+    """Issue 90, item 1: request ids chosen so that the id-seeded order showed the passage
+    the generator answers from (whatever its slot) last made a generator with no slot
+    preference look shaped after 13 requests, and every caller was then placed by it.
+    The orders are the server's now: the answers spread over the slots."""
+    ids = [f"pick-{i}" for i in range(10_000) if old_order(f"pick-{i}")[-1] == 0][:16]
+    with canned_generator(last_slot_mostly) as gen:
+        gen.answer = answers_passage(0)  # type: ignore[method-assign]
+        async with running(sampler_for(tmp_path, gen.url)) as sampler:
+            for q, rid in enumerate(ids):
+                assert sampler.offer(rid, f"Which word for {q}?", passages(q))
+                await drained(sampler)
+            [st] = sampler.status()
+        slots = [order.index(0) for order in shown_orders(gen, range(len(ids)))]
+    assert len(set(slots)) > 1, slots  # before: slot N - 1 every time
+    assert st.fit is not None and st.fit.verdict != "shaped", st.fit.reason
+    assert st.placing is None
+
+
+def test_a_caller_sending_many_requests_holds_at_most_its_share(tmp_path: Path) -> None:
+    """Per caller: at most ``auto_max_caller_share`` of the recent samples while another
+    caller contributes (auto's learner's rule), and at most
+    ``generator_max_caller_calls_share`` of the hour's calls, alone or not."""
+    now = [1000.0]
+    sampler = sampler_for(
+        tmp_path, "http://127.0.0.1:9/v1", clock=lambda: now[0],
+        generator_max_calls_per_hour=1000, auto_max_caller_share=0.5,
+    )  # fmt: skip
+    taken: dict[str, int] = {"honest": 0, "hostile": 0}
+    for q in range(40):
+        for who, tries in (("honest", 1), ("hostile", 10)):
+            for t in range(tries):
+                taken[who] += sampler.offer(f"{who}-{q}-{t}", "which word?", passages(q), who)
+        sampler._queue.clear()  # the queue's bound is another test's
+        now[0] += 1.0
+    assert taken["honest"] == 40
+    assert taken["hostile"] <= 41, taken  # one for one, not ten for one
+    assert sampler.counters.samples["caller_capped"] == 400 - taken["hostile"]
+
+    # The hour's calls: a lone caller takes at most half of them; another still gets its own.
+    hourly = sampler_for(
+        tmp_path, "http://127.0.0.1:9/v1", clock=lambda: now[0],
+        generator_max_calls_per_hour=10, generator_max_caller_calls_share=0.5,
+    )  # fmt: skip
+    got = []
+    for q in range(20):
+        got.append(hourly.offer(f"h{q}", "which word?", passages(q), "hostile"))
+        hourly._queue.clear()
+    assert sum(got) == 5 and hourly.counters.samples["caller_capped"] == 15
+    assert hourly.offer("o1", "which word?", passages(1), "other")
+    now[0] += 3601.0  # the hour moved on
+    assert hourly.offer("h-next", "which word?", passages(2), "hostile")

@@ -35,6 +35,7 @@ observed one. The test is exact at any number of answers (its false-positive rat
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from solver.trust import Drift, TrustRules, Verdict, equal_p, top_slots, verdict
+from solver.trust import Drift, TrustRules, Verdict, top_slots, verdict
 
 FloatArray = NDArray[np.float64]
 AttributionKind = Literal["contained", "overlap", "none"]
@@ -336,14 +337,17 @@ def fit_blind_profile(
     )
 
 
-def _shares(informative: FloatArray, resamples: int, rng: np.random.Generator) -> tuple[
-    FloatArray, FloatArray
-]:  # fmt: skip
-    """The slot shares of attributed answers and their bootstrap covariance."""
-    share = informative.sum(axis=0) / informative.sum()
-    sums = _bootstrap_sums(informative, resamples, rng)
-    boot = sums / sums.sum(axis=1, keepdims=True)
-    return share, np.atleast_2d(np.cov(boot, rowvar=False))
+def _homogeneity(newer: FloatArray, total: FloatArray) -> FloatArray:
+    """The chi-square statistic of a 2 x slots table (the newer answers' slot weights
+    ``newer``, resamples x slots, against the rest of ``total``): 0 where one side holds no
+    weight."""
+    big = total.sum()
+    t = newer.sum(axis=-1)
+    used = total > 0
+    d = newer[..., used] - t[..., None] * total[used] / big
+    inside = (t > 0) & (t < big)
+    scale = np.where(inside, big**2 / np.where(inside, t * (big - t), 1.0), 0.0)
+    return np.asarray((d**2 / total[used]).sum(axis=-1) * scale, dtype=np.float64)
 
 
 def drift(
@@ -357,14 +361,19 @@ def drift(
     seed: int = 0,
 ) -> Drift:
     """Whether a trusted label-free profile's ``newer`` answers (questions x slots, as
-    ``fit_blind_profile`` takes) disagree with the ``older`` ones, as ``solver.trust.drift``
-    tests ``auto``'s explore runs against its profile: the two-sample Wald test of equal slot
-    shares (``equal_p``, both sets' bootstrap covariances) at ``drift_alpha``, and a change
-    that matters: for a ``shaped`` profile (top slots ``held_top``), the newer answers put
-    other top slots first; for a ``flat`` one, the newer answers are not flat by the
-    randomisation test (p <= ``drift_alpha``: its smallest p-value is 0.001). The two sets
-    share no answer, so the test compares independent estimates. Either set with fewer than
-    ``drift_min_runs`` attributed answers is no evidence: no drift.
+    ``fit_blind_profile`` takes) disagree with the ``older`` ones, decided as
+    ``solver.trust.drift`` decides it for ``auto``'s explore runs against its profile: a test
+    of equal profiles at ``drift_alpha``, and a change that matters: for a ``shaped``
+    profile (top slots ``held_top``), the newer answers put other top slots first; for a
+    ``flat`` one, the newer answers are not flat (``flat_test``).
+
+    The test of equal profiles is by randomisation, as the flatness test is and for its
+    reason (a Wald test on bootstrap covariances reads sparse slots as certain): the
+    chi-square homogeneity statistic of the newer answers' slot weights against the older
+    ones', compared with random splits of all the answers into sets of the same sizes (9,999
+    at ``drift_alpha`` 0.001: p-values in steps of 0.0001). While the generator is unchanged
+    its answers are exchangeable, so the p-value is exact. Either set with
+    fewer than ``drift_min_runs`` attributed answers is no evidence: no drift.
 
     Raises:
         ValueError: not two matrices of the same >= 2 slots.
@@ -377,34 +386,46 @@ def drift(
     L = old.shape[1]
     placement = placement_slots or L
     k = min(rules.top_slots, placement)
-    o, w = old[old.sum(axis=1) > 0], new[new.sum(axis=1) > 0]
-    if min(o.shape[0], w.shape[0]) < rules.drift_min_runs:
-        flat = np.full(L, 1.0 / L)
+    n_old, n_new = int((old.sum(axis=1) > 0).sum()), int((new.sum(axis=1) > 0).sum())
+    sums = new.sum(axis=0)
+    a_new = sums / sums.sum() if sums.sum() > 0 else np.full(L, 1.0 / L)
+    new_top = top_slots(a_new, placement, k)
+    if min(n_old, n_new) < rules.drift_min_runs:
         return Drift(
-            False, 1.0, w.shape[0], flat, top_slots(flat, placement, k),
-            f"{o.shape[0]} older and {w.shape[0]} newer attributed answer(s): fewer than "
+            False, 1.0, n_new, a_new, new_top,
+            f"{n_old} older and {n_new} newer attributed answer(s): fewer than "
             f"{rules.drift_min_runs}",
         )  # fmt: skip
+    both = np.concatenate([old, new])
+    total = both.sum(axis=0)
+    observed = float(_homogeneity(sums[None, :], total)[0])
     rng = np.random.default_rng(seed)
-    a_old, cov_old = _shares(o, rules.resamples, rng)
-    a_new, cov_new = _shares(w, rules.resamples, rng)
-    p = equal_p(a_new, a_old, cov_new, cov_old)
-    new_top = top_slots(a_new, placement, k)
-    runs = w.shape[0]
-    if p >= rules.drift_alpha:
-        return Drift(False, p, runs, a_new, new_top, f"agrees (p = {p:.2g})")
+    m, w = both.shape[0], new.shape[0]
+    # Enough splits that p <= drift_alpha is a resolution of ten, not the smallest p-value.
+    resamples = max(FLAT_TEST_RESAMPLES, math.ceil(10 / rules.drift_alpha) - 1)
+    step = max(1, min(_chunk(resamples, w, L), _chunk(resamples, m, 1)))
+    as_far = 0
+    for start in range(0, resamples, step):
+        n = min(step, resamples - start)
+        # n random sets of w answers: the w smallest of m uniform draws a row.
+        picks = np.argpartition(rng.random((n, m)), w - 1, axis=1)[:, :w]
+        as_far += int((_homogeneity(both[picks].sum(axis=1), total) >= observed - 1e-12).sum())
+    p = (1 + as_far) / (1 + resamples)
+    if p > rules.drift_alpha:
+        return Drift(False, p, n_new, a_new, new_top, f"agree with the older (p = {p:.2g})")
     if held == "flat":
-        flat_p = flat_test(w, rng)
+        flat_p = flat_test(new[new.sum(axis=1) > 0], rng)
         if flat_p <= rules.drift_alpha:
             return Drift(
-                True, p, runs, a_new, new_top,
-                f"differs (p = {p:.2g}) and is no longer flat (p = {flat_p:.2g})",
+                True, p, n_new, a_new, new_top,
+                f"differ from the older (p = {p:.2g}) and are no longer flat "
+                f"(p = {flat_p:.2g})",
             )  # fmt: skip
-        return Drift(False, p, runs, a_new, new_top, "differs but is still flat")
+        return Drift(False, p, n_new, a_new, new_top, "differ but are still flat")
     if new_top != tuple(held_top):
         return Drift(
-            True, p, runs, a_new, new_top,
-            f"differs (p = {p:.2g}) and places slots {list(new_top)} first, not "
-            f"{list(held_top)}",
+            True, p, n_new, a_new, new_top,
+            f"differ from the older (p = {p:.2g}) and place slots {list(new_top)} first, "
+            f"not {list(held_top)}",
         )  # fmt: skip
-    return Drift(False, p, runs, a_new, new_top, "differs but places the same top slots")
+    return Drift(False, p, n_new, a_new, new_top, "differ but place the same top slots")

@@ -261,15 +261,6 @@ def _wald(d: FloatArray, cov: FloatArray, df: int) -> float:
     return float(stats.chi2.sf(t, df))
 
 
-def equal_p(a_new: ArrayLike, a_old: ArrayLike, cov_new: ArrayLike, cov_old: ArrayLike) -> float:
-    """p-value of the two-sample Wald test that two profiles are equal, each with its
-    bootstrap covariance (the drift tests: ``drift``, ``solver.blind_profile.drift``)."""
-    a = np.asarray(a_new, dtype=np.float64)
-    d = a - np.asarray(a_old, dtype=np.float64)
-    cov = np.asarray(cov_new, dtype=np.float64) + np.asarray(cov_old, dtype=np.float64)
-    return _wald(d, cov, a.shape[0] - 1)
-
-
 def _bootstrap(pool: _Pool, a_hat: FloatArray, resamples: int, seed: int) -> FloatArray:
     rng = np.random.default_rng(seed)
     out = np.empty((resamples, pool.slots))
@@ -482,7 +473,7 @@ def drift(
     a_new, _ = _fit(pool.designs, pool.grams(), L, [a_old, np.full(L, 1.0 / L)])
     boot = _bootstrap(pool, a_new, rules.resamples, seed)
     cov_new = np.cov(boot, rowvar=False)
-    p = equal_p(a_new, a_old, cov_new, cov_old)
+    p = _wald(a_new - a_old, cov_old + cov_new, L - 1)
     new_top = _top(a_new, placement_slots, k)
     if p >= rules.drift_alpha:
         return Drift(False, p, pool.runs, a_new, new_top, f"agrees (p = {p:.2g})")

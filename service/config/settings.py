@@ -220,15 +220,15 @@ class Settings(BaseSettings):
     requests with no caller (in-process) are not bounded. 1 disables the bound."""
     generator_drift_window: int = Field(default=100, ge=10, le=10_000)
     """Newest pooled answers tested against the answers before them while the generator's
-    profile is trusted (once twice as many are pooled); a disagreement beyond both estimates'
-    uncertainty that changes the placement (`solver.blind_profile.drift`, at `auto`'s drift
-    level 0.001) withdraws the profile and drops the answers pooled before, so it is learned
-    again from new answers only (docs/generator-profile.md, "Drift")."""
+    profile is trusted (once twice as many are pooled), after every answer: a difference by
+    randomisation at `auto`'s drift level (0.001) that changes the placement
+    (`solver.blind_profile.drift`) withdraws the profile and drops the answers pooled before,
+    so it is learned again from new answers only (docs/generator-profile.md, "Drift")."""
     generator_refit_growth: float = Field(default=0.02, ge=0.0, le=1.0)
     """The generator's profile is refitted once the answers pooled since its last refit reach
     this share of the pool (at least one): after every answer up to 50, every 40th at 2,000
-    (a refit of 2,000 answers x 100 slots takes 13-20 s of one CPU). The drift test still runs
-    after every answer. 0: refit after every answer."""
+    (a refit of 2,000 answers x 100 slots took 17-20 s of a loaded CPU). The drift test still
+    runs after every answer. 0: refit after every answer."""
     feedback_max_requests: int = Field(default=0, ge=0, le=1_000_000)
     """Served `/v1/reorder` requests kept in this replica's memory (query, passages and
     served order; the latest) so that `POST /v1/feedback` can take the generator's answer to

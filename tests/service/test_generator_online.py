@@ -446,3 +446,66 @@ def test_a_caller_sending_many_requests_holds_at_most_its_share(tmp_path: Path) 
     assert hourly.offer("o1", "which word?", passages(1), "other")
     now[0] += 3601.0  # the hour moved on
     assert hourly.offer("h-next", "which word?", passages(2), "hostile")
+
+
+# --- issue 90, item 3: drift --------------------------------------------------------
+
+
+def first_slot_mostly(call: int) -> int:
+    """``last_slot_mostly`` mirrored: the generator's preference reversed."""
+    return N - 1 - last_slot_mostly(call)
+
+
+async def test_a_reversed_generator_is_caught_by_the_drift_test_and_learned_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 90, item 3: the pooled refit kept a reversed generator's old profile trusted
+    for hundreds of answers. The newest ``generator_drift_window`` answers are tested against
+    the ones before them: the reversal is a drift (counted, logged), the profile is withdrawn
+    on every replica (stored ``undecided``), and it is learned again from new answers only."""
+    sampler = sampler_for(tmp_path, "http://127.0.0.1:9/v1", generator_drift_window=10)
+    shuffle = random.Random(5).shuffle
+    asked = iter(range(10_000))
+
+    async def answer(slot_of: Callable[[int], int]) -> None:
+        """The generator's answer to a request shown in a random order, from slot_of's slot."""
+        q = next(asked)
+        order = list(range(N))
+        shuffle(order)
+        ps = passages(q)
+        await sampler._learn(f"Which word for {q}?", ps, order, ps[order[slot_of(q)]].text)
+
+    for _ in range(40):
+        await answer(last_slot_mostly)
+    [st] = sampler.status()
+    assert st.placing is not None and st.placing.trust is not None
+    assert st.placing.trust.top_slots == (N - 1, 0)
+
+    def placed() -> tuple[int, ...] | None:
+        return st.placing.trust.top_slots if st.placing and st.placing.trust else None
+
+    withdrawn = None
+    for i in range(1, 41):
+        await answer(first_slot_mostly)
+        if placed() != (N - 1, 0):
+            withdrawn = i
+            break
+    # The pooled refit alone (no drift test) withdrew it at the 24th reversed answer.
+    assert withdrawn is not None and withdrawn <= 16, withdrawn  # 11; 24 without the test
+    assert placed() is None and sampler.counters.drift_events == 1
+    assert "drifted" in caplog.text and "learned again from new answers only" in caplog.text
+    stored = sampler.profiles.get(MODEL, "qa_default", N)
+    assert stored is not None and stored.trust is not None
+    assert stored.trust.verdict == "undecided" and stored.trust.reason.startswith("drift:")
+    assert stored.trust.learning_since is not None
+
+    replaced = None
+    for j in range(1, 61):
+        await answer(first_slot_mostly)
+        if placed() is not None:
+            replaced = j
+            break
+    assert replaced is not None and placed() == (0, N - 1)
+    assert st.fit is not None and st.fit.questions == replaced  # the new answers only
+    assert sampler.counters.drift_events == 1
+    await sampler.aclose()

@@ -12,6 +12,7 @@ import solver.blind_profile as blind
 from solver.blind_profile import (
     attribute,
     break_tie,
+    drift,
     fit_blind_profile,
     flat_test,
     normalize,
@@ -173,3 +174,32 @@ def test_a_tie_goes_to_the_likeliest_passage_and_exact_ties_stay_split() -> None
         break_tie(tied, [-1.0])
     with pytest.raises(ValueError, match="need 2 finite"):
         break_tie(tied, [-1.0, float("nan")])
+
+
+def test_the_drift_test_holds_its_level_and_catches_a_reversed_generator() -> None:
+    """``drift``: the newest answers against the older ones by randomisation. From an
+    unchanged generator, p-values are uniform (few below 0.05, none at the drift level); the
+    same generator's slots mirrored is a drift that places other top slots; a held ``flat``
+    profile drifts only when the newest answers are not flat."""
+    theta = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.5, 2.0, 3.0])
+    theta /= theta.sum()
+    ps = []
+    for seed in range(20):
+        older, newer = _simulate(theta, 600, seed=seed), _simulate(theta, 100, seed=100 + seed)
+        found = drift(older, newer, held="shaped", held_top=(9, 8), seed=seed)
+        assert not found.drifted, found.reason
+        ps.append(found.p)
+    assert sum(p < 0.05 for p in ps) <= 4 and min(ps) > 0.001, ps
+    mirrored = _simulate(theta[::-1], 100, seed=7)
+    found = drift(_simulate(theta, 600, seed=8), mirrored, held="shaped", held_top=(9, 8))
+    assert found.drifted and found.p <= 0.001 and found.top_slots[0] == 0, found.reason
+    assert "place slots" in found.reason
+    flat = np.full(10, 0.1)
+    still = drift(_simulate(flat, 600, seed=9), _simulate(flat, 100, seed=10), held="flat",
+                  held_top=(0, 1))  # fmt: skip
+    assert not still.drifted
+    shaped_now = drift(_simulate(flat, 600, seed=9), _simulate(theta, 300, seed=11),
+                       held="flat", held_top=(0, 1))  # fmt: skip
+    assert shaped_now.drifted and "no longer flat" in shaped_now.reason
+    few = drift(_simulate(theta, 600, seed=12), mirrored[:5], held="shaped", held_top=(9, 8))
+    assert not few.drifted and "fewer than 8" in few.reason

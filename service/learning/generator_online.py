@@ -5,9 +5,10 @@ The label-free method of ``profile-generator --no-labels`` (``solver.blind_profi
 live traffic: with ``generator_url`` and ``generator_model`` set, ``auto`` offers each request
 it served (``GeneratorSampler.offer``, on the event loop: a random draw and a bounded append);
 a share ``generator_sample_rate`` of them is queued, at most ``QUEUE_SIZE`` waiting (a full
-queue drops the sample, counted). In the background (``run_forever``, never awaited by a
-request) each queued sample's passages are placed in a random order seeded by the request id,
-the generator is asked once through the same budgeted client as the offline tool (every HTTP
+queue drops the sample, counted), each caller within its share (``CallerShares``). In the
+background (``run_forever``, never awaited by a request) each queued sample's passages are
+placed in a random order the server drew (``SystemRandom``: nothing the caller sends seeds
+it), the generator is asked once through the same budgeted client as the offline tool (every HTTP
 attempt, retries included, counted against ``generator_max_calls_per_hour`` in a rolling hour:
 a hard bound), and its answer is attributed to the passages that hold it
 (``solver.blind_profile.attribute``). Only numbers are kept: the order shown and the answer's
@@ -15,8 +16,12 @@ weight per slot, in the state store's ``auto/generator`` spool (the profile fold
 per passage count, so a restart and every replica pool them. The answer's text is dropped at
 once. The caller's own order is never randomised: only the service's background call is.
 
-After each answer the passage count's estimate is refitted (``fit_blind_profile``, auto's
-trust thresholds, in the background worker process: ``service.runtime.background``). Trusted
+As answers arrive the passage count's estimate is refitted (``fit_blind_profile``, auto's
+trust thresholds, in the background worker process: ``service.runtime.background``; after
+every answer up to 50, then once ``generator_refit_growth`` of the pool is new). A trusted
+profile's newest ``generator_drift_window`` answers are tested against the older ones after
+every answer (``solver.blind_profile.drift``); a drift withdraws it and the answers pooled
+before are dropped (``_drifted``). Trusted
 (``shaped``, or shown ``flat``), it is stored under the generator's name (identification
 ``answers-online``, trust source ``generator_online``) and ``auto`` places that passage
 count by it (``placing``). A stored profile this sampler did not write (an operator's

@@ -178,6 +178,9 @@ async def test_a_caller_s_request_id_steers_neither_the_order_nor_the_profile(
             # 12 of the hour's 24 calls for this caller; the rest counted, not sent.
             assert s.counters.samples["taken"] == 12 and len(gen.calls) == 12
             assert s.counters.samples["caller_capped"] == 4
+            capped = {"outcome": "caller_capped"}
+            assert h.metric("rag_reorder_generator_samples_total", capped) == 4
+            assert h.metric("rag_reorder_generator_drift_events_total") == 0
             [prof] = (await h.client.get("/info")).json()["auto"]["generator_online"]["profiles"]
             assert prof["verdict"] != "shaped" and not prof["placing"]
             auto = (await h.client.post("/v1/reorder", json=body())).json()["auto"]

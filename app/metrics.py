@@ -168,7 +168,8 @@ class _Generator(_ScrapeTime):
             "generator_samples",
             "auto's requests drawn (RAG_REORDER_GENERATOR_SAMPLE_RATE) to be asked of the "
             "generator in the background, passages in a random order, by outcome: taken "
-            "(queued), dropped (the queue was full), over_budget (the hour's calls were spent).",
+            "(queued), dropped (the queue was full), over_budget (the hour's calls were spent), "
+            "caller_capped (the caller held its share).",
             "outcome",
             c.samples,
         )
@@ -199,6 +200,13 @@ class _Generator(_ScrapeTime):
             "random placement: pooled into the generator's profile), unused.",
             "outcome",
             c.feedback,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_generator_drift_events",
+            "Trusted generator profiles withdrawn because their newest answers "
+            "(RAG_REORDER_GENERATOR_DRIFT_WINDOW) disagreed with the older ones; the profile "
+            "is then learned again from new answers only.",
+            value=c.drift_events,
         )
 
     def gauges(self) -> Iterator[Metric]:

@@ -35,6 +35,7 @@ observed one. The test is exact at any number of answers (its false-positive rat
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections.abc import Sequence
@@ -44,7 +45,7 @@ from typing import Literal
 import numpy as np
 from numpy.typing import ArrayLike, NDArray
 
-from solver.trust import TrustRules, Verdict, top_slots, verdict
+from solver.trust import Drift, TrustRules, Verdict, top_slots, verdict
 
 FloatArray = NDArray[np.float64]
 AttributionKind = Literal["contained", "overlap", "none"]
@@ -53,6 +54,9 @@ DEFAULT_THRESHOLD = 0.6
 """Share of an answer's content tokens a passage must hold to support it (no containment)."""
 FLAT_TEST_RESAMPLES = 999
 """Permutations in the flatness test: p-values in steps of 1/1000."""
+CHUNK_BYTES = 16 << 20
+"""About the most the bootstrap and the flatness test copy at once (``_chunk``): their
+peak allocation is bounded by this, not by resamples x answers x slots."""
 _FLOOR = 1e-3
 """Smallest stored slot weight: a slot no answer came from yet still ranks."""
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
@@ -174,10 +178,22 @@ def slot_weights(
     return out
 
 
+def _chunk(resamples: int, rows: int, slots: int) -> int:
+    """Resamples drawn at once so that one chunk's rows x slots copies stay near
+    ``CHUNK_BYTES`` (at least one resample)."""
+    return max(1, min(resamples, CHUNK_BYTES // max(1, rows * slots * 8)))
+
+
 def flat_test(weights: FloatArray, rng: np.random.Generator) -> float:
     """Randomisation p-value of "no slot preference" for answers placed uniformly at random
     (module docstring): each row's slot weights permuted independently, the chi-square distance
-    of the summed weights from flat compared with the observed one."""
+    of the summed weights from flat compared with the observed one.
+
+    The permutations are drawn ``_chunk`` resamples at a time, so the peak allocation is
+    about ``CHUNK_BYTES`` whatever ``FLAT_TEST_RESAMPLES`` (all at once it was resamples x
+    answers x slots: 1.5 GB at 2,000 answers x 100 slots). ``Generator.permuted`` shuffles
+    the rows in order, so the chunks draw the same permutations as one call: the p-value of
+    a seed is unchanged."""
     m, slots = weights.shape
     expected = weights.sum() / slots
 
@@ -185,9 +201,30 @@ def flat_test(weights: FloatArray, rng: np.random.Generator) -> float:
         return np.asarray(((totals - expected) ** 2).sum(axis=-1) / expected, dtype=np.float64)
 
     observed = distance(weights.sum(axis=0))
-    null = rng.permuted(np.broadcast_to(weights, (FLAT_TEST_RESAMPLES, m, slots)), axis=2)
-    as_far = int((distance(null.sum(axis=1)) >= observed - 1e-12).sum())
+    step = _chunk(FLAT_TEST_RESAMPLES, m, slots)
+    as_far = 0
+    for start in range(0, FLAT_TEST_RESAMPLES, step):
+        n = min(step, FLAT_TEST_RESAMPLES - start)
+        null = rng.permuted(np.broadcast_to(weights, (n, m, slots)), axis=2)
+        as_far += int((distance(null.sum(axis=1)) >= observed - 1e-12).sum())
+        del null
     return (1 + as_far) / (1 + FLAT_TEST_RESAMPLES)
+
+
+def _bootstrap_sums(
+    informative: FloatArray, resamples: int, rng: np.random.Generator
+) -> FloatArray:
+    """Each bootstrap resample's summed slot weights (the answers drawn with replacement),
+    ``_chunk`` resamples at a time: the same draws and sums as
+    ``informative[rng.integers(0, m, (resamples, m))].sum(axis=1)`` without its resamples x
+    answers x slots copy (320 MB at 200 x 2,000 x 100)."""
+    m, slots = informative.shape
+    out = np.empty((resamples, slots))
+    step = _chunk(resamples, m, slots)
+    for start in range(0, resamples, step):
+        picks = rng.integers(0, m, size=(min(step, resamples - start), m))
+        out[start : start + picks.shape[0]] = informative[picks].sum(axis=1)
+    return out
 
 
 @dataclass(frozen=True)
@@ -262,8 +299,7 @@ def fit_blind_profile(
         )  # fmt: skip
     share = informative.sum(axis=0) / informative.sum()
     rng = np.random.default_rng(seed)
-    picks = rng.integers(0, m, size=(rules.resamples, m))
-    sums = informative[picks].sum(axis=1)  # resamples x slots
+    sums = _bootstrap_sums(informative, rules.resamples, rng)  # resamples x slots
     boot = sums / sums.sum(axis=1, keepdims=True)
     cov = np.cov(boot, rowvar=False)
     low, high = np.percentile(boot, [50 * rules.alpha, 100 - 50 * rules.alpha], axis=0)
@@ -299,3 +335,97 @@ def fit_blind_profile(
         placement_slots=placement,
         resamples=rules.resamples,
     )
+
+
+def _homogeneity(newer: FloatArray, total: FloatArray) -> FloatArray:
+    """The chi-square statistic of a 2 x slots table (the newer answers' slot weights
+    ``newer``, resamples x slots, against the rest of ``total``): 0 where one side holds no
+    weight."""
+    big = total.sum()
+    t = newer.sum(axis=-1)
+    used = total > 0
+    d = newer[..., used] - t[..., None] * total[used] / big
+    inside = (t > 0) & (t < big)
+    scale = np.where(inside, big**2 / np.where(inside, t * (big - t), 1.0), 0.0)
+    return np.asarray((d**2 / total[used]).sum(axis=-1) * scale, dtype=np.float64)
+
+
+def drift(
+    older: ArrayLike,
+    newer: ArrayLike,
+    *,
+    held: Verdict,
+    held_top: Sequence[int],
+    placement_slots: int | None = None,
+    rules: TrustRules | None = None,
+    seed: int = 0,
+) -> Drift:
+    """Whether a trusted label-free profile's ``newer`` answers (questions x slots, as
+    ``fit_blind_profile`` takes) disagree with the ``older`` ones, decided as
+    ``solver.trust.drift`` decides it for ``auto``'s explore runs against its profile: a test
+    of equal profiles at ``drift_alpha``, and a change that matters: for a ``shaped``
+    profile (top slots ``held_top``), the newer answers put other top slots first; for a
+    ``flat`` one, the newer answers are not flat (``flat_test``).
+
+    The test of equal profiles is by randomisation, as the flatness test is and for its
+    reason (a Wald test on bootstrap covariances reads sparse slots as certain): the
+    chi-square homogeneity statistic of the newer answers' slot weights against the older
+    ones', compared with random splits of all the answers into sets of the same sizes (9,999
+    at ``drift_alpha`` 0.001: p-values in steps of 0.0001). While the generator is unchanged
+    its answers are exchangeable, so the p-value is exact. Either set with
+    fewer than ``drift_min_runs`` attributed answers is no evidence: no drift.
+
+    Raises:
+        ValueError: not two matrices of the same >= 2 slots.
+    """
+    rules = rules or TrustRules()
+    old = np.asarray(older, dtype=np.float64)
+    new = np.asarray(newer, dtype=np.float64)
+    if old.ndim != 2 or new.ndim != 2 or old.shape[1] != new.shape[1] or old.shape[1] < 2:
+        raise ValueError(f"need two questions x slots matrices, got {old.shape} and {new.shape}")
+    L = old.shape[1]
+    placement = placement_slots or L
+    k = min(rules.top_slots, placement)
+    n_old, n_new = int((old.sum(axis=1) > 0).sum()), int((new.sum(axis=1) > 0).sum())
+    sums = new.sum(axis=0)
+    a_new = sums / sums.sum() if sums.sum() > 0 else np.full(L, 1.0 / L)
+    new_top = top_slots(a_new, placement, k)
+    if min(n_old, n_new) < rules.drift_min_runs:
+        return Drift(
+            False, 1.0, n_new, a_new, new_top,
+            f"{n_old} older and {n_new} newer attributed answer(s): fewer than "
+            f"{rules.drift_min_runs}",
+        )  # fmt: skip
+    both = np.concatenate([old, new])
+    total = both.sum(axis=0)
+    observed = float(_homogeneity(sums[None, :], total)[0])
+    rng = np.random.default_rng(seed)
+    m, w = both.shape[0], new.shape[0]
+    # Enough splits that p <= drift_alpha is a resolution of ten, not the smallest p-value.
+    resamples = max(FLAT_TEST_RESAMPLES, math.ceil(10 / rules.drift_alpha) - 1)
+    step = max(1, min(_chunk(resamples, w, L), _chunk(resamples, m, 1)))
+    as_far = 0
+    for start in range(0, resamples, step):
+        n = min(step, resamples - start)
+        # n random sets of w answers: the w smallest of m uniform draws a row.
+        picks = np.argpartition(rng.random((n, m)), w - 1, axis=1)[:, :w]
+        as_far += int((_homogeneity(both[picks].sum(axis=1), total) >= observed - 1e-12).sum())
+    p = (1 + as_far) / (1 + resamples)
+    if p > rules.drift_alpha:
+        return Drift(False, p, n_new, a_new, new_top, f"agree with the older (p = {p:.2g})")
+    if held == "flat":
+        flat_p = flat_test(new[new.sum(axis=1) > 0], rng)
+        if flat_p <= rules.drift_alpha:
+            return Drift(
+                True, p, n_new, a_new, new_top,
+                f"differ from the older (p = {p:.2g}) and are no longer flat "
+                f"(p = {flat_p:.2g})",
+            )  # fmt: skip
+        return Drift(False, p, n_new, a_new, new_top, "differ but are still flat")
+    if new_top != tuple(held_top):
+        return Drift(
+            True, p, n_new, a_new, new_top,
+            f"differ from the older (p = {p:.2g}) and place slots {list(new_top)} first, "
+            f"not {list(held_top)}",
+        )  # fmt: skip
+    return Drift(False, p, n_new, a_new, new_top, "differ but place the same top slots")

@@ -187,10 +187,14 @@ class Settings(BaseSettings):
     Unset: `OPENAI_API_KEY`, sent only to an https `generator_url`."""
     generator_sample_rate: float = Field(default=0.05, ge=0.0, le=1.0)
     """Share of `auto`'s requests (with at least 2 passages) sent to the generator in the
-    background, its passages in a seeded random order, to learn its profile. 0: none."""
+    background, its passages in a random order drawn by the server (nothing the caller sends
+    seeds it), to learn its profile. 0: none."""
     generator_max_calls_per_hour: int = Field(default=60, ge=1, le=1_000_000)
     """Most HTTP calls to the generator in any rolling hour, retries included: a hard bound
-    (a sample drawn while it is spent is not taken, and counted)."""
+    (a sample drawn while it is spent is not taken, and counted) per process: with W workers
+    and R replicas the deployment sends up to W x R times as many, so set it to the
+    deployment's hourly budget divided by W x R (docs/generator-profile.md, "Bounds per
+    process")."""
     generator_timeout_s: float = Field(default=60.0, gt=0.0, le=3600.0)
     """Read timeout of one call to the generator (never in a caller's path)."""
     generator_max_answers: int = Field(default=2000, ge=10, le=100_000)
@@ -207,6 +211,24 @@ class Settings(BaseSettings):
     label-free profile to stay trusted as answers arrive (at most `auto_min_stability`, which
     trusting needs): the gap keeps one answer's resampling noise from withdrawing and
     re-trusting it (docs/generator-profile.md, "Kept, not flipped")."""
+    generator_max_caller_calls_share: float = Field(default=0.5, gt=0.0, le=1.0)
+    """Most share of `generator_max_calls_per_hour` one caller's sampled requests may take in
+    any rolling hour (at least one a caller), alone or not: one caller cannot spend the hour's
+    calls before the others arrive. Per process, as the hourly bound: with W workers and R
+    replicas a caller may take W x R times as many (docs/generator-profile.md, "Bounds per
+    process"). The caller is `auto`'s (`auto_caller_header`, else the client address);
+    requests with no caller (in-process) are not bounded. 1 disables the bound."""
+    generator_drift_window: int = Field(default=100, ge=10, le=10_000)
+    """Newest pooled answers tested against the answers before them while the generator's
+    profile is trusted (once twice as many are pooled), after every answer: a difference by
+    randomisation at `auto`'s drift level (0.001) that changes the placement
+    (`solver.blind_profile.drift`) withdraws the profile and drops the answers pooled before,
+    so it is learned again from new answers only (docs/generator-profile.md, "Drift")."""
+    generator_refit_growth: float = Field(default=0.02, ge=0.0, le=1.0)
+    """The generator's profile is refitted once the answers pooled since its last refit reach
+    this share of the pool (at least one): after every answer up to 50, every 40th at 2,000
+    (a refit of 2,000 answers x 100 slots took 17-20 s of a loaded CPU). The drift test still
+    runs after every answer. 0: refit after every answer."""
     feedback_max_requests: int = Field(default=0, ge=0, le=1_000_000)
     """Served `/v1/reorder` requests kept in this replica's memory (query, passages and
     served order; the latest) so that `POST /v1/feedback` can take the generator's answer to

@@ -5,9 +5,10 @@ The label-free method of ``profile-generator --no-labels`` (``solver.blind_profi
 live traffic: with ``generator_url`` and ``generator_model`` set, ``auto`` offers each request
 it served (``GeneratorSampler.offer``, on the event loop: a random draw and a bounded append);
 a share ``generator_sample_rate`` of them is queued, at most ``QUEUE_SIZE`` waiting (a full
-queue drops the sample, counted). In the background (``run_forever``, never awaited by a
-request) each queued sample's passages are placed in a random order seeded by the request id,
-the generator is asked once through the same budgeted client as the offline tool (every HTTP
+queue drops the sample, counted), each caller within its share (``CallerShares``). In the
+background (``run_forever``, never awaited by a request) each queued sample's passages are
+placed in a random order the server drew (``SystemRandom``: nothing the caller sends seeds
+it), the generator is asked once through the same budgeted client as the offline tool (every HTTP
 attempt, retries included, counted against ``generator_max_calls_per_hour`` in a rolling hour:
 a hard bound), and its answer is attributed to the passages that hold it
 (``solver.blind_profile.attribute``). Only numbers are kept: the order shown and the answer's
@@ -15,8 +16,12 @@ weight per slot, in the state store's ``auto/generator`` spool (the profile fold
 per passage count, so a restart and every replica pool them. The answer's text is dropped at
 once. The caller's own order is never randomised: only the service's background call is.
 
-After each answer the passage count's estimate is refitted (``fit_blind_profile``, auto's
-trust thresholds, in the background worker process: ``service.runtime.background``). Trusted
+As answers arrive the passage count's estimate is refitted (``fit_blind_profile``, auto's
+trust thresholds, in the background worker process: ``service.runtime.background``; after
+every answer up to 50, then once ``generator_refit_growth`` of the pool is new). A trusted
+profile's newest ``generator_drift_window`` answers are tested against the older ones after
+every answer (``solver.blind_profile.drift``); a drift withdraws it and the answers pooled
+before are dropped (``_drifted``). Trusted
 (``shaped``, or shown ``flat``), it is stored under the generator's name (identification
 ``answers-online``, trust source ``generator_online``) and ``auto`` places that passage
 count by it (``placing``). A stored profile this sampler did not write (an operator's
@@ -39,13 +44,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
+import math
 import os
 import random
 import threading
 import time
-import zlib
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -86,10 +92,11 @@ from solver.blind_profile import (
     AttributionKind,
     BlindProfile,
     attribute,
+    drift,
     fit_blind_profile,
     slot_weights,
 )
-from solver.trust import TrustRules, holds
+from solver.trust import Drift, TrustRules, holds
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +206,73 @@ class _Sample:
     """``order[k]``: the passage shown in slot ``k``."""
 
 
+_HOUR_S = 3600.0
+
+
+class CallerShares:
+    """Per-caller bounds on the requests sampled for the generator (in memory, per process).
+
+    - **The pooled answers**: per passage count, a caller may hold at most
+      ``auto_max_caller_share`` of the latest ``window`` samples, each counting for
+      ``auto_caller_window_s``, while another caller's sample is among them (alone too with
+      ``auto_bound_lone_caller``): the rule ``auto``'s learner applies to its runs
+      (``ProfileLearner._within_share``), so no caller shapes the profile every caller is
+      placed by, nor resets it by forcing a drift.
+    - **The hourly calls**: a caller may take at most ``generator_max_caller_calls_share`` of
+      ``generator_max_calls_per_hour`` in any rolling hour (at least one), alone or not.
+
+    A request without a caller (``None``: in-process) is not bounded."""
+
+    def __init__(self, settings: Settings, window: int, clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.window = window
+        self._clock = clock
+        self._recent: dict[int, deque[tuple[float, str]]] = {}
+        self._hour: deque[tuple[float, str]] = deque()
+        self._in_hour: Counter[str] = Counter()
+        self.per_hour = max(
+            1,
+            math.floor(
+                settings.generator_max_caller_calls_share * settings.generator_max_calls_per_hour
+            ),
+        )
+        """Most samples of one caller in any rolling hour."""
+
+    def admit(self, caller: str | None, slots: int) -> str | None:
+        """``None`` and the sample counted if ``caller`` is within both bounds, else why not."""
+        if caller is None:
+            return None
+        now = self._clock()
+        while self._hour and now - self._hour[0][0] >= _HOUR_S:
+            _, old = self._hour.popleft()
+            self._in_hour[old] -= 1
+            if self._in_hour[old] <= 0:
+                del self._in_hour[old]
+        capped = self.settings.generator_max_caller_calls_share < 1.0
+        if capped and self._in_hour[caller] >= self.per_hour:
+            return (
+                f"caller over its {self.per_hour} sampled request(s) an hour "
+                "(RAG_REORDER_GENERATOR_MAX_CALLER_CALLS_SHARE)"
+            )
+        recent = self._recent.get(slots)
+        if recent is None:
+            recent = self._recent[slots] = deque(maxlen=self.window)
+        while recent and now - recent[0][0] > self.settings.auto_caller_window_s:
+            recent.popleft()
+        share = self.settings.auto_max_caller_share
+        mine = sum(1 for _, c in recent if c == caller)
+        alone = mine == len(recent)
+        # Half a sample of slack, as the learner's: two callers at 0.5 take turns.
+        if (not alone or self.settings.auto_bound_lone_caller) and (
+            mine + 1 > share * (len(recent) + 1) + 0.5
+        ):
+            return "caller over its share of the recent samples (RAG_REORDER_AUTO_MAX_CALLER_SHARE)"
+        recent.append((now, caller))
+        self._hour.append((now, caller))
+        self._in_hour[caller] += 1
+        return None
+
+
 @dataclass
 class OnlineStatus:
     """What this replica knows of one passage count's online profile."""
@@ -213,6 +287,10 @@ class OnlineStatus:
     kept: str | None = None
     """Why the trusted profile is still placed by though the last refit is undecided
     (``solver.trust.holds``); ``None`` when it is not so kept."""
+    unfitted: int = 0
+    """Answers this process pooled since its last refit (``generator_refit_growth``)."""
+    drift: Drift | None = None
+    """The last drift test of the trusted profile (``None``: none run since it was trusted)."""
 
     @property
     def placing(self) -> StoredProfile | None:
@@ -226,10 +304,11 @@ class GeneratorCounters:
     """Totals the metrics export (event-loop thread only)."""
 
     samples: dict[str, int] = field(
-        default_factory=lambda: {"taken": 0, "dropped": 0, "over_budget": 0}
+        default_factory=lambda: {"taken": 0, "dropped": 0, "over_budget": 0, "caller_capped": 0}
     )
     """Requests drawn for the generator: queued (``taken``), not queued because the queue was
-    full (``dropped``) or the hour's calls were spent (``over_budget``)."""
+    full (``dropped``), the hour's calls were spent (``over_budget``) or the caller held its
+    share (``caller_capped``: ``CallerShares``)."""
     failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FAILURES, 0))
     """Samples the generator did not answer, by why."""
     answers: dict[AttributionKind, int] = field(
@@ -242,6 +321,8 @@ class GeneratorCounters:
     was not a random placement)."""
     stored: int = 0
     """Profiles stored (trusted, or a trusted one of ours withdrawn)."""
+    drift_events: int = 0
+    """Trusted profiles withdrawn because their newest answers disagreed (``_drifted``)."""
     ties: dict[str, int] = field(default_factory=lambda: {"broken": 0, "split": 0})
     """Answers held by several passages: the tie broken by the scoring model's likelihood
     (``broken``), or the weight split among them (``split``: no scorer, or it failed)."""
@@ -317,7 +398,11 @@ class GeneratorSampler:
         self.served = ServedRequests(settings.feedback_max_requests, settings.feedback_ttl_s)
         """Served requests kept for ``POST /v1/feedback`` (none while it is off)."""
         self.counters = GeneratorCounters()
-        self._rng = random.Random(settings.seed)
+        # The draws and the orders shown come from the OS, never from anything a caller sends
+        # (a request id, a seed): a caller that chose its ids picked the slot its passage was
+        # shown in, and so the "profile" every caller is placed by (issue 90).
+        self._rng = random.SystemRandom()
+        self.callers = CallerShares(settings, settings.generator_drift_window, clock)
         self._queue: deque[_Sample] = deque()
         self._wake: anyio.Event | None = None
         self._status: dict[int, OnlineStatus] = {}
@@ -349,9 +434,18 @@ class GeneratorSampler:
 
     # --- the request path (event-loop thread) ---------------------------------------
 
-    def offer(self, request_id: str | None, query: str, passages: Sequence[Passage]) -> bool:
-        """Draw whether a served request is also sent to the generator; queue it if so.
-        Cheap (a random draw, an append); never raises. Returns whether it was queued."""
+    def offer(
+        self,
+        request_id: str | None,
+        query: str,
+        passages: Sequence[Passage],
+        caller: str | None = None,
+    ) -> bool:
+        """Draw whether a served request is also sent to the generator; queue it if so,
+        within ``caller``'s share (``CallerShares``: ``auto``'s caller, the request's
+        ``caller``). Cheap (a random draw, an append); never raises. Returns whether it was
+        queued. The order shown is drawn by the server (``SystemRandom``), not seeded by
+        ``request_id``: that only names the generator's call in its logs."""
         if self._closed or self.rate <= 0 or len(passages) < 2:
             return False
         if self._rng.random() >= self.rate:
@@ -362,9 +456,12 @@ class GeneratorSampler:
         if len(self._queue) >= QUEUE_SIZE:
             self.counters.samples["dropped"] += 1
             return False
+        if self.callers.admit(caller, len(passages)) is not None:
+            self.counters.samples["caller_capped"] += 1
+            return False
         rid = request_id or f"sample-{time.monotonic_ns():x}"
         order = list(range(len(passages)))
-        random.Random(zlib.crc32(f"generator:{self.settings.seed}:{rid}".encode())).shuffle(order)
+        self._rng.shuffle(order)
         self._queue.append(_Sample(rid, query, tuple(passages), tuple(order)))
         self.counters.samples["taken"] += 1
         if self._wake is not None:
@@ -474,7 +571,9 @@ class GeneratorSampler:
         weights = slot_weights([list(range(n))], [found.passages])[0]
         run = (np.asarray([order], dtype=np.int64), weights)
         await self._off_loop(lambda: self.spool.append(self._key(n), run, time.time()))
-        await self._refit(n)
+        self.placing(n)
+        self._status[n].unfitted += 1
+        await self._refit(n, force=False)
         return found
 
     async def feedback(self, response_id: str, answer: str) -> Feedback:
@@ -520,17 +619,51 @@ class GeneratorSampler:
         # Full-length random placements of n passages: the design group "random".
         return SampleKey(self.model, self.template.name, "random", n)
 
-    async def _refit(self, n: int) -> None:
+    async def _refit(self, n: int, *, force: bool = True) -> None:
+        """Test the trusted profile of ``n`` passages for drift on the newest answers, then
+        refit the pool and store what changed; without ``force``, the refit only once
+        ``generator_refit_growth`` of the pool arrived since the last one."""
         self.placing(n)  # the stored profile, as fresh as requests see it
         st = self._status[n]
+        ours = st.stored is None or st.stored.identification == IDENTIFICATION
+        # After a drift only the answers pooled since are this generator's now.
+        since = (
+            st.stored.trust.learning_since
+            if ours and st.stored is not None and st.stored.trust is not None
+            else None
+        )
         try:
-            runs = await self._off_loop(lambda: self.spool.runs(self._key(n)))
+            runs = await self._off_loop(lambda: self.spool.runs(self._key(n), since=since))
         except StateUnavailable as exc:
             log.debug("generator answers of %d passages not read: %s", n, exc)
             return
         rows = [r[1] for r in runs if r[1].shape == (n,)]
         if not rows:
             return
+        placing = st.placing
+        window = self.settings.generator_drift_window
+        if ours and placing is not None and placing.trust is not None and len(rows) >= 2 * window:
+            held = placing.trust
+            # The newest answers against the ones before them (independent sets), as auto's
+            # explore runs are tested against its profile: refitted on the whole pool, a
+            # reversed generator kept its old profile trusted for about 500 answers.
+            st.drift = await self._background.run(
+                drift,
+                np.stack(rows[:-window]),
+                np.stack(rows[-window:]),
+                held=held.verdict,
+                held_top=held.top_slots,
+                placement_slots=n,
+                rules=self.rules,
+                seed=self.settings.seed,
+            )
+            if st.drift.drifted:
+                await self._drifted(st, placing, st.drift)
+                return
+        due = max(1, math.ceil(self.settings.generator_refit_growth * len(rows)))
+        if not force and st.unfitted < due:
+            return
+        st.unfitted = 0
         # The bootstrap in the background worker, a process: on this thread it would hold
         # the interpreter lock the event loop needs (service.runtime.background).
         fit = await self._background.run(
@@ -541,8 +674,6 @@ class GeneratorSampler:
             seed=self.settings.seed,
         )
         st.fit = fit
-        ours = st.stored is None or st.stored.identification == IDENTIFICATION
-        placing = st.placing
         kept, why = False, ""
         if ours and placing is not None and placing.trust is not None and not fit.trusted:
             # A hysteresis: refitted after every answer, a profile near the trust bar would
@@ -557,10 +688,19 @@ class GeneratorSampler:
         withdraw = placing is not None and not fit.trusted and not kept
         if not ours or not (fit.trusted or withdraw):
             return
-        held = st.stored.trust if st.stored is not None else None
-        since = held.trusted_since if held is not None and held.trusted else None
-        trust = ProfileTrust.of_blind(
-            fit, source=TRUST_SOURCE, trusted_since=(since or time.time()) if fit.trusted else None
+        held_trust = st.stored.trust if st.stored is not None else None
+        trusted = (
+            held_trust.trusted_since if held_trust is not None and held_trust.trusted else None
+        )
+        if trusted is None or not fit.trusted:
+            st.drift = None  # a new trusted profile is tested from its own answers on
+        trust = dataclasses.replace(
+            ProfileTrust.of_blind(
+                fit,
+                source=TRUST_SOURCE,
+                trusted_since=(trusted or time.time()) if fit.trusted else None,
+            ),
+            learning_since=since,
         )
         st.stored = await self._off_loop(lambda: self._store(fit, trust, len(rows)))
         self.counters.stored += 1
@@ -568,11 +708,48 @@ class GeneratorSampler:
             log.warning(
                 "generator profile %s no longer trusted: %s; %s", st.stored.id, why, fit.reason
             )
-        elif since is None:
+        elif trusted is None:
             log.info(
                 "generator profile %s trusted after %d answer(s): %s (%s)",
                 st.stored.id, fit.questions, fit.verdict, fit.reason,
             )  # fmt: skip
+
+    async def _drifted(self, st: OnlineStatus, placing: StoredProfile, found: Drift) -> None:
+        """Withdraw ``placing`` (stored ``undecided``, on every replica) and pool only the
+        answers from now on (``learning_since``), as ``auto``'s learner resets on drift."""
+        assert placing.trust is not None
+        now = time.time()
+        self.counters.drift_events += 1
+        log.warning(
+            "generator profile %s drifted: its newest %d answer(s) %s; withdrawn, learned "
+            "again from new answers only", placing.id, self.settings.generator_drift_window,
+            found.reason,
+        )  # fmt: skip
+        reset = dataclasses.replace(
+            placing.trust,
+            verdict="undecided",
+            reason=f"drift: the newest answers {found.reason}; learning again from new answers",
+            runs=0,
+            assessed_at=now,
+            learning_since=now,
+            trusted_since=None,
+        )
+        st.stored = await self._off_loop(
+            lambda: self.profiles.put(
+                model=placing.model,
+                template=placing.template,
+                coefficients=placing.coefficients,
+                identification=IDENTIFICATION,
+                runs=placing.runs,
+                prompts=placing.prompts,
+                r2=None,
+                source=placing.source,
+                oriented_by=placing.oriented_by,
+                trust=reset,
+            )
+        )
+        self.counters.stored += 1
+        st.fit, st.kept, st.unfitted = None, None, 0
 
     def _store(self, fit: BlindProfile, trust: ProfileTrust, answers: int) -> StoredProfile:
         return self.profiles.put(

@@ -86,7 +86,7 @@ class Auto:
         if sampler is not None:
             # Served first, in the order chosen for the caller: the generator's sample is
             # asked in a random order of its own, in the background (never awaited here).
-            sampler.offer(work.request_id, request.query, request.passages)
+            sampler.offer(work.request_id, request.query, request.passages, request.caller)
         return outcome
 
     async def _serve(self, work: Work, request: ReorderRequest) -> Outcome:

@@ -7,7 +7,9 @@ lean test vLLM's OpenAI server on SmolLM2 (the session's ``vllm_server``)."""
 
 from __future__ import annotations
 
+import random
 import time
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -137,6 +139,52 @@ async def test_against_vllms_openai_server(vllm_server: str, tmp_path: Path) -> 
     [prof] = info["profiles"]
     # Three answers decide nothing: an honest "cannot tell yet", nothing placed by.
     assert prof["answers"] == 3 and prof["verdict"] == "undecided" and not prof["placing"]
+
+
+async def test_a_caller_s_request_id_steers_neither_the_order_nor_the_profile(
+    tmp_path: Path,
+) -> None:
+    """Issue 90, item 1, over HTTP with the ordinary API: one ``X-Request-Id``, chosen so
+    that the id-seeded order of before showed the passage a generator with no slot
+    preference answers from last every time. That made it look "shaped" and the next
+    caller's best passage was placed last. The server draws the orders now, and the caller
+    (the client address, as for auto's learning runs) holds at most its share of the
+    hour's calls."""
+    best = max(range(N), key=lambda i: TRUTH[PASSAGES[i]])
+
+    def old_order(rid: str) -> list[int]:
+        order = list(range(N))
+        random.Random(zlib.crc32(f"generator:0:{rid}".encode())).shuffle(order)
+        return order
+
+    rid = next(f"chosen-{i}" for i in range(1000) if old_order(f"chosen-{i}")[-1] == best)
+    with canned_generator(lambda call: 0) as gen:
+        gen.answer = lambda body: PASSAGES[best]  # type: ignore[method-assign]
+        async with serving(
+            tmp_path,
+            generator_url=gen.url,
+            generator_model="canned-generator",
+            generator_sample_rate=1.0,
+            generator_max_calls_per_hour=24,
+            generator_max_caller_calls_share=0.5,
+        ) as h:
+            for _ in range(16):
+                r = await h.client.post("/v1/reorder", json=body(), headers={"X-Request-Id": rid})
+                assert r.status_code == 200, r.text
+                await drained(sampler(h))
+            s = sampler(h)
+            prompts = {c["body"]["messages"][-1]["content"] for c in gen.calls}
+            assert len(prompts) > 1  # before: one prompt, the passage answered from last
+            # 12 of the hour's 24 calls for this caller; the rest counted, not sent.
+            assert s.counters.samples["taken"] == 12 and len(gen.calls) == 12
+            assert s.counters.samples["caller_capped"] == 4
+            capped = {"outcome": "caller_capped"}
+            assert h.metric("rag_reorder_generator_samples_total", capped) == 4
+            assert h.metric("rag_reorder_generator_drift_events_total") == 0
+            [prof] = (await h.client.get("/info")).json()["auto"]["generator_online"]["profiles"]
+            assert prof["verdict"] != "shaped" and not prof["placing"]
+            auto = (await h.client.post("/v1/reorder", json=body())).json()["auto"]
+            assert auto["path"] != "profile"
 
 
 # --- POST /v1/feedback ----------------------------------------------------------------

@@ -1,14 +1,18 @@
 """``auto``'s online sampler of the generator (``service.learning.generator_online``), against
 a real OpenAI-compatible HTTP server on localhost that answers from a chosen prompt slot
-(``tests.support.canned_generator``): sampled requests asked in a seeded random order, the
-answers attributed, pooled as numbers only and trusted by auto's rule, the profile stored under
-the generator's name and kept across a restart; the hourly budget and the bounded queue as hard
-bounds; the key sent only where the offline tool sends it; a refusal counted, not raised."""
+(``tests.support.canned_generator``): sampled requests asked in a random order the server
+draws, the answers attributed, pooled as numbers only and trusted by auto's rule, the profile
+stored under the generator's name and kept across a restart; the hourly budget and the bounded
+queue as hard bounds; the key sent only where the offline tool sends it; a refusal counted, not
+raised; per-caller shares; drift; refits paced on a large pool."""
 
 from __future__ import annotations
 
 import json
+import random
+import re
 import time
+import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -102,7 +106,7 @@ async def test_sampled_answers_are_attributed_pooled_trusted_stored_and_kept_ove
                 assert sampler.offer(f"req-{q}", f"Which word does request {q} want?", passages(q))
                 await drained(sampler)
             [st] = sampler.status()
-        # One call a sample, each its passages in a random order seeded by the request id.
+        # One call a sample, each its passages in a random order the server drew.
         assert len(gen.calls) == 40
         assert {c["path"] for c in gen.calls} == {"/v1/chat/completions"}
         orders = []
@@ -178,7 +182,12 @@ async def test_the_hourly_budget_and_the_queue_bound_what_is_sent(tmp_path: Path
         # Offered before the background runs: the queue holds QUEUE_SIZE, the rest dropped.
         took = [sampler.offer(f"r{q}", "which word?", passages(q)) for q in range(QUEUE_SIZE + 2)]
         assert took == [True] * QUEUE_SIZE + [False, False]
-        assert sampler.counters.samples == {"taken": QUEUE_SIZE, "dropped": 2, "over_budget": 0}
+        assert sampler.counters.samples == {
+            "taken": QUEUE_SIZE,
+            "dropped": 2,
+            "over_budget": 0,
+            "caller_capped": 0,
+        }
         async with running(sampler):
             await drained(sampler)
             # Three calls this hour, the rest of the queue refused at the transport.
@@ -337,4 +346,192 @@ async def test_an_answer_held_by_several_passages_goes_to_the_likeliest(tmp_path
     kept = await sampler._learn("Who wrote it?", passages, order, "Mary Shelley")
     assert kept.passages == (0, 2)
     assert sampler.counters.ties == {"broken": 1, "split": 2}
+    await sampler.aclose()
+
+
+# --- issue 90: nothing a caller sends steers the profile ------------------------------
+
+
+def old_order(rid: str, n: int = N) -> list[int]:
+    """The order the sampler showed before issue 90: seeded by the caller's request id."""
+    order = list(range(n))
+    random.Random(zlib.crc32(f"generator:0:{rid}".encode())).shuffle(order)
+    return order
+
+
+def shown_orders(gen: Any, queries: Sequence[int]) -> list[tuple[int, ...]]:
+    """The order of request ``queries[i]``'s passages in the generator's i-th prompt."""
+    out = []
+    for q, call in zip(queries, gen.calls, strict=True):
+        prompt = call["body"]["messages"][-1]["content"]
+        out.append(tuple(sorted(range(N), key=lambda p: prompt.index(f"w{q}_{p}"))))
+    return out
+
+
+def answers_passage(p: int) -> Callable[[dict[str, Any]], str]:
+    """A generator with no slot preference: it answers from passage ``p`` wherever it is."""
+
+    def answer(body: dict[str, Any]) -> str:
+        prompt = body["messages"][-1]["content"]
+        found = re.search(rf"Filler {p}: the word here is w\d+_{p}\.", prompt)
+        assert found is not None
+        return found.group(0)
+
+    return answer
+
+
+async def test_a_constant_request_id_gets_random_orders(tmp_path: Path) -> None:
+    """An honest client that sends one X-Request-Id: the generator sees a new random order
+    each time (before, one permutation: the "profile" measured the client's retriever)."""
+    with canned_generator(last_slot_mostly) as gen:
+        async with running(sampler_for(tmp_path, gen.url)) as sampler:
+            for q in range(12):
+                assert sampler.offer("the-same-id", f"Which word for {q}?", passages(q))
+                await drained(sampler)
+        orders = shown_orders(gen, range(12))
+    # All alike has chance 24**-11 with random orders; before, all 12 were one order.
+    assert len(set(orders)) > 1, orders
+
+
+async def test_a_caller_choosing_request_ids_cannot_make_a_flat_generator_look_shaped(
+    tmp_path: Path,
+) -> None:
+    """Issue 90, item 1: request ids chosen so that the id-seeded order showed the passage
+    the generator answers from (whatever its slot) last made a generator with no slot
+    preference look shaped after 13 requests, and every caller was then placed by it.
+    The orders are the server's now: the answers spread over the slots."""
+    ids = [f"pick-{i}" for i in range(10_000) if old_order(f"pick-{i}")[-1] == 0][:16]
+    with canned_generator(last_slot_mostly) as gen:
+        gen.answer = answers_passage(0)  # type: ignore[method-assign]
+        async with running(sampler_for(tmp_path, gen.url)) as sampler:
+            for q, rid in enumerate(ids):
+                assert sampler.offer(rid, f"Which word for {q}?", passages(q))
+                await drained(sampler)
+            [st] = sampler.status()
+        slots = [order.index(0) for order in shown_orders(gen, range(len(ids)))]
+    assert len(set(slots)) > 1, slots  # before: slot N - 1 every time
+    assert st.fit is not None and st.fit.verdict != "shaped", st.fit.reason
+    assert st.placing is None
+
+
+def test_a_caller_sending_many_requests_holds_at_most_its_share(tmp_path: Path) -> None:
+    """Per caller: at most ``auto_max_caller_share`` of the recent samples while another
+    caller contributes (auto's learner's rule), and at most
+    ``generator_max_caller_calls_share`` of the hour's calls, alone or not."""
+    now = [1000.0]
+    sampler = sampler_for(
+        tmp_path, "http://127.0.0.1:9/v1", clock=lambda: now[0],
+        generator_max_calls_per_hour=1000, auto_max_caller_share=0.5,
+    )  # fmt: skip
+    taken: dict[str, int] = {"honest": 0, "hostile": 0}
+    for q in range(40):
+        for who, tries in (("honest", 1), ("hostile", 10)):
+            for t in range(tries):
+                taken[who] += sampler.offer(f"{who}-{q}-{t}", "which word?", passages(q), who)
+        sampler._queue.clear()  # the queue's bound is another test's
+        now[0] += 1.0
+    assert taken["honest"] == 40
+    assert taken["hostile"] <= 41, taken  # one for one, not ten for one
+    assert sampler.counters.samples["caller_capped"] == 400 - taken["hostile"]
+
+    # The hour's calls: a lone caller takes at most half of them; another still gets its own.
+    hourly = sampler_for(
+        tmp_path, "http://127.0.0.1:9/v1", clock=lambda: now[0],
+        generator_max_calls_per_hour=10, generator_max_caller_calls_share=0.5,
+    )  # fmt: skip
+    got = []
+    for q in range(20):
+        got.append(hourly.offer(f"h{q}", "which word?", passages(q), "hostile"))
+        hourly._queue.clear()
+    assert sum(got) == 5 and hourly.counters.samples["caller_capped"] == 15
+    assert hourly.offer("o1", "which word?", passages(1), "other")
+    now[0] += 3601.0  # the hour moved on
+    assert hourly.offer("h-next", "which word?", passages(2), "hostile")
+
+
+# --- issue 90, item 3: drift --------------------------------------------------------
+
+
+def first_slot_mostly(call: int) -> int:
+    """``last_slot_mostly`` mirrored: the generator's preference reversed."""
+    return N - 1 - last_slot_mostly(call)
+
+
+async def test_a_reversed_generator_is_caught_by_the_drift_test_and_learned_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 90, item 3: the pooled refit kept a reversed generator's old profile trusted
+    for hundreds of answers. The newest ``generator_drift_window`` answers are tested against
+    the ones before them: the reversal is a drift (counted, logged), the profile is withdrawn
+    on every replica (stored ``undecided``), and it is learned again from new answers only."""
+    sampler = sampler_for(tmp_path, "http://127.0.0.1:9/v1", generator_drift_window=10)
+    shuffle = random.Random(5).shuffle
+    asked = iter(range(10_000))
+
+    async def answer(slot_of: Callable[[int], int]) -> None:
+        """The generator's answer to a request shown in a random order, from slot_of's slot."""
+        q = next(asked)
+        order = list(range(N))
+        shuffle(order)
+        ps = passages(q)
+        await sampler._learn(f"Which word for {q}?", ps, order, ps[order[slot_of(q)]].text)
+
+    for _ in range(40):
+        await answer(last_slot_mostly)
+    [st] = sampler.status()
+    assert st.placing is not None and st.placing.trust is not None
+    assert st.placing.trust.top_slots == (N - 1, 0)
+
+    def placed() -> tuple[int, ...] | None:
+        return st.placing.trust.top_slots if st.placing and st.placing.trust else None
+
+    withdrawn = None
+    for i in range(1, 41):
+        await answer(first_slot_mostly)
+        if placed() != (N - 1, 0):
+            withdrawn = i
+            break
+    # The pooled refit alone (no drift test) withdrew it at the 24th reversed answer.
+    assert withdrawn is not None and withdrawn <= 16, withdrawn  # 11; 24 without the test
+    assert placed() is None and sampler.counters.drift_events == 1
+    assert "drifted" in caplog.text and "learned again from new answers only" in caplog.text
+    stored = sampler.profiles.get(MODEL, "qa_default", N)
+    assert stored is not None and stored.trust is not None
+    assert stored.trust.verdict == "undecided" and stored.trust.reason.startswith("drift:")
+    assert stored.trust.learning_since is not None
+
+    replaced = None
+    for j in range(1, 61):
+        await answer(first_slot_mostly)
+        if placed() is not None:
+            replaced = j
+            break
+    assert replaced is not None and placed() == (0, N - 1)
+    assert st.fit is not None and st.fit.questions == replaced  # the new answers only
+    assert sampler.counters.drift_events == 1
+    await sampler.aclose()
+
+
+async def test_a_large_pool_is_refitted_once_a_share_of_it_is_new(tmp_path: Path) -> None:
+    """Issue 90, item 5: a refit of 2,000 answers x 100 slots took 13-20 s and was run after
+    every answer. Past ``1 / generator_refit_growth`` answers the pool is refitted once that
+    share of it is new (a refit before the first answer of a start, ``_load``, always)."""
+    sampler = sampler_for(tmp_path, "http://127.0.0.1:9/v1", generator_refit_growth=0.1)
+    key = sampler._key(N)
+    shown = np.asarray([list(range(N))], dtype=np.int64)
+    for q in range(100):
+        row = np.zeros(N)
+        row[last_slot_mostly(q)] = 1.0
+        sampler.spool.append(key, (shown, row), time.time())
+    await sampler._refit(N)
+    [st] = sampler.status()
+    assert st.fit is not None and st.fit.questions == 100
+    fitted = []
+    for q in range(100, 112):
+        ps = passages(q)
+        await sampler._learn(f"Which word for {q}?", ps, list(range(N)), ps[N - 1].text)
+        assert st.fit is not None
+        fitted.append(st.fit.questions)
+    # 11 new of 111 pooled are under 10% (12 due); the 12th of 112 is refitted.
+    assert fitted == [100] * 11 + [112], fitted
     await sampler.aclose()

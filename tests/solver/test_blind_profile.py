@@ -3,12 +3,16 @@ over randomised placements with auto's trust rule."""
 
 from __future__ import annotations
 
+import tracemalloc
+
 import numpy as np
 import pytest
 
+import solver.blind_profile as blind
 from solver.blind_profile import (
     attribute,
     break_tie,
+    drift,
     fit_blind_profile,
     flat_test,
     normalize,
@@ -129,6 +133,28 @@ def test_the_flatness_test_holds_its_level_on_few_answers() -> None:
     assert flat_test(skewed, np.random.default_rng(0)) < 0.01
 
 
+def test_a_refit_s_peak_memory_is_bounded_whatever_the_resamples(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 90, item 5: the flatness test and the bootstrap copied resamples x answers x
+    slots at once (999 x 400 x 50 doubles, 160 MB, here; +1.5 GB at 2,000 x 100). Chunked,
+    the peak is about ``CHUNK_BYTES`` (16 MiB), and the figures of a seed are unchanged:
+    one resample a chunk gives exactly what one chunk of all of them (the old code) gives."""
+    theta = np.linspace(1.0, 2.0, 50)
+    w = _simulate(theta / theta.sum(), 400, seed=4)
+    tracemalloc.start()
+    try:
+        fit = fit_blind_profile(w, seed=0)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 48 << 20, f"peak {peak / 2**20:.0f} MiB"  # 3 x CHUNK_BYTES
+    monkeypatch.setattr(blind, "CHUNK_BYTES", 1 << 40)  # all at once, as before
+    assert fit_blind_profile(w, seed=0) == fit
+    monkeypatch.setattr(blind, "CHUNK_BYTES", 1)  # one resample at a time
+    assert fit_blind_profile(w, seed=0) == fit
+
+
 def test_bad_weight_matrices_are_refused() -> None:
     with pytest.raises(ValueError, match="sum to at most 1"):
         fit_blind_profile([[0.7, 0.7]])
@@ -148,3 +174,32 @@ def test_a_tie_goes_to_the_likeliest_passage_and_exact_ties_stay_split() -> None
         break_tie(tied, [-1.0])
     with pytest.raises(ValueError, match="need 2 finite"):
         break_tie(tied, [-1.0, float("nan")])
+
+
+def test_the_drift_test_holds_its_level_and_catches_a_reversed_generator() -> None:
+    """``drift``: the newest answers against the older ones by randomisation. From an
+    unchanged generator, p-values are uniform (few below 0.05, none at the drift level); the
+    same generator's slots mirrored is a drift that places other top slots; a held ``flat``
+    profile drifts only when the newest answers are not flat."""
+    theta = np.array([1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.5, 2.0, 3.0])
+    theta /= theta.sum()
+    ps = []
+    for seed in range(20):
+        older, newer = _simulate(theta, 600, seed=seed), _simulate(theta, 100, seed=100 + seed)
+        found = drift(older, newer, held="shaped", held_top=(9, 8), seed=seed)
+        assert not found.drifted, found.reason
+        ps.append(found.p)
+    assert sum(p < 0.05 for p in ps) <= 4 and min(ps) > 0.001, ps
+    mirrored = _simulate(theta[::-1], 100, seed=7)
+    found = drift(_simulate(theta, 600, seed=8), mirrored, held="shaped", held_top=(9, 8))
+    assert found.drifted and found.p <= 0.001 and found.top_slots[0] == 0, found.reason
+    assert "place slots" in found.reason
+    flat = np.full(10, 0.1)
+    still = drift(_simulate(flat, 600, seed=9), _simulate(flat, 100, seed=10), held="flat",
+                  held_top=(0, 1))  # fmt: skip
+    assert not still.drifted
+    shaped_now = drift(_simulate(flat, 600, seed=9), _simulate(theta, 300, seed=11),
+                       held="flat", held_top=(0, 1))  # fmt: skip
+    assert shaped_now.drifted and "no longer flat" in shaped_now.reason
+    few = drift(_simulate(theta, 600, seed=12), mirrored[:5], held="shaped", held_top=(9, 8))
+    assert not few.drifted and "fewer than 8" in few.reason

@@ -43,6 +43,10 @@ def server(tmp_path_factory: pytest.TempPathFactory, smollm2_dir: Path) -> Itera
         "RAG_REORDER_CACHE_DIR": str(folder),
         "RAG_REORDER_CANARY_INTERVAL_S": "0",
         "RAG_REORDER_DRAIN_TIMEOUT_S": "20",
+        # POST /v1/feedback on: the served requests it needs are in the profile folder.
+        "RAG_REORDER_FEEDBACK_MAX_REQUESTS": "100",
+        "RAG_REORDER_GENERATOR_MODEL": "feedback-generator",
+        "RAG_REORDER_OPEN_WRITES": "true",
     }
     with server_process(["-m", "app", "serve", "--port", "{port}"], folder / "log", env) as s:
         s.wait_ready(120)
@@ -115,6 +119,25 @@ def test_both_workers_serve_one_port_and_every_scrape_sums_their_counters(
     assert len(sums) == 1 and sums.pop() > 0
     # The engine process's forwards are in the same scrape.
     assert metric(server, "rag_reorder_batch_fill_ratio_count") > 0
+
+
+def test_feedback_on_a_served_shuffle_reaches_its_record_whichever_worker_receives_it(
+    server: ServerProcess,
+) -> None:
+    """Issue 90, item 8: served requests were kept in the serving worker's memory, so with
+    two workers feedback found its request about one time in two (404 otherwise). Now they
+    are in the state store (the profile folder) that both workers read. Each request and
+    its feedback go on new connections, so either worker may take either."""
+    used = []
+    for q in range(12):
+        body = {**BODY, "query": f"{BODY['query']} ({q})", "strategy": "shuffle"}
+        served = httpx.post(f"{server.base_url}/v1/reorder", json=body, timeout=30)
+        assert served.status_code == 200, served.text
+        last = served.json()["order"][-1]
+        answer = {"id": served.json()["id"], "answer": PASSAGES[last]}
+        r = httpx.post(f"{server.base_url}/v1/feedback", json=answer, timeout=30)
+        used.append((r.status_code, r.json().get("used"), r.json().get("slots")))
+    assert used == [(200, True, [len(PASSAGES) - 1])] * 12
 
 
 def test_a_killed_worker_is_restarted_and_the_other_serves_meanwhile(server: ServerProcess) -> None:

@@ -693,10 +693,11 @@ def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
 
 
-# Every script takes KEYS: the index (a sorted set of members by time), the sizes (a hash),
-# the byte total; ARGV[1]: the prefix of the records' own keys. The time is Redis's (TIME),
-# so replicas' clocks do not matter. Expired members are dropped first: their records are
-# gone already (PX), their sizes must go too.
+# Every script takes KEYS: the index (a sorted set of members by time in microseconds), the
+# sizes (a hash), the byte total; ARGV[1]: the prefix of the records' own keys, ARGV[2] the
+# expiry in milliseconds. The time is Redis's (TIME), so replicas' clocks do not matter.
+# Expired members are dropped first: their records are gone already (PX), their sizes must
+# go too.
 _DROP = """
 local function drop(m)
     local s = redis.call('hget', KEYS[2], m)
@@ -708,8 +709,8 @@ local function drop(m)
     redis.call('del', ARGV[1] .. m)
 end
 local t = redis.call('time')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-local ttl = tonumber(ARGV[2])
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local ttl = tonumber(ARGV[2]) * 1000
 for _, m in ipairs(redis.call('zrangebyscore', KEYS[1], '-inf', now - ttl)) do drop(m) end
 """
 # ARGV: prefix, ttl ms, member, record, size, max records, max bytes.
@@ -724,11 +725,15 @@ while redis.call('zcard', KEYS[1]) > 0 and (
         or tonumber(redis.call('get', KEYS[3]) or '0') + size > tonumber(ARGV[7])) do
     drop(redis.call('zrange', KEYS[1], 0, 0)[1])
 end
-redis.call('set', ARGV[1] .. ARGV[3], ARGV[4], 'PX', ttl)
+redis.call('set', ARGV[1] .. ARGV[3], ARGV[4], 'PX', ARGV[2])
+-- Puts within one microsecond still go out in the order they came (a tie would be
+-- ordered by member, i.e. by digest): each score is above the newest one's.
+local newest = redis.call('zrange', KEYS[1], -1, -1, 'WITHSCORES')[2]
+if newest and tonumber(newest) >= now then now = tonumber(newest) + 1 end
 redis.call('zadd', KEYS[1], now, ARGV[3])
 redis.call('hset', KEYS[2], ARGV[3], size)
 redis.call('incrby', KEYS[3], size)
-for i = 1, 3 do redis.call('pexpire', KEYS[i], ttl) end
+for i = 1, 3 do redis.call('pexpire', KEYS[i], ARGV[2]) end
 return 1
 """
 )

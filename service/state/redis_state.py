@@ -763,9 +763,9 @@ class RedisRecords:
     the new one in, the totals moved, atomically for every replica.
 
     Calls are made on the caller's thread with the store's short timeout. While the store is
-    down (``RedisState.down``: its last operation failed and it has not answered since) a put
-    is not even tried, so a request does not wait for each one's timeout; it is counted as a
-    failed write.
+    down (``RedisState.down``: its last operation failed and it has not answered since) no
+    call is even tried, so a request does not wait for each one's timeout: a put returns
+    ``False``, the others raise ``StateUnavailable``; each is counted as a failure.
     """
 
     scope: Scope = "deployment"
@@ -803,6 +803,7 @@ class RedisRecords:
         return bool(kept)
 
     def get(self, key: str) -> str | None:
+        self._check()
         try:
             got = self._state.client.get(self._prefix + digest(key))
         except (redis.RedisError, OSError) as exc:
@@ -810,6 +811,7 @@ class RedisRecords:
         return cast("str | None", got)
 
     def take(self, key: str) -> str | None:
+        self._check()
         try:
             got = self._take(keys=self._keys, args=[self._prefix, self._ttl_ms, digest(key)])
         except (redis.RedisError, OSError) as exc:
@@ -821,6 +823,7 @@ class RedisRecords:
             self.take(key)
 
     def held(self) -> tuple[int, int]:
+        self._check()
         try:
             n, held = cast(
                 "list[int]", self._held(keys=self._keys, args=[self._prefix, self._ttl_ms])
@@ -828,6 +831,12 @@ class RedisRecords:
         except (redis.RedisError, OSError) as exc:
             raise self._unavailable(exc) from None
         return int(n), int(held)
+
+    def _check(self) -> None:
+        # Down: answer at once (/info, feedback) rather than wait for each call's timeout.
+        if self._state.down:
+            self._state.count_failure("read")
+            raise StateUnavailable("the state store cannot be reached (down)")
 
     def _unavailable(self, exc: Exception) -> StateUnavailable:
         self._state.mark_failed("read", exc)

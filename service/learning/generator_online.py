@@ -81,7 +81,7 @@ from service.passage import Passage
 from service.prompting.prompts import api_prompt
 from service.prompting.templates import get_template
 from service.runtime.background import shared_worker
-from service.state.expiring import ExpiringRecords, MemoryRecords
+from service.state.expiring import ExpiringRecords, MemoryRecords, Scope
 from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile
 from service.state.traffic import RunSpool, SampleKey
 from solver.blind_profile import (
@@ -192,7 +192,7 @@ class ServedRequests:
         return self.records.ttl_s if self.records is not None else 0.0
 
     @property
-    def scope(self) -> str:
+    def scope(self) -> Scope:
         return self.records.scope if self.records is not None else "process"
 
     async def keep(

@@ -183,8 +183,18 @@ def create_app(
         # its sampled calls, and the answers fed back to POST /v1/feedback.
         spool = state.spool("auto/generator", settings.generator_max_answers, None)
         assert spool is not None  # every store keeps auto's spools
+        served = (
+            state.records(
+                "served",
+                max_records=settings.feedback_max_requests,
+                max_bytes=settings.feedback_max_bytes,
+                ttl_s=settings.feedback_ttl_s,
+            )
+            if settings.feedback_max_requests > 0
+            else None
+        )
         ctx.engine.learner.generator = GeneratorSampler(
-            settings, store, spool, generator_rules_of(settings)
+            settings, store, spool, generator_rules_of(settings), served=served
         )
         metrics.track_generator(ctx.engine.learner.generator)
     metrics.track_traffic(ctx.engine.traffic)

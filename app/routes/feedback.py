@@ -22,8 +22,11 @@ router = APIRouter(tags=["feedback"])
 async def feedback(body: FeedbackBody, ctx: Ctx) -> FeedbackOut:
     """Attribute the generator's answer to the passages of the served request `id` holding
     it and, if that request's placement was uniformly random (`shuffle`), pool it into the
-    generator's online profile (`used: true`); otherwise `used: false` and why. 404 for an id
-    that is unknown, expired (`RAG_REORDER_FEEDBACK_TTL_S`), or while feedback is off."""
+    generator's online profile (`used: true`); otherwise `used: false` and why. Served requests
+    are kept in the state store, so any worker or replica answers. 404 for an id that is
+    unknown, already answered, past `RAG_REORDER_FEEDBACK_TTL_S` or evicted by
+    `RAG_REORDER_FEEDBACK_MAX_REQUESTS` / `_MAX_BYTES`, or while feedback is off; 503 while
+    the state store cannot be reached."""
     sampler = ctx.engine.learner.generator
     if sampler is None:
         raise NotFound(

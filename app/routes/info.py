@@ -89,6 +89,9 @@ async def info(ctx: Ctx) -> InfoOut:
     adapter = _adapter(ctx)
     model, max_len = _model(ctx, adapter)
     backend = ctx.engine.backend
+    sampler = ctx.engine.learner.generator
+    # The served requests kept for feedback: a read of the state store (in a thread).
+    kept = await sampler.served.held() if sampler is not None else None
     return InfoOut(
         name="rag-reorder",
         version=ctx.version,
@@ -125,7 +128,7 @@ async def info(ctx: Ctx) -> InfoOut:
         placement_profile=s.placement_profile,
         default_results_order=s.rerank_results_order,
         templates=list(template_names()),
-        auto=_auto(ctx, model),
+        auto=_auto(ctx, model, kept),
         capacity=_capacity(ctx),
         cpus=CpusOut.model_validate(ctx.cpus.describe(s.solver_processes)),
         dense=_dense(ctx),
@@ -168,7 +171,7 @@ def _score_mode(ctx: AppContext) -> ScoreModeOut | None:
     )
 
 
-def _auto(ctx: AppContext, model: str) -> AutoInfoOut:
+def _auto(ctx: AppContext, model: str, kept: tuple[int, int] | None) -> AutoInfoOut:
     s = ctx.settings
     learner = ctx.engine.learner
     c = learner.counters
@@ -196,11 +199,13 @@ def _auto(ctx: AppContext, model: str) -> AutoInfoOut:
             )
             for st in learner.status()
         ],
-        generator_online=None if learner.generator is None else _generator(learner.generator),
+        generator_online=(
+            None if learner.generator is None else _generator(learner.generator, kept)
+        ),
     )
 
 
-def _generator(sampler: GeneratorSampler) -> GeneratorOnlineOut:
+def _generator(sampler: GeneratorSampler, kept: tuple[int, int] | None) -> GeneratorOnlineOut:
     c = sampler.counters
     rows = []
     for st in sampler.status():
@@ -235,7 +240,9 @@ def _generator(sampler: GeneratorSampler) -> GeneratorOnlineOut:
         answers=dict(c.answers),
         ties=dict(c.ties),
         feedback=dict(c.feedback),
-        kept_for_feedback=len(sampler.served),
+        kept_for_feedback=kept[0] if kept is not None else None,
+        kept_for_feedback_bytes=kept[1] if kept is not None else None,
+        kept_for_feedback_scope=sampler.served.scope,
         profiles=rows,
     )
 

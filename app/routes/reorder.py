@@ -41,7 +41,8 @@ async def reorder(
     result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
     sampler = ctx.engine.learner.generator
     if sampler is not None:
-        # Kept (bounded, in memory) for POST /v1/feedback on this response: what was served.
+        # Kept for POST /v1/feedback on this response (in the state store, bounded): what was
+        # served, its passages only where the feedback can be learned from (a shuffle).
         shown = selected_order(result, body.top_n)
-        sampler.served.keep(result.request_id, body.query, passages, shown, result.strategy)
+        await sampler.served.keep(result.request_id, body.query, passages, shown, result.strategy)
     return reorder_response(result, passages, top_n=body.top_n)

@@ -207,8 +207,14 @@ class GeneratorOnlineOut(_Model):
     likelihood of the answer under each (`broken`), or the weight split (`split`)."""
     feedback: dict[str, int]
     """`POST /v1/feedback` answers since start: used (a random placement), unused."""
-    kept_for_feedback: int
-    """Served requests this replica keeps for feedback now (`RAG_REORDER_FEEDBACK_*`)."""
+    kept_for_feedback: int | None
+    """Served requests kept for feedback now (`RAG_REORDER_FEEDBACK_*`), by every process
+    that shares them (`kept_for_feedback_scope`); null: the state store cannot be reached."""
+    kept_for_feedback_bytes: int | None
+    """Their size as `RAG_REORDER_FEEDBACK_MAX_BYTES` bounds it; null as above."""
+    kept_for_feedback_scope: Literal["process", "folder", "deployment"]
+    """Who shares them and their bounds: this process (no state store), the profile folder
+    (every worker of the host), or the deployment (Redis)."""
     profiles: list[GeneratorProfileOut]
 
 

@@ -230,12 +230,18 @@ class Settings(BaseSettings):
     (a refit of 2,000 answers x 100 slots took 17-20 s of a loaded CPU). The drift test still
     runs after every answer. 0: refit after every answer."""
     feedback_max_requests: int = Field(default=0, ge=0, le=1_000_000)
-    """Served `/v1/reorder` requests kept in this replica's memory (query, passages and
-    served order; the latest) so that `POST /v1/feedback` can take the generator's answer to
-    them, with `generator_model`. Only answers to uniformly random placements (`shuffle`) are
-    learned from (docs/generator-profile.md, "Feedback"). 0: feedback off (404), nothing kept."""
+    """Served `/v1/reorder` requests kept (the latest) so that `POST /v1/feedback` can take the
+    generator's answer to them, with `generator_model`: in the state store, so every worker
+    (and, with `state_url`, every replica) finds them. Only a `shuffle` (a uniformly random
+    placement, the only one learned from) keeps its query and served passages; any other
+    strategy keeps its name only (docs/generator-profile.md, "Feedback"). 0: feedback off
+    (404), nothing kept."""
     feedback_ttl_s: float = Field(default=3600.0, gt=0.0, le=7 * 86_400.0)
     """Seconds a served request is kept for feedback; later feedback on it is refused (404)."""
+    feedback_max_bytes: int = Field(default=64 * 2**20, ge=2**16, le=2**40)
+    """Most bytes of served requests kept for feedback (each: its id and record as UTF-8 JSON
+    plus 256), the oldest out first: per profile folder (every worker of a host) with the
+    folder store, per deployment with `state_url`."""
     auto_ranker: Literal["dense", "bm25"] = "dense"
     """`auto`'s ranker on the profile and flat paths when not every passage carries the
     caller's `score` (with scores, they rank)."""

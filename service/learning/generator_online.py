@@ -29,11 +29,13 @@ count by it (``placing``). A stored profile this sampler did not write (an opera
 is stored as such, so every replica stops placing by it.
 
 Answers also come by feedback (``POST /v1/feedback``, ``feedback``): with
-``feedback_max_requests`` > 0 the served ``/v1/reorder`` requests are kept in memory for a
-bounded count and time (``ServedRequests``), and the generator's answer to one is learned from
-the same way, but only where the served order was a uniformly random placement (``shuffle``):
-an order chosen from the passages' scores confounds a slot's pull with the passage's
-usefulness. Without ``generator_url`` nothing is sampled and feedback is the only source.
+``feedback_max_requests`` > 0 the served ``/v1/reorder`` requests are kept in the state store
+(``ServedRequests``: any worker or replica that receives the feedback finds them) for a bounded
+count, size and time, and the generator's answer to one is learned from the same way, but only
+where the served order was a uniformly random placement (``shuffle``): an order chosen from
+the passages' scores confounds a slot's pull with the passage's usefulness, so any other
+strategy keeps its name only, to say so. Without ``generator_url`` nothing is sampled and
+feedback is the only source.
 
 Why here and not in ``offline`` with the offline tool: the server never imports ``offline``
 (an import-linter contract), so the generator's client lives in ``service.backends.
@@ -45,13 +47,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import logging
 import math
 import os
 import random
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -84,6 +87,7 @@ from service.passage import Passage
 from service.prompting.prompts import api_prompt
 from service.prompting.templates import get_template
 from service.runtime.background import shared_worker
+from service.state.expiring import ExpiringRecords, MemoryRecords, Scope
 from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile
 from service.state.traffic import RunSpool, SampleKey
 from solver.blind_profile import (
@@ -138,63 +142,135 @@ class Feedback:
 
 @dataclass(frozen=True)
 class ServedRequest:
-    """A served request as ``POST /v1/feedback`` needs it."""
+    """A served request as ``POST /v1/feedback`` needs it: for a random placement, the query
+    and the passages shown; for any other strategy, its name alone (no answer to it is
+    learned from, so nothing else is kept)."""
 
-    query: str
-    passages: tuple[Passage, ...]
-    shown: tuple[int, ...]
-    """The passages in served order (``top_n`` applied): ``shown[k]`` is in slot ``k``."""
     strategy: str
-    kept_at: float
-    """Monotonic time it was served."""
+    slots: int
+    """Passages shown (``top_n`` applied)."""
+    query: str = ""
+    shown: tuple[Passage, ...] = ()
+    """The passages shown, in served order: ``shown[k]`` was in slot ``k`` (empty: not a
+    random placement, not kept)."""
+
+    def dump(self) -> str:
+        """The record kept (JSON text): the passages' titles and texts, all the prompt used."""
+        return json.dumps(
+            {
+                "strategy": self.strategy,
+                "slots": self.slots,
+                "query": self.query,
+                "shown": [[p.title, p.text] for p in self.shown],
+            },
+            ensure_ascii=False,
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def load(cls, record: str) -> ServedRequest:
+        d = json.loads(record)
+        shown = tuple(Passage(text=str(t), title=h) for h, t in d["shown"])
+        return cls(str(d["strategy"]), int(d["slots"]), str(d["query"]), shown)
 
 
 class ServedRequests:
-    """The latest ``max_requests`` served requests for at most ``ttl_s`` each, by response id
-    (in memory, per replica: feedback goes to the replica that served the request, else it is
-    unknown there). 0 keeps none."""
+    """Served requests kept for ``POST /v1/feedback`` by response id, in ``records`` (the
+    state store's ``served`` records: shared by every worker, and with Redis every replica;
+    ``MemoryRecords``: this process only), bounded in count, bytes and time there. A random
+    placement keeps its query and shown passages, any other strategy its name only.
+    ``None``: feedback is off, nothing kept.
 
-    def __init__(
-        self, max_requests: int, ttl_s: float, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.max_requests = max_requests
-        self.ttl_s = ttl_s
-        self._clock = clock
-        self._kept: OrderedDict[str, ServedRequest] = OrderedDict()
+    Every call but a ``MemoryRecords``' runs in a thread: the folder's and Redis's block."""
 
-    def __len__(self) -> int:
-        return len(self._kept)
+    def __init__(self, records: ExpiringRecords | None) -> None:
+        self.records = records
 
-    def keep(
+    @property
+    def max_requests(self) -> int:
+        return self.records.max_records if self.records is not None else 0
+
+    @property
+    def max_bytes(self) -> int:
+        return self.records.max_bytes if self.records is not None else 0
+
+    @property
+    def ttl_s(self) -> float:
+        return self.records.ttl_s if self.records is not None else 0.0
+
+    @property
+    def scope(self) -> Scope:
+        return self.records.scope if self.records is not None else "process"
+
+    async def keep(
         self, response_id: str, query: str, passages: Sequence[Passage], shown: Sequence[int],
         strategy: str,
-    ) -> None:  # fmt: skip
-        """Keep one served request (the oldest beyond ``max_requests`` go)."""
-        if self.max_requests <= 0:
-            return
-        self._expire()
-        self._kept[response_id] = ServedRequest(
-            query, tuple(passages), tuple(shown), strategy, self._clock()
+    ) -> bool:  # fmt: skip
+        """Keep one served request (``shown``: the passages' indices in served order); the
+        oldest go first beyond the bounds. Returns whether it is kept; never raises."""
+        if self.records is None:
+            return False
+        random_placement = strategy in RANDOM_PLACEMENTS and len(shown) >= 2
+        served = ServedRequest(
+            strategy,
+            len(shown),
+            query if random_placement else "",
+            tuple(passages[i] for i in shown) if random_placement else (),
         )
-        self._kept.move_to_end(response_id)
-        while len(self._kept) > self.max_requests:
-            self._kept.popitem(last=False)
+        record = served.dump()
+        kept = await self._call(lambda r: r.put(response_id, record))
+        if not kept:
+            log.warning(
+                "served request %s not kept for feedback (%d bytes; the bound is %d bytes, "
+                "or the state store is down)",
+                response_id, len(record.encode()), self.max_bytes,
+            )  # fmt: skip
+        return bool(kept)
 
-    def get(self, response_id: str) -> ServedRequest | None:
-        """The kept request of that id (``None``: unknown, or expired)."""
-        self._expire()
-        return self._kept.get(response_id)
+    async def get(self, response_id: str) -> ServedRequest | None:
+        """The kept request of that id (``None``: unknown, expired or evicted).
 
-    def forget(self, response_id: str) -> None:
-        self._kept.pop(response_id, None)
+        Raises:
+            StateUnavailable: the state store cannot be reached.
+        """
+        record = await self._call(lambda r: r.get(response_id))
+        return _parsed(record)
 
-    def _expire(self) -> None:
-        horizon = self._clock() - self.ttl_s
-        while self._kept:
-            first = next(iter(self._kept.values()))
-            if first.kept_at > horizon:
-                return
-            self._kept.popitem(last=False)
+    async def take(self, response_id: str) -> ServedRequest | None:
+        """``get`` and forget it: of feedbacks racing on one id, in any worker, one gets it.
+
+        Raises:
+            StateUnavailable: the state store cannot be reached.
+        """
+        record = await self._call(lambda r: r.take(response_id))
+        return _parsed(record)
+
+    async def held(self) -> tuple[int, int] | None:
+        """``(requests, bytes)`` kept now (``None``: the state store cannot be reached)."""
+        if self.records is None:
+            return 0, 0
+        try:
+            return await self._call(lambda r: r.held())
+        except StateUnavailable:
+            return None
+
+    async def _call(self, fn: Callable[[ExpiringRecords], _T]) -> _T | None:
+        records = self.records
+        if records is None:
+            return None
+        if isinstance(records, MemoryRecords):
+            return fn(records)
+        return await anyio.to_thread.run_sync(lambda: fn(records))
+
+
+def _parsed(record: str | None) -> ServedRequest | None:
+    if record is None:
+        return None
+    try:
+        return ServedRequest.load(record)
+    except (ValueError, TypeError, KeyError, IndexError) as exc:  # not ours, or torn
+        log.warning("unreadable served request record skipped: %s", exc)
+        return None
 
 
 @dataclass(frozen=True)
@@ -340,6 +416,8 @@ class GeneratorSampler:
         transport: for tests; default: the network.
         environ: where the key variable is read (default ``os.environ``).
         clock: the budget's clock (tests move it).
+        served: where served requests are kept for feedback (``StateStore.records``);
+            default, with ``feedback_max_requests`` > 0: this process's memory.
 
     Raises:
         ValueError: ``generator_url`` or ``generator_model`` unset.
@@ -357,6 +435,7 @@ class GeneratorSampler:
         environ: Mapping[str, str] | None = None,
         clock: Callable[[], float] = time.monotonic,
         likelihood: Likelihood | None = None,
+        served: ExpiringRecords | None = None,
     ) -> None:
         url, model = settings.generator_url, settings.generator_model
         if model is None:
@@ -395,7 +474,11 @@ class GeneratorSampler:
             )
             self._client = BudgetedClient(self.endpoint, None, transport, budget=self.budget)
         self.rate = settings.generator_sample_rate if url is not None else 0.0
-        self.served = ServedRequests(settings.feedback_max_requests, settings.feedback_ttl_s)
+        if served is None and settings.feedback_max_requests > 0:
+            served = MemoryRecords(
+                settings.feedback_max_requests, settings.feedback_max_bytes, settings.feedback_ttl_s
+            )
+        self.served = ServedRequests(served)
         """Served requests kept for ``POST /v1/feedback`` (none while it is off)."""
         self.counters = GeneratorCounters()
         # The draws and the orders shown come from the OS, never from anything a caller sends
@@ -583,29 +666,24 @@ class GeneratorSampler:
 
         Raises:
             NotFound: feedback is off, or no served request of that id is kept (never served,
-                or past ``feedback_ttl_s`` or the latest ``feedback_max_requests``).
+                already answered, or past ``feedback_ttl_s``, the latest
+                ``feedback_max_requests`` or ``feedback_max_bytes``).
+            StateUnavailable: the state store cannot be reached.
         """
-        served = self.served.get(response_id)
-        if served is None:
-            raise NotFound(
-                f"no served request {response_id!r} is kept for feedback: "
-                + (
-                    "feedback is off (RAG_REORDER_FEEDBACK_MAX_REQUESTS = 0)"
-                    if self.served.max_requests == 0
-                    else f"unknown, or older than RAG_REORDER_FEEDBACK_TTL_S = "
-                    f"{self.served.ttl_s:g} s or the latest RAG_REORDER_FEEDBACK_MAX_REQUESTS "
-                    f"= {self.served.max_requests}"
-                ),
-                param="id",
-            )
-        if served.strategy not in RANDOM_PLACEMENTS:
+        served = await self.served.get(response_id)
+        if served is not None and served.strategy not in RANDOM_PLACEMENTS:
             self.counters.feedback["unused"] += 1
             return Feedback(False, _UNIDENTIFIED.format(strategy=served.strategy), None, ())
-        if len(served.shown) < 2:
+        if served is not None and served.slots < 2:
             self.counters.feedback["unused"] += 1
             return Feedback(False, "one passage was shown: no slot to compare", None, ())
-        self.served.forget(response_id)  # one answer per served request
-        found = await self._learn(served.query, served.passages, served.shown, answer)
+        # One answer per served request: taken, so feedback sent to two workers at once is
+        # learned from once.
+        served = await self.served.take(response_id) if served is not None else None
+        if served is None:
+            raise NotFound(self._not_kept(response_id), param="id")
+        n = len(served.shown)
+        found = await self._learn(served.query, served.shown, tuple(range(n)), answer)
         self.counters.feedback["used"] += 1
         return Feedback(
             True,
@@ -613,6 +691,25 @@ class GeneratorSampler:
             "answers of this passage count",
             found.kind,
             tuple(sorted(found.passages)),
+        )
+
+    def _not_kept(self, response_id: str) -> str:
+        s = self.served
+        if s.max_requests == 0:
+            return (
+                f"no served request {response_id!r} is kept for feedback: feedback is off "
+                "(RAG_REORDER_FEEDBACK_MAX_REQUESTS = 0)"
+            )
+        where = (
+            " (kept by the worker that served it only: no state store)"
+            if s.scope == "process"
+            else ""
+        )
+        return (
+            f"no served request {response_id!r} is kept for feedback{where}: unknown, already "
+            f"answered, or older than RAG_REORDER_FEEDBACK_TTL_S = {s.ttl_s:g} s or the latest "
+            f"RAG_REORDER_FEEDBACK_MAX_REQUESTS = {s.max_requests} or "
+            f"RAG_REORDER_FEEDBACK_MAX_BYTES = {s.max_bytes} bytes"
         )
 
     def _key(self, n: int) -> SampleKey:

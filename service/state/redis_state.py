@@ -15,6 +15,8 @@ Keys, all under ``<state_key_prefix>:``:
   ``runs:<spool>:<key>:n`` counts the runs pushed: a reader that holds the runs up to count
   ``c`` downloads only the ``n - c`` newest (none when it did not move), and ``auto`` reads
   nothing until it moved (``watermark``).
+- ``records:<name>:...``: records kept for a time, bounded in count and bytes
+  (``service.state.expiring.RedisRecords``: the served requests ``POST /v1/feedback`` needs).
 - ``lock:<name>``: ``SET NX PX`` with a random token, released by a compare-and-delete script,
   so a holder whose lock expired never releases the next holder's.
 
@@ -34,6 +36,7 @@ password shown as ``***``.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
@@ -52,6 +55,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from service.errors import StateUnavailable
+from service.state.expiring import Scope, digest, size_of
 from service.state.profile_store import (
     ProfileStore,
     StoredProfile,
@@ -535,6 +539,28 @@ class RedisState:
         del replica  # one list per key holds every replica's runs
         return RedisSpool(self, name, max_runs)
 
+    def records(self, name: str, *, max_records: int, max_bytes: int, ttl_s: float) -> RedisRecords:
+        """The expiring records ``name``, shared by every replica (``service.state.expiring``)."""
+        return RedisRecords(self, name, max_records, max_bytes, ttl_s)
+
+    @property
+    def down(self) -> bool:
+        """Whether the last operation failed and none has succeeded since (``False`` before
+        the first): callers on a request's path skip a write rather than wait to fail."""
+        return self._up is False
+
+    def count_failure(self, operation: Operation) -> None:
+        """Count an operation not tried because the store is down."""
+        self.failures[operation] += 1
+
+    def mark_failed(self, operation: Operation, exc: Exception) -> None:
+        """Count a failed operation made outside this class, and log the change of health."""
+        self._mark(False, operation, exc)
+
+    def key(self, suffix: str) -> str:
+        """The full name of the key ``suffix`` (under the prefix)."""
+        return self._key(suffix)
+
     def _key(self, suffix: str) -> str:
         return f"{self.prefix}:{suffix}"
 
@@ -665,3 +691,153 @@ def _key_json(key: SampleKey) -> str:
 
 def _ms(seconds: float) -> int:
     return max(1, round(seconds * 1000))
+
+
+# Every script takes KEYS: the index (a sorted set of members by time in microseconds), the
+# sizes (a hash), the byte total; ARGV[1]: the prefix of the records' own keys, ARGV[2] the
+# expiry in milliseconds. The time is Redis's (TIME), so replicas' clocks do not matter.
+# Expired members are dropped first: their records are gone already (PX), their sizes must
+# go too.
+_DROP = """
+local function drop(m)
+    local s = redis.call('hget', KEYS[2], m)
+    if s then
+        redis.call('hdel', KEYS[2], m)
+        redis.call('decrby', KEYS[3], s)
+    end
+    redis.call('zrem', KEYS[1], m)
+    redis.call('del', ARGV[1] .. m)
+end
+local t = redis.call('time')
+local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
+local ttl = tonumber(ARGV[2]) * 1000
+for _, m in ipairs(redis.call('zrangebyscore', KEYS[1], '-inf', now - ttl)) do drop(m) end
+"""
+# ARGV: prefix, ttl ms, member, record, size, max records, max bytes.
+_PUT = (
+    _DROP
+    + """
+drop(ARGV[3])
+local size = tonumber(ARGV[5])
+if size > tonumber(ARGV[7]) or tonumber(ARGV[6]) <= 0 then return 0 end
+while redis.call('zcard', KEYS[1]) > 0 and (
+        redis.call('zcard', KEYS[1]) >= tonumber(ARGV[6])
+        or tonumber(redis.call('get', KEYS[3]) or '0') + size > tonumber(ARGV[7])) do
+    drop(redis.call('zrange', KEYS[1], 0, 0)[1])
+end
+redis.call('set', ARGV[1] .. ARGV[3], ARGV[4], 'PX', ARGV[2])
+-- Puts within one microsecond still go out in the order they came (a tie would be
+-- ordered by member, i.e. by digest): each score is above the newest one's.
+local newest = redis.call('zrange', KEYS[1], -1, -1, 'WITHSCORES')[2]
+if newest and tonumber(newest) >= now then now = tonumber(newest) + 1 end
+redis.call('zadd', KEYS[1], now, ARGV[3])
+redis.call('hset', KEYS[2], ARGV[3], size)
+redis.call('incrby', KEYS[3], size)
+for i = 1, 3 do redis.call('pexpire', KEYS[i], ARGV[2]) end
+return 1
+"""
+)
+# ARGV: prefix, ttl ms, member.
+_TAKE = (
+    _DROP
+    + """
+local v = redis.call('get', ARGV[1] .. ARGV[3])
+drop(ARGV[3])
+return v
+"""
+)
+# ARGV: prefix, ttl ms.
+_HELD = (
+    _DROP
+    + """
+return {redis.call('zcard', KEYS[1]), tonumber(redis.call('get', KEYS[3]) or '0')}
+"""
+)
+
+
+class RedisRecords:
+    """``ExpiringRecords`` in Redis, shared by every replica on the key prefix (module
+    docstring). Keys under ``<prefix>:records:<name>:``: ``r:<digest>`` each record (with
+    Redis's expiry), ``index`` (a sorted set of digests by time), ``sizes`` and ``bytes``
+    (their counted sizes and total). A put is one script: expired and oldest records out,
+    the new one in, the totals moved, atomically for every replica.
+
+    Calls are made on the caller's thread with the store's short timeout. While the store is
+    down (``RedisState.down``: its last operation failed and it has not answered since) no
+    call is even tried, so a request does not wait for each one's timeout: a put returns
+    ``False``, the others raise ``StateUnavailable``; each is counted as a failure.
+    """
+
+    scope: Scope = "deployment"
+
+    def __init__(
+        self, state: RedisState, name: str, max_records: int, max_bytes: int, ttl_s: float
+    ) -> None:
+        self._state = state
+        self.max_records = max_records
+        self.max_bytes = max_bytes
+        self.ttl_s = ttl_s
+        base = state.key(f"records:{name}")
+        self._keys = [f"{base}:index", f"{base}:sizes", f"{base}:bytes"]
+        self._prefix = f"{base}:r:"
+        client = state.client
+        self._put = client.register_script(_PUT)
+        self._take = client.register_script(_TAKE)
+        self._held = client.register_script(_HELD)
+
+    @property
+    def _ttl_ms(self) -> int:
+        return max(1, round(self.ttl_s * 1000))
+
+    def put(self, key: str, record: str) -> bool:
+        if self._state.down:
+            self._state.count_failure("write")
+            return False
+        size = size_of(key, record)
+        args: list[str | int] = [self._prefix, self._ttl_ms, digest(key), record, size]
+        try:
+            kept = self._put(keys=self._keys, args=[*args, self.max_records, self.max_bytes])
+        except (redis.RedisError, OSError) as exc:
+            self._state.mark_failed("write", exc)
+            return False
+        return bool(kept)
+
+    def get(self, key: str) -> str | None:
+        self._check()
+        try:
+            got = self._state.client.get(self._prefix + digest(key))
+        except (redis.RedisError, OSError) as exc:
+            raise self._unavailable(exc) from None
+        return cast("str | None", got)
+
+    def take(self, key: str) -> str | None:
+        self._check()
+        try:
+            got = self._take(keys=self._keys, args=[self._prefix, self._ttl_ms, digest(key)])
+        except (redis.RedisError, OSError) as exc:
+            raise self._unavailable(exc) from None
+        return cast("str | None", got)
+
+    def forget(self, key: str) -> None:
+        with contextlib.suppress(StateUnavailable):
+            self.take(key)
+
+    def held(self) -> tuple[int, int]:
+        self._check()
+        try:
+            n, held = cast(
+                "list[int]", self._held(keys=self._keys, args=[self._prefix, self._ttl_ms])
+            )
+        except (redis.RedisError, OSError) as exc:
+            raise self._unavailable(exc) from None
+        return int(n), int(held)
+
+    def _check(self) -> None:
+        # Down: answer at once (/info, feedback) rather than wait for each call's timeout.
+        if self._state.down:
+            self._state.count_failure("read")
+            raise StateUnavailable("the state store cannot be reached (down)")
+
+    def _unavailable(self, exc: Exception) -> StateUnavailable:
+        self._state.mark_failed("read", exc)
+        return StateUnavailable(f"the state store cannot be reached ({type(exc).__name__})")

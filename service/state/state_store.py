@@ -1,8 +1,10 @@
 """Where the service keeps what it learns, behind one interface with two implementations.
 
 What is kept: the bias profiles (``ProfileStore``), the sampled runs they are calibrated from
-(``RunSpool``: the traffic sample and ``auto``'s learning and explore runs) and the lock that
-lets one replica at a time assess a learned profile (``Locks``).
+(``RunSpool``: the traffic sample and ``auto``'s learning and explore runs), the lock that
+lets one replica at a time assess a learned profile (``Locks``), and records one request
+leaves for a later one, bounded in time, count and bytes (``ExpiringRecords``: the served
+requests ``POST /v1/feedback`` needs).
 
 - **folder** (the default): files under ``profiles_path`` (and ``traffic_sample_dir``), as
   they always were. Replicas share them only through a volume every one of them mounts.
@@ -27,6 +29,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, Protocol
 
+from service.state.expiring import ExpiringRecords, FolderRecords
 from service.state.profile_store import ProfileStore, SnapshotProfileStore, profile_id
 from service.state.traffic import RunSpool, SpoolName, TrafficSpool
 
@@ -87,6 +90,13 @@ class StateStore(Protocol):
     def spool(self, name: SpoolName, max_runs: int, replica: str | None) -> RunSpool | None:
         """The spool ``name`` (``None``: this store keeps no such spool, e.g. the folder's
         traffic sample without ``traffic_sample_dir``: it then lives in memory only)."""
+        ...
+
+    def records(
+        self, name: str, *, max_records: int, max_bytes: int, ttl_s: float
+    ) -> ExpiringRecords:
+        """The expiring records ``name`` (``service.state.expiring``), shared as the store is:
+        the folder's by the processes on it, Redis's by every replica."""
         ...
 
     @property
@@ -245,6 +255,15 @@ class FolderState:
                 return None
             return TrafficSpool(self.sample_dir, max_runs, replica)
         return TrafficSpool(self.auto_root / name.removeprefix("auto/"), max_runs, replica)
+
+    def records(
+        self, name: str, *, max_records: int, max_bytes: int, ttl_s: float
+    ) -> FolderRecords:
+        # Beside auto's runs: the folder every worker of the host (and a volume's replicas)
+        # already shares.
+        return FolderRecords(
+            self.auto_root / "records" / f"{name}.sqlite3", max_records, max_bytes, ttl_s
+        )
 
     @property
     def up(self) -> bool:

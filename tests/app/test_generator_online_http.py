@@ -7,8 +7,10 @@ lean test vLLM's OpenAI server on SmolLM2 (the session's ``vllm_server``)."""
 
 from __future__ import annotations
 
+import gc
 import random
 import time
+import tracemalloc
 import zlib
 from pathlib import Path
 from typing import Any
@@ -234,6 +236,60 @@ async def test_feedback_is_learned_from_random_placements_only_and_auto_places_b
 
         blank = await h.client.post("/v1/feedback", json={"id": ranked["id"], "answer": " "})
         assert blank.status_code == 422
+
+
+async def test_served_requests_are_kept_within_the_byte_bound_and_shuffles_only_whole(
+    tmp_path: Path,
+) -> None:
+    """Issue 90, item 8: by count alone, 20 served requests of 100 passages of 32,000
+    characters held 63 MiB of this process's memory. Now they are kept in the state store
+    (here the folder's SQLite file: nothing in memory), within RAG_REORDER_FEEDBACK_MAX_BYTES
+    (default 64 MiB), the oldest out; a request of any other strategy keeps no passages."""
+    bound = 64 * 2**20
+    big = [f"{p} " + "word " * 6_400 for p in range(100)]  # 32,002 characters each
+    async with serving(tmp_path, generator_model="g", feedback_max_requests=10_000) as h:
+        ids = []
+        gc.collect()
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            for q in range(24):  # 77 MB of passages
+                body = {"query": f"{QUERY} {q}", "passages": big, "strategy": "shuffle"}
+                r = await h.client.post("/v1/reorder", json=body)
+                assert r.status_code == 200, r.text
+                ids.append(r.json()["id"])
+                del r
+            gc.collect()
+            held = tracemalloc.get_traced_memory()[0] - before
+        finally:
+            tracemalloc.stop()
+        assert held < 8 * 2**20, f"{held / 2**20:.1f} MiB held in memory"
+        info = (await h.client.get("/info")).json()["auto"]["generator_online"]
+        assert info["kept_for_feedback_scope"] == "folder"
+        assert 0 < info["kept_for_feedback_bytes"] <= bound
+        kept = info["kept_for_feedback"]
+        assert 15 < kept < 24  # the latest that fit: about 20 of 3.2 MB
+        file = h.ctx.settings.profiles_path / "auto" / "records" / "served.sqlite3"
+        assert file.stat().st_size <= bound * 1.1
+        # The oldest went first; the newest is answered.
+        old = await h.client.post("/v1/feedback", json={"id": ids[0], "answer": "0"})
+        assert old.status_code == 404 and "FEEDBACK_MAX_BYTES = 67108864" in old.text
+        new = await h.client.post("/v1/feedback", json={"id": ids[-1], "answer": "word"})
+        assert new.status_code == 200 and new.json()["used"] is True
+
+        # A ranked order: its name kept, its passages not (a few dozen bytes, not 3.2 MB).
+        answered = (await h.client.get("/info")).json()["auto"]["generator_online"]
+        assert answered["kept_for_feedback"] == kept - 1  # one answer per served request
+        ranked = await h.client.post(
+            "/v1/reorder", json={"query": QUERY, "passages": big, "strategy": "bm25"}
+        )
+        assert ranked.status_code == 200, ranked.text
+        after = (await h.client.get("/info")).json()["auto"]["generator_online"]
+        assert after["kept_for_feedback"] == kept  # the answered one out, the ranked one in
+        grown = after["kept_for_feedback_bytes"] - answered["kept_for_feedback_bytes"]
+        assert 0 < grown < 1024, grown
+        r = await h.client.post("/v1/feedback", json={"id": ranked.json()["id"], "answer": "0"})
+        assert r.status_code == 200 and r.json()["used"] is False
 
 
 async def test_feedback_off_or_without_the_admin_key_is_refused(tmp_path: Path) -> None:

@@ -46,6 +46,17 @@ def traffic(servers: list[ServerProcess], n: int) -> None:
         assert httpx.get(f"{server.base_url}/ready").status_code == 200
 
 
+def feedback(served_by: ServerProcess, told: ServerProcess) -> tuple[int, bool | None]:
+    """A shuffle served by one replica and the generator's answer to it sent to the other:
+    the status and ``used``."""
+    body = {"query": QUERY, "passages": PASSAGES, "strategy": "shuffle"}
+    served = httpx.post(f"{served_by.base_url}/v1/reorder", json=body, timeout=30)
+    assert served.status_code == 200, served.text
+    answer = {"id": served.json()["id"], "answer": PASSAGES[served.json()["order"][0]]}
+    r = httpx.post(f"{told.base_url}/v1/feedback", json=answer, timeout=30)
+    return r.status_code, r.json().get("used")
+
+
 def test_two_replicas_share_profiles_through_redis_and_survive_its_faults(
     tmp_path: Path,
 ) -> None:
@@ -56,6 +67,8 @@ def test_two_replicas_share_profiles_through_redis_and_survive_its_faults(
         "RAG_REORDER_STATE_REFRESH_S": "0.2",
         "RAG_REORDER_STATE_TIMEOUT_S": "0.2",
         "RAG_REORDER_OPEN_WRITES": "true",
+        "RAG_REORDER_FEEDBACK_MAX_REQUESTS": "50",
+        "RAG_REORDER_GENERATOR_MODEL": "feedback-generator",
     }
     args = ["-m", "tests.app.fake_server", "--port", "{port}"]
     with ExitStack() as stack:
@@ -75,10 +88,15 @@ def test_two_replicas_share_profiles_through_redis_and_survive_its_faults(
         pid = r.json()["id"]
         # a, which started with Redis down, caught up and serves b's profile
         eventually(lambda: httpx.get(f"{a.base_url}/v1/bias-profiles/{pid}").status_code == 200)
+        # A shuffle served by a is kept in Redis: feedback sent to b finds it (issue 90).
+        assert feedback(a, b) == (200, True)
 
         redis.kill()  # lost mid-run
-        traffic([a, b], 6)
+        traffic([a, b], 6)  # served; what feedback needs is not kept, never waited for
         eventually(lambda: metric(a, "rag_reorder_state_store_up") == 0)
+        eventually(lambda: metric(b, "rag_reorder_state_store_up") == 0)
+        assert feedback(a, b)[0] == 503  # the store's outage, not the request's fault
+
         assert httpx.get(f"{a.base_url}/v1/bias-profiles/{pid}").status_code == 200
         t = time.perf_counter()
         r = httpx.post(f"{a.base_url}/v1/bias-profiles/calibrate", json=calibration_body(8))
@@ -93,3 +111,5 @@ def test_two_replicas_share_profiles_through_redis_and_survive_its_faults(
         )
         traffic([a, b], 2)
         assert metric(b, "rag_reorder_state_store_up") == 1
+        eventually(lambda: metric(a, "rag_reorder_state_store_up") == 1)
+        assert feedback(b, a) == (200, True)  # kept again once Redis is back

@@ -62,6 +62,10 @@ def server(
         # A stopped worker is replaced within seconds (and the engine closes its connection).
         "RAG_REORDER_WORKER_HANG_TIMEOUT_S": "5",
         "RAG_REORDER_DRAIN_TIMEOUT_S": "20",
+        # POST /v1/feedback on: the served requests it needs are in the profile folder.
+        "RAG_REORDER_FEEDBACK_MAX_REQUESTS": "100",
+        "RAG_REORDER_GENERATOR_MODEL": "feedback-generator",
+        "RAG_REORDER_OPEN_WRITES": "true",
     }
     with server_process(["-m", "app", "serve", "--port", "{port}"], folder / "log", env) as s:
         s.wait_ready(120)
@@ -190,6 +194,25 @@ def test_the_workers_canaries_leave_the_engines_rate_to_real_work(server: Server
     assert first["prefill_tokens_per_s"] is not None
     assert later["prefill_tokens_per_s"] == pytest.approx(first["prefill_tokens_per_s"])
     assert later["age_s"] >= first["age_s"] + 3.5, (first, later)
+
+
+def test_feedback_on_a_served_shuffle_reaches_its_record_whichever_worker_receives_it(
+    server: ServerProcess,
+) -> None:
+    """Issue 90, item 8: served requests were kept in the serving worker's memory, so with
+    two workers feedback found its request about one time in two (404 otherwise). Now they
+    are in the state store (Redis here) that both workers read. Each request and
+    its feedback go on new connections, so either worker may take either."""
+    used = []
+    for q in range(12):
+        body = {**BODY, "query": f"{BODY['query']} ({q})", "strategy": "shuffle"}
+        served = httpx.post(f"{server.base_url}/v1/reorder", json=body, timeout=30)
+        assert served.status_code == 200, served.text
+        last = served.json()["order"][-1]
+        answer = {"id": served.json()["id"], "answer": PASSAGES[last]}
+        r = httpx.post(f"{server.base_url}/v1/feedback", json=answer, timeout=30)
+        used.append((r.status_code, r.json().get("used"), r.json().get("slots")))
+    assert used == [(200, True, [len(PASSAGES) - 1])] * 12
 
 
 def test_a_killed_worker_is_restarted_and_the_other_serves_meanwhile(server: ServerProcess) -> None:

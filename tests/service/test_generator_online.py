@@ -8,10 +8,12 @@ raised; per-caller shares; drift; refits paced on a large pool."""
 
 from __future__ import annotations
 
+import gc
 import json
 import random
 import re
 import time
+import tracemalloc
 import zlib
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
@@ -28,10 +30,12 @@ from service.learning.generator_online import (
     QUEUE_SIZE,
     TRUST_SOURCE,
     GeneratorSampler,
+    ServedRequest,
     ServedRequests,
 )
 from service.learning.learner import generator_rules_of, rules_of
 from service.passage import Passage
+from service.state.expiring import MemoryRecords, size_of
 from service.state.state_store import FolderState
 from solver.blind_profile import slot_weights
 from tests.support.canned_generator import canned_generator
@@ -231,20 +235,66 @@ def test_the_generator_url_needs_a_generator_other_than_the_scorer(tmp_path: Pat
         Settings(generator_sample_rate=1.5)
 
 
-def test_served_requests_are_kept_for_a_bounded_time_and_count() -> None:
+async def test_served_requests_are_kept_for_a_bounded_time_count_and_size() -> None:
     now = [0.0]
-    kept = ServedRequests(2, 60.0, clock=lambda: now[0])
+    records = MemoryRecords(2, 2**20, 60.0, clock=lambda: now[0])
+    kept = ServedRequests(records)
     for i in range(3):
-        kept.keep(f"r{i}", "q", passages(i), (1, 0), "shuffle")
-    assert kept.get("r0") is None and kept.get("r1") is not None and len(kept) == 2
+        assert await kept.keep(f"r{i}", "q", passages(i), (1, 0), "shuffle")
+    assert await kept.get("r0") is None and await kept.get("r1") is not None
+    assert (await kept.held() or (0, 0))[0] == 2
     now[0] = 59.0
-    kept.keep("r3", "q", passages(3), (0, 1), "auto")
-    assert kept.get("r1") is None and kept.get("r2") is not None  # the count: r1 went first
+    await kept.keep("r3", "q", passages(3), (0, 1), "auto")
+    assert await kept.get("r1") is None and await kept.get("r2") is not None  # the count
     now[0] = 61.0
-    assert kept.get("r2") is None and kept.get("r3") is not None  # r2 served at 0 s: expired
-    off = ServedRequests(0, 60.0)
-    off.keep("r", "q", passages(0), (0, 1), "shuffle")
-    assert len(off) == 0
+    assert await kept.get("r2") is None and await kept.get("r3") is not None  # r2: expired
+    off = ServedRequests(None)
+    assert not await off.keep("r", "q", passages(0), (0, 1), "shuffle")
+    assert await off.held() == (0, 0) and off.max_requests == 0
+
+
+async def test_a_served_request_keeps_its_passages_only_if_feedback_on_it_can_be_used() -> None:
+    """Only a random placement's feedback is learned from: any other strategy keeps its name
+    and slot count (enough to answer "not a random placement"), never the query or passages;
+    a shuffle keeps the passages it showed, in served order, and nothing else."""
+    records = MemoryRecords(100, 2**20, 60.0)
+    kept = ServedRequests(records)
+    big = [Passage(text=f"passage {i} " + "word " * 2000, title=f"T{i}") for i in range(4)]
+    await kept.keep("ranked", "the query", big, (2, 0, 1, 3), "moi")
+    raw = records.get("ranked")
+    assert raw is not None and len(raw) < 100 and "word" not in raw and "the query" not in raw
+    assert await kept.get("ranked") == ServedRequest("moi", 4)
+    await kept.keep("shuffled", "the query", big, (3, 1), "shuffle")  # top_n = 2
+    served = await kept.get("shuffled")
+    assert served == ServedRequest(
+        "shuffle", 2, "the query", (Passage(big[3].text, "T3"), Passage(big[1].text, "T1"))
+    )
+    assert (await kept.held() or (0, 0))[1] == sum(
+        size_of(k, records.get(k) or "") for k in ("ranked", "shuffled")
+    )
+
+
+def test_the_memory_store_holds_no_more_than_its_byte_bound() -> None:
+    """The issue's measure: 20 served requests of 100 passages of 32,000 characters held
+    63 MiB by count alone; bounded at 8 MiB, the store's memory stays under 8 MiB."""
+    bound = 8 * 2**20
+    records = MemoryRecords(10_000, bound, 3600.0)
+    kept = ServedRequests(records)
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(20):
+            big = [Passage(text=f"{i} {p} " + "x" * 32_000) for p in range(100)]
+            order = list(range(100))
+            anyio.run(kept.keep, f"r{i}", "q", big, order, "shuffle")
+            del big
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    n, counted = records.held()
+    assert 0 < counted <= bound and n == 2  # the latest two (3.2 MB each)
+    assert held <= bound, f"{held / 2**20:.1f} MiB held"
 
 
 def test_the_generator_s_rules_are_auto_s_but_its_top_slots(tmp_path: Path) -> None:

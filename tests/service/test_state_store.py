@@ -22,6 +22,7 @@ from pydantic import SecretStr
 
 from service.config.settings import Settings
 from service.errors import StateUnavailable
+from service.state.expiring import size_of
 from service.state.profile_store import StoredProfile, dump_profile, parse_profile
 from service.state.redis_state import RedisState, redact
 from service.state.state_store import FolderState, StateStore, held, open_state
@@ -277,6 +278,64 @@ def lrange_calls(server: RedisServer) -> int:
         return int(stats["calls"])
     finally:
         client.close()
+
+
+def test_expiring_records_are_shared_and_bounded_in_count_bytes_and_time(
+    replicas: Factory,
+) -> None:
+    """``StateStore.records``: what one replica puts another reads (feedback reaching any
+    worker); the oldest go first beyond the count or the bytes; a record larger than the
+    bound is not kept; one of two replicas taking a key gets it; expired records are gone."""
+    one, two = replicas(), replicas()
+    kb = "x" * 1000
+    size = size_of("k0", kb)
+    a = one.records("t", max_records=3, max_bytes=4 * size, ttl_s=30.0)
+    b = two.records("t", max_records=3, max_bytes=4 * size, ttl_s=30.0)
+    assert a.scope == b.scope and a.scope in ("folder", "deployment")
+    for i in range(3):
+        assert a.put(f"k{i}", kb)
+    assert b.get("k0") == kb and b.held() == (3, 3 * size)
+    assert b.put("k3", kb)  # the count: k0 goes
+    assert a.get("k0") is None and a.get("k3") == kb and a.held() == (3, 3 * size)
+    # The bytes: a record of two units' size (three held, four allowed) pushes out the oldest.
+    double = "y" * (2 * size - size_of("k4", ""))
+    assert b.put("k4", double)
+    assert [a.get(f"k{i}") is not None for i in range(5)] == [False, False, True, True, True]
+    assert a.held() == (3, 4 * size)
+    assert not a.put("big", "z" * 4 * size)  # larger than the bound alone: not kept
+    assert a.get("big") is None and a.held() == (3, 4 * size)
+    # Replacing a key counts its new size only.
+    assert a.put("k3", "short")
+    assert b.held() == (3, size_of("k3", "short") + 3 * size)
+    # One of two replicas taking a key gets it.
+    got = [a.take("k4"), b.take("k4")]
+    assert got == [double, None] and b.get("k4") is None
+    b.forget("k3")
+    assert a.get("k3") is None and a.get("k2") == kb and a.held() == (1, size)
+
+    short_a = one.records("ttl", max_records=10, max_bytes=10 * size, ttl_s=0.3)
+    short_b = two.records("ttl", max_records=10, max_bytes=10 * size, ttl_s=0.3)
+    assert short_a.put("k", kb) and short_b.get("k") == kb
+    time.sleep(0.5)
+    assert short_b.get("k") is None and short_b.take("k") is None
+    assert short_a.held() == (0, 0)
+
+
+def test_expiring_records_in_redis_are_not_waited_for_while_it_is_down(tmp_path: Path) -> None:
+    dead = RedisServer(tmp_path / "dead")  # a port nothing listens on
+    store = open_state(redis_settings(tmp_path, dead.url, "p"))
+    assert isinstance(store, RedisState)
+    store.start()
+    try:
+        eventually(lambda: store.failures["read"] > 0)
+        records = store.records("t", max_records=10, max_bytes=2**20, ttl_s=60.0)
+        t = time.perf_counter()
+        assert not records.put("k", "v")  # never raises; not tried while down
+        assert time.perf_counter() - t < 0.05
+        with pytest.raises(StateUnavailable):
+            records.get("k")
+    finally:
+        store.close()
 
 
 def test_redis_runs_are_read_again_only_when_new_ones_arrived(

@@ -324,7 +324,7 @@ class Admission:
                 )
             doubted = True
         elif self.tokens_in_flight:
-            self._check_deadline(n, estimate.new_tokens, deadline, now)
+            self._check_deadline(n, estimate.new_tokens, deadline, now, timeout_s)
         if self.tokens_in_flight:
             self._check_budgets(n)
         self._add(n, estimate.new_tokens)
@@ -382,6 +382,7 @@ class Admission:
         *,
         new_tokens: int = 0,
         reservation: Reservation | None = None,
+        timeout_s: float | None = None,
     ) -> Iterator[None]:
         """Hold ``n`` tokens while a call runs, or raise ``Overloaded``.
 
@@ -392,6 +393,9 @@ class Admission:
                 ``None``: no deadline check.
             reservation: the call's request was admitted as a whole: the call takes its
                 tokens from that reservation and is not checked again.
+            timeout_s: the length of the request's deadline, which a refusal's Retry-After
+                is priced against (default ``request_timeout_s``; a calibration's is
+                ``calibration_timeout_s``).
 
         A call is always admitted when nothing else is in flight: its own size is bounded by
         ``max_prompt_tokens_x_prompts``, so no budget or estimate can starve it.
@@ -404,7 +408,7 @@ class Admission:
             reservation.new_tokens -= took_new
             self._add(-took, -took_new)
         elif self.tokens_in_flight:
-            self._check_deadline(n, new_tokens, deadline, now)
+            self._check_deadline(n, new_tokens, deadline, now, timeout_s)
             self._check_budgets(n)
         self._add(n, new_tokens)
         self.meter.begin(now)
@@ -460,10 +464,19 @@ class Admission:
                 f"rate is not yet measured ({tokens} of {unmeasured} in use)"
             )
 
-    def _check_deadline(self, n: int, new_tokens: int, deadline: float | None, now: float) -> None:
+    def _check_deadline(
+        self,
+        n: int,
+        new_tokens: int,
+        deadline: float | None,
+        now: float,
+        timeout_s: float | None = None,
+    ) -> None:
         """``Overloaded`` (reason ``deadline``) if the work ahead plus ``n`` tokens (of which
         ``new_tokens`` answer budget) cannot be done by ``deadline`` at the measured rates;
-        its Retry-After is when they could be."""
+        its Retry-After is when they could be, for a retry with a fresh deadline of
+        ``timeout_s`` (default ``request_timeout_s``: a calibration's is
+        ``calibration_timeout_s``, issue 90)."""
         wait_s = self.estimated_wait_s
         own_s = self.meter.seconds_for(n - new_tokens, new_tokens)
         if deadline is None or wait_s is None or own_s is None:
@@ -474,7 +487,7 @@ class Admission:
         self._metrics.admission_rejections.labels("deadline").inc()
         # Retried, it fits once the queue ahead has shrunk to what a fresh deadline leaves
         # beside its own work; a call longer than a deadline only once the engine is idle.
-        timeout = _HEADROOM * self._settings.request_timeout_s
+        timeout = _HEADROOM * (self._settings.request_timeout_s if timeout_s is None else timeout_s)
         ahead_s = wait_s + own_s - timeout if own_s < timeout else wait_s
         retry = max(1, math.ceil(ahead_s - 1e-6))  # not a second more for a rounding error
         rate = self.meter.tokens_per_s
@@ -677,7 +690,10 @@ class AdmittedBackend:
 
         async def part(reqs: Sequence[SpanRequest]) -> list[ScoreResult]:
             with self._admission.tokens(
-                prompt_tokens(reqs), self._deadline, reservation=self._reservation
+                prompt_tokens(reqs),
+                self._deadline,
+                reservation=self._reservation,
+                timeout_s=self._timeout_s,
             ):
                 return await self._inner.score(reqs)
 
@@ -699,7 +715,11 @@ class AdmittedBackend:
         async def part(reqs: Sequence[GenerationRequest]) -> list[GenerateResult]:
             tokens, budget = generation_tokens(reqs)
             with self._admission.tokens(
-                tokens + budget, self._deadline, new_tokens=budget, reservation=self._reservation
+                tokens + budget,
+                self._deadline,
+                new_tokens=budget,
+                reservation=self._reservation,
+                timeout_s=self._timeout_s,
             ):
                 return await self._inner.generate(reqs)
 

@@ -466,3 +466,23 @@ async def test_work_admitted_to_re_measure_is_answered_for_good_by_its_own_pace(
         assert "the rate is now" in err["message"]
         assert "Retry-After" not in r.headers and elapsed < timeout_s
         assert h.ctx.admission.tokens_in_flight == 0
+
+
+def test_the_plausibility_bound_holds_with_several_workers() -> None:
+    """With ``workers`` > 1 each worker's admission reads the engine process's meter
+    (``EngineMeter``, updated from its ``vars``): the fastest rate shown travels with it, and
+    a worker refuses the same work at once, though its own copy measured nothing."""
+    from service.backends.engine_socket import EngineMeter
+
+    engine = ThroughputMeter()
+    engine.seed(100, 1.0, time.monotonic())
+    worker_meter = EngineMeter()
+    worker_meter.update(dict(vars(engine)))
+    assert worker_meter.least_seconds_for(4_000_000) == pytest.approx(400.0)
+    worker = Admission(
+        Settings(request_timeout_s=108.0, workers=2),
+        ServiceMetrics(include_default_registry=False),
+        meter=worker_meter,
+    )
+    with pytest.raises(DeadlineUnreachable, match="100x the fastest rate"):
+        worker.reserve(_estimate(4_000_000), time.monotonic() + 108.0, timeout_s=108.0)

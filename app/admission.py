@@ -85,7 +85,7 @@ from service.backends.base import (
 from service.config.settings import Settings
 from service.errors import DeadlineUnreachable, LimitExceeded
 from service.runtime.shared_counts import SharedCounts
-from service.runtime.throughput import FRESH_S, ThroughputMeter
+from service.runtime.throughput import FRESH_S, MIN_CALLS, PLAUSIBLE_SPEEDUP, ThroughputMeter
 from service.strategies.request import Estimate
 
 # Admit only what the estimate says ends within 90% of the time left: under overload the engine
@@ -126,6 +126,11 @@ class Reservation:
     """The answer-budget part of ``tokens``."""
     estimated_s: float | None
     """The request's own seconds on an idle engine, at the rates when it was admitted."""
+    doubted: bool = False
+    """Admitted over its deadline on a rate in doubt, to re-measure the engine: its own pace
+    then decides for good (``AdmittedBackend._check_progress``: 422, not a 503 to retry)."""
+    param: str = "passages"
+    """The request's field to turn down, named in a refusal."""
 
 
 class Admission:
@@ -155,14 +160,40 @@ class Admission:
         self.meter = meter if meter is not None else ThroughputMeter()
         """The engine's prompt tokens per second, measured from the calls admitted here (or
         the engine process's, ``meter``)."""
-        self.remeasure_wanted: str | None = None
-        """Why the rate should be measured again (``None``: it need not); cleared by the
-        rate canary (``app.main``) once it has run."""
+        self._remeasure_why: str | None = None
+        self._asked_at: float | None = None  # when a re-measurement was last asked for
         self.on_remeasure: Callable[[], None] | None = None
         """Set by the server: wakes the rate canary."""
         self.remeasure_s: float | None = None
         """Seconds the newest rate canary took (``None``: none ran yet), set by the server:
         the Retry-After of work refused while the rates are re-measured."""
+
+    @property
+    def remeasure_wanted(self) -> str | None:
+        """Why the rate should be measured again (``None``: it need not). Cleared by the rate
+        canary (``app.main``) once it has run, or by a completed call; but an ask stays
+        wanted (``"unconfirmed"``) while the rate lacks the ``MIN_CALLS`` recent calls a
+        confirmation needs, for up to ``FRESH_S`` after it (issue 90): one canary is one
+        of them, and a caller told "retry while the rate is re-measured" was refused on
+        the same unconfirmed rate at every retry ("3 calls in the last 300 s")."""
+        if self._remeasure_why is not None:
+            return self._remeasure_why
+        now = time.monotonic()
+        if (
+            self._asked_at is not None
+            and now - self._asked_at <= FRESH_S
+            and (self.meter.completed == 0 or self.meter.calls(now) < MIN_CALLS)
+        ):
+            # What canaries can supply: recent calls. A rate contradicted by a faster call
+            # alone (the other reason it may be unconfirmed) is not one more canary away (a
+            # small call barely moves the estimate's sums): the work it doubts is admitted on
+            # an idle engine, and its calls re-measure.
+            return "unconfirmed"
+        return None
+
+    @remeasure_wanted.setter
+    def remeasure_wanted(self, why: str | None) -> None:
+        self._remeasure_why = why
 
     @property
     def in_flight(self) -> int:
@@ -243,7 +274,14 @@ class Admission:
         usable = _HEADROOM * timeout_s
         # The estimate's own error: work estimated near the deadline is over it (_LONG_MARGIN).
         allowed = usable / _LONG_MARGIN
+        doubted = False
         if own_s is not None and deadline is not None and own_s > allowed:
+            least_s = self.meter.least_seconds_for(estimate.prompt_tokens, estimate.new_tokens)
+            if least_s is not None and least_s > allowed:
+                # Over the deadline even at far more than the engine has ever shown: no error
+                # in a rate explains that, so no re-measurement can admit it (issue 90).
+                self._metrics.admission_rejections.labels("unreachable").inc()
+                raise _implausible(estimate, own_s, least_s, allowed, timeout_s, timeout_name)
             # Over the deadline alone. For good (422) only on a confirmed rate, and only if
             # even the fastest the engine has recently shown cannot fit it; else it is the
             # estimate that is in doubt: admitted on an idle engine (its calls re-measure),
@@ -284,12 +322,19 @@ class Admission:
                     f"being re-measured: retry after {math.ceil(retry_s)} s",
                     retry_after_s=max(1, math.ceil(retry_s)),
                 )
+            doubted = True
         elif self.tokens_in_flight:
-            self._check_deadline(n, estimate.new_tokens, deadline, now)
+            self._check_deadline(n, estimate.new_tokens, deadline, now, timeout_s)
         if self.tokens_in_flight:
             self._check_budgets(n)
         self._add(n, estimate.new_tokens)
-        return Reservation(tokens=n, new_tokens=estimate.new_tokens, estimated_s=own_s)
+        return Reservation(
+            tokens=n,
+            new_tokens=estimate.new_tokens,
+            estimated_s=own_s,
+            doubted=doubted,
+            param=estimate.param,
+        )
 
     def estimate_s(self, estimate: Estimate) -> float | None:
         """Seconds until ``estimate``'s work would be done if admitted now: the queue ahead
@@ -310,15 +355,18 @@ class Admission:
         """Ask for a re-measurement of the engine's rate (the server's rate canary runs it
         when the engine is next idle): an estimate was doubted or refused work."""
         self.remeasure_wanted = why
+        self._asked_at = time.monotonic()
         if self.on_remeasure is not None:
             self.on_remeasure()
 
     def _rate_basis(self, now: float) -> str:
         """What the prefill estimate rests on, for messages."""
         age = self.meter.age_s(now)
+        why = self.meter.unconfirmed_because(now)
         return (
             f"{self.meter.calls(now)} call(s) in the last {FRESH_S:.0f} s, the newest "
             f"{'never' if age is None else f'{age:.0f} s ago'}"
+            + ("" if why is None else f"; not confirmed: {why}")
         )
 
     def release(self, reservation: Reservation) -> None:
@@ -334,6 +382,7 @@ class Admission:
         *,
         new_tokens: int = 0,
         reservation: Reservation | None = None,
+        timeout_s: float | None = None,
     ) -> Iterator[None]:
         """Hold ``n`` tokens while a call runs, or raise ``Overloaded``.
 
@@ -344,6 +393,9 @@ class Admission:
                 ``None``: no deadline check.
             reservation: the call's request was admitted as a whole: the call takes its
                 tokens from that reservation and is not checked again.
+            timeout_s: the length of the request's deadline, which a refusal's Retry-After
+                is priced against (default ``request_timeout_s``; a calibration's is
+                ``calibration_timeout_s``).
 
         A call is always admitted when nothing else is in flight: its own size is bounded by
         ``max_prompt_tokens_x_prompts``, so no budget or estimate can starve it.
@@ -356,7 +408,7 @@ class Admission:
             reservation.new_tokens -= took_new
             self._add(-took, -took_new)
         elif self.tokens_in_flight:
-            self._check_deadline(n, new_tokens, deadline, now)
+            self._check_deadline(n, new_tokens, deadline, now, timeout_s)
             self._check_budgets(n)
         self._add(n, new_tokens)
         self.meter.begin(now)
@@ -412,10 +464,19 @@ class Admission:
                 f"rate is not yet measured ({tokens} of {unmeasured} in use)"
             )
 
-    def _check_deadline(self, n: int, new_tokens: int, deadline: float | None, now: float) -> None:
+    def _check_deadline(
+        self,
+        n: int,
+        new_tokens: int,
+        deadline: float | None,
+        now: float,
+        timeout_s: float | None = None,
+    ) -> None:
         """``Overloaded`` (reason ``deadline``) if the work ahead plus ``n`` tokens (of which
         ``new_tokens`` answer budget) cannot be done by ``deadline`` at the measured rates;
-        its Retry-After is when they could be."""
+        its Retry-After is when they could be, for a retry with a fresh deadline of
+        ``timeout_s`` (default ``request_timeout_s``: a calibration's is
+        ``calibration_timeout_s``, issue 90)."""
         wait_s = self.estimated_wait_s
         own_s = self.meter.seconds_for(n - new_tokens, new_tokens)
         if deadline is None or wait_s is None or own_s is None:
@@ -426,7 +487,7 @@ class Admission:
         self._metrics.admission_rejections.labels("deadline").inc()
         # Retried, it fits once the queue ahead has shrunk to what a fresh deadline leaves
         # beside its own work; a call longer than a deadline only once the engine is idle.
-        timeout = _HEADROOM * self._settings.request_timeout_s
+        timeout = _HEADROOM * (self._settings.request_timeout_s if timeout_s is None else timeout_s)
         ahead_s = wait_s + own_s - timeout if own_s < timeout else wait_s
         retry = max(1, math.ceil(ahead_s - 1e-6))  # not a second more for a rounding error
         rate = self.meter.tokens_per_s
@@ -436,6 +497,30 @@ class Admission:
             f"would not finish within its deadline ({max(left_s, 0.0):.1f} s left)",
             retry_after_s=retry,
         )
+
+
+def _implausible(
+    estimate: Estimate,
+    own_s: float,
+    least_s: float,
+    allowed: float,
+    timeout_s: float,
+    name: str,
+) -> DeadlineUnreachable:
+    """The 422 for work over its deadline even at ``PLAUSIBLE_SPEEDUP`` times the fastest rate
+    the engine has shown: refused for good whether or not the rate is confirmed."""
+    return DeadlineUnreachable(
+        estimate.param,
+        round(allowed, 3),
+        round(own_s, 3),
+        f"this request's {estimate.prompts} model calls ({estimate.prompt_tokens} prompt "
+        f"tokens, {estimate.new_tokens} answer tokens) are estimated at {own_s:.0f} s, "
+        f"{own_s / allowed:.0f}x the {allowed:.1f} s its deadline allows ({name} = "
+        f"{timeout_s:g} s: 90% usable, less a {_LONG_MARGIN - 1:.0%} margin); even at "
+        f"{PLAUSIBLE_SPEEDUP:g}x the fastest rate this engine has shown it would take "
+        f"{least_s:.1f} s, so no re-measurement of the rate can admit it: send fewer "
+        f"passages, prompts or samples ({estimate.param}), or raise {name}",
+    )
 
 
 def _unreachable(
@@ -605,7 +690,10 @@ class AdmittedBackend:
 
         async def part(reqs: Sequence[SpanRequest]) -> list[ScoreResult]:
             with self._admission.tokens(
-                prompt_tokens(reqs), self._deadline, reservation=self._reservation
+                prompt_tokens(reqs),
+                self._deadline,
+                reservation=self._reservation,
+                timeout_s=self._timeout_s,
             ):
                 return await self._inner.score(reqs)
 
@@ -627,7 +715,11 @@ class AdmittedBackend:
         async def part(reqs: Sequence[GenerationRequest]) -> list[GenerateResult]:
             tokens, budget = generation_tokens(reqs)
             with self._admission.tokens(
-                tokens + budget, self._deadline, new_tokens=budget, reservation=self._reservation
+                tokens + budget,
+                self._deadline,
+                new_tokens=budget,
+                reservation=self._reservation,
+                timeout_s=self._timeout_s,
             ):
                 return await self._inner.generate(reqs)
 
@@ -714,6 +806,30 @@ class AdmittedBackend:
         if rest_s <= left_s:
             return
         self._admission.progress_refused()
+        reservation = self._reservation
+        if reservation is not None and reservation.doubted:
+            # Admitted over its deadline on a rate in doubt, on an idle engine, to re-measure
+            # it: its own parts are that re-measurement, and they say it cannot finish. A 503
+            # to retry was refused at once the next time (issue 90: self_consistency on a
+            # fresh server, after 26 s of work), so this is the answer for good.
+            meter = self._admission.meter
+            now = time.monotonic()
+            why = meter.unconfirmed_because(now)
+            total_s = spent_s + rest_s
+            raise DeadlineUnreachable(
+                reservation.param,
+                round(self._timeout_s, 3),
+                round(total_s, 3),
+                f"this request was admitted on an idle engine to re-measure its rate (it was "
+                f"estimated over its deadline on a rate not yet confirmed); the first {done} "
+                f"of {parts} parts of its model calls took {spent_s:.1f} s against "
+                f"{estimated_s:.1f} s estimated ({pace:.1f}x), so all of them would take about "
+                f"{total_s:.0f} s, past its deadline ({self._timeout_name} = "
+                f"{self._timeout_s:g} s, {max(left_s, 0):.0f} s left); the rate is now "
+                + ("confirmed" if why is None else f"not confirmed ({why})")
+                + f" at {meter.tokens_per_s or 0:.0f} prompt tokens/s: send fewer passages, "
+                f"prompts or samples ({reservation.param}), or raise {self._timeout_name}",
+            )
         wait_s = self._admission.estimated_wait_s or 0.0
         raise Overloaded(
             f"stopped early: the first {done} of {parts} parts of this request's model calls "

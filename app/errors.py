@@ -7,6 +7,7 @@ request_id}}`` is the same everywhere and each failure is counted once in the me
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Mapping
@@ -249,19 +250,31 @@ _METHODS: Final = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
 
 
 def _allowed_methods(request: Request) -> tuple[str, ...]:
-    """The methods some route of the app answers on the request's path, found by asking each
-    route whether it would take the path with that method.
+    """The methods of the route the request's path names, as the app's OpenAPI document lists
+    them: of its paths that match, the most specific (the fewest parameters). A path the
+    document leaves out (``/docs``) gets the methods some route answers on it.
 
-    Starlette's own ``Allow`` names only the first route whose path matched; a path served by
-    two routes (a GET and a POST) would lose the second. A fresh scope, not the request's:
-    routing has rewritten that one for the route it tried.
+    Asking every route whether it would take the path with each method (as this did alone
+    before) also named a parametrised neighbour's: ``/v1/bias-profiles/calibrate`` (POST)
+    answered "GET, POST", the GET being ``/v1/bias-profiles/{profile_id}``'s with
+    ``calibrate`` as an id (issue 90; tests/app/test_schema_fuzz.py checks every path).
     """
+    path = request.scope["path"]
+    documented: dict[str, Any] = request.app.openapi().get("paths", {})
+    matching = [t for t in documented if _template_regex(t).fullmatch(path)]
+    if matching:
+        chosen = min(matching, key=lambda t: t.count("{"))
+        listed = {m.upper() for m in documented[chosen]}
+        return tuple(m for m in _METHODS if m in listed)
+    # Starlette's own ``Allow`` names only the first route whose path matched; a path served
+    # by two routes (a GET and a POST) would lose the second. A fresh scope, not the
+    # request's: routing has rewritten that one for the route it tried.
     allowed: list[str] = []
     for method in _METHODS:
         scope = {
             "type": "http",
             "method": method,
-            "path": request.scope["path"],
+            "path": path,
             "root_path": request.scope.get("root_path", ""),
             "headers": [],
             "query_string": b"",
@@ -269,6 +282,14 @@ def _allowed_methods(request: Request) -> tuple[str, ...]:
         if any(route.matches(scope)[0] is Match.FULL for route in request.app.router.routes):
             allowed.append(method)
     return tuple(allowed)
+
+
+@functools.lru_cache(maxsize=64)
+def _template_regex(template: str) -> re.Pattern[str]:
+    """An OpenAPI path template (``/v1/bias-profiles/{profile_id}``) as a regex: a parameter
+    is one path segment."""
+    parts = re.split(r"\{[^}/]+\}", template)
+    return re.compile("[^/]+".join(re.escape(p) for p in parts))
 
 
 def install_error_handlers(app: FastAPI) -> None:

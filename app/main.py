@@ -47,7 +47,7 @@ from service.errors import (
     EngineTimeout,
     EngineUnavailable,
 )
-from service.learning.answer_likelihood import AnswerLikelihood
+from service.learning.answer_likelihood import AnswerLikelihood, TieBreakLimits
 from service.learning.generator_online import GeneratorSampler
 from service.learning.learner import (
     ProfileLearner,
@@ -395,17 +395,21 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
     # are timed into admission's rate: the service's own work re-measures the engine.
     ctx.engine.learner.shadow_backend = MeteredBackend(backend, ctx.admission)
     ctx.engine.learner.idle = lambda: ctx.admission.tokens_in_flight == 0
-    if ctx.engine.learner.generator is not None:
-        # The generator's answers held by several passages go to the likeliest under the
-        # scorer (service.learning.answer_likelihood), scored as the service's own work.
-        ctx.engine.learner.generator.likelihood = AnswerLikelihood(
-            ctx.engine.learner.shadow_backend
-        )
     load = _engine_load(ctx, backend)
     if load is not None:
         # A remote engine may serve other replicas and applications too: their work counts
         # as well, as far as the engine's own queue tells (read in the background).
         ctx.engine.learner.idle = lambda: ctx.admission.tokens_in_flight == 0 and not load.busy()
+    if ctx.engine.learner.generator is not None:
+        # The generator's answers held by several passages go to the likeliest under the
+        # scorer (service.learning.answer_likelihood), scored as the service's own work,
+        # held to a request's limits and deadline, and only while no caller's work is on
+        # the engine (issue 90: vLLM and a remote engine give it no background priority).
+        ctx.engine.learner.generator.likelihood = AnswerLikelihood(
+            ctx.engine.learner.shadow_backend,
+            TieBreakLimits.from_settings(ctx.settings),
+            idle=ctx.engine.learner.idle,
+        )
     scheduler = getattr(backend, "scheduler", None)
     if isinstance(scheduler, ForwardScheduler):
         ctx.metrics.track_scheduler(scheduler)

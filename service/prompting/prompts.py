@@ -22,7 +22,8 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from service.backends.base import ChatMessage, Encoding, PromptTokenizer, SpanRequest
@@ -176,15 +177,16 @@ def build_prompt(
     """
     template = get_template(template_name)
     clean_query = _check_inputs(query, passages)
-    return _build(
-        tokenizer,
-        template,
-        clean_query,
-        passages,
-        _check_order(order, len(passages)),
-        add_generation_prompt=False,
-        max_tokens=max_tokens,
-    )
+    with _unrepresentable_query(tokenizer, query):
+        return _build(
+            tokenizer,
+            template,
+            clean_query,
+            passages,
+            _check_order(order, len(passages)),
+            add_generation_prompt=False,
+            max_tokens=max_tokens,
+        )
 
 
 def build_prompts(
@@ -237,6 +239,20 @@ def build_prompts(
         _render(tokenizer, template, clean_query, passages, order, add_generation_prompt=False)
         for order in checked
     ]
+    with _unrepresentable_query(tokenizer, query):
+        return _tokenised(tokenizer, template, passages, rendered, max_tokens, max_total_tokens)
+
+
+def _tokenised(
+    tokenizer: PromptTokenizer,
+    template: PromptTemplate,
+    passages: Sequence[Passage],
+    rendered: Sequence[_Rendered],
+    max_tokens: int | None,
+    max_total_tokens: int | None,
+) -> list[BuiltPrompt]:
+    """``build_prompts``' prompts from their rendered texts: assembled from segments where
+    that gives the same prompts, else each tokenised whole, a chunk at a time."""
     assembled = _assembled(tokenizer, template, passages, rendered, max_tokens, max_total_tokens)
     if assembled is not None:
         return assembled
@@ -419,15 +435,16 @@ def build_generation_prompt(
     template = get_template(template_name)
     clean_query = _check_inputs(query, passages)
     chosen = range(len(passages)) if order is None else order
-    return _build(
-        tokenizer,
-        template,
-        clean_query,
-        passages,
-        _check_order(chosen, len(passages)),
-        add_generation_prompt=True,
-        max_tokens=max_tokens,
-    )
+    with _unrepresentable_query(tokenizer, query):
+        return _build(
+            tokenizer,
+            template,
+            clean_query,
+            passages,
+            _check_order(chosen, len(passages)),
+            add_generation_prompt=True,
+            max_tokens=max_tokens,
+        )
 
 
 def _check_inputs(query: str, passages: Sequence[Passage]) -> str:
@@ -442,6 +459,50 @@ def _check_inputs(query: str, passages: Sequence[Passage]) -> str:
         if not passage.text.strip():
             raise InvalidRequest(f"passages[{i}].text is empty", param=f"passages[{i}].text")
     return clean
+
+
+@contextmanager
+def _unrepresentable_query(tokenizer: PromptTokenizer, query: str) -> Iterator[None]:
+    """Turn a misaligned query into a 422 where the query itself is the cause: a character
+    the model's tokenizer cannot represent (issue 90). SmolLM2's byte-level vocabulary lacks
+    the lead bytes of unassigned planes (U+82E9E is F2 82 BA 9E; it has no token for F2 and
+    drops it), so the query's tokens decode to other text and no span can be aligned with
+    it; the model would read a different question. Misalignment of a query the tokenizer
+    reads back as sent stays a server fault (the template's)."""
+    try:
+        yield
+    except PromptAlignmentError:
+        refusal = _unrepresentable(tokenizer, query)
+        if refusal is not None:
+            raise refusal from None
+        raise
+
+
+def _unrepresentable(tokenizer: PromptTokenizer, query: str) -> InvalidRequest | None:
+    """The 422 naming the first character of ``query`` that the tokenizer does not read back
+    (by code point, as sent), or ``None`` where the query reads back whole. Only on the
+    error path: one tokenizer call for the query, one for its distinct non-ASCII characters."""
+    clean = query.strip()
+    if tokenizer.decode(tokenizer.encode(clean).ids) == clean:
+        return None
+    chars = list(dict.fromkeys(c for c in query if not c.isascii() and not c.isspace()))
+    encoded = tokenizer.encode_batch(chars)
+    read = {c: tokenizer.decode(e.ids) for c, e in zip(chars, encoded, strict=True)}
+    for i, c in enumerate(query):
+        back = read.get(c)
+        if back is not None and back != c and back.strip() != c:
+            return InvalidRequest(
+                f"query[{i}] is U+{ord(c):04X}, a character the model's tokenizer cannot "
+                f"represent (it reads it as {back!r}), so the question the model would score "
+                "is not the one sent; remove or replace it",
+                param="query",
+            )
+    return InvalidRequest(
+        "the query is not read back as sent by the model's tokenizer (it reads "
+        f"{len(clean)} characters as {tokenizer.decode(tokenizer.encode(clean).ids)!r}), so "
+        "the question the model would score is not the one sent",
+        param="query",
+    )
 
 
 def _check_unicode(text: str, param: str) -> None:

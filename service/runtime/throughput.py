@@ -71,6 +71,15 @@ MIN_CALLS = 4
 CONTRADICTION = 2.0
 """A newest call alone on the engine this many times faster than the estimate contradicts
 it: the estimate is not ``confirmed`` until it has caught up."""
+PLAUSIBLE_SPEEDUP = 100.0
+"""How many times faster than the fastest rate it has shown an engine may plausibly run a
+request (issue 90): work over its deadline even at that is refused for good at once, whether
+or not the rate is ``confirmed``. A rate is wrong by the fixed costs of the small calls that
+measured it: the warm-up probe ran at 15 prompt tokens/s against 450 for real work on this
+project's CPU (30x, app/main.py), and the paced H100 profile's 2-prompt canary at 1,938
+against 86,302 (44.5x, issue 90 item 2); 100 is over twice the widest of those. A request
+estimated 36,000x over its deadline (issue 90 item 11) got 503 "rate not yet confirmed" on
+every retry, as no re-measurement could explain that estimate away."""
 DECODE_PRIOR = 8.0
 """Prompt tokens' worth of engine time one answer token costs before decode is measured
 (docs/operations.md, "Admission's estimates"; measured by bench/estimates.py)."""
@@ -110,6 +119,10 @@ class ThroughputMeter:
         """Calls whose tokens are in the estimate (a ``seed`` is not one)."""
         self.decode_completed = 0
         """Generations whose answer budget is in the decode estimate."""
+        self.peak_rate: float | None = None
+        """The fastest prompt tokens per second this engine has shown (``None``: nothing
+        measured): the estimate's highest value, seeds included, or a call alone on it; never
+        decays (``least_seconds_for``)."""
 
     @property
     def tokens_per_s(self) -> float | None:
@@ -155,6 +168,30 @@ class ThroughputMeter:
         best = self.best_rate(now)
         return best is None or best <= CONTRADICTION * rate
 
+    def unconfirmed_because(self, now: float) -> str | None:
+        """Why the prefill estimate is not ``confirmed`` (``None``: it is), for messages."""
+        rate = self.tokens_per_s
+        if rate is None:
+            return "no rate measured yet"
+        calls = self.calls(now)
+        if self.completed == 0 or calls < MIN_CALLS:
+            real = "" if self.completed else ", none of them a real call"
+            return f"{calls} of the {MIN_CALLS} recent calls it needs{real}"
+        best = self.best_rate(now)
+        if best is not None and best > CONTRADICTION * rate:
+            return (
+                f"the newest call alone on the engine ran at {best:.0f} prompt tokens/s, over "
+                f"{CONTRADICTION:g}x the estimate's {rate:.0f}"
+            )
+        return None
+
+    def least_seconds_for(self, tokens: int, new_tokens: int = 0) -> float | None:
+        """The least the work may plausibly take: at ``PLAUSIBLE_SPEEDUP`` times the rates it
+        is priced at, from the fastest rate the engine has shown (``None``: nothing
+        measured)."""
+        seconds = self._seconds_at(self.peak_rate, tokens, new_tokens)
+        return None if seconds is None else seconds / PLAUSIBLE_SPEEDUP
+
     def begin(self, now: float) -> None:
         """A call was admitted; the engine is busy from now if it was idle."""
         if self._in_flight == 0:
@@ -187,6 +224,7 @@ class ThroughputMeter:
             self.completed += 1
             if alone:
                 self.idle_rate, self.idle_at = tokens / (now - mark), now
+                self._note_peak(self.idle_rate)
 
     def _add_generation(self, tokens: int, new_tokens: int, elapsed: float, now: float) -> None:
         """Split a generation's busy time: its prompt at the prefill rate, the rest decode."""
@@ -238,6 +276,7 @@ class ThroughputMeter:
         else:
             self._recent.append((now, 1))
         self.calls(now)
+        self._note_peak(self._tokens / self._seconds)
         return True
 
     def snapshot(self) -> dict[str, object]:
@@ -248,6 +287,10 @@ class ThroughputMeter:
         state = dict(vars(self))
         state["_recent"] = deque(self._recent)
         return state
+
+    def _note_peak(self, rate: float) -> None:
+        if self.peak_rate is None or rate > self.peak_rate:
+            self.peak_rate = rate
 
     def seconds_for(self, tokens: int, new_tokens: int = 0) -> float | None:
         """Estimated engine seconds for ``tokens`` prompt tokens and ``new_tokens`` of answer

@@ -274,3 +274,36 @@ async def test_422_prompts_x_characters_over_http(tmp_path: Path) -> None:
         assert err["param"] == "prompt_chars_x_prompts" and err["limit"] == 1024
         assert err["value"] > 1024
         assert h.backend.started == started
+
+
+def test_a_refused_calibration_s_retry_after_is_priced_against_its_own_deadline() -> None:
+    """Issue 90: a calibration's retry gets a fresh ``calibration_timeout_s`` (100 s here),
+    not ``request_timeout_s`` (10 s): the queue ahead has to shrink only until the
+    calibration's own work fits that."""
+    from service.strategies.request import Estimate
+
+    admission = measured(1000.0, timeout_s=10.0)  # 1,000 prompt tokens/s
+    ahead = admission.reserve(
+        Estimate(prompts=1, prompt_tokens=90_000, new_tokens=0, param="passages"),
+        None,
+        timeout_s=10.0,
+    )  # 90 s of work queued
+    calibration = Estimate(prompts=10, prompt_tokens=20_000, new_tokens=0, param="queries")
+    with pytest.raises(Overloaded) as refused:  # 90 + 20 s > 90 s usable of 100 s
+        admission.reserve(
+            calibration,
+            time.monotonic() + 100.0,
+            timeout_s=100.0,
+            timeout_name="calibration_timeout_s",
+        )
+    # Retried once 20 s of the queue are done, its 20 s fit behind the other 70 (90 s usable);
+    # priced against request_timeout_s it was told 90 s (the whole queue).
+    assert refused.value.retry_after_s == 20
+    # The same through a call not admitted as a whole (AdmittedBackend.score's path).
+    with (
+        pytest.raises(Overloaded) as call,
+        admission.tokens(20_000, time.monotonic() + 100.0, timeout_s=100.0),
+    ):
+        pass
+    assert call.value.retry_after_s == 20
+    admission.release(ahead)

@@ -140,3 +140,94 @@ async def test_raw_garbage_bodies_never_5xx(served: Harness) -> None:
                 path, content=raw, headers={"content-type": "application/json"}
             )
             assert 400 <= r.status_code < 500, (raw, r.text)
+
+
+def _rare_characters(rng: random.Random, n: int) -> list[str]:
+    """Characters from every plane, assigned or not, with the lone-ish ones a schema fuzz
+    finds: noncharacters, tags, private use, a combining mark or a joiner on its own, a BOM,
+    a bidi override, U+FFFD itself (surrogates excluded: they are a 422 before tokenising)."""
+    fixed = [
+        "\U00082e9e",  # issue 90: unassigned plane 8, a 500 prompt_misaligned
+        "\U0010ffff",
+        "\U000e0001",
+        "\U000f0000",
+        "\U0003134a",
+        "\ufffe",
+        "\uffff",
+        "\u0378",
+        "\u0301",
+        "\u200d",
+        "\ufeff",
+        "\u202e",
+        "\ufffd",
+        "\ufe0f",
+        "\x00",
+        "\x7f",
+        "\U0001f600",
+        "\U0001f468\u200d\U0001f469",
+    ]
+    drawn: list[str] = []
+    while len(drawn) < n:
+        plane = rng.randrange(17)
+        cp = plane * 0x10000 + rng.randrange(0x10000)
+        if not 0xD800 <= cp <= 0xDFFF:
+            drawn.append(chr(cp))
+    return fixed + drawn
+
+
+async def test_rare_characters_with_smollm2s_tokenizer_never_5xx(
+    tmp_path: Path, smollm2_dir: Path
+) -> None:
+    """Issue 90: a query with U+82E9E got a 500 on /v1/reorder and /v1/rerank on the paced
+    backend with SmolLM2's tokenizer (it drops the character's lead byte). Every plane's
+    characters, in the query, a passage and a title: never a 5xx, and a 422 that fails on
+    the query names the character it cannot take."""
+    import httpx
+
+    from app.main import create_app
+    from service.backends.paced import PacedBackend, PacedProfile
+    from service.backends.tokenizer_files import load_prompt_tokenizer
+    from tests.app.conftest import settings_for, wait_ready
+
+    tokenizer = load_prompt_tokenizer(smollm2_dir, name="smollm2")
+    backend = PacedBackend(
+        tokenizer,
+        PacedProfile("t", 1e6, 0.0, padded=False, decode_step_s=0.0, source="test"),
+        model="smollm2",
+        max_model_len=8192,
+        vocab_size=len(tokenizer.hf_tokenizer),
+        batch_token_budget=16384,
+    )
+    app = create_app(settings_for(tmp_path), backend=backend)
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
+    rng = random.Random(90)
+    statuses: dict[int, int] = {}
+    refused: set[str] = set()
+    async with (
+        app.router.lifespan_context(app),
+        httpx.AsyncClient(transport=transport, base_url="http://test") as client,
+    ):
+        await wait_ready(client, timeout=60)  # the warm-up on a loaded 2-core machine
+        for i, c in enumerate(_rare_characters(rng, 40)):
+            where = "query" if i == 0 else rng.choice(["query", "text", "title", "all"])
+            query = f"what is {c} here" if where in ("query", "all") else QUERY
+            passages = [
+                {
+                    "text": f"{p} {c}" if where in ("text", "all") else p,
+                    "title": f"T{c}" if where in ("title", "all") else "T",
+                }
+                for p in PASSAGES
+            ]
+            for path, body in (
+                ("/v1/reorder", {"query": query, "passages": passages}),
+                ("/v1/rerank", {"query": query, "documents": [p["text"] for p in passages]}),
+            ):
+                r = await client.post(path, json=body)
+                statuses[r.status_code] = statuses.get(r.status_code, 0) + 1
+                assert r.status_code < 500, (hex(ord(c[0])), where, path, r.text[:400])
+                if r.status_code == 422 and "tokenizer cannot represent" in r.text:
+                    assert f"U+{ord(c[0]):04X}" in r.text, r.text
+                    assert where in ("query", "all")
+                    refused.add(f"U+{ord(c[0]):04X}")
+    print(f"rare characters: statuses {dict(sorted(statuses.items()))}, refused {sorted(refused)}")
+    assert "U+82E9E" in refused

@@ -12,6 +12,7 @@ it saw; docs/operations.md quotes the figure.
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -28,6 +29,7 @@ from schemathesis.checks import (
 )
 
 from service.strategies import strategy_names
+from tests.app.conftest import Harness
 from tests.app.processes import ServerProcess, server_process
 
 EXAMPLES = 100
@@ -166,3 +168,21 @@ def test_the_fuzz_covered_every_route(fuzzed_server: ServerProcess) -> None:
     assert any(status == 200 for _, status in SEEN), SEEN
     assert any(status == 422 for _, status in SEEN), SEEN
     assert Path(fuzzed_server.log_path).exists()
+
+
+async def test_a_405_allows_exactly_the_methods_the_schema_lists_for_the_path(
+    served: Harness,
+) -> None:
+    """Issue 90: ``OPTIONS /v1/bias-profiles/calibrate`` answered ``Allow: GET, POST``, though
+    the schema lists only POST there (the GET was ``/v1/bias-profiles/{profile_id}``'s, with
+    ``calibrate`` as an id). Every documented path, its parameters filled: a method no route
+    serves is a 405 whose ``Allow`` is the methods the OpenAPI document lists for it."""
+    order = ("DELETE", "GET", "HEAD", "OPTIONS", "PATCH", "POST", "PUT")
+    for template, item in sorted(_PATHS.items()):
+        path = re.sub(r"\{[^}/]+\}", "some-id", template)
+        listed = [m for m in order if m.lower() in item]
+        for method in ("OPTIONS", "PATCH"):
+            r = await served.client.request(method, path)
+            assert r.status_code == 405, (method, path, r.text)
+            assert r.headers["allow"] == ", ".join(listed), (template, r.headers["allow"])
+            assert r.json()["error"]["code"] == "method_not_allowed"

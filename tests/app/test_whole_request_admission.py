@@ -364,3 +364,125 @@ async def test_a_504_says_what_admission_expected_of_the_request(tmp_path: Path)
         r = await h.client.post("/v1/reorder", json=_body("moi", SHORT, {}))
         assert r.status_code == 504, r.text
         assert "admission estimated its model calls at" in r.json()["error"]["message"]
+
+
+# ---------------------------------------------------------------------------------------------
+# "Never" is not "retry" (issue 90 item 11).
+
+
+def test_work_over_its_deadline_by_more_than_any_rate_error_is_refused_at_once() -> None:
+    """A moi request estimated at 3,956,961 s against a 108 s deadline got 503 "rate not yet
+    confirmed ... retry after 22 s" at every retry. No error in a rate explains an estimate
+    36,000x over: a 422 at once, on an unconfirmed rate too, with the figures."""
+    admission = Admission(
+        Settings(request_timeout_s=108.0), ServiceMetrics(include_default_registry=False)
+    )
+    admission.seed(100, 1.0)  # the warm-up probe alone: not confirmed
+    now = time.monotonic()
+    assert not admission.meter.confirmed(now)
+    huge = _estimate(4_000_000, param="design.num_prompts")  # 40,000 s at 100 tokens/s
+    for _ in range(3):  # every retry the same answer, none a 503
+        with pytest.raises(DeadlineUnreachable) as refused:
+            admission.reserve(huge, time.monotonic() + 108.0, timeout_s=108.0)
+        err = refused.value
+        assert err.param == "design.num_prompts" and err.value == pytest.approx(40_000.0)
+        assert err.limit == pytest.approx(0.9 * 108.0 / 1.2)
+        for part in ("40000 s", "494x", "100x the fastest rate", "400.0 s", "request_timeout_s"):
+            assert part in err.message, err.message
+    assert admission.tokens_in_flight == 0
+    # Within the bound the rate may be what is wrong: a doubt, as before (503 while the
+    # canary re-measures): 100,000 tokens is 1,000 s at the seed, 10 s at 100x it.
+    with pytest.raises(Overloaded):
+        admission.reserve(_estimate(100_000), time.monotonic() + 108.0, timeout_s=108.0)
+
+
+def test_a_re_measurement_asked_for_stays_wanted_until_the_rate_is_confirmed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One rate canary is one of the recent calls a confirmation needs: the ask was cleared
+    by the first, and the caller told to retry was refused on the same unconfirmed rate
+    (3 calls in the last 300 s at the third retry). Now the ask holds until the rate is
+    confirmed, and for at most FRESH_S."""
+    from service.runtime.throughput import FRESH_S
+
+    clock = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: clock[0])
+    admission = Admission(
+        Settings(request_timeout_s=10.0), ServiceMetrics(include_default_registry=False)
+    )
+    admission.seed(100, 1.0)
+    with pytest.raises(Overloaded) as refused:
+        admission.reserve(_estimate(5000), clock[0] + 10.0, timeout_s=10.0)
+    assert "not confirmed: 1 of the 4 recent calls it needs" in refused.value.message
+    assert admission.remeasure_wanted == "doubted"
+    wanted_after: list[str | None] = []
+    for _ in range(10):
+        clock[0] += 11.0  # the canary loop's spacing
+        with admission.measured(500):  # a canary: 500 prompt tokens in 1 s, alone
+            clock[0] += 1.0
+        admission.remeasure_wanted = None  # what the canary loop does once it has measured
+        wanted_after.append(admission.remeasure_wanted)
+        if admission.meter.confirmed(clock[0]):
+            break
+    assert admission.meter.confirmed(clock[0])
+    assert wanted_after[:-1] and all(w == "unconfirmed" for w in wanted_after[:-1])
+    assert wanted_after[-1] is None
+    # Never confirmed (no canary can run): the ask lapses after FRESH_S, not at once.
+    other = Admission(
+        Settings(request_timeout_s=10.0), ServiceMetrics(include_default_registry=False)
+    )
+    other.seed(100, 1.0)
+    other.remeasure("doubted")
+    other.remeasure_wanted = None
+    assert other.remeasure_wanted == "unconfirmed"
+    clock[0] += FRESH_S + 1.0
+    assert other.remeasure_wanted is None
+
+
+async def test_work_admitted_to_re_measure_is_answered_for_good_by_its_own_pace(
+    tmp_path: Path,
+) -> None:
+    """A self_consistency request on a freshly started server got 503 after 26 s of work,
+    and its retry was refused at once. Work admitted over its deadline on a rate in doubt
+    (the warm-up probe's alone) is the re-measurement; once its own parts show it cannot
+    finish, the answer is a 422 with the figures, not a 503 to retry."""
+    timeout_s = 6.0
+    backend = TrackingBackend(TRUTH, s_per_token=S_PER_TOKEN, s_per_new_token=S_PER_NEW_TOKEN)
+    async with serving(tmp_path, backend=backend, request_timeout_s=timeout_s, ready=False) as h:
+        await wait_ready(h.client, timeout=60)
+        meter = h.ctx.admission.meter
+        assert not meter.confirmed(time.monotonic())  # only the warm-up probe so far
+        body = _body("moi", LONG, {})
+        # The engine is 3x slower than its probe showed (a cold start, a busy neighbour).
+        backend.s_per_token *= 3
+        backend.s_per_new_token *= 3
+        t = time.perf_counter()
+        r = await h.client.post("/v1/reorder", json=body)
+        elapsed = time.perf_counter() - t
+        assert r.status_code == 422, r.text
+        err = r.json()["error"]
+        assert err["code"] == "deadline_unreachable" and err["param"] == "design.num_prompts", err
+        assert "admitted on an idle engine to re-measure" in err["message"]
+        assert "the rate is now" in err["message"]
+        assert "Retry-After" not in r.headers and elapsed < timeout_s
+        assert h.ctx.admission.tokens_in_flight == 0
+
+
+def test_the_plausibility_bound_holds_with_several_workers() -> None:
+    """With ``workers`` > 1 each worker's admission reads the engine process's meter
+    (``EngineMeter``, updated from its ``vars``): the fastest rate shown travels with it, and
+    a worker refuses the same work at once, though its own copy measured nothing."""
+    from service.backends.engine_socket import EngineMeter
+
+    engine = ThroughputMeter()
+    engine.seed(100, 1.0, time.monotonic())
+    worker_meter = EngineMeter()
+    worker_meter.update(dict(vars(engine)))
+    assert worker_meter.least_seconds_for(4_000_000) == pytest.approx(400.0)
+    worker = Admission(
+        Settings(request_timeout_s=108.0, workers=2),
+        ServiceMetrics(include_default_registry=False),
+        meter=worker_meter,
+    )
+    with pytest.raises(DeadlineUnreachable, match="100x the fastest rate"):
+        worker.reserve(_estimate(4_000_000), time.monotonic() + 108.0, timeout_s=108.0)

@@ -747,3 +747,36 @@ def test_smollm2_query_span_is_aligned_and_identical_across_permutations(
                     assert passages[index].text in tok.decode(prompt.token_ids[s:e])
         generation = build_generation_prompt(tok, "qa_default", row["question"], passages)
         assert generation.text.endswith("<|im_start|>assistant\n")
+
+
+@pytest.mark.slow
+def test_smollm2_query_with_a_character_it_cannot_represent_is_a_422_naming_it(
+    smollm2_dir: Path,
+) -> None:
+    """Issue 90: SmolLM2's byte-level vocabulary has no token for F2, the lead byte of
+    U+82E9E (an unassigned plane-8 code point), so it drops that byte and the query's tokens
+    decode to other text: that was a 500 ``prompt_misaligned``. It is the input's doing, so a
+    422 naming the character and where it is; the same character in a passage or a title is
+    read as the tokenizer reads it (no span of theirs is scored as text), and an emoji, which
+    the vocabulary has, is aligned as before."""
+    from transformers import AutoTokenizer
+
+    from service.backends.hf_tokenizer import HFPromptTokenizer
+
+    tok = HFPromptTokenizer(AutoTokenizer.from_pretrained(str(smollm2_dir)))
+    rare = "\U00082e9e"
+    passages = [Passage(f"Paris {rare} is the capital", title=f"t{rare}"), Passage("Lyon")]
+    for query, at in ((f"  what is {rare} here", 10), (rare, 0), (f"\U0001f600{rare}", 1)):
+        for build in (
+            lambda q: build_prompts(tok, "qa_default", q, passages, [[0, 1], [1, 0]]),
+            lambda q: [build_prompt(tok, "qa_default", q, passages, [1, 0])],
+            lambda q: [build_generation_prompt(tok, "qa_default", q, passages)],
+        ):
+            with pytest.raises(InvalidRequest, match=rf"query\[{at}\] is U\+82E9E") as caught:
+                build(query)
+            assert caught.value.param == "query"
+    prompts = build_prompts(
+        tok, "qa_default", "what is \U0001f600 here", passages, [[0, 1], [1, 0]]
+    )
+    assert tok.decode(prompts[0].query_token_ids) == "what is \U0001f600 here"
+    assert prompts[0].query_token_ids == prompts[1].query_token_ids

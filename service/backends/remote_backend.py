@@ -1,4 +1,4 @@
-"""``LogprobBackend`` on an inference server that already runs: vLLM's OpenAI-compatible server.
+"""``LogprobBackend`` on an inference server that already runs: vLLM's OpenAI server, or SGLang.
 
 Production RAG teams serve their generator elsewhere, often sharded over several GPUs; the
 gain measured here comes from fitting *that* generator's position bias, so rag-reorder scores
@@ -31,9 +31,18 @@ reports that the weights changed under the same name (``weights_changed_at_recon
 At run time an engine answering 5xx, 401 or 403 raises ``EngineUnavailable`` (the engine is at
 fault, not the prompts); another 4xx fails the call's prompts alone (``PromptFailure``).
 
+With ``engine_dialect=sglang`` the same calls go to SGLang's native ``/generate``
+(``service.backends.sglang_dialect``: ``input_ids``, ``logprob_start_len`` at the token before
+the span, ``max_new_tokens: 0``; rows placed by their token ids). Its ``connect`` lists the
+model the same way (SGLang serves ``/v1/models`` with ``max_model_len``) and checks the
+tokenizer by scoring: the probe sent as text comes back with one row per token the *server*
+encoded (with its special tokens, as SGLang encodes text), which must be exactly ours; the
+probe sent as those ids must then give the same log-probs within ``probe_tolerance``.
+SGLang's OpenAI ``/v1/completions`` with ``echo`` is not used: it returns token strings with
+``text_offset = -1`` and starts the log-probs at 0, so spans could not be placed by id.
+
 Servers that give no prompt log-probs (llama.cpp, Ollama, OpenAI, Anthropic: log-probs of
-generated tokens only) cannot score; TGI is archived. SGLang's native ``/generate`` is not
-spoken: no SGLang server runs where this is tested (docs/remote-engine.md).
+generated tokens only) cannot score; TGI is archived.
 """
 
 from __future__ import annotations
@@ -43,8 +52,9 @@ import dataclasses
 import logging
 import math
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Literal
 
+from service.backends import sglang_dialect
 from service.backends.base import (
     GenerateResult,
     Generation,
@@ -81,7 +91,7 @@ _ENGINE_FAULT_4XX = frozenset({401, 403, 429})
 
 
 class RemoteBackend:
-    """Scores and generates through a vLLM OpenAI-compatible server (module docstring)."""
+    """Scores and generates through vLLM's OpenAI server or SGLang (module docstring)."""
 
     def __init__(
         self,
@@ -93,6 +103,7 @@ class RemoteBackend:
         max_model_len: int | None = None,
         prompts_per_call: int = 8,
         probe_tolerance: float = 0.5,
+        dialect: Literal["vllm", "sglang"] = "vllm",
     ) -> None:
         """Args:
         client: the HTTP client to the server.
@@ -103,6 +114,7 @@ class RemoteBackend:
         prompts_per_call: prompts sent in one HTTP call.
         probe_tolerance: nats the probe's log-probs may differ by between its text and our
             ids, and from one ``connect`` to the next (``engine_probe_tolerance``).
+            dialect: what the server speaks (``engine_dialect``).
         """
         self._client = client
         self._tokenizer = tokenizer
@@ -119,6 +131,8 @@ class RemoteBackend:
         self._fingerprint: tuple[float, ...] | None = None
         self._weights_changed = False
         self._prompts_in_flight = 0
+        self._dialect = dialect
+        self._route = sglang_dialect.ROUTE if dialect == "sglang" else "/v1/completions"
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RemoteBackend:
@@ -151,6 +165,7 @@ class RemoteBackend:
             max_model_len=settings.max_model_len,
             prompts_per_call=settings.engine_prompts_per_call,
             probe_tolerance=settings.engine_probe_tolerance,
+            dialect=settings.engine_dialect,
         )
 
     # --- LogprobBackend -------------------------------------------------------------------
@@ -361,6 +376,16 @@ class RemoteBackend:
 
     async def _score_chunk(self, chunk: list[SpanRequest]) -> list[ScoreResult]:
         prompts = [list(r.token_ids[: r.span_end]) for r in chunk]
+        ids = [r.request_id for r in chunk]
+        tokens = sum(len(p) for p in prompts)
+        if self._dialect == "sglang":
+            items = await self._complete(ids, sglang_dialect.score_body(chunk), tokens)
+            return [
+                item
+                if isinstance(item, PromptFailure)
+                else sglang_dialect.span_from_item(req, item)
+                for req, item in zip(chunk, items, strict=True)
+            ]
         body = {
             "model": self._served,
             "prompt": prompts,
@@ -368,8 +393,7 @@ class RemoteBackend:
             "temperature": 0.0,
             "prompt_logprobs": 0,
         }
-        ids = [r.request_id for r in chunk]
-        choices = await self._complete(ids, body, sum(len(p) for p in prompts))
+        choices = await self._complete(ids, body, tokens)
         return [
             choice
             if isinstance(choice, PromptFailure)
@@ -380,18 +404,29 @@ class RemoteBackend:
     async def _generate_chunk(
         self, chunk: list[GenerationRequest], steps: int, stops: frozenset[int]
     ) -> list[GenerateResult]:
+        ids = [r.request_id for r in chunk]
+        tokens = sum(len(r.token_ids) + steps for r in chunk)
+        stop_ids = sorted(stops | self._tokenizer.eos_token_ids)
+        if self._dialect == "sglang":
+            body = sglang_dialect.generate_body([r.token_ids for r in chunk], steps, stop_ids)
+            items = await self._complete(ids, body, tokens)
+            return [
+                item
+                if isinstance(item, PromptFailure)
+                else sglang_dialect.generation_from_item(rid, item)
+                for rid, item in zip(ids, items, strict=True)
+            ]
         body = {
             "model": self._served,
             "prompt": [list(r.token_ids) for r in chunk],
             "max_tokens": steps,  # each prompt's own, cut at the context's end (``generate``)
             "temperature": 0.0,
             "logprobs": 1,
-            "stop_token_ids": sorted(stops | self._tokenizer.eos_token_ids),
+            "stop_token_ids": stop_ids,
             "skip_special_tokens": False,
             "return_token_ids": True,
         }
-        ids = [r.request_id for r in chunk]
-        choices = await self._complete(ids, body, sum(len(r.token_ids) + steps for r in chunk))
+        choices = await self._complete(ids, body, tokens)
         return [
             c if isinstance(c, PromptFailure) else generation_from_choice(rid, c)
             for rid, c in zip(ids, choices, strict=True)
@@ -400,22 +435,32 @@ class RemoteBackend:
     async def _complete(
         self, request_ids: list[str], body: dict[str, Any], tokens: int
     ) -> list[dict[str, Any] | PromptFailure]:
-        """One ``/v1/completions`` call for ``request_ids``' prompts: its choices in prompt
-        order, or a ``PromptFailure`` for each prompt when the engine refused these prompts
-        (a 4xx) or its answer cannot be read. An engine at fault (5xx, 401, 403, 429),
-        unreachable or slow raises instead: its refusal says nothing about the prompts."""
+        """One scoring call for ``request_ids``' prompts (``/v1/completions``, or SGLang's
+        ``/generate``): its choices (items) in prompt order, or a ``PromptFailure`` for each
+        prompt when the engine refused these prompts (a 4xx) or its answer cannot be read. An
+        engine at fault (5xx, 401, 403, 429), unreachable or slow raises instead: its refusal
+        says nothing about the prompts."""
+        route = self._route
         self._prompts_in_flight += len(request_ids)
         try:
-            answer = await self._client.post(
-                "/v1/completions", body, tokens=tokens, request_id=request_ids[0]
-            )
+            if self._dialect == "sglang":
+                listed = await self._client.post_list(
+                    route, body, tokens=tokens, request_id=request_ids[0]
+                )
+            else:
+                answer = await self._client.post(
+                    route, body, tokens=tokens, request_id=request_ids[0]
+                )
         except EngineHTTPError as exc:
             if exc.status >= 500 or exc.status in _ENGINE_FAULT_4XX:
-                raise self._refused("/v1/completions", exc) from exc
+                raise self._refused(route, exc) from exc
             return [PromptFailure(rid, f"engine refused: {exc.detail}") for rid in request_ids]
         finally:
             self._prompts_in_flight -= len(request_ids)
-        choices = _choices(answer, len(request_ids))
+        if self._dialect == "sglang":
+            choices = sglang_dialect.items(listed, len(request_ids))
+        else:
+            choices = _choices(answer, len(request_ids))
         if choices is None:
             return [PromptFailure(rid, "unreadable engine answer") for rid in request_ids]
         return list(choices)
@@ -453,7 +498,10 @@ class RemoteBackend:
             raise EngineMismatch(
                 f"{served!r} reports no max_model_len; set RAG_REORDER_MAX_MODEL_LEN"
             )
-        probe = await self._check_tokenizer(served)
+        if self._dialect == "sglang":
+            probe = await self._check_sglang_tokenizer(served)
+        else:
+            probe = await self._check_tokenizer(served)
         return served, min(limits), probe
 
     async def _check_tokenizer(self, served: str) -> tuple[float, ...]:
@@ -536,6 +584,85 @@ class RemoteBackend:
             raise EngineMismatch(
                 f"{served!r} at {self._client.redacted_url} gives no usable prompt log-probs "
                 f"for the probe as {what} ({result.reason}): it cannot score"
+            )
+        return result.logprobs
+
+    async def _check_sglang_tokenizer(self, served: str) -> tuple[float, ...]:
+        """SGLang: the probe's text scored as the server encodes it must come back as our ids
+        (with the special tokens both tokenizers add), and those ids scored as ids must give
+        the same log-probs within the tolerance; the probe's log-probs (module docstring).
+
+        SGLang encodes ``text`` prompts with the tokenizer's special tokens (a BOS for Llama
+        3), so ours are taken the same way, and the ids probe sends exactly those."""
+        url = self._client.redacted_url
+        encoded = self._tokenizer.hf_tokenizer(
+            PROBE_TEXT, return_offsets_mapping=False, add_special_tokens=True
+        )["input_ids"]
+        ours = [int(t) for t in encoded] if isinstance(encoded, list) else []
+        probe = SpanRequest("connect-probe", tuple(ours), 1, len(ours))
+        worst = math.inf
+        for attempt in range(1, _PROBE_ATTEMPTS + 1):
+            as_text = await self._sglang_probe(
+                served, sglang_dialect.text_probe_body(PROBE_TEXT), probe, "text"
+            )
+            as_ids = await self._sglang_probe(
+                served, sglang_dialect.score_body([probe]), probe, "ids"
+            )
+            worst = _worst(as_ids, as_text)
+            if worst <= self._probe_tolerance:
+                return as_ids
+            logger.warning(
+                "remote engine %s: the probe's log-probs differ by %.3g nats between its text "
+                "and our token ids (attempt %d of %d, tolerance %g)",
+                url,
+                worst,
+                attempt,
+                _PROBE_ATTEMPTS,
+                self._probe_tolerance,
+            )
+        raise EngineUnavailable(
+            f"the probe's log-probs differ by {worst:.3g} nats between its text and our token "
+            f"ids in {_PROBE_ATTEMPTS} attempts, over RAG_REORDER_ENGINE_PROBE_TOLERANCE "
+            f"({self._probe_tolerance:g}): the engine may not score token ids as sent"
+        )
+
+    async def _sglang_probe(
+        self, served: str, body: dict[str, Any], probe: SpanRequest, what: str
+    ) -> tuple[float, ...]:
+        """The probe's log-probs from SGLang's ``/generate`` (``body``: as text or as ids).
+
+        Raises:
+            EngineMismatch: rows naming other tokens than ours (another tokenizer), or no
+                usable log-probs.
+        """
+        route = sglang_dialect.ROUTE
+        try:
+            answer = await self._client.post_list(
+                route, body, tokens=len(probe.token_ids), request_id=f"connect-probe-{what}"
+            )
+        except EngineHTTPError as exc:
+            raise self._refused(route, exc) from exc
+        items = sglang_dialect.items(answer, 1)
+        rows = items[0]["meta_info"].get("input_token_logprobs") if items else None
+        theirs = sglang_dialect.row_token_ids(rows)
+        ours = list(probe.token_ids)
+        if theirs is not None and isinstance(sglang_dialect.placed_rows(ours, 0, rows), str):
+            pairs = enumerate(zip(ours, theirs, strict=False))
+            at = next((k for k, (a, b) in pairs if a != b), min(len(ours), len(theirs)))
+            raise EngineMismatch(
+                f"the tokenizer of {self._model_id!r} here and of {served!r} at "
+                f"{self._client.redacted_url} differ: {len(ours)} against {len(theirs)} tokens "
+                f"for the probe text sent as {what}, first at token {at}"
+            )
+        result = (
+            sglang_dialect.span_from_item(probe, items[0])
+            if items
+            else PromptFailure(probe.request_id, "no answer item")
+        )
+        if isinstance(result, PromptFailure):
+            raise EngineMismatch(
+                f"{served!r} at {self._client.redacted_url} gives no usable prompt "
+                f"log-probs for the probe as {what} ({result.reason}): it cannot score"
             )
         return result.logprobs
 

@@ -51,7 +51,7 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
 from service.backends import sglang_dialect
@@ -114,7 +114,7 @@ class RemoteBackend:
         prompts_per_call: prompts sent in one HTTP call.
         probe_tolerance: nats the probe's log-probs may differ by between its text and our
             ids, and from one ``connect`` to the next (``engine_probe_tolerance``).
-            dialect: what the server speaks (``engine_dialect``).
+        dialect: what the server speaks (``engine_dialect``).
         """
         self._client = client
         self._tokenizer = tokenizer
@@ -498,15 +498,15 @@ class RemoteBackend:
             raise EngineMismatch(
                 f"{served!r} reports no max_model_len; set RAG_REORDER_MAX_MODEL_LEN"
             )
-        if self._dialect == "sglang":
-            probe = await self._check_sglang_tokenizer(served)
-        else:
-            probe = await self._check_tokenizer(served)
+        probe = await self._check_tokenizer(served)
         return served, min(limits), probe
 
     async def _check_tokenizer(self, served: str) -> tuple[float, ...]:
         """Check ``served``'s tokenizer and scoring of our ids; the probe's log-probs."""
         url = self._client.redacted_url
+        if self._dialect == "sglang":
+            # Text first: its rows are the tokenizer's check, as /tokenize is vLLM's.
+            return await self._compare_probes(*self._sglang_probes(served), text_first=True)
         ours = list(self._tokenizer.encode(PROBE_TEXT).ids)
         try:
             tokenized = await self._client.post(
@@ -532,17 +532,39 @@ class RemoteBackend:
                 f"the tokenizer of {self._model_id!r} here and of {served!r} at {url} differ: "
                 f"{len(ours)} against {len(theirs)} tokens for the probe text, first at token {at}"
             )
-        # The probe scored as text (the server's own tokens) and as our ids: a server or proxy
-        # that ignores token-id prompts, or another model, shows here. Ids must match exactly
-        # (above); log-probs only within the tolerance, since two calls on a shared engine are
-        # batched with different neighbours and round differently (0.13 nats measured in bf16).
+        return await self._compare_probes(
+            lambda: self._probe(served, ours, [ours], "ids"),
+            lambda: self._probe(served, ours, PROBE_TEXT, "text"),
+        )
+
+    async def _compare_probes(
+        self,
+        as_ids: Callable[[], Awaitable[tuple[float, ...]]],
+        as_text: Callable[[], Awaitable[tuple[float, ...]]],
+        *,
+        text_first: bool = False,
+    ) -> tuple[float, ...]:
+        """The probe's log-probs scored as our ids, once they agree with it scored as text.
+
+        As text the server scores its own tokens: a server or proxy that ignores token-id
+        prompts, or another model, shows here. Ids must match exactly (``/tokenize``, or the
+        SGLang text probe's rows); log-probs only within the tolerance, since two calls on a
+        shared engine are batched with different neighbours and round differently (0.13 nats
+        measured in bf16).
+
+        Raises:
+            EngineUnavailable: apart by more than the tolerance in every attempt.
+        """
+        url = self._client.redacted_url
         worst = math.inf
         for attempt in range(1, _PROBE_ATTEMPTS + 1):
-            as_ids = await self._probe(served, ours, [ours], "ids")
-            as_text = await self._probe(served, ours, PROBE_TEXT, "text")
-            worst = _worst(as_ids, as_text)
+            text_logprobs = await as_text() if text_first else None
+            ids_logprobs = await as_ids()
+            if text_logprobs is None:
+                text_logprobs = await as_text()
+            worst = _worst(ids_logprobs, text_logprobs)
             if worst <= self._probe_tolerance:
-                return as_ids
+                return ids_logprobs
             logger.warning(
                 "remote engine %s: the probe's log-probs differ by %.3g nats between its text "
                 "and our token ids (attempt %d of %d, tolerance %g)",
@@ -587,43 +609,25 @@ class RemoteBackend:
             )
         return result.logprobs
 
-    async def _check_sglang_tokenizer(self, served: str) -> tuple[float, ...]:
-        """SGLang: the probe's text scored as the server encodes it must come back as our ids
-        (with the special tokens both tokenizers add), and those ids scored as ids must give
-        the same log-probs within the tolerance; the probe's log-probs (module docstring).
-
-        SGLang encodes ``text`` prompts with the tokenizer's special tokens (a BOS for Llama
-        3), so ours are taken the same way, and the ids probe sends exactly those."""
-        url = self._client.redacted_url
+    def _sglang_probes(
+        self, served: str
+    ) -> tuple[
+        Callable[[], Awaitable[tuple[float, ...]]], Callable[[], Awaitable[tuple[float, ...]]]
+    ]:
+        """SGLang's probe as our ids and as text (``_compare_probes``). Its tokenizer is
+        checked by the text probe's rows, which name the ids the *server* encoded: SGLang
+        encodes ``text`` prompts with the tokenizer's special tokens (a BOS for Llama 3), so
+        ours are taken the same way, and the ids probe sends exactly those."""
         encoded = self._tokenizer.hf_tokenizer(
             PROBE_TEXT, return_offsets_mapping=False, add_special_tokens=True
         )["input_ids"]
-        ours = [int(t) for t in encoded] if isinstance(encoded, list) else []
-        probe = SpanRequest("connect-probe", tuple(ours), 1, len(ours))
-        worst = math.inf
-        for attempt in range(1, _PROBE_ATTEMPTS + 1):
-            as_text = await self._sglang_probe(
-                served, sglang_dialect.text_probe_body(PROBE_TEXT), probe, "text"
-            )
-            as_ids = await self._sglang_probe(
-                served, sglang_dialect.score_body([probe]), probe, "ids"
-            )
-            worst = _worst(as_ids, as_text)
-            if worst <= self._probe_tolerance:
-                return as_ids
-            logger.warning(
-                "remote engine %s: the probe's log-probs differ by %.3g nats between its text "
-                "and our token ids (attempt %d of %d, tolerance %g)",
-                url,
-                worst,
-                attempt,
-                _PROBE_ATTEMPTS,
-                self._probe_tolerance,
-            )
-        raise EngineUnavailable(
-            f"the probe's log-probs differ by {worst:.3g} nats between its text and our token "
-            f"ids in {_PROBE_ATTEMPTS} attempts, over RAG_REORDER_ENGINE_PROBE_TOLERANCE "
-            f"({self._probe_tolerance:g}): the engine may not score token ids as sent"
+        ours = tuple(int(t) for t in encoded) if isinstance(encoded, list) else ()
+        probe = SpanRequest("connect-probe", ours, 1, len(ours))
+        ids_body = sglang_dialect.score_body([probe])
+        text_body = sglang_dialect.text_probe_body(PROBE_TEXT)
+        return (
+            lambda: self._sglang_probe(served, ids_body, probe, "ids"),
+            lambda: self._sglang_probe(served, text_body, probe, "text"),
         )
 
     async def _sglang_probe(
@@ -632,9 +636,12 @@ class RemoteBackend:
         """The probe's log-probs from SGLang's ``/generate`` (``body``: as text or as ids).
 
         Raises:
-            EngineMismatch: rows naming other tokens than ours (another tokenizer), or no
-                usable log-probs.
+            EngineMismatch: the text encoded to other ids than ours (another tokenizer: its
+                ``prompt_tokens`` or its rows' ids differ), rows for other ids than sent, or
+                no usable log-probs.
+            EngineUnavailable: rows for part of the probe only (as on a cache hit): retried.
         """
+        url = self._client.redacted_url
         route = sglang_dialect.ROUTE
         try:
             answer = await self._client.post_list(
@@ -642,27 +649,39 @@ class RemoteBackend:
             )
         except EngineHTTPError as exc:
             raise self._refused(route, exc) from exc
-        items = sglang_dialect.items(answer, 1)
-        rows = items[0]["meta_info"].get("input_token_logprobs") if items else None
-        theirs = sglang_dialect.row_token_ids(rows)
         ours = list(probe.token_ids)
-        if theirs is not None and isinstance(sglang_dialect.placed_rows(ours, 0, rows), str):
-            pairs = enumerate(zip(ours, theirs, strict=False))
-            at = next((k for k, (a, b) in pairs if a != b), min(len(ours), len(theirs)))
+        items = sglang_dialect.items(answer, 1)
+        meta: dict[str, Any] = items[0]["meta_info"] if items else {}
+        rows = meta.get("input_token_logprobs")
+        theirs = sglang_dialect.row_token_ids(rows)
+        placed = sglang_dialect.placed_rows(ours, 0, rows)
+        count = meta.get("prompt_tokens")
+        if what == "text" and (
+            (isinstance(count, int) and count != len(ours))
+            or (theirs is not None and isinstance(placed, str))
+        ):
+            pairs = enumerate(zip(ours, theirs or [], strict=False))
+            at = next((k for k, (a, b) in pairs if a != b), min(len(ours), len(theirs or [])))
             raise EngineMismatch(
-                f"the tokenizer of {self._model_id!r} here and of {served!r} at "
-                f"{self._client.redacted_url} differ: {len(ours)} against {len(theirs)} tokens "
-                f"for the probe text sent as {what}, first at token {at}"
+                f"the tokenizer of {self._model_id!r} here and of {served!r} at {url} differ: "
+                f"{len(ours)} against {count} tokens for the probe text (rows from token "
+                f"{at} on differ or are missing)"
             )
-        result = (
-            sglang_dialect.span_from_item(probe, items[0])
-            if items
-            else PromptFailure(probe.request_id, "no answer item")
-        )
+        if isinstance(placed, str):
+            raise EngineMismatch(
+                f"{served!r} at {url} gives no usable prompt log-probs for the probe as {what} "
+                f"({placed}): it cannot score"
+            )
+        if any(placed.get(p) is None for p in range(1, len(ours))):
+            raise EngineUnavailable(
+                f"the engine answered log-probs for part of the probe as {what} only "
+                f"({len(placed)} rows of {len(ours)}), as SGLang has on cache hits"
+            )
+        result = sglang_dialect.span_from_item(probe, {"meta_info": meta})
         if isinstance(result, PromptFailure):
             raise EngineMismatch(
-                f"{served!r} at {self._client.redacted_url} gives no usable prompt "
-                f"log-probs for the probe as {what} ({result.reason}): it cannot score"
+                f"{served!r} at {url} gives no usable prompt log-probs for the probe as {what} "
+                f"({result.reason}): it cannot score"
             )
         return result.logprobs
 

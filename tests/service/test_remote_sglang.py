@@ -28,6 +28,7 @@ from typing import Any
 import httpx
 import pytest
 
+from service.backends import sglang_dialect
 from service.backends.base import (
     Generation,
     GenerationRequest,
@@ -216,6 +217,19 @@ async def test_rows_are_placed_by_token_id_and_answers_short_of_the_span_fail(
     finally:
         quirk(sglang, "none")
     assert not backend.connected
+    # Rows for part of the probe (a cache hit): retried later, never fatal; the old layout
+    # connects.
+    quirk(sglang, "cache_partial")
+    try:
+        with pytest.raises(EngineUnavailable, match="part of the probe"):
+            await backend.connect()
+    finally:
+        quirk(sglang, "legacy")
+    try:
+        await backend.connect()
+    finally:
+        quirk(sglang, "none")
+    assert backend.connected and await backend.score(reqs) == exact
     with pytest.raises(EngineMismatch, match="someone/else"):
         await remote(sglang, tiny_model_dir, engine_model="someone/else").connect()
     await backend.aclose()
@@ -360,3 +374,17 @@ def test_the_dialect_is_validated() -> None:
     with pytest.raises(ValueError, match="RAG_REORDER_ENGINE_DIALECT is 'sglang'"):
         Settings(backend="transformers", engine_dialect="sglang")
     assert Settings(backend="remote", engine_url="http://e:1").engine_dialect == "vllm"
+
+
+def test_rows_that_fit_the_prompt_at_two_places_are_refused() -> None:
+    # Three rows of one repeated token on four: as asked (from 0) or one later (without the
+    # null row) both match by id, and would score different positions: refused.
+    req = SpanRequest("p", (5, 5, 5, 5), 1, 4)
+    rows = [[None, 5, None], [-1.0, 5, None], [-2.0, 5, None]]
+    result = sglang_dialect.span_from_item(req, {"meta_info": {"input_token_logprobs": rows}})
+    assert isinstance(result, PromptFailure) and "2 places" in result.reason
+    # Distinct tokens place at once: the same rows with a null at the start cover the span.
+    req = SpanRequest("q", (7, 8, 9, 10), 1, 4)
+    rows = [[None, 7, None], [-1.0, 8, None], [-2.0, 9, None], [-0.5, 10, None]]
+    result = sglang_dialect.span_from_item(req, {"meta_info": {"input_token_logprobs": rows}})
+    assert result == SpanLogprobs("q", (-1.0, -2.0, -0.5))

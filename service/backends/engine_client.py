@@ -1,4 +1,4 @@
-"""HTTP client to a remote inference server (vLLM's OpenAI-compatible server), for ``remote``.
+"""HTTP client to a remote inference server (vLLM's OpenAI server, SGLang), for ``remote``.
 
 What a platform team expects from a client of their cluster:
 
@@ -15,7 +15,8 @@ What a platform team expects from a client of their cluster:
   work twice, unless the operator opts in (``retry_unsafe``, ``engine_retry_unsafe``). A read
   timeout is the server still working: it is failed with ``EngineTimeout``, never retried;
 - an answer other than a JSON object (an HTML login page from a proxy, answered 200) is the
-  engine's fault, not data: ``EngineUnavailable``;
+  engine's fault, not data: ``EngineUnavailable`` (``post_list``: other than a JSON array,
+  which SGLang's batch ``/generate`` answers);
 - the caller's request id sent along (``X-Request-Id``), so the server's logs can be joined
   with ours;
 - credentials in ``base_url`` (``http://user:token@vllm:8000``, sent as Basic auth by httpx)
@@ -169,7 +170,8 @@ class EngineClient:
         Raises:
             EngineUnavailable, EngineTimeout, EngineHTTPError: as ``post``.
         """
-        return await self._call("GET", path, None, 0, request_id)
+        answer: dict[str, Any] = await self._call("GET", path, None, 0, request_id)
+        return answer
 
     async def post(
         self, path: str, body: Mapping[str, Any], *, tokens: int = 0, request_id: str | None = None
@@ -189,7 +191,21 @@ class EngineClient:
             EngineHTTPError: an answer that retrying will not change (400, 404, 500...).
         """
         async with self._budget(tokens):
-            return await self._call("POST", path, body, tokens, request_id)
+            answer: dict[str, Any] = await self._call("POST", path, body, tokens, request_id)
+        return answer
+
+    async def post_list(
+        self, path: str, body: Mapping[str, Any], *, tokens: int = 0, request_id: str | None = None
+    ) -> list[Any]:
+        """``post`` for a route that answers a JSON array (SGLang's batch ``/generate``).
+
+        Raises:
+            EngineUnavailable: as ``post``, or an answer that is not a JSON array.
+            EngineTimeout, EngineHTTPError: as ``post``.
+        """
+        async with self._budget(tokens):
+            answer = await self._call("POST", path, body, tokens, request_id, shape=list)
+        return list(answer)
 
     async def read_text(self, path: str, *, timeout_s: float) -> str:
         """``GET path`` as text, once: not retried, outside the call limits and the
@@ -262,7 +278,9 @@ class EngineClient:
         body: Mapping[str, Any] | None,
         tokens: int,
         request_id: str | None,
-    ) -> dict[str, Any]:
+        *,
+        shape: type[dict[str, Any]] | type[list[Any]] = dict,
+    ) -> Any:
         headers = {"X-Request-Id": request_id} if request_id else {}
         started = time.perf_counter()
         retries = 0
@@ -289,13 +307,14 @@ class EngineClient:
                         cause = None
                         status = response.status_code
                         if status == 200:
-                            answer = _json_object(response)
+                            answer = _json_answer(response, shape)
                             if answer is None:
                                 outcome = "bad_answer"
                                 kind = response.headers.get("content-type", "none")
+                                what = "object" if shape is dict else "array"
                                 raise EngineUnavailable(
                                     f"the engine answered {path} 200 with a body that is not "
-                                    f"a JSON object (content-type {kind[:60]})"
+                                    f"a JSON {what} (content-type {kind[:60]})"
                                 )
                             outcome = "ok"
                             return answer
@@ -344,12 +363,12 @@ class _Bearer(httpx.Auth):
         yield request
 
 
-def _json_object(response: httpx.Response) -> dict[str, Any] | None:
+def _json_answer(response: httpx.Response, shape: type[dict[str, Any]] | type[list[Any]]) -> Any:
     try:
         body = response.json()
     except ValueError:  # JSONDecodeError and UnicodeDecodeError alike
         return None
-    return body if isinstance(body, dict) else None
+    return body if isinstance(body, shape) else None
 
 
 def _retry_after(response: httpx.Response) -> float | None:

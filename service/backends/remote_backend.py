@@ -1,4 +1,4 @@
-"""``LogprobBackend`` on an inference server that already runs: vLLM's OpenAI-compatible server.
+"""``LogprobBackend`` on an inference server that already runs: vLLM's OpenAI server, or SGLang.
 
 Production RAG teams serve their generator elsewhere, often sharded over several GPUs; the
 gain measured here comes from fitting *that* generator's position bias, so rag-reorder scores
@@ -31,9 +31,18 @@ reports that the weights changed under the same name (``weights_changed_at_recon
 At run time an engine answering 5xx, 401 or 403 raises ``EngineUnavailable`` (the engine is at
 fault, not the prompts); another 4xx fails the call's prompts alone (``PromptFailure``).
 
+With ``engine_dialect=sglang`` the same calls go to SGLang's native ``/generate``
+(``service.backends.sglang_dialect``: ``input_ids``, ``logprob_start_len`` at the token before
+the span, ``max_new_tokens: 0``; rows placed by their token ids). Its ``connect`` lists the
+model the same way (SGLang serves ``/v1/models`` with ``max_model_len``) and checks the
+tokenizer by scoring: the probe sent as text comes back with one row per token the *server*
+encoded (with its special tokens, as SGLang encodes text), which must be exactly ours; the
+probe sent as those ids must then give the same log-probs within ``probe_tolerance``.
+SGLang's OpenAI ``/v1/completions`` with ``echo`` is not used: it returns token strings with
+``text_offset = -1`` and starts the log-probs at 0, so spans could not be placed by id.
+
 Servers that give no prompt log-probs (llama.cpp, Ollama, OpenAI, Anthropic: log-probs of
-generated tokens only) cannot score; TGI is archived. SGLang's native ``/generate`` is not
-spoken: no SGLang server runs where this is tested (docs/remote-engine.md).
+generated tokens only) cannot score; TGI is archived.
 """
 
 from __future__ import annotations
@@ -42,9 +51,10 @@ import asyncio
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Literal
 
+from service.backends import sglang_dialect
 from service.backends.base import (
     GenerateResult,
     Generation,
@@ -81,7 +91,7 @@ _ENGINE_FAULT_4XX = frozenset({401, 403, 429})
 
 
 class RemoteBackend:
-    """Scores and generates through a vLLM OpenAI-compatible server (module docstring)."""
+    """Scores and generates through vLLM's OpenAI server or SGLang (module docstring)."""
 
     def __init__(
         self,
@@ -93,6 +103,7 @@ class RemoteBackend:
         max_model_len: int | None = None,
         prompts_per_call: int = 8,
         probe_tolerance: float = 0.5,
+        dialect: Literal["vllm", "sglang"] = "vllm",
     ) -> None:
         """Args:
         client: the HTTP client to the server.
@@ -103,6 +114,7 @@ class RemoteBackend:
         prompts_per_call: prompts sent in one HTTP call.
         probe_tolerance: nats the probe's log-probs may differ by between its text and our
             ids, and from one ``connect`` to the next (``engine_probe_tolerance``).
+        dialect: what the server speaks (``engine_dialect``).
         """
         self._client = client
         self._tokenizer = tokenizer
@@ -119,6 +131,8 @@ class RemoteBackend:
         self._fingerprint: tuple[float, ...] | None = None
         self._weights_changed = False
         self._prompts_in_flight = 0
+        self._dialect = dialect
+        self._route = sglang_dialect.ROUTE if dialect == "sglang" else "/v1/completions"
 
     @classmethod
     def from_settings(cls, settings: Settings) -> RemoteBackend:
@@ -151,6 +165,7 @@ class RemoteBackend:
             max_model_len=settings.max_model_len,
             prompts_per_call=settings.engine_prompts_per_call,
             probe_tolerance=settings.engine_probe_tolerance,
+            dialect=settings.engine_dialect,
         )
 
     # --- LogprobBackend -------------------------------------------------------------------
@@ -361,6 +376,16 @@ class RemoteBackend:
 
     async def _score_chunk(self, chunk: list[SpanRequest]) -> list[ScoreResult]:
         prompts = [list(r.token_ids[: r.span_end]) for r in chunk]
+        ids = [r.request_id for r in chunk]
+        tokens = sum(len(p) for p in prompts)
+        if self._dialect == "sglang":
+            items = await self._complete(ids, sglang_dialect.score_body(chunk), tokens)
+            return [
+                item
+                if isinstance(item, PromptFailure)
+                else sglang_dialect.span_from_item(req, item)
+                for req, item in zip(chunk, items, strict=True)
+            ]
         body = {
             "model": self._served,
             "prompt": prompts,
@@ -368,8 +393,7 @@ class RemoteBackend:
             "temperature": 0.0,
             "prompt_logprobs": 0,
         }
-        ids = [r.request_id for r in chunk]
-        choices = await self._complete(ids, body, sum(len(p) for p in prompts))
+        choices = await self._complete(ids, body, tokens)
         return [
             choice
             if isinstance(choice, PromptFailure)
@@ -380,18 +404,29 @@ class RemoteBackend:
     async def _generate_chunk(
         self, chunk: list[GenerationRequest], steps: int, stops: frozenset[int]
     ) -> list[GenerateResult]:
+        ids = [r.request_id for r in chunk]
+        tokens = sum(len(r.token_ids) + steps for r in chunk)
+        stop_ids = sorted(stops | self._tokenizer.eos_token_ids)
+        if self._dialect == "sglang":
+            body = sglang_dialect.generate_body([r.token_ids for r in chunk], steps, stop_ids)
+            items = await self._complete(ids, body, tokens)
+            return [
+                item
+                if isinstance(item, PromptFailure)
+                else sglang_dialect.generation_from_item(rid, item)
+                for rid, item in zip(ids, items, strict=True)
+            ]
         body = {
             "model": self._served,
             "prompt": [list(r.token_ids) for r in chunk],
             "max_tokens": steps,  # each prompt's own, cut at the context's end (``generate``)
             "temperature": 0.0,
             "logprobs": 1,
-            "stop_token_ids": sorted(stops | self._tokenizer.eos_token_ids),
+            "stop_token_ids": stop_ids,
             "skip_special_tokens": False,
             "return_token_ids": True,
         }
-        ids = [r.request_id for r in chunk]
-        choices = await self._complete(ids, body, sum(len(r.token_ids) + steps for r in chunk))
+        choices = await self._complete(ids, body, tokens)
         return [
             c if isinstance(c, PromptFailure) else generation_from_choice(rid, c)
             for rid, c in zip(ids, choices, strict=True)
@@ -400,22 +435,32 @@ class RemoteBackend:
     async def _complete(
         self, request_ids: list[str], body: dict[str, Any], tokens: int
     ) -> list[dict[str, Any] | PromptFailure]:
-        """One ``/v1/completions`` call for ``request_ids``' prompts: its choices in prompt
-        order, or a ``PromptFailure`` for each prompt when the engine refused these prompts
-        (a 4xx) or its answer cannot be read. An engine at fault (5xx, 401, 403, 429),
-        unreachable or slow raises instead: its refusal says nothing about the prompts."""
+        """One scoring call for ``request_ids``' prompts (``/v1/completions``, or SGLang's
+        ``/generate``): its choices (items) in prompt order, or a ``PromptFailure`` for each
+        prompt when the engine refused these prompts (a 4xx) or its answer cannot be read. An
+        engine at fault (5xx, 401, 403, 429), unreachable or slow raises instead: its refusal
+        says nothing about the prompts."""
+        route = self._route
         self._prompts_in_flight += len(request_ids)
         try:
-            answer = await self._client.post(
-                "/v1/completions", body, tokens=tokens, request_id=request_ids[0]
-            )
+            if self._dialect == "sglang":
+                listed = await self._client.post_list(
+                    route, body, tokens=tokens, request_id=request_ids[0]
+                )
+            else:
+                answer = await self._client.post(
+                    route, body, tokens=tokens, request_id=request_ids[0]
+                )
         except EngineHTTPError as exc:
             if exc.status >= 500 or exc.status in _ENGINE_FAULT_4XX:
-                raise self._refused("/v1/completions", exc) from exc
+                raise self._refused(route, exc) from exc
             return [PromptFailure(rid, f"engine refused: {exc.detail}") for rid in request_ids]
         finally:
             self._prompts_in_flight -= len(request_ids)
-        choices = _choices(answer, len(request_ids))
+        if self._dialect == "sglang":
+            choices = sglang_dialect.items(listed, len(request_ids))
+        else:
+            choices = _choices(answer, len(request_ids))
         if choices is None:
             return [PromptFailure(rid, "unreadable engine answer") for rid in request_ids]
         return list(choices)
@@ -459,6 +504,9 @@ class RemoteBackend:
     async def _check_tokenizer(self, served: str) -> tuple[float, ...]:
         """Check ``served``'s tokenizer and scoring of our ids; the probe's log-probs."""
         url = self._client.redacted_url
+        if self._dialect == "sglang":
+            # Text first: its rows are the tokenizer's check, as /tokenize is vLLM's.
+            return await self._compare_probes(*self._sglang_probes(served), text_first=True)
         ours = list(self._tokenizer.encode(PROBE_TEXT).ids)
         try:
             tokenized = await self._client.post(
@@ -484,17 +532,39 @@ class RemoteBackend:
                 f"the tokenizer of {self._model_id!r} here and of {served!r} at {url} differ: "
                 f"{len(ours)} against {len(theirs)} tokens for the probe text, first at token {at}"
             )
-        # The probe scored as text (the server's own tokens) and as our ids: a server or proxy
-        # that ignores token-id prompts, or another model, shows here. Ids must match exactly
-        # (above); log-probs only within the tolerance, since two calls on a shared engine are
-        # batched with different neighbours and round differently (0.13 nats measured in bf16).
+        return await self._compare_probes(
+            lambda: self._probe(served, ours, [ours], "ids"),
+            lambda: self._probe(served, ours, PROBE_TEXT, "text"),
+        )
+
+    async def _compare_probes(
+        self,
+        as_ids: Callable[[], Awaitable[tuple[float, ...]]],
+        as_text: Callable[[], Awaitable[tuple[float, ...]]],
+        *,
+        text_first: bool = False,
+    ) -> tuple[float, ...]:
+        """The probe's log-probs scored as our ids, once they agree with it scored as text.
+
+        As text the server scores its own tokens: a server or proxy that ignores token-id
+        prompts, or another model, shows here. Ids must match exactly (``/tokenize``, or the
+        SGLang text probe's rows); log-probs only within the tolerance, since two calls on a
+        shared engine are batched with different neighbours and round differently (0.13 nats
+        measured in bf16).
+
+        Raises:
+            EngineUnavailable: apart by more than the tolerance in every attempt.
+        """
+        url = self._client.redacted_url
         worst = math.inf
         for attempt in range(1, _PROBE_ATTEMPTS + 1):
-            as_ids = await self._probe(served, ours, [ours], "ids")
-            as_text = await self._probe(served, ours, PROBE_TEXT, "text")
-            worst = _worst(as_ids, as_text)
+            text_logprobs = await as_text() if text_first else None
+            ids_logprobs = await as_ids()
+            if text_logprobs is None:
+                text_logprobs = await as_text()
+            worst = _worst(ids_logprobs, text_logprobs)
             if worst <= self._probe_tolerance:
-                return as_ids
+                return ids_logprobs
             logger.warning(
                 "remote engine %s: the probe's log-probs differ by %.3g nats between its text "
                 "and our token ids (attempt %d of %d, tolerance %g)",
@@ -536,6 +606,82 @@ class RemoteBackend:
             raise EngineMismatch(
                 f"{served!r} at {self._client.redacted_url} gives no usable prompt log-probs "
                 f"for the probe as {what} ({result.reason}): it cannot score"
+            )
+        return result.logprobs
+
+    def _sglang_probes(
+        self, served: str
+    ) -> tuple[
+        Callable[[], Awaitable[tuple[float, ...]]], Callable[[], Awaitable[tuple[float, ...]]]
+    ]:
+        """SGLang's probe as our ids and as text (``_compare_probes``). Its tokenizer is
+        checked by the text probe's rows, which name the ids the *server* encoded: SGLang
+        encodes ``text`` prompts with the tokenizer's special tokens (a BOS for Llama 3), so
+        ours are taken the same way, and the ids probe sends exactly those."""
+        encoded = self._tokenizer.hf_tokenizer(
+            PROBE_TEXT, return_offsets_mapping=False, add_special_tokens=True
+        )["input_ids"]
+        ours = tuple(int(t) for t in encoded) if isinstance(encoded, list) else ()
+        probe = SpanRequest("connect-probe", ours, 1, len(ours))
+        ids_body = sglang_dialect.score_body([probe])
+        text_body = sglang_dialect.text_probe_body(PROBE_TEXT)
+        return (
+            lambda: self._sglang_probe(served, ids_body, probe, "ids"),
+            lambda: self._sglang_probe(served, text_body, probe, "text"),
+        )
+
+    async def _sglang_probe(
+        self, served: str, body: dict[str, Any], probe: SpanRequest, what: str
+    ) -> tuple[float, ...]:
+        """The probe's log-probs from SGLang's ``/generate`` (``body``: as text or as ids).
+
+        Raises:
+            EngineMismatch: the text encoded to other ids than ours (another tokenizer: its
+                ``prompt_tokens`` or its rows' ids differ), rows for other ids than sent, or
+                no usable log-probs.
+            EngineUnavailable: rows for part of the probe only (as on a cache hit): retried.
+        """
+        url = self._client.redacted_url
+        route = sglang_dialect.ROUTE
+        try:
+            answer = await self._client.post_list(
+                route, body, tokens=len(probe.token_ids), request_id=f"connect-probe-{what}"
+            )
+        except EngineHTTPError as exc:
+            raise self._refused(route, exc) from exc
+        ours = list(probe.token_ids)
+        items = sglang_dialect.items(answer, 1)
+        meta: dict[str, Any] = items[0]["meta_info"] if items else {}
+        rows = meta.get("input_token_logprobs")
+        theirs = sglang_dialect.row_token_ids(rows)
+        placed = sglang_dialect.placed_rows(ours, 0, rows)
+        count = meta.get("prompt_tokens")
+        if what == "text" and (
+            (isinstance(count, int) and count != len(ours))
+            or (theirs is not None and isinstance(placed, str))
+        ):
+            pairs = enumerate(zip(ours, theirs or [], strict=False))
+            at = next((k for k, (a, b) in pairs if a != b), min(len(ours), len(theirs or [])))
+            raise EngineMismatch(
+                f"the tokenizer of {self._model_id!r} here and of {served!r} at {url} differ: "
+                f"{len(ours)} against {count} tokens for the probe text (rows from token "
+                f"{at} on differ or are missing)"
+            )
+        if isinstance(placed, str):
+            raise EngineMismatch(
+                f"{served!r} at {url} gives no usable prompt log-probs for the probe as {what} "
+                f"({placed}): it cannot score"
+            )
+        if any(placed.get(p) is None for p in range(1, len(ours))):
+            raise EngineUnavailable(
+                f"the engine answered log-probs for part of the probe as {what} only "
+                f"({len(placed)} rows of {len(ours)}), as SGLang has on cache hits"
+            )
+        result = sglang_dialect.span_from_item(probe, {"meta_info": meta})
+        if isinstance(result, PromptFailure):
+            raise EngineMismatch(
+                f"{served!r} at {url} gives no usable prompt log-probs for the probe as {what} "
+                f"({result.reason}): it cannot score"
             )
         return result.logprobs
 

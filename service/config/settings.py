@@ -42,9 +42,10 @@ class Settings(BaseSettings):
     backend: BackendKind = "auto"
     """Scoring backend: `auto` picks vLLM when a GPU and vLLM are present, else transformers.
     `remote` scores with an inference server that already runs (`engine_url`: vLLM's
-    OpenAI-compatible server), with `model`'s tokenizer loaded here. `paced` is for benchmarks
-    only: no model, deterministic log-probs after the time a measured GPU engine takes for each
-    forward (`paced_profile`), so the service's own CPU work can be measured at GPU speed."""
+    OpenAI-compatible server, or SGLang with `engine_dialect`), with `model`'s tokenizer loaded
+    here. `paced` is for benchmarks only: no model, deterministic log-probs after the time a
+    measured GPU engine takes for each forward (`paced_profile`), so the service's own CPU work
+    can be measured at GPU speed."""
     paced_profile: Literal[
         "h200-transformers-bf16",
         "h100-transformers-bf16",
@@ -77,7 +78,10 @@ class Settings(BaseSettings):
     # --- remote engine (backend `remote`) ----------------------------------------------
     engine_url: str | None = Field(default=None, min_length=1, max_length=2048)
     """Base URL of the inference server the `remote` backend scores with (e.g.
-    `http://vllm:8000`); its `/v1/completions` must return vLLM's `prompt_logprobs`."""
+    `http://vllm:8000`), speaking `engine_dialect`."""
+    engine_dialect: Literal["vllm", "sglang"] = "vllm"
+    """What `engine_url` speaks: `vllm` (its OpenAI server's `/v1/completions`) or `sglang` (its
+    native `/generate`: `input_ids`, `logprob_start_len`; docs/remote-engine.md#sglang)."""
     engine_api_key: SecretStr | None = None
     """Bearer key for `engine_url`, if the server wants one."""
     engine_model: str | None = Field(default=None, min_length=1, max_length=512)
@@ -539,6 +543,12 @@ class Settings(BaseSettings):
             raise ValueError(
                 f"RAG_REORDER_ENGINE_URL is set but RAG_REORDER_BACKEND is {self.backend!r}: "
                 "set RAG_REORDER_BACKEND=remote to score with that engine, or unset the URL"
+            )
+        if self.engine_dialect != "vllm" and self.backend != "remote":
+            raise ValueError(
+                f"RAG_REORDER_ENGINE_DIALECT is {self.engine_dialect!r} but RAG_REORDER_BACKEND "
+                f"is {self.backend!r}: the dialect is the remote engine's; set "
+                "RAG_REORDER_BACKEND=remote, or unset the dialect"
             )
         return self
 

@@ -30,19 +30,16 @@ async def reorder(
     passages = to_passages(body.passages)
     spec = body.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec)
-    req = body.request(
-        body.query,
-        passages,
-        spec,
-        request_id,
-        ctx.settings,
-        caller=caller_of(request, ctx.settings.auto_caller_header),
-    )
+    caller = caller_of(request, ctx.settings.auto_caller_header)
+    req = body.request(body.query, passages, spec, request_id, ctx.settings, caller=caller)
     result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
     sampler = ctx.engine.learner.generator
     if sampler is not None:
         # Kept for POST /v1/feedback on this response (in the state store, bounded): what was
         # served, its passages only where the feedback can be learned from (a shuffle).
         shown = selected_order(result, body.top_n)
-        await sampler.served.keep(result.request_id, body.query, passages, shown, result.strategy)
+        # Under the caller's name: no other caller can replace it or answer on it.
+        await sampler.served.keep(
+            result.request_id, body.query, passages, shown, result.strategy, caller
+        )
     return reorder_response(result, passages, top_n=body.top_n)

@@ -47,6 +47,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -204,10 +205,11 @@ class ServedRequests:
 
     async def keep(
         self, response_id: str, query: str, passages: Sequence[Passage], shown: Sequence[int],
-        strategy: str,
+        strategy: str, caller: str | None = None,
     ) -> bool:  # fmt: skip
-        """Keep one served request (``shown``: the passages' indices in served order); the
-        oldest go first beyond the bounds. Returns whether it is kept; never raises."""
+        """Keep one served request (``shown``: the passages' indices in served order) under
+        its caller's name (``record_key``); the oldest go first beyond the bounds. Returns
+        whether it is kept; never raises."""
         if self.records is None:
             return False
         random_placement = strategy in RANDOM_PLACEMENTS and len(shown) >= 2
@@ -218,7 +220,8 @@ class ServedRequests:
             tuple(passages[i] for i in shown) if random_placement else (),
         )
         record = served.dump()
-        kept = await self._call(lambda r: r.put(response_id, record))
+        key = record_key(caller, response_id)
+        kept = await self._call(lambda r: r.put(key, record))
         if not kept:
             log.warning(
                 "served request %s not kept for feedback (%d bytes; the bound is %d bytes, "
@@ -227,22 +230,25 @@ class ServedRequests:
             )  # fmt: skip
         return bool(kept)
 
-    async def get(self, response_id: str) -> ServedRequest | None:
-        """The kept request of that id (``None``: unknown, expired or evicted).
+    async def get(self, response_id: str, caller: str | None = None) -> ServedRequest | None:
+        """The request of that id kept for ``caller`` (``None``: unknown, another caller's,
+        expired or evicted).
 
         Raises:
             StateUnavailable: the state store cannot be reached.
         """
-        record = await self._call(lambda r: r.get(response_id))
+        key = record_key(caller, response_id)
+        record = await self._call(lambda r: r.get(key))
         return _parsed(record)
 
-    async def take(self, response_id: str) -> ServedRequest | None:
+    async def take(self, response_id: str, caller: str | None = None) -> ServedRequest | None:
         """``get`` and forget it: of feedbacks racing on one id, in any worker, one gets it.
 
         Raises:
             StateUnavailable: the state store cannot be reached.
         """
-        record = await self._call(lambda r: r.take(response_id))
+        key = record_key(caller, response_id)
+        record = await self._call(lambda r: r.take(key))
         return _parsed(record)
 
     async def held(self) -> tuple[int, int] | None:
@@ -261,6 +267,22 @@ class ServedRequests:
         if isinstance(records, MemoryRecords):
             return fn(records)
         return await anyio.to_thread.run_sync(lambda: fn(records))
+
+
+def record_key(caller: str | None, response_id: str) -> str:
+    """The key a served request is kept under: its response id within its caller's names.
+
+    The id is the caller's ``X-Request-Id`` when it sent one, so any caller can name any id:
+    keyed by the id alone, a caller that knew or guessed another's id replaced that record
+    with its own passages, or sent an answer on it, and so chose what was learned from the
+    other's request. Scoped by the caller (``app.conversions.caller_of``: the gateway's
+    header, else the client's address), another caller's id is simply unknown (404). The
+    caller goes in as a fixed-length digest: no separator it could forge, no name stored.
+    ``None`` (in-process callers) is a scope of its own."""
+    if caller is None:
+        return f"-:{response_id}"
+    digest = hashlib.sha256(caller.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+    return f"{digest}:{response_id}"
 
 
 def _parsed(record: str | None) -> ServedRequest | None:
@@ -659,18 +681,19 @@ class GeneratorSampler:
         await self._refit(n, force=False)
         return found
 
-    async def feedback(self, response_id: str, answer: str) -> Feedback:
+    async def feedback(self, response_id: str, answer: str, caller: str | None = None) -> Feedback:
         """Learn from the generator's ``answer`` to a served request, where its placement
         identifies the profile: only a uniformly random one (``shuffle``), docs/generator-
         profile.md, "Feedback".
 
         Raises:
-            NotFound: feedback is off, or no served request of that id is kept (never served,
-                already answered, or past ``feedback_ttl_s``, the latest
-                ``feedback_max_requests`` or ``feedback_max_bytes``).
+            NotFound: feedback is off, or no served request of that id is kept for ``caller``
+                (never served, served to another caller, already answered, or past
+                ``feedback_ttl_s``, the latest ``feedback_max_requests`` or
+                ``feedback_max_bytes``).
             StateUnavailable: the state store cannot be reached.
         """
-        served = await self.served.get(response_id)
+        served = await self.served.get(response_id, caller)
         if served is not None and served.strategy not in RANDOM_PLACEMENTS:
             self.counters.feedback["unused"] += 1
             return Feedback(False, _UNIDENTIFIED.format(strategy=served.strategy), None, ())
@@ -679,7 +702,7 @@ class GeneratorSampler:
             return Feedback(False, "one passage was shown: no slot to compare", None, ())
         # One answer per served request: taken, so feedback sent to two workers at once is
         # learned from once.
-        served = await self.served.take(response_id) if served is not None else None
+        served = await self.served.take(response_id, caller) if served is not None else None
         if served is None:
             raise NotFound(self._not_kept(response_id), param="id")
         n = len(served.shown)
@@ -706,8 +729,8 @@ class GeneratorSampler:
             else ""
         )
         return (
-            f"no served request {response_id!r} is kept for feedback{where}: unknown, already "
-            f"answered, or older than RAG_REORDER_FEEDBACK_TTL_S = {s.ttl_s:g} s or the latest "
+            f"no served request {response_id!r} is kept for feedback{where}: unknown, served to "
+            f"another caller, already answered, or older than RAG_REORDER_FEEDBACK_TTL_S = {s.ttl_s:g} s or the latest "
             f"RAG_REORDER_FEEDBACK_MAX_REQUESTS = {s.max_requests} or "
             f"RAG_REORDER_FEEDBACK_MAX_BYTES = {s.max_bytes} bytes"
         )

@@ -301,3 +301,48 @@ async def test_feedback_off_or_without_the_admin_key_is_refused(tmp_path: Path) 
     ) as h:
         r = await h.client.post("/v1/feedback", json={"id": "nope", "answer": "Paris"})
         assert r.status_code == 403
+
+
+async def test_a_caller_cannot_replace_or_answer_on_another_callers_served_request(
+    tmp_path: Path,
+) -> None:
+    """Issue 90 (found in its review): served requests were kept by the response id, the
+    caller's X-Request-Id when it sends one. A second caller reusing a first caller's id
+    replaced the first's record with its own passages and could answer on it. Kept under
+    each caller's name (here a gateway's header), each answers on its own request only."""
+    async with serving(
+        tmp_path,
+        generator_model="canned-generator",
+        feedback_max_requests=100,
+        auto_caller_header="X-Tenant",
+    ) as h:
+
+        async def serve(tenant: str, query: str) -> dict[str, Any]:
+            r = await h.client.post(
+                "/v1/reorder",
+                json={**body(), "query": query, "strategy": "shuffle"},
+                headers={"X-Tenant": tenant, "X-Request-Id": "chosen-id"},
+            )
+            assert r.status_code == 200, r.text
+            assert r.json()["id"] == "chosen-id"
+            out: dict[str, Any] = r.json()
+            return out
+
+        async def answer(tenant: str, text: str) -> httpx.Response:
+            return await h.client.post(
+                "/v1/feedback",
+                json={"id": "chosen-id", "answer": text},
+                headers={"X-Tenant": tenant},
+            )
+
+        victim = await serve("victim", f"{QUERY} (victim)")
+        await serve("hostile", f"{QUERY} (hostile)")  # the same id, its own passages
+        # The hostile caller answers once on "its" id: its own record, not the victim's.
+        assert (await answer("hostile", "none of it")).status_code == 200
+        again = await answer("hostile", "none of it")
+        assert again.status_code == 404 and "another caller" in again.json()["error"]["message"]
+        # The victim's record is whole: its answer is placed in the slot it was served in.
+        first = victim["order"][0]
+        mine = await answer("victim", PASSAGES[first])
+        assert mine.status_code == 200, mine.text
+        assert mine.json()["used"] is True and mine.json()["slots"] == [0]

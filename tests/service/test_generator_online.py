@@ -32,6 +32,7 @@ from service.learning.generator_online import (
     GeneratorSampler,
     ServedRequest,
     ServedRequests,
+    record_key,
 )
 from service.learning.learner import generator_rules_of, rules_of
 from service.passage import Passage
@@ -261,7 +262,7 @@ async def test_a_served_request_keeps_its_passages_only_if_feedback_on_it_can_be
     kept = ServedRequests(records)
     big = [Passage(text=f"passage {i} " + "word " * 2000, title=f"T{i}") for i in range(4)]
     await kept.keep("ranked", "the query", big, (2, 0, 1, 3), "moi")
-    raw = records.get("ranked")
+    raw = records.get(record_key(None, "ranked"))
     assert raw is not None and len(raw) < 100 and "word" not in raw and "the query" not in raw
     assert await kept.get("ranked") == ServedRequest("moi", 4)
     await kept.keep("shuffled", "the query", big, (3, 1), "shuffle")  # top_n = 2
@@ -270,7 +271,8 @@ async def test_a_served_request_keeps_its_passages_only_if_feedback_on_it_can_be
         "shuffle", 2, "the query", (Passage(big[3].text, "T3"), Passage(big[1].text, "T1"))
     )
     assert (await kept.held() or (0, 0))[1] == sum(
-        size_of(k, records.get(k) or "") for k in ("ranked", "shuffled")
+        size_of(k, records.get(k) or "")
+        for k in (record_key(None, "ranked"), record_key(None, "shuffled"))
     )
 
 
@@ -585,3 +587,24 @@ async def test_a_large_pool_is_refitted_once_a_share_of_it_is_new(tmp_path: Path
     # 11 new of 111 pooled are under 10% (12 due); the 12th of 112 is refitted.
     assert fitted == [100] * 11 + [112], fitted
     await sampler.aclose()
+
+
+async def test_a_caller_can_neither_replace_nor_answer_on_another_callers_served_request() -> None:
+    """Issue 90 (found in its review): the record was keyed by the response id, which is the
+    caller's X-Request-Id when it sends one. A caller that knew another's id replaced that
+    request's record with a shuffle of its own passages, and its answer was then learned as
+    the other's; or it answered on the other's request. Scoped by caller, neither can."""
+    kept = ServedRequests(MemoryRecords(100, 2**20, 60.0))
+    mine, theirs = passages(1), passages(2)
+    assert await kept.keep("req-1", "q", mine, (1, 0), "shuffle", caller="10.0.0.1")
+    # The hostile caller reuses the id: its own record, the first caller's stays whole.
+    assert await kept.keep("req-1", "q", theirs, (0, 1), "shuffle", caller="10.0.0.2")
+    first = await kept.get("req-1", "10.0.0.1")
+    assert first is not None and first.shown == (mine[1], mine[0])
+    # It cannot read or take the first caller's record under that id: only its own.
+    other = await kept.take("req-1", "10.0.0.2")
+    assert other is not None and other.shown == (theirs[0], theirs[1])
+    assert await kept.take("req-1", "10.0.0.2") is None
+    assert await kept.get("req-1", "10.0.0.1") == first
+    # A caller name cannot forge another's scope with a separator.
+    assert await kept.get("req-1", "10.0.0.1:x") is None

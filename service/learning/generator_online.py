@@ -729,8 +729,9 @@ class GeneratorSampler:
             else ""
         )
         return (
-            f"no served request {response_id!r} is kept for feedback{where}: unknown, served to "
-            f"another caller, already answered, or older than RAG_REORDER_FEEDBACK_TTL_S = {s.ttl_s:g} s or the latest "
+            f"no served request {response_id!r} is kept for feedback{where}: unknown, served "
+            "to another caller, already answered, or older than "
+            f"RAG_REORDER_FEEDBACK_TTL_S = {s.ttl_s:g} s or the latest "
             f"RAG_REORDER_FEEDBACK_MAX_REQUESTS = {s.max_requests} or "
             f"RAG_REORDER_FEEDBACK_MAX_BYTES = {s.max_bytes} bytes"
         )

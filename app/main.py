@@ -57,6 +57,7 @@ from service.learning.learner import (
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.prompting.templates import get_template
+from service.runtime import tracing
 from service.runtime.cpus import process_budget
 from service.runtime.processes import close_shared
 from service.runtime.shared_counts import SharedCounts
@@ -139,6 +140,13 @@ def create_app(
         ValueError: ``api_key`` or ``admin_api_key`` is set but blank.
     """
     metrics = ServiceMetrics()
+    # Off unless an endpoint is set (docs/tracing.md); per process, so each worker its own.
+    tracing.configure(
+        settings.otel_endpoint,
+        service_version=_version(),
+        export_timeout_s=settings.otel_export_timeout_s,
+        max_queue_spans=settings.otel_max_queue_spans,
+    )
     # What the process may use (affinity, cgroup quota, the `cpus` setting): torch's threads
     # and the solver pool are sized from it, not from the host's count (issue 70).
     cpus = process_budget(settings.cpus)
@@ -298,6 +306,9 @@ def _lifespan(
         # Then what is still queued for Redis (a bounded wait).
         await anyio.to_thread.run_sync(ctx.engine.state.close)
         await anyio.to_thread.run_sync(close_shared)
+        if ctx.settings.otel_endpoint is not None:
+            # The spans still queued: one bounded flush, after the requests have drained.
+            await anyio.to_thread.run_sync(tracing.shutdown, ctx.settings.otel_export_timeout_s)
 
     return lifespan
 

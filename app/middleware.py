@@ -12,6 +12,7 @@ import logging
 import re
 import time
 import uuid
+from collections.abc import Mapping
 from typing import Final
 
 from starlette.datastructures import Headers, MutableHeaders
@@ -21,6 +22,7 @@ from app.errors import error_response
 from app.exceptions import MissingApiKey, PayloadTooLarge, Unauthorized, WritesClosed
 from app.state import context_of
 from service.errors import ServerError
+from service.runtime import tracing
 
 log = logging.getLogger(__name__)
 
@@ -87,21 +89,54 @@ class RequestContextMiddleware:
                 MutableHeaders(scope=message)["X-Request-Id"] = rid
             await send(message)
 
-        try:
-            await self.app(scope, receive, send_with_id)
-        except Exception:
-            log.exception("unhandled error in request %s", rid)
-            if not response_started:
-                response = error_response(
-                    scope, ServerError(f"internal error (request id {rid}); see the server log")
-                )
-                await response(scope, receive, send_with_id)
-        finally:
-            ctx = context_of(scope)
-            if ctx is not None:
-                route = _route_label(scope.get("path", ""))
-                ctx.metrics.http_requests.labels(route, str(status)).inc()
-                ctx.metrics.request_duration.labels(route).observe(time.perf_counter() - started)
+        route = _route_label(scope.get("path", ""))
+        with (
+            tracing.server_span(*_span_of(scope, route, rid)) as span,
+            tracing.scope(request_id=rid) as traced,
+        ):
+            try:
+                await self.app(scope, receive, send_with_id)
+            except Exception:
+                log.exception("unhandled error in request %s", rid)
+                if not response_started:
+                    response = error_response(
+                        scope, ServerError(f"internal error (request id {rid}); see the server log")
+                    )
+                    await response(scope, receive, send_with_id)
+            finally:
+                ctx = context_of(scope)
+                if ctx is not None:
+                    ctx.metrics.http_requests.labels(route, str(status)).inc()
+                    ctx.metrics.request_duration.labels(route).observe(
+                        time.perf_counter() - started
+                    )
+                tracing.end_server_span(span, status, traced)
+
+
+def _span_of(
+    scope: Scope, route: str, rid: str
+) -> tuple[str, Mapping[str, str], dict[str, tracing.AttributeValue]]:
+    """The server span's name, carrier and attributes (OpenTelemetry's HTTP server semantic
+    conventions: ``{method} {http.route}``, the low-cardinality route label, never the raw
+    path, as the name); only built when tracing is on."""
+    if not tracing.enabled():
+        return "", {}, {}
+    headers = Headers(scope=scope)
+    method = scope.get("method", "GET")
+    attributes: dict[str, tracing.AttributeValue] = {
+        "http.request.method": method,
+        "url.path": scope.get("path", ""),
+        "url.scheme": scope.get("scheme", "http"),
+        "network.protocol.version": scope.get("http_version", "1.1"),
+        "rag_reorder.request_id": rid,
+    }
+    if route != "other":
+        attributes["http.route"] = route
+    if agent := headers.get("user-agent"):
+        attributes["user_agent.original"] = agent
+    if client := scope.get("client"):
+        attributes["client.address"] = str(client[0])
+    return f"{method} {route}", headers, attributes
 
 
 class BodyLimitMiddleware:

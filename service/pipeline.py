@@ -23,6 +23,7 @@ from service.config.settings import Settings
 from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest, LimitExceeded, ServerError
 from service.passage import Passage
+from service.runtime import tracing
 from service.state.profile_store import ProfileStore, StoredProfile
 from service.state.traffic import TrafficSampler
 from service.strategies import get_strategy
@@ -185,19 +186,22 @@ class Reorderer:
                 cost.param, limit, cost.prompts, what=f"model calls strategy {req.strategy!r} needs"
             )
         work = self.work(rid, req.template)
-        try:
-            if cost.upfront:
-                # The whole request is admitted (or refused at once) before its first prompt
-                # is built; ``auto`` admits its MoI path when it takes it.
-                await work.admit(cost, req.query, req.passages)
-            outcome = await strategy.run(work, req)
-        finally:
-            if self.gate is not None:
-                # What the estimate reserved beyond the calls goes back now, not when the
-                # HTTP request ends (a calibration runs many queries in one).
-                self.gate.release()
-        if strategy.name not in ("moi", "auto"):  # both place by themselves
-            outcome = apply_placement(work, req, outcome)
+        # Every span of the request (admission, engine calls, fit, placement) carries these.
+        tracing.annotate(request_id=rid, strategy=strategy.name)
+        with tracing.span("rag_reorder.reorder", {"rag_reorder.passages": len(req.passages)}):
+            try:
+                if cost.upfront:
+                    # The whole request is admitted (or refused at once) before its first
+                    # prompt is built; ``auto`` admits its MoI path when it takes it.
+                    await work.admit(cost, req.query, req.passages)
+                outcome = await strategy.run(work, req)
+            finally:
+                if self.gate is not None:
+                    # What the estimate reserved beyond the calls goes back now, not when the
+                    # HTTP request ends (a calibration runs many queries in one).
+                    self.gate.release()
+            if strategy.name not in ("moi", "auto"):  # both place by themselves
+                outcome = apply_placement(work, req, outcome)
         _check_outcome(outcome, len(req.passages))
         usage = work.usage()
         return ReorderResult(

@@ -524,6 +524,16 @@ class Settings(BaseSettings):
     """On SIGTERM: how long in-flight requests may finish (new ones get 503) before the
     server stops; keep it inside Kubernetes' `terminationGracePeriodSeconds`."""
 
+    # --- traces (OpenTelemetry, docs/tracing.md) ---------------------------------------
+    otel_endpoint: str | None = Field(default=None, min_length=1, max_length=2048)
+    """OTLP/HTTP collector base URL (e.g. `http://otel-collector:4318`): requests are traced
+    and their spans exported (needs the `otel` extra). Unset: no tracing, no cost."""
+    otel_export_timeout_s: float = Field(default=5.0, gt=0.0, le=60.0)
+    """Seconds one span export (a background thread, never a request) may take."""
+    otel_max_queue_spans: int = Field(default=2048, ge=64, le=1_000_000)
+    """Most finished spans queued for export, per worker process; past it new spans are
+    dropped (a request is never slowed by a collector that is down)."""
+
     @model_validator(mode="before")
     @classmethod
     def _template_for_model(cls, data: Any) -> Any:

@@ -43,6 +43,7 @@ from service.config.settings import Settings
 from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
 from service.learning.learner import Decision, ProfileLearner, ShadowRun
+from service.runtime import tracing
 from service.strategies.moi import MoI, bias_basis, design_cost, plan_design, retriever_scores
 from service.strategies.placement import named_profile
 from service.strategies.request import (
@@ -99,6 +100,7 @@ class Auto:
         learner = work.learner or ProfileLearner.read_only(work.settings, work.profiles)
         named = named_profile(work, request)
         decision = learner.decide(work.model_id, work.template, len(request.passages), named)
+        tracing.annotate(path=decision.path)
         if decision.path == "moi":
             cold = await self._cold(work, request, learner, decision)
             if cold is not None:
@@ -194,7 +196,11 @@ class Auto:
         if placement == "descending_utility":
             order = list(ranking)
         else:
-            order = solver.place_ranking(ranking, placement, np.asarray(profile.coefficients))
+            with tracing.span(
+                "rag_reorder.placement",
+                {"rag_reorder.placement": placement, "rag_reorder.profile": profile.id},
+            ):
+                order = solver.place_ranking(ranking, placement, np.asarray(profile.coefficients))
         warnings: tuple[str, ...] = ()
         if profile.oriented_by == "prior":
             warnings = (

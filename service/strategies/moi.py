@@ -20,6 +20,7 @@ from service.config.settings import Settings
 from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage
+from service.runtime import tracing
 from service.strategies.placement import named_profile, placed_by
 from service.strategies.request import (
     AdaptiveReport,
@@ -416,7 +417,8 @@ def _outcome(
             f"bias_profile applies with placement 'bias_matched', not {placement!r}",
             param="bias_profile",
         )
-    order = solver.place(fit, placement)
+    with tracing.span("rag_reorder.placement", {"rag_reorder.placement": placement}):
+        order = solver.place(fit, placement)
     warnings = list(fit.warnings)
     if fit.orientation == "default_reference":
         warnings.append(

@@ -18,6 +18,7 @@ import numpy as np
 
 import solver
 from service.errors import InvalidRequest, UnidentifiableRequest
+from service.runtime import tracing
 from service.state.profile_store import StoredProfile
 from service.strategies.request import Outcome, ReorderRequest
 from service.strategies.work import Work
@@ -84,7 +85,8 @@ def apply_placement(work: Work, request: ReorderRequest, outcome: Outcome) -> Ou
                 f"bias_profile applies with placement 'bias_matched', not {how!r}",
                 param="bias_profile",
             )
-        order = solver.place_ranking(outcome.ranking, how)
+        with tracing.span("rag_reorder.placement", {"rag_reorder.placement": how}):
+            order = solver.place_ranking(outcome.ranking, how)
         return replace(outcome, order=order, placement=how)
     profile = generator_profile(work, request, len(outcome.ranking))
     return placed_by(outcome, outcome.ranking, profile)
@@ -93,7 +95,11 @@ def apply_placement(work: Work, request: ReorderRequest, outcome: Outcome) -> Ou
 def placed_by(outcome: Outcome, ranking: list[int], profile: StoredProfile) -> Outcome:
     """``outcome`` with ``ranking`` placed ``bias_matched`` by ``profile``; the profile's id
     goes to ``details["placement_profile"]``."""
-    order = solver.place_ranking(ranking, "bias_matched", np.asarray(profile.coefficients))
+    with tracing.span(
+        "rag_reorder.placement",
+        {"rag_reorder.placement": "bias_matched", "rag_reorder.profile": profile.id},
+    ):
+        order = solver.place_ranking(ranking, "bias_matched", np.asarray(profile.coefficients))
     warnings = outcome.warnings
     if profile.oriented_by == "prior":
         warnings = (

@@ -37,6 +37,7 @@ from service.prompting.prompts import (
     prompt_size,
 )
 from service.prompting.templates import get_template
+from service.runtime import tracing
 from service.runtime.solver_pool import shared_pool
 from service.strategies.request import Answer, Cost, Estimate, PromptScore, Usage
 
@@ -141,7 +142,18 @@ class Work:
         """
         if self.gate is None or not cost.calls:
             return
-        self.estimated_s = self.gate.admit(await self.estimate(cost, query, passages))
+        estimate = await self.estimate(cost, query, passages)
+        with tracing.span(
+            "rag_reorder.admission",
+            {
+                "rag_reorder.prompts": estimate.prompts,
+                "rag_reorder.prompt_tokens": estimate.prompt_tokens,
+                "rag_reorder.new_tokens": estimate.new_tokens,
+            },
+        ) as span:
+            self.estimated_s = self.gate.admit(estimate)
+            if self.estimated_s is not None:
+                tracing.set_attributes(span, {"rag_reorder.estimated_s": self.estimated_s})
 
     async def estimate_s(self, cost: Cost, query: str, passages: Sequence[Passage]) -> float | None:
         """Seconds until ``cost``'s model work would be done if admitted now (the queue ahead
@@ -194,13 +206,15 @@ class Work:
         """``fn(*args, **kwargs)`` (a module-level solver function) in the solver's worker
         processes (``solver_processes``; a thread when 0), timed into ``solver_s``."""
         pool = shared_pool(self.settings.solver_processes, self.settings.cpus)
-        if pool is None:
-            return await self.off_loop(lambda: fn(*args, **kwargs), timer="solver")
-        t0 = time.perf_counter()
-        try:
-            return await pool.run(fn, *args, **kwargs)
-        finally:
-            self.solver_s += time.perf_counter() - t0
+        name = getattr(fn, "__qualname__", "solver")
+        with tracing.span("rag_reorder.fit", {"rag_reorder.solver.function": name}):
+            if pool is None:
+                return await self.off_loop(lambda: fn(*args, **kwargs), timer="solver")
+            t0 = time.perf_counter()
+            try:
+                return await pool.run(fn, *args, **kwargs)
+            finally:
+                self.solver_s += time.perf_counter() - t0
 
     async def scoring_prompts(
         self, query: str, passages: Sequence[Passage], orders: Sequence[Sequence[int]]
@@ -288,7 +302,8 @@ class Work:
             index.append(k)
         t0 = time.perf_counter()
         try:
-            results = await self.backend.score(sent)
+            with tracing.span("rag_reorder.engine.score", _call_attributes(self, sent)):
+                results = await self.backend.score(sent)
         finally:
             self.model_s += time.perf_counter() - t0
         if len(results) != len(sent):
@@ -444,7 +459,8 @@ class Work:
             index.append(k)
         t0 = time.perf_counter()
         try:
-            results = await self.backend.generate(sent)
+            with tracing.span("rag_reorder.engine.generate", _call_attributes(self, sent)):
+                results = await self.backend.generate(sent)
         finally:
             self.model_s += time.perf_counter() - t0
         if len(results) != len(sent):
@@ -474,6 +490,22 @@ class Work:
             self._scored += len(sent)
             self._scored_tokens += len(sent) * len(score_ids)
         return [rows[k] for k in index]
+
+
+def _call_attributes(
+    work: Work, sent: Sequence[SpanRequest] | Sequence[GenerationRequest]
+) -> tracing.Attributes | None:
+    """An engine call's span attributes: its prompts and their tokens (only when traced)."""
+    if not tracing.enabled():
+        return None
+    tokens = sum(len(r.token_ids) for r in sent)
+    if sent and isinstance(sent[0], GenerationRequest):
+        tokens += sum(len(r.score_ids) for r in sent if isinstance(r, GenerationRequest))
+    return {
+        "rag_reorder.model": work.backend.model_id,
+        "rag_reorder.prompts": len(sent),
+        "rag_reorder.prompt_tokens": tokens,
+    }
 
 
 def _checked_scores(gen: Generation, expected: int) -> tuple[float, ...] | None:

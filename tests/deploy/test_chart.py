@@ -45,6 +45,8 @@ ALL_FEATURES = (
     "autoscaling.enabled=true",
     "grafanaDashboard.enabled=true",
     "prometheusRule.enabled=true",
+    "tracing.endpoint=http://otel-collector.observability.svc:4318",
+    "tracing.sampleRatio=0.25",
 )
 RENDERS: dict[str, dict[str, Any]] = {
     "default": {"files": (), "sets": (), "gpu": False},
@@ -83,6 +85,7 @@ MANAGED_SETTINGS = {
     "STATE_URL",
     "STATE_PASSWORD",
     "DRAIN_TIMEOUT_S",
+    "OTEL_ENDPOINT",
 }
 
 
@@ -178,6 +181,20 @@ def test_bias_profiles_on_a_claim_are_mounted_writable_and_named_to_the_service(
     default_env = checks.env_of(checks.server_container(default))
     assert "RAG_REORDER_BIAS_PROFILE_DIR" not in default_env
     assert "RAG_REORDER_TRAFFIC_SAMPLE_DIR" not in default_env
+
+
+def test_tracing_sets_the_endpoint_and_sampler_only_when_asked(
+    rendered: dict[str, list[Doc]],
+) -> None:
+    def env(name: str) -> dict[str, str]:
+        return {e["name"]: e.get("value", "") for e in _server(rendered[name]).get("env", [])}
+
+    on = env("cpu-all-features")
+    assert on["RAG_REORDER_OTEL_ENDPOINT"] == "http://otel-collector.observability.svc:4318"
+    assert on["OTEL_TRACES_SAMPLER"] == "parentbased_traceidratio"
+    assert on["OTEL_TRACES_SAMPLER_ARG"] == "0.25"
+    off = env("default")
+    assert not {"RAG_REORDER_OTEL_ENDPOINT", "OTEL_TRACES_SAMPLER"} & off.keys()
 
 
 def test_the_dashboard_configmap_carries_the_dashboard_file(
@@ -458,6 +475,11 @@ BAD_VALUES = {
     "unknown flavor": ("image.flavor=tpu", "/image/flavor"),
     "misspelt setting": ("settings.MAX_MODEL_LENGTH=8192", "propertyName 'MAX_MODEL_LENGTH'"),
     "setting the chart manages": ("settings.PORT=9000", "propertyName 'PORT'"),
+    "tracing endpoint without a scheme": (
+        "tracing.endpoint=otel-collector:4318",
+        "/tracing/endpoint",
+    ),
+    "sample ratio over one": ("tracing.sampleRatio=2", "/tracing/sampleRatio"),
     "scale to zero": ("autoscaling.minReplicas=0", "/autoscaling/minReplicas"),
     "bad digest": ("image.digest=latest", "/image/digest"),
     "grace shorter than the drain": (

@@ -26,12 +26,14 @@ from app.schemas.reorder import (
     ReorderMeta,
     ReorderResponse,
     TimingOut,
+    TruncatedOut,
     UsageOut,
 )
 from app.schemas.rerank import RerankDocument
 from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import ReorderResult
+from service.prompting.truncation import Cut
 from service.state.profile_store import ProfileTrust, StoredProfile, finite_or_none
 from service.strategies.request import AdaptiveReport, AutoReport
 
@@ -202,7 +204,11 @@ def _json_safe(value: Any) -> Any:
 
 
 def reorder_meta(
-    result: ReorderResult, passages: Sequence[Passage], top_n: int | None = None
+    result: ReorderResult,
+    passages: Sequence[Passage],
+    top_n: int | None = None,
+    *,
+    truncated: Sequence[Cut] = (),
 ) -> ReorderMeta:
     fit = result.fit
     bias = None
@@ -247,6 +253,16 @@ def reorder_meta(
             else None
         ),
         auto=auto_out(result.auto),
+        truncated=[
+            TruncatedOut(
+                index=c.index,
+                tokens=c.tokens,
+                tokens_kept=c.tokens_kept,
+                tokens_cut=c.tokens_cut,
+                chars_kept=c.chars_kept,
+            )
+            for c in truncated
+        ],
         diagnostics=DiagnosticsOut(
             strategy=result.strategy,
             design=result.design,
@@ -288,6 +304,7 @@ def reorder_response(
     passages: Sequence[Passage] | None = None,
     *,
     top_n: int | None = None,
+    truncated: Sequence[Cut] = (),
 ) -> ReorderResponse:
     """The native response for a result (the CLI prints the same JSON as the route).
 
@@ -295,11 +312,12 @@ def reorder_response(
         result: what ``Reorderer.reorder`` returned.
         passages: the request's passages, for their ids (omitted: ids are null).
         top_n: keep the ``top_n`` best passages in ``order``.
+        truncated: the passages cut to the per-passage token limit (``truncated``).
 
     Returns:
         The ``POST /v1/reorder`` response; values the fit could not estimate (NaN) are null.
     """
-    meta = reorder_meta(result, passages or (), top_n)
+    meta = reorder_meta(result, passages or (), top_n, truncated=truncated)
     return ReorderResponse(id=result.request_id, model=result.model, **dict(meta))
 
 

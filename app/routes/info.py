@@ -108,6 +108,7 @@ async def info(ctx: Ctx) -> InfoOut:
             max_body_bytes=s.max_body_bytes,
             max_passages=s.max_passages,
             max_passage_chars=s.max_passage_chars,
+            max_passage_tokens=s.max_passage_tokens,
             max_query_chars=s.max_query_chars,
             max_prompts_per_request=s.max_prompts_per_request,
             max_prompt_tokens_x_prompts=s.max_prompt_tokens_x_prompts,

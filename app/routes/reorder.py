@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from fastapi import APIRouter, Request
 
 from app.conversions import caller_of, reorder_response, selected_order, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
-from app.limits import check_inputs
+from app.limits import check_inputs, fit_to_limit, passage_token_limit
 from app.schemas.reorder import ReorderBody, ReorderResponse
 from app.state import Ctx, RequestId
+from service.pipeline import Reorderer, ReorderResult
+from service.prompting.truncation import Cut
 
 router = APIRouter(tags=["reorder"])
 
@@ -30,9 +34,21 @@ async def reorder(
     passages = to_passages(body.passages)
     spec = body.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec)
+    limit = passage_token_limit(
+        ctx.settings, body.max_passage_tokens, body.truncate, requested_name="max_passage_tokens"
+    )
     caller = caller_of(request, ctx.settings.auto_caller_header)
     req = body.request(body.query, passages, spec, request_id, ctx.settings, caller=caller)
-    result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
+    cuts: list[Cut] = []
+
+    async def work(reorderer: Reorderer) -> ReorderResult:
+        # The model scores the cut texts; the response (and feedback's record of what was
+        # served) keeps the caller's passages, which `truncated` refers to.
+        fitted, found = await fit_to_limit(reorderer.backend.tokenizer, passages, limit)
+        cuts.extend(found)
+        return await reorderer.reorder(replace(req, passages=fitted) if found else req)
+
+    result = await execute(ctx, request, work)
     sampler = ctx.engine.learner.generator
     if sampler is not None:
         # Kept for POST /v1/feedback on this response (in the state store, bounded): what was
@@ -42,4 +58,4 @@ async def reorder(
         await sampler.served.keep(
             result.request_id, body.query, passages, shown, result.strategy, caller
         )
-    return reorder_response(result, passages, top_n=body.top_n)
+    return reorder_response(result, passages, top_n=body.top_n, truncated=cuts)

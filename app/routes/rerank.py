@@ -7,17 +7,17 @@ prompt order), and ``meta.reorder`` carries what the native API returns.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Final
 
-import anyio.to_thread
 from fastapi import APIRouter, Request
 
 from app.conversions import caller_of, relevance_scores, reorder_meta, selected_order, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
-from app.limits import check_inputs
+from app.limits import check_inputs, fit_to_limit, passage_token_limit
 from app.schemas.reorder import ReorderOptions
 from app.schemas.rerank import (
     RerankBody,
@@ -28,10 +28,9 @@ from app.schemas.rerank import (
     RerankUsage,
 )
 from app.state import Ctx, RequestId
-from service.backends.base import PromptTokenizer
-from service.errors import LimitExceeded, ReorderError
-from service.passage import Passage
+from service.errors import ReorderError
 from service.pipeline import Reorderer, ReorderResult
+from service.prompting.truncation import Cut
 
 router = APIRouter(tags=["rerank"])
 
@@ -81,12 +80,18 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
         ctx.settings,
         caller=caller_of(request, ctx.settings.auto_caller_header),
     )
-    max_tokens = body.max_tokens_per_doc
+    limit = passage_token_limit(
+        ctx.settings, body.max_tokens_per_doc, opts.truncate, requested_name="max_tokens_per_doc"
+    )
+    cuts: list[Cut] = []
 
     async def work(reorderer: Reorderer) -> ReorderResult:
-        if max_tokens is not None:
-            await _check_doc_tokens(reorderer.backend.tokenizer, passages, max_tokens)
-        return await reorderer.reorder(req)
+        # The model scores the cut texts; `results[].document.text` stays the caller's.
+        fitted, found = await fit_to_limit(
+            reorderer.backend.tokenizer, passages, limit, passages_param="documents"
+        )
+        cuts.extend(found)
+        return await reorderer.reorder(replace(req, passages=fitted) if found else req)
 
     result = await execute(ctx, request, work)
     scores = relevance_scores(result)
@@ -111,7 +116,8 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
             for i in keep
         ],
         meta=RerankMetaOut(
-            reorder=reorder_meta(result, passages, top_n), results_order=results_order
+            reorder=reorder_meta(result, passages, top_n, truncated=cuts),
+            results_order=results_order,
         ),
     )
 
@@ -144,22 +150,3 @@ def _wire_param(param: str) -> str:
     if head in _OPTIONS:
         return f"reorder.{param}"
     return param
-
-
-async def _check_doc_tokens(
-    tokenizer: PromptTokenizer, passages: Sequence[Passage], limit: int
-) -> None:
-    """422 for the first document longer than ``max_tokens_per_doc``: never truncated."""
-
-    def longest() -> tuple[int, int]:
-        for i, p in enumerate(passages):
-            n = len(tokenizer.encode(p.text).ids)
-            if n > limit:
-                return i, n
-        return -1, 0
-
-    index, n = await anyio.to_thread.run_sync(longest)
-    if index >= 0:
-        raise LimitExceeded(
-            f"documents[{index}]", limit, n, what="tokens over max_tokens_per_doc; not truncated"
-        )

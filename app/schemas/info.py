@@ -95,6 +95,8 @@ class LimitsOut(_Model):
     max_body_bytes: int
     max_passages: int
     max_passage_chars: int
+    max_passage_tokens: int | None
+    """The per-passage token limit (null: none); a request's `truncate` `end` cuts to it."""
     max_query_chars: int
     max_prompts_per_request: int
     max_prompt_tokens_x_prompts: int

@@ -14,6 +14,7 @@ from app.schemas.base import (
     MAX_NUM_PROMPTS,
     MAX_PASSAGES,
     MAX_SEED,
+    MAX_TEXT_CHARS,
     PassageItem,
     PlacementName,
     QueryText,
@@ -28,6 +29,10 @@ from service.passage import Passage
 from service.pipeline import DesignSpec, ReorderRequest
 from service.strategies import ranking_strategy_names
 from service.strategies.request import DesignKind, StrategyOptions
+
+Truncate = Literal["none", "end"]
+"""Cohere's `truncate` (`NONE`, `END`; `START` is not offered: a retrieved passage's lead is
+what it is retrieved for) and Voyage's `truncation` (`false`, `true`), refusing by default."""
 
 
 class DesignIn(_Strict):
@@ -109,6 +114,13 @@ class ReorderOptions(_Strict):
     """Most tokens generated per answer (`lore`, `self_consistency`; default 32)."""
     seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
     """Seed of the strategy's shuffles (default: the configured seed, mixed with the query)."""
+    truncate: Truncate = "none"
+    """Every strategy: what a passage over the per-passage token limit gets (the lower of
+    the server's `RAG_REORDER_MAX_PASSAGE_TOKENS` and the request's `max_passage_tokens`, on
+    the rerank routes `max_tokens_per_doc`). `none`: a 422 naming it, the limit and its
+    tokens. `end`: its text is cut to its first tokens and the model scores that; each cut is
+    listed in the response's `truncated` (the rerank routes': `meta.reorder.truncated`).
+    `end` without any limit is a 422."""
 
     def strategy_options(self) -> StrategyOptions:
         return StrategyOptions(
@@ -189,6 +201,26 @@ class ReorderBody(ReorderOptions):
     passages: list[PassageItem] = Field(min_length=1, max_length=MAX_PASSAGES)
     top_n: int | None = Field(default=None, ge=1, le=MAX_PASSAGES)
     """Keep the top_n best passages in `order` (all passages are still scored)."""
+    max_passage_tokens: int | None = Field(default=None, ge=1, le=MAX_TEXT_CHARS)
+    """Most of the scoring model's tokens in one passage's text (tokenised on its own, the
+    title not counted); over it: a 422, or a cut with `truncate` `end`. The server's
+    `RAG_REORDER_MAX_PASSAGE_TOKENS` applies where it is lower (`/info`)."""
+
+
+class TruncatedOut(_Model):
+    """One passage cut to the per-passage token limit (`truncate` `end`)."""
+
+    index: int
+    """Its position in the request's passages (documents)."""
+    tokens: int
+    """Its text's tokens as sent (the scoring model's tokenizer, the text on its own)."""
+    tokens_kept: int
+    """The text's first tokens, which the model scored (at most the limit)."""
+    tokens_cut: int
+    """`tokens - tokens_kept`: the tokens the model did not see."""
+    chars_kept: int
+    """The scored text is the passage's first `chars_kept` characters (Unicode code points):
+    it tokenises, on its own, to exactly its first `tokens_kept` tokens."""
 
 
 class PassageOut(_Model):
@@ -365,6 +397,10 @@ class ReorderMeta(_Model):
     """`lore`, `self_consistency`: the strategy's answer."""
     auto: AutoOut | None = None
     """`auto`: the path it took, why, and the profile's trust figures."""
+    truncated: list[TruncatedOut] = Field(default_factory=list)
+    """The passages cut to the per-passage token limit (`truncate` `end`), in passage order;
+    empty when none was. Nothing is cut without being listed here. Everything else (indices,
+    ids, the rerank routes' `document.text`) refers to the passage as sent, in full."""
     diagnostics: DiagnosticsOut
     usage: UsageOut
     timing: TimingOut

@@ -56,7 +56,10 @@ class RerankBody(_Lenient):
     """0 or absent: all documents."""
     return_documents: bool = True
     max_tokens_per_doc: int | None = Field(default=None, ge=1)
-    """A document longer than this (in the model's tokens) is a 422, never truncated."""
+    """Most of the scoring model's tokens in one document (Cohere's name); the server's
+    `RAG_REORDER_MAX_PASSAGE_TOKENS` applies where it is lower. A longer document is a 422,
+    unless `reorder.truncate` is `end`: then it is cut to it, as Cohere does, and the cut
+    reported in `meta.reorder.truncated`."""
     reorder: RerankOptions = Field(default_factory=RerankOptions)
 
 

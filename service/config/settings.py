@@ -391,6 +391,11 @@ class Settings(BaseSettings):
     """Most passages (or rerank documents) per request (422 above it)."""
     max_passage_chars: int = Field(default=32_768, ge=1, le=1_000_000)
     """Most characters (Unicode code points) in one passage's text plus title (422 above it)."""
+    max_passage_tokens: int | None = Field(default=None, ge=1, le=1_000_000)
+    """Most of the scoring model's tokens in one passage's text (tokenised on its own, title
+    not counted): 422 above it, or cut to it where the request sets `truncate: "end"`, each cut
+    reported (docs/api.md, "Long passages"). Unset: none (characters and the prompt's context
+    still bound a passage). A request's `max_passage_tokens` (`max_tokens_per_doc`) may lower it."""
     max_query_chars: int = Field(default=4096, ge=1, le=100_000)
     """Most characters in the query (422 above it)."""
     max_prompts_per_request: int = Field(default=512, ge=1)

@@ -2,8 +2,8 @@
 evaluation (docs/api.md, "Many queries in one call").
 
 Each item is a ``POST /v1/reorder`` body and is answered in its place with what that route
-would have answered: its response, or its error envelope's ``error`` and status. One bad item
-fails only itself:
+would have answered: its response, or its error envelope's ``error`` and status (``param``
+named within the item, as the single route names it). One bad item fails only itself:
 
 - **Validated per item.** ``items`` stays raw JSON in the body model (app/schemas/batch.py)
   and each item is validated here with ``ReorderBody``, so one invalid option is that item's
@@ -105,7 +105,8 @@ async def reorder_batch(
         try:
             valid.append((i, ReorderBody.model_validate(item)))
         except ValidationError as exc:
-            errors = [{**e, "loc": ("body", "items", i, *e["loc"])} for e in exc.errors()]
+            # Located in the item, as the single route would name it: the error sits at i.
+            errors = [{**e, "loc": ("body", *e["loc"])} for e in exc.errors()]
             results[i] = _failed(request, i, rid, validation_error(RequestValidationError(errors)))
     total = sum(_chars(b) for _, b in valid)
     if total > settings.batch_max_total_chars:

@@ -66,16 +66,26 @@ async def test_one_bad_item_fails_only_itself(tmp_path: Path) -> None:
             err = results[i]["error"]
             assert results[i]["response"] is None
             assert err["request_id"] == f"b-1.{i}"
-        assert results[1]["error"]["param"] == "items[1].design.num_prompts"
+        assert results[1]["error"]["param"] == "design.num_prompts"
         assert results[1]["error"]["code"] == "validation_error"
         assert results[2]["error"]["code"] == "limit_exceeded"
         assert results[2]["error"]["param"] == "passages[4]"
         assert results[2]["error"]["limit"] == 60 and results[2]["error"]["value"] == 61
         assert "no-such-profile" in results[4]["error"]["message"]
         assert results[5]["error"]["code"] == "scoring_failed"
-        assert results[6]["error"]["param"] == "items[6].passages"
-        assert results[7]["error"]["param"] == "items[7].nonsense"
+        assert results[6]["error"]["param"] == "passages"
+        assert results[7]["error"]["param"] == "nonsense"
         # Each failure counted once, as a single request's would be.
+        # Each error is the one the single route answers for the same body.
+        for i in (1, 2, 4, 6, 7):
+            single = await h.client.post("/v1/reorder", json=items[i])
+            assert single.status_code == results[i]["status"]
+            # (The item's envelope spells an absent `limit` and `value` as null.)
+            alone = single.json()["error"]
+            item = results[i]["error"]
+            assert {k: v for k, v in alone.items() if k != "request_id"} == {
+                k: v for k, v in item.items() if k != "request_id" and (k in alone or v)
+            }
         failures = "rag_reorder_request_failures_total"
         assert h.metric(failures, {"type": "server_error", "code": "scoring_failed"}) == 1.0
 

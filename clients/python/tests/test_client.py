@@ -354,7 +354,7 @@ async def test_reorder_batch_answers_each_item_in_its_place(fake_service: Server
     assert out.failed == [bad] and bad.reordering is None
     with pytest.raises(RagReorderError) as err:
         out.results()
-    assert err.value.param == "items[1].design.num_prompts"
+    assert err.value.param == "design.num_prompts"
     assert err.value.code == "validation_error" and err.value.request_id == "client-batch.1"
 
     async with AsyncClient(fake_service.base_url, api_key=API_KEY) as ac:

@@ -4,6 +4,7 @@ In process, on the fake backend."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ from tests.app.conftest import (
     TrackingBackend,
     reorder_body,
     serving,
+    wait_until,
 )
+from tests.app.test_errors import asgi_scope, assert_idle
 
 BATCH = "/v1/reorder/batch"
 
@@ -182,3 +185,36 @@ async def test_server_made_ids_per_item(tmp_path: Path) -> None:
         batch_id = r.headers["X-Request-Id"]
         ids = [x["request_id"] for x in r.json()["results"]]
         assert ids == [f"{batch_id}.0", f"{batch_id}.1"]
+
+
+async def test_a_client_that_leaves_cancels_every_item(tmp_path: Path) -> None:
+    """The batch watches its connection once for all its items: a disconnect cancels the
+    items in flight (their scoring included) and never starts the rest."""
+    async with serving(tmp_path, batch_concurrency=2) as h:
+        h.backend.hang = True
+        started = h.backend.started
+        items = [reorder_body(strategy="moi", query=f"q{i}") for i in range(3)]
+        body = json.dumps({"items": items}).encode()
+        messages = [{"type": "http.request", "body": body, "more_body": False}]
+        gone = anyio.Event()
+        sent: list[dict[str, Any]] = []
+
+        async def receive() -> dict[str, Any]:
+            if messages:
+                return messages.pop(0)
+            await gone.wait()
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            sent.append(message)
+
+        scope = asgi_scope(BATCH, [(b"content-length", str(len(body)).encode())])
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(h.app, scope, receive, send)
+                await wait_until(lambda: h.backend.started >= started + 2)
+                assert h.ctx.admission.in_flight == 2
+                gone.set()
+        assert h.backend.started == started + 2 and h.backend.cancelled == 2
+        assert_idle(h)
+        assert sent[0]["status"] == 499

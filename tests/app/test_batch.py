@@ -5,6 +5,7 @@ In process, on the fake backend."""
 from __future__ import annotations
 
 import json
+from collections.abc import MutableMapping
 from pathlib import Path
 from typing import Any
 
@@ -197,15 +198,15 @@ async def test_a_client_that_leaves_cancels_every_item(tmp_path: Path) -> None:
         body = json.dumps({"items": items}).encode()
         messages = [{"type": "http.request", "body": body, "more_body": False}]
         gone = anyio.Event()
-        sent: list[dict[str, Any]] = []
+        sent: list[MutableMapping[str, Any]] = []
 
-        async def receive() -> dict[str, Any]:
+        async def receive() -> MutableMapping[str, Any]:
             if messages:
                 return messages.pop(0)
             await gone.wait()
             return {"type": "http.disconnect"}
 
-        async def send(message: dict[str, Any]) -> None:
+        async def send(message: MutableMapping[str, Any]) -> None:
             sent.append(message)
 
         scope = asgi_scope(BATCH, [(b"content-length", str(len(body)).encode())])

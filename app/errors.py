@@ -137,21 +137,31 @@ def sanitise(message: str) -> str:
     return clean if len(clean) <= _MAX_MESSAGE else clean[: _MAX_MESSAGE - 3] + "..."
 
 
-def error_response(scope: Scope, exc: ReorderError) -> JSONResponse:
-    """The envelope response for ``exc``; counts it in the app's failure metrics."""
+def error_detail(scope: Scope, exc: ReorderError) -> tuple[ErrorKind, dict[str, Any]]:
+    """The envelope's ``error`` object for ``exc`` and its kind; counts it in the app's failure
+    metrics. ``error_response`` wraps it; the batch route answers each failed item with it."""
     kind = classify(exc)
-    rid = request_id_of(scope)
-    ctx = context_of(scope)
     body: dict[str, Any] = {
         "type": kind.type,
         "message": sanitise(exc.message),
         "param": exc.param,
         "code": exc.code,
-        "request_id": rid,
+        "request_id": request_id_of(scope),
     }
     if isinstance(exc, LimitExceeded):
         body["limit"] = exc.limit
         body["value"] = exc.value
+    ctx = context_of(scope)
+    if ctx is not None:
+        ctx.metrics.failures.labels(kind.type, exc.code).inc()
+    return kind, body
+
+
+def error_response(scope: Scope, exc: ReorderError) -> JSONResponse:
+    """The envelope response for ``exc``; counts it in the app's failure metrics."""
+    kind, body = error_detail(scope, exc)
+    rid = request_id_of(scope)
+    ctx = context_of(scope)
     headers: dict[str, str] = {}
     if rid is not None:
         headers["X-Request-Id"] = rid
@@ -164,8 +174,6 @@ def error_response(scope: Scope, exc: ReorderError) -> JSONResponse:
         headers["WWW-Authenticate"] = "Bearer"
     if isinstance(exc, MethodNotAllowed) and exc.allow:
         headers["Allow"] = ", ".join(exc.allow)
-    if ctx is not None:
-        ctx.metrics.failures.labels(kind.type, exc.code).inc()
     return JSONResponse({"error": body}, status_code=kind.status, headers=headers)
 
 

@@ -29,7 +29,7 @@ from app.admission import Admission, MeteredBackend
 from app.errors import install_error_handlers
 from app.metrics import ServiceMetrics
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
-from app.routes import feedback, info, probes, profiles, reorder, rerank
+from app.routes import batch, feedback, info, probes, profiles, reorder, rerank
 from app.schemas.reorder import ReorderOptions
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
@@ -211,7 +211,7 @@ def create_app(
     metrics.track_capacity(lambda: ctx.admission.estimated_wait_s, ctx.admission.meter)
     app.state.ctx = ctx
     install_error_handlers(app)
-    for module in (reorder, rerank, profiles, feedback, info, probes):
+    for module in (reorder, batch, rerank, profiles, feedback, info, probes):
         app.include_router(module.router)
     # add_middleware wraps: the last added runs first. Order on the way in:
     # request context -> CORS (if configured) -> body limit (413) -> API key (401, 403) -> routes.

@@ -11,7 +11,7 @@ from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs, fit_to_limit, passage_token_limit
 from app.schemas.reorder import ReorderBody, ReorderResponse
-from app.state import Ctx, RequestId
+from app.state import AppContext, Ctx, RequestId
 from service.pipeline import Reorderer, ReorderResult
 from service.prompting.truncation import Cut
 
@@ -31,6 +31,14 @@ async def reorder(
     MoI, which scores permutations and fits utilities and position bias, until the model's
     position profile is learned and trusted; then a cheap ranking placed by it; `auto` says
     which)."""
+    return await reorder_one(body, request, ctx, request_id)
+
+
+async def reorder_one(
+    body: ReorderBody, request: Request, ctx: AppContext, request_id: str
+) -> ReorderResponse:
+    """One native request's work, from its validated body to its response: the route's, and
+    each item's of `POST /v1/reorder/batch` (app/routes/batch.py), so both answer alike."""
     passages = to_passages(body.passages)
     spec = body.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec)

@@ -435,6 +435,15 @@ class Settings(BaseSettings):
     max_calibration_queries: int = Field(default=256, ge=1, le=4096)
     """Most queries in one `POST /v1/bias-profiles/calibrate` (422 above it). Each query is
     also held to the per-request limits, and its prompts are admitted like a request's."""
+    batch_max_items: int = Field(default=64, ge=1, le=4096)
+    """Most items in one `POST /v1/reorder/batch` (422 above it); each is held to the
+    per-request limits."""
+    batch_max_total_chars: int = Field(default=2_000_000, ge=1)
+    """Most characters (queries, passage texts and titles) summed over one batch's valid
+    items (422 above it)."""
+    batch_concurrency: int = Field(default=4, ge=1, le=256)
+    """Most items of one batch in flight at once; each is admitted as one request (a request
+    slot, its own deadline), so a batch holds at most this many slots."""
     traffic_sample_rate: float = Field(default=0.0, ge=0.0, le=1.0)
     """Share of live MoI requests (`random`, `hybrid`, `pruned_random` designs, every prompt
     scored) whose scored permutations are kept in memory, numbers only, for `POST

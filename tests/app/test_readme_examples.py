@@ -35,6 +35,7 @@ async def _post_examples(served: Harness) -> None:
     examples = _CURL.findall(_http_block())
     assert {path for path, _ in examples} == {
         "/v1/reorder",
+        "/v1/reorder/batch",
         "/v1/rerank",
         "/rerank",
         "/v2/rerank",
@@ -52,7 +53,7 @@ async def test_every_get_route_in_the_readme_answers(served: Harness) -> None:
         re.findall(r"curl -s\S* localhost:8000(/[\w/]+)\s*(?:\||$|-H)", _http_block(), re.M)
     )
     assert {"/v1/models", "/info", "/metrics", "/health", "/ready"} <= paths
-    for path in paths - {"/v1/reorder", "/v1/rerank", "/rerank", "/v2/rerank"}:
+    for path in paths - {"/v1/reorder", "/v1/reorder/batch", "/v1/rerank", "/rerank", "/v2/rerank"}:
         assert (await served.client.get(path)).status_code == 200, path
 
 
@@ -68,6 +69,7 @@ async def test_the_readme_calls_every_route_and_each_call_answers(tmp_path: Path
     }
     assert routes >= {
         "/v1/reorder",
+        "/v1/reorder/batch",
         "/v1/rerank",
         "/v1/bias-profiles/calibrate",
         "/v1/bias-profiles",

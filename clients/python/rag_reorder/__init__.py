@@ -12,9 +12,12 @@ Only httpx at run time; the framework adapters live in their own modules so that
 from __future__ import annotations
 
 from rag_reorder._adapter import METADATA_KEYS, METADATA_PREFIX
+from rag_reorder._protocol import reorder_item
 from rag_reorder._version import __version__
 from rag_reorder.client import DEFAULT_TIMEOUT_S, AsyncClient, Client
 from rag_reorder.types import (
+    BatchItem,
+    BatchReordering,
     Design,
     DesignKind,
     Passage,
@@ -34,6 +37,8 @@ __all__ = [
     "METADATA_KEYS",
     "METADATA_PREFIX",
     "AsyncClient",
+    "BatchItem",
+    "BatchReordering",
     "Client",
     "Design",
     "DesignKind",
@@ -48,4 +53,5 @@ __all__ = [
     "ScoredPassage",
     "Strategy",
     "__version__",
+    "reorder_item",
 ]

@@ -16,6 +16,8 @@ import httpx
 
 from rag_reorder._version import __version__
 from rag_reorder.types import (
+    BatchItem,
+    BatchReordering,
     Passage,
     Placement,
     PositionBias,
@@ -117,6 +119,30 @@ def reorder_request(
     request_id: str | None = None,
 ) -> Request[Reordering]:
     """``POST /v1/reorder`` (the arguments of ``Client.reorder``)."""
+    body = reorder_item(
+        query,
+        passages,
+        strategy=strategy,
+        placement=placement,
+        design=design,
+        top_n=top_n,
+        options=options,
+    )
+    return Request("POST", "/v1/reorder", body, _call_headers(request_id), parse_reordering)
+
+
+def reorder_item(
+    query: str,
+    passages: Sequence[str | Passage],
+    *,
+    strategy: Strategy | str | None = None,
+    placement: Placement | None = None,
+    design: Mapping[str, object] | None = None,
+    top_n: int | None = None,
+    options: Mapping[str, object] | None = None,
+) -> dict[str, object]:
+    """The native body ``Client.reorder`` sends (its arguments): one item of
+    ``Client.reorder_batch``."""
     body: dict[str, object] = {
         "query": query,
         "passages": [_passage_json(p) for p in passages],
@@ -124,7 +150,53 @@ def reorder_request(
     }
     if top_n is not None:
         body["top_n"] = top_n
-    return Request("POST", "/v1/reorder", body, _call_headers(request_id), parse_reordering)
+    return body
+
+
+def reorder_batch_request(
+    items: Sequence[Mapping[str, object]], *, request_id: str | None = None
+) -> Request[BatchReordering]:
+    """``POST /v1/reorder/batch`` (the arguments of ``Client.reorder_batch``)."""
+    body: dict[str, object] = {"items": [dict(item) for item in items]}
+    return Request(
+        "POST", "/v1/reorder/batch", body, _call_headers(request_id), parse_batch_reordering
+    )
+
+
+def parse_batch_reordering(body: Mapping[str, Any]) -> BatchReordering:
+    """A ``BatchReordering`` from the JSON of ``POST /v1/reorder/batch``: each item's
+    ``Reordering``, or its error envelope's ``error`` as a ``RagReorderError``."""
+    try:
+        items = []
+        for r in body["results"]:
+            status = int(r["status"])
+            err = r.get("error")
+            error = (
+                None
+                if status == 200
+                else RagReorderError(
+                    str(err["message"]),
+                    status=status,
+                    code=str(err.get("code") or "error"),
+                    type=str(err.get("type") or "error"),
+                    param=err.get("param"),
+                    request_id=err.get("request_id") or r.get("request_id"),
+                )
+            )
+            items.append(
+                BatchItem(
+                    index=int(r["index"]),
+                    request_id=str(r["request_id"]),
+                    status=status,
+                    reordering=parse_reordering(r["response"]) if status == 200 else None,
+                    error=error,
+                )
+            )
+        return BatchReordering(items=tuple(items), raw=body)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise RagReorderError(
+            f"unexpected /v1/reorder/batch response: {exc!r}", code="invalid_response"
+        ) from exc
 
 
 def rerank_request(

@@ -37,10 +37,14 @@ from rag_reorder._protocol import (
     DEFAULT_TIMEOUT_S,
     Policy,
     Request,
+    reorder_batch_request,
+    reorder_item,
     reorder_request,
     rerank_request,
 )
 from rag_reorder.types import (
+    BatchItem,
+    BatchReordering,
     Passage,
     Placement,
     PositionBias,
@@ -57,6 +61,8 @@ __all__ = [
     "DEFAULT_BASE_URL",
     "DEFAULT_TIMEOUT_S",
     "AsyncClient",
+    "BatchItem",
+    "BatchReordering",
     "Client",
     "Passage",
     "Placement",
@@ -68,6 +74,7 @@ __all__ = [
     "ResultsOrder",
     "ScoredPassage",
     "Strategy",
+    "reorder_item",
 ]
 
 DEFAULT_BASE_URL = "http://localhost:8000"
@@ -198,6 +205,30 @@ class Client:
             )
         )
 
+    def reorder_batch(
+        self, items: Sequence[Mapping[str, object]], *, request_id: str | None = None
+    ) -> BatchReordering:
+        """``POST /v1/reorder/batch``: many queries in one call (offline pipelines,
+        evaluation). Each item is a native body, built with ``reorder_item`` (the arguments of
+        ``reorder``) or written as a dict; the service validates, admits and runs each as one
+        request, at most ``RAG_REORDER_BATCH_CONCURRENCY`` at a time.
+
+        Args:
+            items: the bodies (at most the server's ``RAG_REORDER_BATCH_MAX_ITEMS``).
+            request_id: the batch's ``X-Request-Id``; item i's id is ``<request_id>.<i>``.
+
+        Returns:
+            One ``BatchItem`` per item, in order: its ``Reordering`` or its own
+            ``RagReorderError`` (a failed item fails alone; per-item 503s are not retried:
+            resend ``failed``'s items). Give the client a ``timeout`` above the batch's
+            duration: the items run in turns of that many.
+
+        Raises:
+            RagReorderError: the whole call failed (an empty list, a batch limit, the server
+                not ready after retries, no response).
+        """
+        return self._send(reorder_batch_request(items, request_id=request_id))
+
     def _send(self, request: Request[T]) -> T:
         """``request``'s typed answer, after the policy's retries."""
         headers = self._policy.headers_of(request)
@@ -316,6 +347,16 @@ class AsyncClient:
                 request_id=request_id,
             )
         )
+
+    async def reorder_batch(
+        self, items: Sequence[Mapping[str, object]], *, request_id: str | None = None
+    ) -> BatchReordering:
+        """``POST /v1/reorder/batch``, as ``Client.reorder_batch``.
+
+        Raises:
+            RagReorderError: as ``Client.reorder_batch``.
+        """
+        return await self._send(reorder_batch_request(items, request_id=request_id))
 
     async def _send(self, request: Request[T]) -> T:
         """``Client._send``, awaiting the transport and the waits."""

@@ -255,3 +255,52 @@ class Reranking:
         request does the same on the server): the safe way to keep ``k`` of a placement."""
         by_index = {r.index: r for r in self.results}
         return [by_index[i] for i in best_in_placement(self.order, self.ranking, k)]
+
+
+@dataclass(frozen=True, slots=True)
+class BatchItem:
+    """One item's outcome in ``POST /v1/reorder/batch``'s answer, at its index: its
+    ``Reordering`` (status 200) or its ``RagReorderError`` (any other status)."""
+
+    index: int
+    request_id: str
+    status: int
+    reordering: Reordering | None
+    error: RagReorderError | None
+
+    @property
+    def ok(self) -> bool:
+        return self.reordering is not None
+
+    def result(self) -> Reordering:
+        """The item's ``Reordering``.
+
+        Raises:
+            RagReorderError: the item's own error.
+        """
+        if self.reordering is None:
+            assert self.error is not None
+            raise self.error
+        return self.reordering
+
+
+@dataclass(frozen=True, slots=True)
+class BatchReordering:
+    """``POST /v1/reorder/batch``'s answer: one ``BatchItem`` per item, in the items' order.
+    An item that failed (an invalid option, a limit, a 503 from the queue) fails alone."""
+
+    items: tuple[BatchItem, ...]
+    raw: Mapping[str, object] = field(repr=False, compare=False)
+
+    @property
+    def failed(self) -> list[BatchItem]:
+        """The items answered with an error (``retry_after`` set on a 503 worth retrying)."""
+        return [item for item in self.items if not item.ok]
+
+    def results(self) -> list[Reordering]:
+        """Every item's ``Reordering``, in order.
+
+        Raises:
+            RagReorderError: the first failed item's error.
+        """
+        return [item.result() for item in self.items]

@@ -23,6 +23,7 @@ from rag_reorder import (
     Passage,
     RagReorderError,
     __version__,
+    reorder_item,
 )
 from rag_reorder._protocol import reorder_request, rerank_request
 from servers import API_KEY, BEST_FIRST, ServerProcess, free_port
@@ -335,3 +336,30 @@ def test_both_clients_and_the_request_builder_take_the_same_arguments() -> None:
         for cls in (Client, AsyncClient):
             method = list(inspect.signature(getattr(cls, name)).parameters.values())
             assert method[1:] == expected, (cls.__name__, name)
+
+
+async def test_reorder_batch_answers_each_item_in_its_place(fake_service: ServerProcess) -> None:
+    """Issue 94: one good item and one with an invalid option; the good one is answered, the
+    bad one carries its own 422; the async client parses the same call alike."""
+    items = [
+        reorder_item(QUERY, PASSAGES, placement="descending_utility"),
+        reorder_item(QUERY, PASSAGES, design={"num_prompts": 0}),
+    ]
+    with client(fake_service) as c:
+        out = c.reorder_batch(items, request_id="client-batch")
+    good, bad = out.items
+    assert (good.index, good.status, good.request_id) == (0, 200, "client-batch.0")
+    assert list(good.result().order) == BEST_FIRST and good.result().id == "client-batch.0"
+    assert (bad.index, bad.status, bad.request_id) == (1, 422, "client-batch.1")
+    assert out.failed == [bad] and bad.reordering is None
+    with pytest.raises(RagReorderError) as err:
+        out.results()
+    assert err.value.param == "design.num_prompts"
+    assert err.value.code == "validation_error" and err.value.request_id == "client-batch.1"
+
+    async with AsyncClient(fake_service.base_url, api_key=API_KEY) as ac:
+        again = await ac.reorder_batch(items[:1])
+        with pytest.raises(RagReorderError) as empty:
+            await ac.reorder_batch([])
+    assert again.results()[0].order == good.result().order
+    assert (empty.value.status, empty.value.param) == (422, "items")

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from app.conversions import caller_of, reorder_response, selected_order, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs
+from app.response_cache import as_hit, lookup
 from app.schemas.reorder import ReorderBody, ReorderResponse
 from app.state import Ctx, RequestId
 
@@ -21,7 +22,7 @@ router = APIRouter(tags=["reorder"])
     summary="Order passages by debiased utility",
 )
 async def reorder(
-    body: ReorderBody, request: Request, ctx: Ctx, request_id: RequestId
+    body: ReorderBody, request: Request, response: Response, ctx: Ctx, request_id: RequestId
 ) -> ReorderResponse:
     """Order the passages with `strategy` (default: the server's, `auto` unless configured:
     MoI, which scores permutations and fits utilities and position bias, until the model's
@@ -32,14 +33,22 @@ async def reorder(
     check_inputs(ctx.settings, body.query, passages, spec)
     caller = caller_of(request, ctx.settings.auto_caller_header)
     req = body.request(body.query, passages, spec, request_id, ctx.settings, caller=caller)
-    result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
+    cache = await lookup(ctx, request, body, response)
+    if cache is not None and cache.hit is not None:
+        out = ReorderResponse.model_validate_json(cache.hit)
+        out.id = request_id
+        as_hit(out, cache.started)
+        shown, strategy = out.order, out.strategy
+    else:
+        result = await execute(ctx, request, lambda reorderer: reorderer.reorder(req))
+        out = reorder_response(result, passages, top_n=body.top_n)
+        if cache is not None:
+            await cache.store(result, out)
+        shown, strategy = selected_order(result, body.top_n), result.strategy
     sampler = ctx.engine.learner.generator
     if sampler is not None:
         # Kept for POST /v1/feedback on this response (in the state store, bounded): what was
         # served, its passages only where the feedback can be learned from (a shuffle).
-        shown = selected_order(result, body.top_n)
         # Under the caller's name: no other caller can replace it or answer on it.
-        await sampler.served.keep(
-            result.request_id, body.query, passages, shown, result.strategy, caller
-        )
-    return reorder_response(result, passages, top_n=body.top_n)
+        await sampler.served.keep(request_id, body.query, passages, shown, strategy, caller)
+    return out

@@ -25,6 +25,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 from pydantic import SecretStr
 
+from app import response_cache
 from app.admission import Admission, MeteredBackend
 from app.errors import install_error_handlers
 from app.metrics import ServiceMetrics
@@ -210,6 +211,7 @@ def create_app(
     metrics.track_state(state)
     metrics.track_capacity(lambda: ctx.admission.estimated_wait_s, ctx.admission.meter)
     app.state.ctx = ctx
+    app.state.response_cache = response_cache.build(settings, state, metrics)
     install_error_handlers(app)
     for module in (reorder, batch, rerank, profiles, feedback, info, probes):
         app.include_router(module.router)

@@ -38,6 +38,7 @@ from service.learning.generator_online import GeneratorSampler
 from service.learning.learner import ProfileLearner
 from service.pipeline import ReorderResult
 from service.runtime.throughput import ThroughputMeter
+from service.state.response_cache import ResponseCache
 from service.state.state_store import StateStore
 from service.state.traffic import TrafficSampler
 
@@ -699,6 +700,56 @@ class ServiceMetrics:
     def track_state(self, state: StateStore) -> None:
         """Expose the state store's health (Redis; the folder is always up)."""
         self._track(_State(state))
+
+    def track_cache(self, cache: ResponseCache) -> Callable[[], None]:
+        """The response cache's metrics: plain counters advanced by what its totals grew
+        (multiprocess-safe as they are), and the bytes this process holds (summed over live
+        workers). Returns the callback the cache calls after each change."""
+        p, r = PREFIX, self.registry
+        hits = Counter(
+            f"{p}_cache_hits", "Responses served from the cache, by tier.", ["tier"], registry=r
+        )
+        misses = Counter(f"{p}_cache_misses", "Cache lookups that found nothing.", registry=r)
+        evictions = Counter(
+            f"{p}_cache_evictions",
+            "Cached responses dropped: `bytes` to fit `cache_max_bytes`, `ttl` expired.",
+            ["reason"],
+            registry=r,
+        )
+        failures = Counter(
+            f"{p}_cache_redis_failures",
+            "Redis cache calls that failed (the request went on without Redis).",
+            registry=r,
+        )
+        held = Gauge(
+            f"{p}_cache_bytes",
+            "Bytes of responses held in the in-process cache (all workers).",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        for tier in ("local", "redis"):
+            hits.labels(tier)
+        for reason in ("bytes", "ttl"):
+            evictions.labels(reason)
+        seen: dict[str, int] = {}
+
+        def advance(counter: Counter, name: str, total: int) -> None:
+            grew = total - seen.get(name, 0)
+            if grew > 0:
+                counter.inc(grew)
+                seen[name] = total
+
+        def changed() -> None:
+            c = cache.counters
+            for tier, n in c.hits.items():
+                advance(hits.labels(tier), f"hits:{tier}", n)
+            for reason, n in c.evictions.items():
+                advance(evictions.labels(reason), f"evictions:{reason}", n)
+            advance(misses, "misses", c.misses)
+            advance(failures, "redis_failures", c.redis_failures)
+            held.set(cache.bytes_held)
+
+        return changed
 
     def _track(self, collector: _ScrapeTime) -> None:
         self.registry.register(collector)

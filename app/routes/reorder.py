@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from app.conversions import caller_of, reorder_response, selected_order, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs, fit_to_limit, passage_token_limit
+from app.response_cache import as_hit, lookup
 from app.schemas.reorder import ReorderBody, ReorderResponse
 from app.state import AppContext, Ctx, RequestId
 from service.pipeline import Reorderer, ReorderResult
@@ -25,17 +26,21 @@ router = APIRouter(tags=["reorder"])
     summary="Order passages by debiased utility",
 )
 async def reorder(
-    body: ReorderBody, request: Request, ctx: Ctx, request_id: RequestId
+    body: ReorderBody, request: Request, response: Response, ctx: Ctx, request_id: RequestId
 ) -> ReorderResponse:
     """Order the passages with `strategy` (default: the server's, `auto` unless configured:
     MoI, which scores permutations and fits utilities and position bias, until the model's
     position profile is learned and trusted; then a cheap ranking placed by it; `auto` says
     which)."""
-    return await reorder_one(body, request, ctx, request_id)
+    return await reorder_one(body, request, ctx, request_id, response)
 
 
 async def reorder_one(
-    body: ReorderBody, request: Request, ctx: AppContext, request_id: str
+    body: ReorderBody,
+    request: Request,
+    ctx: AppContext,
+    request_id: str,
+    response: Response | None = None,
 ) -> ReorderResponse:
     """One native request's work, from its validated body to its response: the route's, and
     each item's of `POST /v1/reorder/batch` (app/routes/batch.py), so both answer alike."""
@@ -56,14 +61,23 @@ async def reorder_one(
         cuts.extend(found)
         return await reorderer.reorder(replace(req, passages=fitted) if found else req)
 
-    result = await execute(ctx, request, work)
+    # The response cache (docs/cache.md) on the route only: a batch's items are not cached.
+    cache = await lookup(ctx, request, body, response) if response is not None else None
+    if cache is not None and cache.hit is not None:
+        out = ReorderResponse.model_validate_json(cache.hit)
+        out.id = request_id
+        as_hit(out, cache.started)
+        shown, strategy = out.order, out.strategy
+    else:
+        result = await execute(ctx, request, work)
+        out = reorder_response(result, passages, top_n=body.top_n, truncated=cuts)
+        if cache is not None:
+            await cache.store(result, out)
+        shown, strategy = selected_order(result, body.top_n), result.strategy
     sampler = ctx.engine.learner.generator
     if sampler is not None:
         # Kept for POST /v1/feedback on this response (in the state store, bounded): what was
         # served, its passages only where the feedback can be learned from (a shuffle).
-        shown = selected_order(result, body.top_n)
         # Under the caller's name: no other caller can replace it or answer on it.
-        await sampler.served.keep(
-            result.request_id, body.query, passages, shown, result.strategy, caller
-        )
-    return reorder_response(result, passages, top_n=body.top_n, truncated=cuts)
+        await sampler.served.keep(request_id, body.query, passages, shown, strategy, caller)
+    return out

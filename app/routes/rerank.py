@@ -12,12 +12,13 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import Final
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Request, Response
 
 from app.conversions import caller_of, relevance_scores, reorder_meta, selected_order, to_passages
 from app.errors import POST_ERRORS
 from app.execution import execute
 from app.limits import check_inputs, fit_to_limit, passage_token_limit
+from app.response_cache import as_hit, lookup
 from app.schemas.reorder import ReorderOptions
 from app.schemas.rerank import (
     RerankBody,
@@ -54,7 +55,7 @@ router = APIRouter(tags=["rerank"])
     summary="Rerank documents (Cohere/Jina/vLLM shape)",
 )
 async def rerank(
-    body: RerankBody, request: Request, ctx: Ctx, request_id: RequestId
+    body: RerankBody, request: Request, response: Response, ctx: Ctx, request_id: RequestId
 ) -> RerankResponse:
     """Documents by the strategy's judgement (default: the server's, `auto` unless
     configured: MoI's debiased utility until a profile is trusted, then the dense ranking), or
@@ -64,10 +65,12 @@ async def rerank(
     without one score 0; strategies without scores give `1 - rank / N`); unknown fields are
     ignored; our options go in `reorder`."""
     with _rerank_params():
-        return await _rerank(body, request, ctx, request_id)
+        return await _rerank(body, request, response, ctx, request_id)
 
 
-async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str) -> RerankResponse:
+async def _rerank(
+    body: RerankBody, request: Request, response: Response, ctx: Ctx, request_id: str
+) -> RerankResponse:
     passages = to_passages(body.documents)
     opts = body.reorder
     spec = opts.design.spec()
@@ -93,6 +96,13 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
         cuts.extend(found)
         return await reorderer.reorder(replace(req, passages=fitted) if found else req)
 
+    cache = await lookup(ctx, request, body, response)
+    if cache is not None and cache.hit is not None:
+        out = RerankResponse.model_validate_json(cache.hit)
+        out.id = request_id
+        out.usage = RerankUsage(total_tokens=0)
+        as_hit(out.meta.reorder, cache.started)
+        return out
     result = await execute(ctx, request, work)
     scores = relevance_scores(result)
     top_n = body.top_n or None
@@ -103,7 +113,7 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
         keep = selected_order(result, top_n)
     else:
         keep = result.ranking[:top_n] if top_n else result.ranking
-    return RerankResponse(
+    out = RerankResponse(
         id=request_id,
         model=result.model,
         usage=RerankUsage(total_tokens=result.usage.prompt_tokens),
@@ -120,6 +130,9 @@ async def _rerank(body: RerankBody, request: Request, ctx: Ctx, request_id: str)
             results_order=results_order,
         ),
     )
+    if cache is not None:
+        await cache.store(result, out)
+    return out
 
 
 # Our options live under `reorder` on these routes, and the passages are `documents`.

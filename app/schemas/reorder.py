@@ -404,6 +404,10 @@ class ReorderMeta(_Model):
     diagnostics: DiagnosticsOut
     usage: UsageOut
     timing: TimingOut
+    cached: bool = False
+    """Served from the response cache (`RAG_REORDER_CACHE_MAX_BYTES`, docs/cache.md): a
+    byte-identical request's answer, under this request's `id`; `usage` and `timing` are
+    then this request's (no model call: zeros and the lookup's time)."""
 
 
 class ReorderResponse(ReorderMeta):

@@ -483,6 +483,20 @@ class Settings(BaseSettings):
     process (a server holds `workers` times it; a run is about 43 KiB at 100 passages); past
     it the oldest queued runs are dropped (counted). Profiles queue one write each, the
     latest."""
+    cache_max_bytes: int = Field(default=0, ge=0, le=2**36)
+    """Bytes of `/v1/reorder` and rerank responses kept in memory per worker process (a
+    server holds `workers` times it) for byte-identical requests, keyed by the body, the
+    route, the model, the settings and the stored profiles' versions (docs/cache.md). `0`
+    (the default): no cache; hits skip `auto`'s explore draw and the generator's sample, so
+    it is the operator's choice. 64 MiB holds about 2,000 responses of 20 passages."""
+    cache_ttl_s: float = Field(default=300.0, gt=0.0, le=86_400.0)
+    """Seconds a cached response may be served after it was computed (both tiers)."""
+    cache_max_entry_bytes: int = Field(default=2**20, ge=1024, le=2**30)
+    """Largest response cached (bytes of JSON); larger ones are served, never stored."""
+    cache_redis: bool = False
+    """Also share cached responses through `state_url`'s Redis (keys expire after
+    `cache_ttl_s`); needs `state_url` and `cache_max_bytes` > 0. Redis down never fails a
+    request: the process's own cache goes on, the failure is counted."""
     cpus: float | None = Field(default=None, gt=0.0, le=4096.0)
     """CPUs the process may use. Default: the smallest of its affinity mask (`taskset`,
     cpusets) and its cgroup CPU quota (v2 `cpu.max`, v1 CFS quota), rounded up; torch's
@@ -558,6 +572,15 @@ class Settings(BaseSettings):
             if template is not None:
                 return {**data, "chat_template": template}
         return data
+
+    @model_validator(mode="after")
+    def _cache_redis_needs_state_url(self) -> Settings:
+        if self.cache_redis and (self.state_url is None or self.cache_max_bytes == 0):
+            raise ValueError(
+                "cache_redis needs state_url (the Redis it shares through) and "
+                "cache_max_bytes > 0 (the cache itself)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _engine_url_needs_remote(self) -> Settings:

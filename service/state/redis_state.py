@@ -561,6 +561,23 @@ class RedisState:
         """The full name of the key ``suffix`` (under the prefix)."""
         return self._key(suffix)
 
+    def cache_get(self, name: str) -> str | None:
+        """The response cache's value under ``name`` (``service.state.response_cache``), or
+        ``None``. Called from a worker thread. Raises ``OSError`` when Redis cannot answer."""
+        try:
+            value = self.client.get(self._key(f"cache:{name}"))
+        except (redis.RedisError, OSError) as exc:
+            raise OSError(f"redis cache read failed: {exc}") from exc
+        return value if isinstance(value, str) else None
+
+    def cache_set(self, name: str, value: str, ttl_s: float) -> None:
+        """Keep ``value`` under ``name`` for ``ttl_s`` seconds (Redis expires it). Called
+        from a worker thread. Raises ``OSError`` when Redis cannot answer."""
+        try:
+            self.client.set(self._key(f"cache:{name}"), value, px=max(1, int(ttl_s * 1000)))
+        except (redis.RedisError, OSError) as exc:
+            raise OSError(f"redis cache write failed: {exc}") from exc
+
     def _key(self, suffix: str) -> str:
         return f"{self.prefix}:{suffix}"
 

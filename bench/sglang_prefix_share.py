@@ -19,7 +19,6 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
-import asyncio
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import report
 from service.backends.base import SpanRequest
 from service.backends.transformers_backend import TransformersBackend
 from service.config.settings import Settings
@@ -93,17 +93,23 @@ async def planned(local: TransformersBackend, passages: int) -> list[SpanRequest
     return captured
 
 
-async def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--passages", type=int, nargs="+", default=[4, 10])
-    args = parser.parse_args()
+def build_parser() -> argparse.ArgumentParser:
+    ap = report.parser("sglang_prefix_share", __doc__)
+    ap.add_argument("--passages", type=int, nargs="+", default=[4, 10])
+    return ap
+
+
+async def run(args: argparse.Namespace) -> report.Result:
     local = TransformersBackend.load(embedded_model_dir(), device="cpu")
+    rows: list[dict[str, Any]] = []
     for n in args.passages:
         s = share(await planned(local, n))
         pct = 100 * s["reusable"] / s["prompt_tokens"]
         print(f"passages={n} " + " ".join(f"{k}={v}" for k, v in s.items()) + f" ({pct:.1f}%)")
+        rows.append({"passages": n, **s, "reusable_pct": round(pct, 1)})
     await local.aclose()
+    return {**report.provenance(), "requests": rows}
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    raise SystemExit(report.main(build_parser(), run))

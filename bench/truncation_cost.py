@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import report
 from service.backends.tokenizer_files import load_prompt_tokenizer
 from service.errors import LimitExceeded
 from service.passage import Passage
@@ -39,13 +40,16 @@ PROSE = (
 )
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def build_parser() -> argparse.ArgumentParser:
+    ap = report.parser("truncation_cost", __doc__)
     ap.add_argument("--passages", type=int, default=100)
     ap.add_argument("--chars", type=int, default=8000)
     ap.add_argument("--limit", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=7)
-    args = ap.parse_args()
+    return ap
+
+
+def run(args: argparse.Namespace) -> report.Result:
     tokenizer = load_prompt_tokenizer(embedded_model_dir(), name="smollm2")
     # Distinct texts (a number in each), so no tokenizer cache flatters the figure.
     passages = [
@@ -80,7 +84,17 @@ def main() -> None:
     )
     for name, ts in times.items():
         print(f"  {name:9s} {statistics.median(ts) * 1000:8.1f} ms")
+    return {
+        **report.provenance(),
+        "passages": args.passages,
+        "chars": args.chars,
+        "limit": args.limit,
+        "tokens": tokens,
+        "cut": len(cuts),
+        "repeats": args.repeats,
+        "median_ms": {name: statistics.median(ts) * 1000 for name, ts in times.items()},
+    }
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(report.main(build_parser(), run))

@@ -31,7 +31,9 @@ WORKDIR /tmp/src
 COPY pyproject.toml README.md ./
 # The server's version is read from the client package's VERSION file (one for both).
 COPY clients/python/rag_reorder/VERSION ./clients/python/rag_reorder/VERSION
+COPY entrypoints ./entrypoints
 COPY app ./app
+COPY serving ./serving
 COPY service ./service
 COPY offline ./offline
 COPY solver ./solver
@@ -87,7 +89,9 @@ WORKDIR /tmp/src
 COPY pyproject.toml README.md ./
 # The server's version is read from the client package's VERSION file (one for both).
 COPY clients/python/rag_reorder/VERSION ./clients/python/rag_reorder/VERSION
+COPY entrypoints ./entrypoints
 COPY app ./app
+COPY serving ./serving
 COPY service ./service
 COPY offline ./offline
 COPY solver ./solver

@@ -22,12 +22,8 @@ from starlette.routing import Match
 from starlette.types import Scope
 
 from app.exceptions import (
-    ClientDisconnected,
-    DeadlineExceeded,
     MalformedRequest,
     MethodNotAllowed,
-    NotReady,
-    Overloaded,
     PayloadTooLarge,
     RouteNotFound,
     Unauthorized,
@@ -35,7 +31,6 @@ from app.exceptions import (
     WritesClosed,
 )
 from app.schemas.base import NOT_BLANK, ErrorEnvelope, ErrorType
-from app.state import context_of, request_id_of
 from service.errors import (
     BackendUnavailable,
     ClientError,
@@ -49,6 +44,8 @@ from service.errors import (
     StateUnavailable,
     UnidentifiableRequest,
 )
+from serving.admission.errors import ClientDisconnected, DeadlineExceeded, NotReady, Overloaded
+from serving.context import context_of, request_id_of
 
 log = logging.getLogger(__name__)
 

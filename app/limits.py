@@ -3,7 +3,7 @@
 Prompt-level limits are checked later, once the strategy has chosen its prompts, and before
 each is rendered: a prompt's characters against what the model's context can hold
 (``service.prompting.prompts``, ``prompt_chars``) and the request's prompts x characters
-(``app.admission.AdmittedBackend.tokenizer``, ``max_prompt_chars_x_prompts``); after
+(``serving.admission.AdmittedBackend.tokenizer``, ``max_prompt_chars_x_prompts``); after
 tokenising, tokens per prompt against the context (``prompt_tokens``), then prompts and
 prompts x tokens per request (``AdmittedBackend``).
 

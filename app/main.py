@@ -6,7 +6,7 @@ loads the backend in a worker thread, runs one real scoring request (warm-up) be
 ``/ready`` turns 200, then runs a tiny canary whenever no real request has proved the engine
 alive for ``canary_interval_s``, or at once when a request saw the engine fail. A dead engine,
 or ``canary_failures_fatal`` failures in a row, makes ``/health`` 503 and calls
-``Lifecycle.on_fatal``: ``app.server`` then stops the process with a non-zero status so
+``Lifecycle.on_fatal``: ``entrypoints.server`` then stops the process with a non-zero status so
 Kubernetes restarts it (an in-process engine cannot be revived, vLLM's cannot either).
 """
 
@@ -26,13 +26,10 @@ from fastapi.middleware.cors import CORSMiddleware
 from pydantic import SecretStr
 
 from app import response_cache
-from app.admission import Admission, MeteredBackend
 from app.errors import install_error_handlers
-from app.metrics import ServiceMetrics
 from app.middleware import ApiKeyMiddleware, BodyLimitMiddleware, RequestContextMiddleware
 from app.routes import batch, feedback, info, probes, profiles, reorder, rerank
 from app.schemas.reorder import ReorderOptions
-from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
 from service.backends.engine_client import EngineClient
 from service.backends.engine_load import EngineLoad
@@ -65,6 +62,9 @@ from service.runtime.shared_counts import SharedCounts
 from service.runtime.throughput import FRESH_S, ThroughputMeter
 from service.state.state_store import open_state
 from service.state.traffic import TrafficSampler
+from serving.admission.control import Admission, MeteredBackend
+from serving.context import AppContext, Engine, Lifecycle
+from serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ def create_app(
         backend: a ready backend (tests pass ``FakeBackend``); default: the lifespan builds
             one with ``service.backends.factory.create_backend``. Either way the lifespan
             closes it on shutdown.
-        shared: one of several worker processes on one engine (``app.workers``): the
+        shared: one of several worker processes on one engine (``entrypoints.workers``): the
             in-flight counts admission shares with the others.
         meter: with ``shared``, the engine process's meter (``SocketBackend.meter``).
 
@@ -257,7 +257,7 @@ def _lifespan(
     ctx: AppContext, given: LogprobBackend | None, *, join_when_ready: bool = False
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     """Args:
-    join_when_ready: one of several workers on a shared socket (``app.workers``): the
+    join_when_ready: one of several workers on a shared socket (``entrypoints.workers``): the
         lifespan returns, and uvicorn starts accepting, only once this worker can serve.
     """
 
@@ -520,7 +520,7 @@ async def _connect(ctx: AppContext, backend: RemoteBackend) -> bool:
 
 
 async def _reach_engine_process(ctx: AppContext) -> None:
-    """Wait for the shared engine process (``app.workers``; it may still be loading the
+    """Wait for the shared engine process (``entrypoints.workers``; it may still be loading the
     model), ``/ready`` 503 with the reason meanwhile."""
     delay = 0.1
     while not await ctx.reach_engine_process():

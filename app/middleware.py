@@ -20,9 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.errors import error_response
 from app.exceptions import MissingApiKey, PayloadTooLarge, Unauthorized, WritesClosed
-from app.state import context_of
 from service.errors import ServerError
 from service.runtime import tracing
+from serving.context import context_of
 
 log = logging.getLogger(__name__)
 

@@ -39,14 +39,14 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from app.metrics import ServiceMetrics
 from app.schemas.reorder import ReorderMeta, TimingOut, UsageOut
-from app.state import AppContext
 from service.config.settings import Settings
 from service.pipeline import ReorderResult
 from service.state.profile_store import ProfileStore, StoredProfile
 from service.state.response_cache import ResponseCache, SharedTier
 from service.state.state_store import StateStore
+from serving.context import AppContext
+from serving.metrics import ServiceMetrics
 
 CACHE_HEADER = "X-Cache"
 _AUTO_CACHEABLE = frozenset({"profile", "flat"})

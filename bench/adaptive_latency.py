@@ -1,7 +1,7 @@
 """MoI's adaptive design against its default design through a real server: latency at 1 and 8
 concurrent requests, prompts and prompt tokens per request, side by side in one run.
 
-One ``python -m app serve`` on the embedded default (the packaged SmolLM2, CPU) with the MoI
+One ``python -m entrypoints serve`` on the embedded default (the packaged SmolLM2, CPU) with the MoI
 bias profiles the evaluation uses (``eval/results/profiles/nq_open_dev``, copied to a scratch
 folder), so the adaptive design fixes its bias as a server that has a profile does. Requests:
 the first ``--queries`` NQ-Open dev questions with their first 10 passages, ``strategy: moi``,

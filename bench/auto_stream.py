@@ -1,6 +1,6 @@
 """The default strategy (``auto``) on a real server from a cold start: paths, latency, answers.
 
-A real ``python -m app serve`` with the shipped defaults (the strategy is ``auto``) and an
+A real ``python -m entrypoints serve`` with the shipped defaults (the strategy is ``auto``) and an
 empty profile folder gets the NQ-Open dev questions, 10 passages each (cut as ``rag-reorder
 eval`` cuts them, the gold passage kept, no labels sent), one at a time in a fixed random
 order; the stream is replayed until at least ``--requests`` requests are answered and a

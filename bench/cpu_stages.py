@@ -1,4 +1,4 @@
-"""Where a real server's CPU goes per MoI request, by stage: ``python -m app serve`` on the
+"""Where a real server's CPU goes per MoI request, by stage: ``python -m entrypoints serve`` on the
 paced engine (``bench/load.py``'s environment, the H200 transformers rate) under py-spy
 (``--subprocesses``: the solver pool's workers too), driven by closed-loop clients with
 ``bench/load.py``'s 10-passage MoI bodies; py-spy's samples sorted into stages by the first
@@ -67,7 +67,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("request id (uuid4)", ("uuid4",)),
     ("pydantic", ("pydantic",)),
     ("json", ("json/",)),
-    ("metrics/middleware", ("prometheus_client", "app/middleware.py", "app/metrics.py")),
+    ("metrics/middleware", ("prometheus_client", "app/middleware.py", "serving/metrics.py")),
     ("http: fastapi/starlette", ("fastapi/", "starlette/")),
     ("http: uvicorn/h11", ("uvicorn/", "h11/", "httptools")),
     ("asyncio", ("asyncio/",)),

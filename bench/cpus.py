@@ -79,7 +79,7 @@ def worktree(commit: str) -> Path:
 def serve(root: Path, confine: str, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     env = child_env(root, {"RAG_REORDER_BIAS_PROFILE_DIR": str(log.parent / "profiles")})
-    cmd = [*prefix(confine), sys.executable, "-m", "app", "serve", "--host", "127.0.0.1",
+    cmd = [*prefix(confine), sys.executable, "-m", "entrypoints", "serve", "--host", "127.0.0.1",
            "--port", str(port)]  # fmt: skip
     with log.open("wb") as fh:
         proc = subprocess.Popen(cmd, cwd=root, env=env, stdout=fh, stderr=subprocess.STDOUT)

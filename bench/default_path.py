@@ -1,17 +1,17 @@
 """The default path (``auto`` placing by a trusted profile, no language-model call) under
 closed-loop load, against ``dense`` as it was before it was batched, in one run.
 
-Three cases, each a real ``python -m app serve`` process (``bench/server_process.py``) on the
-``paced`` backend (no model: nothing here calls one, and the paced engine takes no CPU), with a
-trusted profile for the server's model, ``qa_default`` and 5 slots written into its profile
+Three cases, each a real ``python -m entrypoints serve`` process (``bench/server_process.py``)
+on the ``paced`` backend (no model: nothing here calls one, and the paced engine takes no CPU),
+with a trusted profile for the server's model, ``qa_default`` and 5 slots written into its profile
 folder before the first request (what ``auto`` finds after a restart of a replica that learned
 it), and ``auto_explore_rate = 0`` so no request is drawn for a background check:
 
 - ``auto_scores``: ``auto`` with the caller's retriever score on every passage: ranked by those
   scores, placed by the profile; no model of any kind.
 - ``auto_scores_2w``: the same with two HTTP worker processes on one port and the engine in a
-  process of its own (``RAG_REORDER_WORKERS=2``, ``app/workers.py``): the CPU of the server's
-  whole process tree is counted.
+  process of its own (``RAG_REORDER_WORKERS=2``, ``entrypoints/workers.py``): the CPU of the
+  server's whole process tree is counted.
 - ``auto_dense``: ``auto`` with no scores: ranked by ``dense`` (all-MiniLM-L6-v2, batched
   across concurrent requests), placed by the profile; the encoder's cache off
   (``RAG_REORDER_DENSE_CACHE_ENTRIES=0``), so every query and passage is computed.
@@ -92,7 +92,7 @@ CASE_ENV = {
     "auto_dense": {"RAG_REORDER_DENSE_CACHE_ENTRIES": "0"},
     # Two workers, each with its encoder (one torch thread each on two CPUs).
     "auto_dense_2w": {"RAG_REORDER_DENSE_CACHE_ENTRIES": "0", "RAG_REORDER_WORKERS": "2"},
-    # Two HTTP worker processes on one port, one engine process (app/workers.py).
+    # Two HTTP worker processes on one port, one engine process (entrypoints/workers.py).
     "auto_scores_2w": {"RAG_REORDER_WORKERS": "2"},
 }
 PASSAGES = 10

@@ -1,7 +1,7 @@
 """Load benchmark: the real server under closed-loop concurrent clients against the offline
 ceiling of the same prompts through the backend alone, in one run (issue 22).
 
-1. ``python -m app serve`` in its own process (``--server-root`` picks the code it runs, so
+1. ``python -m entrypoints serve`` in its own process (``--server-root`` picks the code it runs, so
    main's code can be measured as the baseline with this very client). Realistic requests:
    NQ-Open dev questions (/work/shared/data/nq_open_dev.jsonl) with their first 10 and 20
    passages, the default design, ``/v1/reorder``. At each concurrency level, that many
@@ -22,7 +22,7 @@ Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at con
 ``--server-root /work/main --no-ceiling`` for that baseline).
 
 ``--workers 1,2`` runs the levels once per worker count (``RAG_REORDER_WORKERS``: that many
-HTTP processes on one engine process, app/workers.py), one server after the other, against
+HTTP processes on one engine process, entrypoints/workers.py), one server after the other, against
 the same ceiling; each row says its worker count.
 
 Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16] [--workers 1]

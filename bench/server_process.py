@@ -1,5 +1,5 @@
 """What the benchmarks that drive a real server process share: a free loopback port, starting
-``python -m app serve`` and waiting for ``/ready``, and the latency percentile they report.
+``python -m entrypoints serve`` and waiting for ``/ready``, and the latency percentile they report.
 
 ``free_port`` and ``wait_until_up`` are also the tests' (``tests/app/processes.py``, the vLLM
 server fixture in ``tests/conftest.py``): one way to wait for a server process.
@@ -100,13 +100,15 @@ def child_env(root: Path, env: dict[str, str]) -> dict[str, str]:
 def start_server(
     root: Path, port: int, env: dict[str, str], log: Path, *, ready_s: float
 ) -> subprocess.Popen[bytes]:
-    """``python -m app serve`` on ``port`` with the code under ``root`` (its stdout and stderr
+    """``python -m entrypoints serve`` (``python -m app serve`` in a checkout from before
+    issue 91) on ``port`` with the code under ``root`` (its stdout and stderr
     into ``log``), returned once ``/ready`` answers 200.
 
     Raises:
         ServerNotUp: the server exited, or was not ready within ``ready_s`` (then killed).
     """
-    cmd = [sys.executable, "-m", "app", "serve", "--host", "127.0.0.1", "--port", str(port)]
+    ways_in = "entrypoints" if (root / "entrypoints" / "__main__.py").exists() else "app"
+    cmd = [sys.executable, "-m", ways_in, "serve", "--host", "127.0.0.1", "--port", str(port)]
     with log.open("wb") as fh:
         proc = subprocess.Popen(
             cmd,

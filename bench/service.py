@@ -9,8 +9,8 @@
    too. One engine for both sides, because two copies of the model in two processes do not
    run at the same speed on a shared machine, which would be measured instead of the
    service layer.
-2. The deployed shape: ``python -m app serve`` in its own process. At each concurrency level,
-   ``--per-level`` requests from that many concurrent clients: p50/p90/p99 latency,
+2. The deployed shape: ``python -m entrypoints serve`` in its own process. At each concurrency
+   level, ``--per-level`` requests from that many concurrent clients: p50/p90/p99 latency,
    throughput, errors; at concurrency 1 also client latency minus the server-reported
    pipeline time (HTTP, JSON, routing). The transformers backend runs one forward at a time,
    so latency grows with concurrency while throughput stays flat. Then SIGTERM, exit code.
@@ -188,7 +188,8 @@ async def ratio_same_engine(settings: Settings, pairs: int) -> dict[str, Any]:
 
 
 async def separate_process(env: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
-    """The deployed shape: ``python -m app serve`` in its own process, loaded concurrently."""
+    """The deployed shape: ``python -m entrypoints serve`` in its own process, loaded
+    concurrently."""
     port = free_port()
     log = Path(args.server_log)
     t0 = time.perf_counter()

@@ -14,8 +14,8 @@ there too::
     python bench/whole_request.py --out bench/results/whole_request_long --timeout 600 \
         --only moi:6,lore:6,self_consistency:10   # the first two measure the rates
 
-It starts ``python -m app serve`` on the embedded default (the packaged SmolLM2, CPU) with the
-shipped ``request_timeout_s`` (120 s), writes one row per request to ``requests.jsonl`` and
+It starts ``python -m entrypoints serve`` on the embedded default (the packaged SmolLM2, CPU)
+with the shipped ``request_timeout_s`` (120 s), writes one row per request to ``requests.jsonl`` and
 the table to ``whole_request.md``.
 """
 

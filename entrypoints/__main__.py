@@ -1,5 +1,5 @@
-"""``python -m app``: the same as the ``rag-reorder`` command."""
+"""``python -m entrypoints``: the same as the ``rag-reorder`` command."""
 
-from app.cli import main
+from entrypoints.cli import main
 
 raise SystemExit(main())

@@ -61,11 +61,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "serve":
             if settings.workers > 1:
-                from app.workers import serve_workers
+                from entrypoints.workers import serve_workers
 
                 serve_workers(settings, args.host, args.port)
                 return 0
-            from app.server import serve
+            from entrypoints.server import serve
 
             serve(settings, args.host, args.port)
             return 0

@@ -25,8 +25,8 @@ import uvicorn
 from fastapi import FastAPI
 
 from app.main import create_app
-from app.state import AppContext, context_of
 from service.config.settings import Settings
+from serving.context import AppContext, context_of
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +118,7 @@ def serve_app(
 
     Args:
         sockets: listening sockets to serve on instead of binding ``host:port`` (a worker
-            of ``app.workers`` serves on the socket its supervisor bound for all of them).
+            of ``entrypoints.workers`` serves on the socket its supervisor bound for all of them).
     """
     ctx = app.state.ctx
     assert isinstance(ctx, AppContext) and context_of({"app": app}) is ctx

@@ -5,11 +5,11 @@ the design, the fit, the response) on one event loop; at GPU speed that, not the
 bounds throughput. Here the supervisor (the ``serve`` process) binds the listening socket
 once and starts:
 
-- one **engine process** (``python -m app.workers engine``): the configured backend (paced or
-  transformers with its cross-request scheduler, or vLLM's ``AsyncLLM``, whose own scheduler
-  batches), answering every worker's calls on a Unix socket
+- one **engine process** (``python -m entrypoints.workers engine``): the configured backend
+  (paced or transformers with its cross-request scheduler, or vLLM's ``AsyncLLM``, whose own
+  scheduler batches), answering every worker's calls on a Unix socket
   (``service.backends.engine_socket``), so prompts of all workers share forwards;
-- ``workers`` **worker processes** (``python -m app.workers worker``): the full app on the
+- ``workers`` **worker processes** (``python -m entrypoints.workers worker``): the full app on the
   inherited socket (the kernel spreads connections over them), each scoring through a
   ``SocketBackend``. Admission's in-flight counts are summed over the workers
   (``service.runtime.shared_counts``) and its rates are the engine process's, which meters
@@ -25,7 +25,7 @@ engine); each child leads a process group of its own, and what a dead one leaves
 (vLLM's engine core) is killed before the restart. An engine that fails before it first serves
 (a model that does not load) stops the server with status 1, as one process would. SIGTERM
 (or Ctrl-C) drains: every worker gets SIGTERM and drains as one process does
-(``app.server``), then the engine process is stopped, and the supervisor exits 0.
+(``entrypoints.server``), then the engine process is stopped, and the supervisor exits 0.
 
 A hung worker (stopped, deadlocked, its event loop blocked: alive to ``poll`` but serving
 nobody) is found by its heartbeat: from its lifespan's start, each worker's event loop adds
@@ -148,9 +148,20 @@ def _supervise(settings: Settings, host: str, port: int, run_dir: Path) -> None:
         "PROMETHEUS_MULTIPROC_DIR": str(run_dir / _METRICS),
     }
     python = sys.executable
-    engine = _Child("engine", [python, "-m", "app.workers", "engine", "--run-dir", str(run_dir)])
+    engine = _Child(
+        "engine", [python, "-m", "entrypoints.workers", "engine", "--run-dir", str(run_dir)]
+    )
     fd = listener.fileno()
-    role = [python, "-m", "app.workers", "worker", "--run-dir", str(run_dir), "--fd", str(fd)]
+    role = [
+        python,
+        "-m",
+        "entrypoints.workers",
+        "worker",
+        "--run-dir",
+        str(run_dir),
+        "--fd",
+        str(fd),
+    ]
     workers = [
         _Child(f"worker {i}", [*role, "--slot", str(i)], pass_fds=(fd,), slot=i)
         for i in range(settings.workers)
@@ -363,11 +374,11 @@ def _stop(workers: Sequence[_Child], engine: _Child, settings: Settings) -> None
 
 def _engine_main(run_dir: Path) -> None:
     """The engine process: load the backend, answer the workers until SIGTERM."""
-    from app.metrics import ServiceMetrics
     from service.backends.engine_socket import serve_engine
     from service.backends.factory import create_backend, size_threads
     from service.backends.scheduler import ForwardScheduler
     from service.runtime.cpus import process_budget
+    from serving.metrics import ServiceMetrics
 
     settings = Settings()
     logging.basicConfig(
@@ -416,7 +427,7 @@ def _engine_main(run_dir: Path) -> None:
 def _worker_main(run_dir: Path, slot: int, fd: int) -> None:
     """A worker process: the whole app on the inherited socket, scoring on the engine."""
     from app.main import create_app
-    from app.server import serve_app
+    from entrypoints.server import serve_app
     from service.backends.engine_socket import SocketBackend
     from service.backends.tokenizer_files import load_prompt_tokenizer
     from service.model_assets import resolve_model
@@ -476,7 +487,7 @@ def _beating(lifespan: _Lifespan, path: Path, slot: int, period_s: float) -> _Li
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m app.workers", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m entrypoints.workers", description=__doc__)
     sub = p.add_subparsers(dest="role", required=True)
     e = sub.add_parser("engine")
     e.add_argument("--run-dir", type=Path, required=True)

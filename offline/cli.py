@@ -1,7 +1,7 @@
 """The offline commands of ``rag-reorder``: evaluation, distillation, positional and generator
-profiles. ``app.cli`` (the one command line) adds them to its parser with ``add_commands`` and
-runs them with ``run``; each imports its own code (and its libraries: matplotlib, peft, ...)
-only when it runs, so ``rag-reorder serve`` never loads them.
+profiles. ``entrypoints.cli`` (the one command line) adds them to its parser with
+``add_commands`` and runs them with ``run``; each imports its own code (and its libraries:
+matplotlib, peft, ...) only when it runs, so ``rag-reorder serve`` never loads them.
 
 A new offline command: its parser in ``add_commands``, an example in ``EXAMPLES`` (the help
 prints it; tests/app/test_cli.py parses it), its handler in ``offline/commands.py``, a branch
@@ -413,7 +413,7 @@ async def run(command: str, settings: Settings, args: argparse.Namespace) -> int
     """Run one offline command; returns the process exit code.
 
     Raises:
-        ClientError: a bad argument (exit 2 in ``app.cli``).
+        ClientError: a bad argument (exit 2 in ``entrypoints.cli``).
         ReorderError: the work failed (exit 1).
     """
     if command == "calibrate-positions":

@@ -4,8 +4,8 @@
     python scripts/gen_layout.py --check  # exit 1 if the block is stale
 
 The block between ``<!-- layout:begin -->`` and ``<!-- layout:end -->`` lists every package and
-module of ``app``, ``offline``, ``service`` and ``solver`` with its docstring's first sentence,
-so the tree a newcomer reads is the tree that exists (tests/docs checks it is current).
+module of ``entrypoints``, ``app``, ``serving``, ``offline``, ``service`` and ``solver`` with
+its docstring's first sentence, so the tree a newcomer reads is the tree that exists (tests/docs checks it is current).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "docs" / "development.md"
 BEGIN, END = "<!-- layout:begin -->", "<!-- layout:end -->"
-PACKAGES = ("app", "offline", "service", "solver")
+PACKAGES = ("entrypoints", "app", "serving", "offline", "service", "solver")
 # The first sentence: up to a full stop followed by a space or the end.
 _SENTENCE = re.compile(r"^(.*?\.)(\s|$)", re.S)
 # Docstrings may cite the issue that asked for a module; the docs cite nothing a reader of the

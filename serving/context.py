@@ -1,4 +1,5 @@
-"""The app's one typed context (on ``app.state.ctx``) and the lifecycle the probes report."""
+"""The serving process's one typed context (on the app's ``state.ctx``) and the lifecycle the
+probes report."""
 
 from __future__ import annotations
 
@@ -6,15 +7,11 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Literal
 
 import anyio
-from fastapi import Depends, Request
 from starlette.types import Scope
 
-from app.admission import Admission
-from app.exceptions import Draining, NotReady, Unhealthy
-from app.metrics import ServiceMetrics
 from service.backends.base import LogprobBackend
 from service.backends.engine_load import EngineLoad
 from service.backends.engine_socket import SocketBackend
@@ -26,6 +23,9 @@ from service.runtime.cpus import CpuBudget
 from service.state.profile_store import ProfileStore
 from service.state.state_store import FolderState, StateStore
 from service.state.traffic import TrafficSampler
+from serving.admission.control import Admission
+from serving.admission.errors import Draining, NotReady, Unhealthy
+from serving.metrics import ServiceMetrics
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +199,7 @@ class AppContext:
         self.lifecycle.check_serving()
 
     async def reach_engine_process(self) -> bool:
-        """Whether the shared engine process (``app.workers``) answers now; recorded.
+        """Whether the shared engine process (``entrypoints.workers``) answers now; recorded.
 
         A worker learns that a restarted engine process is back only by reaching it. Refusing
         on its last failed attempt would turn callers away for as long as its watchdog waits,
@@ -232,22 +232,3 @@ def request_id_of(scope: Scope) -> str | None:
     state = scope.get("state")
     rid = state.get("request_id") if isinstance(state, dict) else None
     return rid if isinstance(rid, str) else None
-
-
-# The two dependencies are ``async def`` though they never await: FastAPI runs a plain ``def``
-# dependency in its thread pool: two thread hand-offs on every request for a dictionary lookup
-# (cProfile of a server on the no-model path: every worker-thread run of a request was one).
-async def get_context(request: Request) -> AppContext:
-    ctx = context_of(request.scope)
-    assert ctx is not None, "create_app sets app.state.ctx"
-    return ctx
-
-
-async def get_request_id(request: Request) -> str:
-    rid = request_id_of(request.scope)
-    assert rid is not None, "RequestContextMiddleware sets the request id"
-    return rid
-
-
-Ctx = Annotated[AppContext, Depends(get_context)]
-RequestId = Annotated[str, Depends(get_request_id)]

@@ -6,7 +6,7 @@ The native and the rerank routes go through ``execute``, a calibration through
     ready? (503) -> request slot (503) -> [deadline (504) | client disconnect] -> work
 
 The work gets a ``Reorderer`` whose backend checks the request's limits and admits its prompt
-tokens (``app.admission``). Cancellation reaches the backend call: the fake backend and vLLM
+tokens (``serving.admission``). Cancellation reaches the backend call: the fake backend and vLLM
 stop at once; the transformers backend's scheduler drops the request's prompts not yet in a
 forward and discards its rows of the forward already running.
 """
@@ -21,11 +21,11 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
-from app.admission import AdmittedBackend
-from app.exceptions import ClientDisconnected, DeadlineExceeded
-from app.state import AppContext, request_id_of
 from service.errors import BackendUnavailable, EngineTimeout
 from service.pipeline import Reorderer, ReorderResult
+from serving.admission.control import AdmittedBackend
+from serving.admission.errors import ClientDisconnected, DeadlineExceeded
+from serving.context import AppContext, request_id_of
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ where an in-process vLLM engine registers its own metrics, and the process colle
 Labels are low-cardinality by construction: route templates from a fixed list, status codes,
 the fixed error vocabulary.
 
-With several worker processes (``app.workers`` sets ``PROMETHEUS_MULTIPROC_DIR``) a scrape
+With several worker processes (``entrypoints.workers`` sets ``PROMETHEUS_MULTIPROC_DIR``) a scrape
 reaches one worker, and prometheus_client sums the counters and histograms every process
 writes to that folder. The counters of the collectors read at scrape (``auto``, the
 generator's sampler, the state store) live in each worker's memory, where the scraping worker
@@ -780,7 +780,7 @@ class ServiceMetrics:
 
     def render(self, accept: str) -> tuple[bytes, str]:
         """The exposition for an ``Accept`` header: body and content type. With several
-        worker processes (``PROMETHEUS_MULTIPROC_DIR``, set by ``app.workers``) counters and
+        worker processes (``PROMETHEUS_MULTIPROC_DIR``, set by ``entrypoints.workers``) counters and
         histograms are the sums over every worker (this worker's scrape-time counters written
         first, so its own are current), gauges this worker's own."""
         encoder, content_type = choose_encoder(accept)

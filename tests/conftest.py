@@ -16,7 +16,7 @@ import pytest
 # Tests never reach the network; a missing file must fail, not download.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-# One BLAS thread, as `rag-reorder` itself runs (app/cli.py), set before numpy loads: with
+# One BLAS thread, as `rag-reorder` itself runs (entrypoints/cli.py), set before numpy loads: with
 # OpenBLAS's default of one thread a core, every small pinv/lstsq of a trust assessment waits
 # for a second thread the OS has given to a neighbour. Beside two busy processes the learning
 # tests ran for over 16 minutes against 10 s quiet (2026-11-29, docs/development.md, Tests).

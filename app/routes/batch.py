@@ -36,14 +36,15 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 from starlette.types import Message
 
+from app.dependencies import Ctx, RequestId
 from app.errors import POST_ERRORS, error_detail, validation_error
-from app.execution import cancel_on_disconnect
 from app.routes.reorder import reorder_one
 from app.schemas.base import ErrorDetail
 from app.schemas.batch import BatchBody, BatchItemResult, BatchResponse
 from app.schemas.reorder import ReorderBody
-from app.state import AppContext, Ctx, RequestId
 from service.errors import LimitExceeded, ReorderError, ServerError
+from serving.context import AppContext
+from serving.execution import cancel_on_disconnect
 
 log = logging.getLogger(__name__)
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 
 from app.conversions import caller_of
+from app.dependencies import Ctx
 from app.errors import POST_ERRORS, error_responses
 from app.schemas.feedback import FeedbackBody, FeedbackOut
-from app.state import Ctx
 from service.errors import NotFound
 
 router = APIRouter(tags=["feedback"])

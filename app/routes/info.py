@@ -10,6 +10,7 @@ from typing import get_args
 from fastapi import APIRouter
 
 from app.conversions import trust_out
+from app.dependencies import Ctx
 from app.errors import GET_ERRORS
 from app.schemas.base import PlacementName
 from app.schemas.info import (
@@ -28,7 +29,6 @@ from app.schemas.info import (
     ModelList,
     ScoreModeOut,
 )
-from app.state import AppContext, Ctx
 from service.backends.remote_backend import RemoteBackend
 from service.errors import BackendUnavailable
 from service.learning.generator_online import GeneratorSampler
@@ -36,6 +36,7 @@ from service.model_assets.adapter import AdapterManifest, adapted_model_id, read
 from service.prompting.templates import template_names
 from service.strategies import ranking_strategy_names, strategy_names
 from service.strategies.request import DesignKind
+from serving.context import AppContext
 
 router = APIRouter(tags=["info"])
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from fastapi import APIRouter, Request, Response
 
+from app.dependencies import Ctx
 from app.errors import GET_ERRORS, PROBE_ERRORS
-from app.exceptions import Unhealthy
 from app.schemas.info import ProbeStatus
-from app.state import Ctx
+from serving.admission.errors import Unhealthy
 
 router = APIRouter(tags=["probes"])
 

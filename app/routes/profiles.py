@@ -20,8 +20,8 @@ import anyio.to_thread
 from fastapi import APIRouter, Request
 
 from app.conversions import profile_out, to_passages
+from app.dependencies import Ctx, RequestId
 from app.errors import GET_ERRORS, POST_ERRORS, error_responses
-from app.execution import run_admitted
 from app.limits import check_inputs
 from app.schemas.profiles import (
     CalibrateBody,
@@ -30,7 +30,6 @@ from app.schemas.profiles import (
     ProfileOut,
     TrafficSampleOut,
 )
-from app.state import Ctx, RequestId
 from service.batch.calibration import (
     CalibrationReport,
     calibrate_from_traffic,
@@ -42,6 +41,7 @@ from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded, NotFound
 from service.pipeline import DesignSpec, Reorderer
 from service.strategies.work import Work
+from serving.execution import run_admitted
 
 log = logging.getLogger(__name__)
 

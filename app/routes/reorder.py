@@ -7,14 +7,15 @@ from dataclasses import replace
 from fastapi import APIRouter, Request, Response
 
 from app.conversions import caller_of, reorder_response, selected_order, to_passages
+from app.dependencies import Ctx, RequestId
 from app.errors import POST_ERRORS
-from app.execution import execute
 from app.limits import check_inputs, fit_to_limit, passage_token_limit
 from app.response_cache import as_hit, lookup
 from app.schemas.reorder import ReorderBody, ReorderResponse
-from app.state import AppContext, Ctx, RequestId
 from service.pipeline import Reorderer, ReorderResult
 from service.prompting.truncation import Cut
+from serving.context import AppContext
+from serving.execution import execute
 
 router = APIRouter(tags=["reorder"])
 

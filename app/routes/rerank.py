@@ -15,8 +15,8 @@ from typing import Final
 from fastapi import APIRouter, Request, Response
 
 from app.conversions import caller_of, relevance_scores, reorder_meta, selected_order, to_passages
+from app.dependencies import Ctx, RequestId
 from app.errors import POST_ERRORS
-from app.execution import execute
 from app.limits import check_inputs, fit_to_limit, passage_token_limit
 from app.response_cache import as_hit, lookup
 from app.schemas.reorder import ReorderOptions
@@ -28,10 +28,10 @@ from app.schemas.rerank import (
     RerankResult,
     RerankUsage,
 )
-from app.state import Ctx, RequestId
 from service.errors import ReorderError
 from service.pipeline import Reorderer, ReorderResult
 from service.prompting.truncation import Cut
+from serving.execution import execute
 
 router = APIRouter(tags=["rerank"])
 

@@ -24,7 +24,7 @@ What a platform team expects from a client of their cluster:
   HTTP clients and say "the engine", never its internal address.
 
 No metrics library here (``service`` speaks no HTTP and no Prometheus): every finished call is
-reported to the observers as an ``EngineCall``; ``app.metrics`` turns them into series.
+reported to the observers as an ``EngineCall``; ``serving.metrics`` turns them into series.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One engine process shared by several worker processes, over a local Unix socket.
 
-With ``workers`` > 1 (``app.workers``) the scoring engine runs in a process of its own and
+With ``workers`` > 1 (``entrypoints.workers``) the scoring engine runs in a process of its own and
 every HTTP worker reaches it through ``SocketBackend``, a ``LogprobBackend`` whose calls are
 answered by ``serve_engine`` in the engine process: the backend's own ``score`` and
 ``generate``, so the cross-request scheduler there packs the prompts of every worker into

@@ -767,7 +767,7 @@ async def _gather(coros: Any) -> list[Any]:
 
     Plain tasks and ``asyncio.gather``, not ``asyncio.TaskGroup``: a TaskGroup cancels and
     uncancels its parent task when a child fails, which an anyio cancel scope around the
-    request (``app.execution``) then takes for its own cancellation.
+    request (``serving.execution``) then takes for its own cancellation.
     """
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:

@@ -1,5 +1,5 @@
-"""What the two command lines share: ``app.cli`` (serving: serve, reorder, calibrate, profiles)
-and ``offline.cli`` (evaluation, distillation, positional and generator profiles).
+"""What the two command lines share: ``entrypoints.cli`` (serving: serve, reorder, calibrate,
+profiles) and ``offline.cli`` (evaluation, distillation, positional and generator profiles).
 
 A pipeline opened on a model for one command, the ``--data`` file read with a clear error,
 and the one-line progress counter on stderr.

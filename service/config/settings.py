@@ -511,7 +511,7 @@ class Settings(BaseSettings):
     workers: int = Field(default=1, ge=1, le=64)
     """HTTP worker processes serving on one port, each parsing, tokenising, designing and
     fitting its own requests, all scoring on one engine process that batches their prompts
-    together (`app/workers.py`). `1`: one process, the engine in it. More than one runs the
+    together (`entrypoints/workers.py`). `1`: one process, the engine in it. More than one runs the
     `paced`, `transformers` and `vllm` backends (not `remote`); admission and the state store
     are shared by the workers, and `/metrics` sums their counters (docs/operations.md, "When
     to use more workers")."""

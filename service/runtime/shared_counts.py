@@ -1,6 +1,6 @@
 """Admission's in-flight counts of every worker process of one server, in one shared file.
 
-With ``workers`` > 1 (``app.workers``) several HTTP processes feed one engine process. Each
+With ``workers`` > 1 (``entrypoints.workers``) several HTTP processes feed one engine process. Each
 worker's admission must see the engine's whole queue, not its own share of it: a worker that
 counted only its own requests would admit N times the work the budgets and deadlines allow.
 Each worker writes its own counts (requests, prompt tokens, of which answer budget) to its

@@ -52,7 +52,7 @@ T = TypeVar("T")
 
 
 class RequestGate(Protocol):
-    """Admission of a request as a whole (the server's is ``app.admission.AdmittedBackend``)."""
+    """Admission of a request as a whole (the server's is ``serving.admission.AdmittedBackend``)."""
 
     def admit(self, estimate: Estimate) -> float | None:
         """Admit the request's estimated work or raise; returns its estimated seconds on an

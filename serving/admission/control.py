@@ -68,8 +68,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Final, TypeVar
 
-from app.exceptions import Overloaded
-from app.metrics import ServiceMetrics
 from service.backends.base import (
     ChatMessage,
     Encoding,
@@ -87,6 +85,8 @@ from service.errors import DeadlineUnreachable, LimitExceeded
 from service.runtime.shared_counts import SharedCounts
 from service.runtime.throughput import FRESH_S, MIN_CALLS, PLAUSIBLE_SPEEDUP, ThroughputMeter
 from service.strategies.request import Estimate
+from serving.admission.errors import Overloaded
+from serving.metrics import ServiceMetrics
 
 # Admit only what the estimate says ends within 90% of the time left: under overload the engine
 # runs a little slower than when its rate was measured (shedding, HTTP and tokenising share

@@ -14,14 +14,14 @@ import httpx
 import pytest
 from fastapi import FastAPI
 
-from app.admission import Admission
 from app.main import create_app
-from app.metrics import ServiceMetrics
-from app.state import AppContext
 from service.backends.base import ScoreResult, SpanRequest
 from service.backends.fake import FakeBackend
 from service.config.settings import Settings
 from service.runtime.throughput import MIN_CALLS
+from serving.admission.control import Admission
+from serving.context import AppContext
+from serving.metrics import ServiceMetrics
 
 QUERY = "which passage answers the question?"
 # Four passages with known utilities; the fake backend scores by them (and a primacy bias).

@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 
 from app.main import create_app
-from app.server import serve_app
+from entrypoints.server import serve_app
 from service.backends.base import ScoreResult, SpanRequest
 from service.backends.fake import FakeBackend
 from service.config.settings import Settings

@@ -10,9 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from app.admission import Admission, AdmittedBackend
-from app.exceptions import Overloaded
-from app.metrics import ServiceMetrics
 from service.backends.base import ChatMessage, Encoding
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.fake import FakeBackend
@@ -21,6 +18,9 @@ from service.errors import LimitExceeded
 from service.passage import Passage
 from service.prompting.prompts import build_prompts
 from service.runtime.throughput import ThroughputMeter
+from serving.admission.control import Admission, AdmittedBackend
+from serving.admission.errors import Overloaded
+from serving.metrics import ServiceMetrics
 from tests.app.conftest import PASSAGES, measured, serving
 
 

@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from app.admission import Admission
-from app.exceptions import Overloaded
-from app.metrics import ServiceMetrics
 from service.backends.engine_socket import EngineMeter
 from service.config.settings import Settings
 from service.runtime import shared_counts
 from service.runtime.shared_counts import SharedCounts
 from service.runtime.throughput import ThroughputMeter
+from serving.admission.control import Admission
+from serving.admission.errors import Overloaded
+from serving.metrics import ServiceMetrics
 
 
 def two_workers(tmp_path: Path, **settings: object) -> tuple[Admission, Admission]:

@@ -23,7 +23,7 @@ def _run(args: list[str], tmp_path: Path, **settings: str) -> subprocess.Complet
         **{f"RAG_REORDER_{k.upper()}": v for k, v in settings.items()},
     }
     return subprocess.run(
-        [sys.executable, "-m", "app", *args],
+        [sys.executable, "-m", "entrypoints", *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -129,14 +129,14 @@ def test_reorder_takes_the_configured_default_strategy_and_its_placement(
 def _subcommands() -> dict[str, object]:
     import argparse
 
-    from app.cli import _parser
+    from entrypoints.cli import _parser
 
     (action,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
     return dict(action.choices)
 
 
 def test_every_command_has_an_example_that_parses() -> None:
-    from app.cli import EXAMPLES, _parser
+    from entrypoints.cli import EXAMPLES, _parser
 
     commands = _subcommands()
     assert set(EXAMPLES) == set(commands)
@@ -162,7 +162,7 @@ def test_offline_commands_refuse_a_flag_below_its_bound_naming_it_and_the_value(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """One rule for every offline command (offline/commands.py), before any model loads."""
-    from app.cli import main
+    from entrypoints.cli import main
 
     out = ["--data", str(DATA), "--out", str(tmp_path / "o")]
     assert main(["eval", *out, "--limit", "0"]) == 2
@@ -177,7 +177,7 @@ def test_an_engine_url_without_the_remote_backend_is_refused_at_start(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # Meant to score on the cluster; would have loaded a local model in a CPU pod instead.
-    from app.cli import main
+    from entrypoints.cli import main
 
     monkeypatch.setenv("RAG_REORDER_ENGINE_URL", "http://vllm:8000")
     assert main(["--backend", "transformers", "profiles"]) == 2
@@ -190,7 +190,7 @@ def test_an_engine_url_without_the_remote_backend_is_refused_at_start(
 def test_profile_generator_refuses_bad_settings_before_any_call(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from app.cli import main
+    from entrypoints.cli import main
 
     base = ["profile-generator", "--base-url", "http://127.0.0.1:9/v1", "--model", "m"]
     out = ["--data", str(DATA), "--out", str(tmp_path / "p")]
@@ -210,7 +210,7 @@ def test_eval_of_your_generator_checks_everything_before_any_call(
 ) -> None:
     """Nothing listens on these ports: every refusal below comes before a call, and the dry
     run estimates without one."""
-    from app.cli import main
+    from entrypoints.cli import main
 
     api = ["--generator-url", "http://127.0.0.1:9/v1", "--reorder-url", "http://127.0.0.1:9"]
     out = ["--data", str(DATA), "--out", str(tmp_path / "e")]

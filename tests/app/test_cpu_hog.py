@@ -83,7 +83,7 @@ def test_a_busy_neighbour_at_start_leaves_no_lasting_refusal(
         # subject (tests/app/processes.py starts servers without the rate canary).
         "RAG_REORDER_RATE_CANARY": "true",
     }
-    args = ["-m", "app", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    args = ["-m", "entrypoints", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     seen: list[tuple[str, int, float, str | None]] = []
     with cpu_hog(3) as hog, server_process(args, tmp_path / "server.log", env) as server:
         server.wait_ready(300)

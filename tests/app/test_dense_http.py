@@ -10,7 +10,7 @@ from typing import get_args
 
 import pytest
 
-from app.state import Ctx, RequestId, get_context, get_request_id
+from app.dependencies import Ctx, RequestId, get_context, get_request_id
 from tests.app.conftest import serving
 
 pytestmark = pytest.mark.anyio

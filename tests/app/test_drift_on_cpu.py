@@ -68,7 +68,7 @@ def test_a_changed_generator_is_detected_on_a_cpu(tmp_path: Path, smollm2_dir: P
         "RAG_REORDER_AUTO_RECALIBRATE_S": "0.5",
         "HF_HUB_OFFLINE": "1",
     }
-    args = ["-m", "app", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    args = ["-m", "entrypoints", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     paths: list[str] = []
     with server_process(args, tmp_path / "server.log", env) as server:
         server.wait_ready(300)

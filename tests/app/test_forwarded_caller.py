@@ -13,7 +13,7 @@ from pathlib import Path
 
 import httpx
 
-from app.cli import _parser, _settings
+from entrypoints.cli import _parser, _settings
 from tests.app.conftest import PASSAGES, QUERY
 from tests.app.processes import server_process
 

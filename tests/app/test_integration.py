@@ -40,7 +40,7 @@ def test_real_server_with_smollm2(tmp_path: Path, smollm2_dir: Path) -> None:
         "RAG_REORDER_TRAFFIC_SAMPLE_RATE": "1",
         "RAG_REORDER_TRAFFIC_SAMPLE_DIR": str(tmp_path / "traffic"),
     }
-    args = ["-m", "app", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    args = ["-m", "entrypoints", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     with server_process(args, tmp_path / "server.log", env) as server:
         server.wait_ready(120)
         auth = {"Authorization": "Bearer integration-key"}

@@ -12,12 +12,12 @@ import pytest
 from prometheus_client import values
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import metrics as metrics_module
-from app.metrics import ServiceMetrics
 from service.backends.base import ScoreResult, SpanLogprobs, SpanRequest
 from service.backends.scheduler import ForwardScheduler
 from service.learning.generator_online import GeneratorCounters
 from service.learning.learner import LearnerCounters
+from serving import metrics as metrics_module
+from serving.metrics import ServiceMetrics
 from tests.app.conftest import PASSAGES, QUERY, serving
 
 
@@ -105,7 +105,7 @@ async def test_the_scheduler_metrics_follow_its_forwards() -> None:
 
 
 class _Worker:
-    """One simulated worker process of ``app.workers``: its own pid in the shared metrics
+    """One simulated worker process of ``entrypoints.workers``: its own pid in the shared metrics
     folder, its learner's, generator sampler's and state store's in-memory totals (only what
     the metrics read)."""
 

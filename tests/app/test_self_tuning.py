@@ -18,13 +18,13 @@ import anyio
 import numpy as np
 import pytest
 
-from app.admission import Admission
-from app.metrics import ServiceMetrics
 from service.config.settings import Settings
 from service.learning.learner import Decision, LearnKey, ProfileLearner
 from service.runtime.throughput import FRESH_S, MIN_CALLS, WALL_HALF_LIFE_S, ThroughputMeter
 from service.state.profile_store import ProfileStore
 from service.strategies.request import Estimate
+from serving.admission.control import Admission
+from serving.metrics import ServiceMetrics
 from tests.app.conftest import Harness, TrackingBackend, serving, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -118,7 +118,7 @@ def test_one_slow_first_measurement_never_refuses_for_good() -> None:
     assert reservation.estimated_s == pytest.approx(14_000 / 47, rel=0.01)  # 298 s: admitted
     assert asked == ["doubted"]
     # Behind it (the engine busy), the same request gets 503 + Retry-After, never 422.
-    from app.exceptions import Overloaded
+    from serving.admission.errors import Overloaded
 
     with pytest.raises(Overloaded) as busy:
         admission.reserve(estimate, time.monotonic() + 10.0, timeout_s=10.0)

@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 
-from app.admission import Admission, Reservation
-from app.exceptions import Overloaded
-from app.metrics import ServiceMetrics
 from service.config.settings import Settings
 from service.errors import DeadlineUnreachable
 from service.runtime.throughput import ThroughputMeter
 from service.strategies.request import Estimate
+from serving.admission.control import Admission, Reservation
+from serving.admission.errors import Overloaded
+from serving.metrics import ServiceMetrics
 from tests.app.conftest import QUERY, Harness, TrackingBackend, measured, serving, wait_ready
 
 

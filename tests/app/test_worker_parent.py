@@ -1,5 +1,5 @@
 """The supervisor's children end with it, including one whose supervisor died before the
-child armed its parent-death signal (``app.workers._die_with_parent``); a hung one is
+child armed its parent-death signal (``entrypoints.workers._die_with_parent``); a hung one is
 killed by its stopped heartbeat."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from app.workers import _beating, _Child, _die_with_parent, _kill_if_hung, _start_worker
+from entrypoints.workers import _beating, _Child, _die_with_parent, _kill_if_hung, _start_worker
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="prctl is Linux's")
 
@@ -51,7 +51,7 @@ def test_a_child_of_a_live_supervisor_runs() -> None:
 def test_a_worker_whose_heartbeat_stops_is_killed_and_one_that_beats_is_not(
     tmp_path: Path,
 ) -> None:
-    # The supervisor's side of the hang check (app.workers, module docstring), on a real
+    # The supervisor's side of the hang check (entrypoints.workers, module docstring), on a real
     # child: checked from its first beat, killed once the counter stands still past the
     # timeout.
     beats = os.open(tmp_path / "heartbeats", os.O_RDWR | os.O_CREAT, 0o600)

@@ -67,7 +67,9 @@ def server(
         "RAG_REORDER_GENERATOR_MODEL": "feedback-generator",
         "RAG_REORDER_OPEN_WRITES": "true",
     }
-    with server_process(["-m", "app", "serve", "--port", "{port}"], folder / "log", env) as s:
+    with server_process(
+        ["-m", "entrypoints", "serve", "--port", "{port}"], folder / "log", env
+    ) as s:
         s.wait_ready(120)
         # /ready answers once one worker serves; on a busy machine the other was still
         # importing after 24 requests (.ci/run of 0e1492c), and the first took them all.
@@ -151,7 +153,7 @@ def test_every_scrape_sums_the_workers_auto_and_state_store_counters(
     server: ServerProcess, redis_server: RedisServer
 ) -> None:
     # Held in each worker's memory and read at scrape: each worker writes them to the shared
-    # metrics folder (app.metrics._CounterMirror), so whichever worker answers, a scrape
+    # metrics folder (serving.metrics._CounterMirror), so whichever worker answers, a scrape
     # counts both workers' requests.
     before = scrape(server, "rag_reorder_auto_requests")
     with ThreadPoolExecutor(8) as pool:

@@ -56,7 +56,9 @@ def server(
         "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
         "HF_HUB_OFFLINE": "1",
     }
-    with server_process(["-m", "app", "serve", "--port", "{port}"], folder / "log", env) as s:
+    with server_process(
+        ["-m", "entrypoints", "serve", "--port", "{port}"], folder / "log", env
+    ) as s:
         s.wait_ready(300)
         yield s
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from app.metrics import ServiceMetrics
 from service.config.settings import Settings
 from service.learning.learner import ProfileLearner
 from service.state.profile_store import ProfileStore
 from service.state.traffic import TrafficSampler
+from serving.metrics import ServiceMetrics
 from tests.deploy import vllm_metrics
 
 _SUFFIXES = {

@@ -203,7 +203,7 @@ async def test_one_clear_slot_is_trusted_on_its_best_slot_alone_when_asked(
 def test_the_command_refuses_a_bad_threshold_before_any_call(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from app.cli import main
+    from entrypoints.cli import main
 
     data = tmp_path / "q.jsonl"
     data.write_text(json.dumps({"question": "q?", "passages": [{"text": "a"}, {"text": "b"}]}))
@@ -306,7 +306,7 @@ def test_the_command_breaks_ties_with_the_scoring_model(
     """``--tie-break`` loads the configured scorer (the embedded SmolLM2) in the command's
     process; a real HTTP generator answers with a sentence two passages hold, and the answer
     goes to one of them, the record saying a tie of two was broken."""
-    from app.cli import main
+    from entrypoints.cli import main
     from tests.support.canned_generator import canned_generator
 
     data = tmp_path / "q.jsonl"

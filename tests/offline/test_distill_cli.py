@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main
+from entrypoints.cli import main
 from offline.distill.preferences import read_preferences
 from service.model_assets.adapter import read_manifest
 from tests.support.positional import write_qa_file

@@ -350,7 +350,7 @@ async def test_against_a_real_generator_and_server(vllm_server: str, tmp_path: P
         "RAG_REORDER_BIAS_PROFILE_DIR": str(tmp_path / "profiles"),
         "HF_HUB_OFFLINE": "1",
     }
-    args = ["-m", "app.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    args = ["-m", "entrypoints.cli", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     job = _job(
         tmp_path,
         endpoint=GeneratorEndpoint(f"{vllm_server}/v1", SMOLLM2, retries=1, concurrency=2),

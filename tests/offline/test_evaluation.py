@@ -633,7 +633,7 @@ async def test_report_files_summary_table_and_plots(tmp_path: Path) -> None:
 
 
 def test_cli_eval_on_the_fake_backend(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from app.cli import main
+    from entrypoints.cli import main
 
     data, truth, answers = _world(tmp_path)
     created: list[FakeBackend] = []

@@ -1,5 +1,5 @@
 """One engine process for several workers: ``SocketBackend`` against ``serve_engine``, in
-process over a real Unix socket (app.workers runs them in separate processes)."""
+process over a real Unix socket (entrypoints.workers runs them in separate processes)."""
 
 from __future__ import annotations
 
@@ -216,9 +216,9 @@ def test_a_workers_liveness_probes_are_not_timed_into_the_engines_meter() -> Non
     # cost dominating) as a measurement, so an idle server's rate decayed to the canary's and
     # stayed fresh, and admission refused with 422 work that fits. Made under unmetered(),
     # as app.main's probes are, they leave the meter as real work left it.
-    from app.admission import Admission
-    from app.metrics import ServiceMetrics
     from service.strategies.request import Estimate
+    from serving.admission.control import Admission
+    from serving.metrics import ServiceMetrics
 
     async def main() -> None:
         path = socket_path()

@@ -301,7 +301,7 @@ def test_the_service_on_sglang_answers_faults_as_documented_and_recovers(
 
     try:
         with server_process(
-            ["-m", "app", "serve", "--port", "{port}"], tmp_path / "rr.log", env
+            ["-m", "entrypoints", "serve", "--port", "{port}"], tmp_path / "rr.log", env
         ) as rr:
             # 1. The engine is dead at start: alive, not ready with the reason, 503 at once.
             wait_until_up(rr.proc, f"{rr.base_url}/health", rr.log_path, ready_s=120, poll_s=0.2)

@@ -135,7 +135,7 @@ def test_faults_get_their_documented_errors_and_the_service_recovers(
 
     try:
         with server_process(
-            ["-m", "app", "serve", "--port", "{port}"], tmp_path / "rr.log", env
+            ["-m", "entrypoints", "serve", "--port", "{port}"], tmp_path / "rr.log", env
         ) as rr:
             # 1. The engine is not up when the service starts: alive, not ready, 503 at once.
             deadline = time.monotonic() + 120
@@ -222,7 +222,7 @@ def test_faults_get_their_documented_errors_and_the_service_recovers(
         # 5. Another model behind the URL: the service refuses to start, naming both.
         wrong = {**env, "RAG_REORDER_ENGINE_MODEL": "someone/else"}
         with server_process(
-            ["-m", "app", "serve", "--port", "{port}"], tmp_path / "wrong.log", wrong
+            ["-m", "entrypoints", "serve", "--port", "{port}"], tmp_path / "wrong.log", wrong
         ) as rr:
             code = rr.wait_exit(120)
             assert code != 0
@@ -268,7 +268,7 @@ def test_every_scoring_command_checks_the_engine_and_scores_through_it(
 
     def start(*args: str, **extra: str) -> subprocess.Popen[str]:
         return subprocess.Popen(
-            [sys.executable, "-m", "app", *args],
+            [sys.executable, "-m", "entrypoints", *args],
             cwd=ROOT,
             env={**env, **extra},
             stdout=subprocess.PIPE,

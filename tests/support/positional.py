@@ -10,7 +10,7 @@ from typing import Any
 import anyio.to_thread
 import pytest
 
-from app.cli import main as cli_main
+from entrypoints.cli import main as cli_main
 
 Topic = tuple[str, str, str]  # question, answer, gold passage
 

@@ -48,7 +48,7 @@ def smollm2_service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server
         # again, and auto (the shipped default) changes path once it trusts a profile.
         "RAG_REORDER_STRATEGY": "moi",
     }
-    args = ["-m", "app", "serve", "--host", "127.0.0.1", "--port", "{port}"]
+    args = ["-m", "entrypoints", "serve", "--host", "127.0.0.1", "--port", "{port}"]
     with server_process(args, tmp / "server.log", env, python=SERVER_PYTHON) as server:
         # The first start on a fresh machine converts the GGUF (~25 s) before /ready.
         server.wait_ready(300)

@@ -5,7 +5,8 @@
 
 The block between ``<!-- layout:begin -->`` and ``<!-- layout:end -->`` lists every package and
 module of ``entrypoints``, ``app``, ``serving``, ``offline``, ``service`` and ``solver`` with
-its docstring's first sentence, so the tree a newcomer reads is the tree that exists (tests/docs checks it is current).
+its docstring's first sentence, so the tree a newcomer reads is the tree that exists
+(tests/docs checks it is current).
 """
 
 from __future__ import annotations

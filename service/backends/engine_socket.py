@@ -48,7 +48,7 @@ An error raised by the engine's backend comes back as the same domain error
 (``service.errors``: a request the engine refuses is the same 422 in any worker). A lost
 connection (the engine process died or restarts) fails the calls in flight with
 ``EngineUnavailable``, so the worker's ``/ready`` turns 503 and its watchdog probes until the
-engine is back (``app.main``); the next call reconnects.
+engine is back (``serving.supervisor``); the next call reconnects.
 """
 
 from __future__ import annotations

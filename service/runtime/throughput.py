@@ -76,7 +76,7 @@ PLAUSIBLE_SPEEDUP = 100.0
 request (issue 90): work over its deadline even at that is refused for good at once, whether
 or not the rate is ``confirmed``. A rate is wrong by the fixed costs of the small calls that
 measured it: the warm-up probe ran at 15 prompt tokens/s against 450 for real work on this
-project's CPU (30x, app/main.py), and the paced H100 profile's 2-prompt canary at 1,938
+project's CPU (30x, serving/canaries.py), and the paced H100 profile's 2-prompt canary at 1,938
 against 86,302 (44.5x, issue 90 item 2); 100 is over twice the widest of those. A request
 estimated 36,000x over its deadline (issue 90 item 11) got 503 "rate not yet confirmed" on
 every retry, as no re-measurement could explain that estimate away."""

@@ -171,7 +171,7 @@ class Admission:
     @property
     def remeasure_wanted(self) -> str | None:
         """Why the rate should be measured again (``None``: it need not). Cleared by the rate
-        canary (``app.main``) once it has run, or by a completed call; but an ask stays
+        canary (``serving.canaries``) once it has run, or by a completed call; but an ask stays
         wanted (``"unconfirmed"``) while the rate lacks the ``MIN_CALLS`` recent calls a
         confirmation needs, for up to ``FRESH_S`` after it (issue 90): one canary is one
         of them, and a caller told "retry while the rate is re-measured" was refused on

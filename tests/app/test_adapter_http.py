@@ -9,10 +9,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-import app.main
 from app.main import create_app
 from service.config.settings import Settings
 from service.model_assets.adapter import write_manifest
+from serving import supervisor
 from tests.app.conftest import reorder_body, rerank_body, settings_for, wait_ready
 from tests.support.distill import distill_tiny, manifest
 
@@ -65,8 +65,8 @@ async def test_the_adapted_model_id_is_reported_while_the_model_loads(
         release.wait(timeout=30)
         raise OSError("load released by the test")
 
-    monkeypatch.setattr(app.main, "create_backend", held_load)
-    application = app.main.create_app(settings_for(tmp_path, model="base/model", adapter=folder))
+    monkeypatch.setattr(supervisor, "create_backend", held_load)
+    application = create_app(settings_for(tmp_path, model="base/model", adapter=folder))
     transport = httpx.ASGITransport(app=application, raise_app_exceptions=False)
     try:
         async with (

@@ -7,11 +7,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-import app.main
+from app.main import create_app
 from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.score_mode_check import ScoreModeCheck
 from service.config.settings import Settings
 from service.errors import BackendUnavailable
+from serving import supervisor
 from tests.app.conftest import TRUTH, TrackingBackend, serving, wait_until
 
 
@@ -80,9 +81,9 @@ async def test_failed_model_load_is_fatal(tmp_path: Path, monkeypatch: pytest.Mo
     def broken(settings: Settings) -> None:
         raise OSError("no model at /opt/models/missing")
 
-    monkeypatch.setattr(app.main, "create_backend", broken)
+    monkeypatch.setattr(supervisor, "create_backend", broken)
     fatal: list[str] = []
-    application = app.main.create_app(Settings(cache_dir=tmp_path))
+    application = create_app(Settings(cache_dir=tmp_path))
     application.state.ctx.lifecycle.on_fatal = fatal.append
     async with application.router.lifespan_context(application):
         # Before the load, size_threads imports torch: seconds in a fresh process (this module

@@ -131,7 +131,7 @@ async def test_the_rate_canary_waits_for_the_engine_to_stay_idle() -> None:
     # A client sending one request after another (or a refused caller retrying) sends the
     # next within milliseconds: a canary started at the first idle instant had its forward
     # sit in front of that request. It starts only after _REMEASURE_IDLE_S of idleness.
-    from app.main import _idle_for
+    from serving.canaries import _idle_for
 
     admission = _admission()
     estimate = Estimate(prompts=2, prompt_tokens=100, new_tokens=0, param="passages")

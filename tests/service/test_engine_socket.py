@@ -215,7 +215,7 @@ def test_a_workers_liveness_probes_are_not_timed_into_the_engines_meter() -> Non
     # Issue 90: the engine process timed every worker's canary (two tiny prompts, its fixed
     # cost dominating) as a measurement, so an idle server's rate decayed to the canary's and
     # stayed fresh, and admission refused with 422 work that fits. Made under unmetered(),
-    # as app.main's probes are, they leave the meter as real work left it.
+    # as serving.canaries' probes are, they leave the meter as real work left it.
     from service.strategies.request import Estimate
     from serving.admission.control import Admission
     from serving.metrics import ServiceMetrics

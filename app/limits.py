@@ -3,8 +3,8 @@
 Prompt-level limits are checked later, once the strategy has chosen its prompts, and before
 each is rendered: a prompt's characters against what the model's context can hold
 (``service.prompting.prompts``, ``prompt_chars``) and the request's prompts x characters
-(``serving.admission.AdmittedBackend.tokenizer``, ``max_prompt_chars_x_prompts``); after
-tokenising, tokens per prompt against the context (``prompt_tokens``), then prompts and
+(``serving.admission.backends.AdmittedBackend.tokenizer``, ``max_prompt_chars_x_prompts``);
+after tokenising, tokens per prompt against the context (``prompt_tokens``), then prompts and
 prompts x tokens per request (``AdmittedBackend``).
 
 The per-passage token limit (``passage_token_limit``: the server's ``max_passage_tokens`` or a

@@ -28,7 +28,8 @@ from service.errors import (
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest
 from service.runtime.throughput import FRESH_S
-from serving.admission.control import Admission, MeteredBackend
+from serving.admission.backends import MeteredBackend
+from serving.admission.control import Admission
 from serving.context import AppContext
 
 log = logging.getLogger(__name__)

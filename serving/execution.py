@@ -23,7 +23,7 @@ from starlette.requests import Request
 
 from service.errors import BackendUnavailable, EngineTimeout
 from service.pipeline import Reorderer, ReorderResult
-from serving.admission.control import AdmittedBackend
+from serving.admission.backends import AdmittedBackend
 from serving.admission.errors import ClientDisconnected, DeadlineExceeded
 from serving.context import AppContext, request_id_of
 

@@ -35,7 +35,7 @@ from service.errors import (
 )
 from service.learning.answer_likelihood import AnswerLikelihood, TieBreakLimits
 from service.prompting.templates import get_template
-from serving.admission.control import MeteredBackend
+from serving.admission.backends import MeteredBackend
 from serving.canaries import NO_ANSWER, DefaultRequest, measure_rates, probe, remeasure_loop
 from serving.context import AppContext, Lifecycle
 

@@ -52,7 +52,8 @@ T = TypeVar("T")
 
 
 class RequestGate(Protocol):
-    """Admission of a request as a whole (the server's is ``serving.admission.AdmittedBackend``)."""
+    """Admission of a request as a whole (the server's is
+    ``serving.admission.backends.AdmittedBackend``)."""
 
     def admit(self, estimate: Estimate) -> float | None:
         """Admit the request's estimated work or raise; returns its estimated seconds on an

@@ -18,7 +18,8 @@ from service.errors import LimitExceeded
 from service.passage import Passage
 from service.prompting.prompts import build_prompts
 from service.runtime.throughput import ThroughputMeter
-from serving.admission.control import Admission, AdmittedBackend
+from serving.admission.backends import AdmittedBackend
+from serving.admission.control import Admission
 from serving.admission.errors import Overloaded
 from serving.metrics import ServiceMetrics
 from tests.app.conftest import PASSAGES, measured, serving

@@ -111,7 +111,7 @@ test-vllm: vllm-venv
 		$(DURATIONS) -m vllm --ignore=tests/app/test_workers_vllm.py \
 		--ignore=tests/service/test_gpu_engines_script.py
 	# bfloat16 too, production's dtype on a GPU: its near-ties and tolerance are what the H200
-	# showed the float32 checks alone miss (2026-11-27, bench/results/gpu_h200_20261127).
+	# showed the float32 checks alone miss (2026-11-27, results/bench/gpu_h200_20261127).
 	RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 		.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
 

@@ -4,7 +4,7 @@ background worker process (``service.runtime.background``), quiet and beside bus
 Each arm runs in its own child process (a thread cannot be stopped, and one left running
 would spoil the next arm): an asyncio loop wakes every 5 ms, as the server's event loop does
 for requests, while ``--assessments`` trust assessments (``solver.trust.assess``, the service's
-rules) of ``--runs`` real SmolLM2 runs (``bench/results/auto_trust_runs_smollm2.jsonl``) run
+rules) of ``--runs`` real SmolLM2 runs (``results/bench/auto_trust_runs_smollm2.jsonl``) run
 the arm's way. Reported per arm: each assessment's wall time (or that it did not finish within
 ``--limit-s``) and the loop's lateness past each 5 ms wake-up (p50, p99, max): the time a
 request waiting on the loop would lose. ``none`` runs no assessment (the lateness the machine
@@ -13,7 +13,7 @@ shared node's neighbours.
 
 Usage: python bench/background_priority.py [--arms none,thread19,process10,process19]
        [--busy 0,2] [--assessments 3] [--runs 60] [--limit-s 180]
-       [--out bench/results/background_priority.json]
+       [--out results/bench/background_priority.json]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ weighs on both.
 Run::
 
     python bench/background_yield.py --arms before=/tmp/before,after=. --questions 6 \
-        --out bench/results/background_yield
+        --out results/bench/background_yield
 
 ``<out>/requests.jsonl`` gets one row per request and is resumed from; ``<out>/summary.json``
 and ``<out>/summary.md`` are written from every row at the end.

@@ -13,7 +13,7 @@ Prompts: the scoring prompts of one MoI request per question, ``--design`` (defa
 questions with ``--passages`` passages.
 
 Usage: python bench/batch_budget.py [--budgets 16384,4096,2048,1024] [--queries 2]
-       [--passages 10] [--design pruned_random] [--rounds 2] [--out bench/results/...json]
+       [--passages 10] [--design pruned_random] [--rounds 2] [--out results/bench/...json]
 Settings (device, dtype) come from the environment (``RAG_REORDER_DEVICE``, ...).
 """
 

@@ -15,7 +15,7 @@ The machine is shared (2 cores, other engineers' work): the 1-minute load averag
 recorded beside the figures.
 
 Usage: python bench/batch_route.py [--items 32] [--repeats 3]
-           [--out bench/results/batch_route.json]
+           [--out results/bench/batch_route.json]
 """
 
 from __future__ import annotations
@@ -206,7 +206,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--items", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/batch_route.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "results/bench/batch_route.json")
     args = parser.parse_args()
     result = anyio.run(main_async, args)
     print(f"{'mode':<12} {'median s':>9} {'x sequential':>13}   all runs (s)")

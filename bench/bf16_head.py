@@ -6,7 +6,7 @@ If the head were the culprit (logits rounded to bf16's 8-bit mantissa), computin
 scored rows' head in float32 would be a cheap fix, since the backend only runs the head on
 the scored rows. This shows whether it is.
 
-Usage: python bench/bf16_head.py [--prompts 6] [--passages 6] [--out bench/results/bf16_head.json]
+Usage: python bench/bf16_head.py [--prompts 6] [--passages 6] [--out results/bench/bf16_head.json]
 """
 
 from __future__ import annotations

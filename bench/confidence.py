@@ -10,7 +10,7 @@ Student's t) would have said for the same fits, and what the jackknife (``varian
 "jackknife"``, the service's default, built for real scores where the model is approximate)
 says for them: the same fits, so the same pairs.
 
-Usage: python bench/confidence.py [--trials 200] [--out bench/results/confidence.json]
+Usage: python bench/confidence.py [--trials 200] [--out results/bench/confidence.json]
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ The scores are written to ``--raw`` (numbers only) and reused when that file exi
 analysis can be rerun without the model (``--raw`` alone, about a second).
 
 Usage: python bench/confidence_real.py [--queries 8] [--seeds 6] [--num-prompts 20]
-       [--raw bench/results/confidence_real_scores.json] [--out bench/results/confidence_real.json]
+       [--raw results/bench/confidence_real_scores.json] [--out results/bench/confidence_real.json]
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ passage, that bench's server environment (no MoI, no model of any kind).
 
 Usage: python bench/cpu_stages.py [--concurrency 8] [--requests 160] [--passages 10]
            [--workload moi|auto_scores] [--rate 200] [--server-root .]
-           [--out bench/results/cpu_stages.json]
+           [--out results/bench/cpu_stages.json]
 
 py-spy is a dev tool (``pip install py-spy``), not a dependency of the service. py-spy
 attaches after a warm-up cycle (imports, the solver pool's start and the designs' cache are not

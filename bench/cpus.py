@@ -15,7 +15,7 @@ Confinements (``--confine``):
   period (1 CPU of quota, both CPUs in the mask: a Kubernetes CPU limit). Needs root and a
   writable ``/sys/fs/cgroup/cpu``.
 
-Usage: python bench/cpus.py --confine taskset --out bench/results/cpus/taskset.json
+Usage: python bench/cpus.py --confine taskset --out results/bench/cpus/taskset.json
 Rows are appended to ``<out>.jsonl`` as measured; a rerun skips those done.
 """
 

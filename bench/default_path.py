@@ -45,7 +45,7 @@ Targets: ``auto_scores`` at least 500 requests/s at 16 concurrent; ``auto_dense`
 Usage: python bench/default_path.py [--levels 1,4,16,64] [--seconds 8] [--queries 50]
            [--cases auto_scores,auto_scores_2w,auto_dense,auto_dense_cached,dense_before]
            [--baseline-commit 146c332^] [--baseline-root <checkout>]
-           [--out bench/results/default_path/default_path.json]
+           [--out results/bench/default_path/default_path.json]
 Writes the JSON and a markdown table beside it (.md) after every case.
 """
 

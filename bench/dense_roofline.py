@@ -14,7 +14,7 @@ encoder's own largest shape (its feed-forward, a 8 x 150-token batch against 384
 GFLOP/s achieved against peak say how much any faster float32 runtime could still gain.
 
 Usage: python bench/dense_roofline.py [--questions 16] [--rounds 3]
-           [--out bench/results/dense_roofline.json]
+           [--out results/bench/dense_roofline.json]
 """
 
 from __future__ import annotations

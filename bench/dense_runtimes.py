@@ -20,7 +20,7 @@ ONNX Runtime and onnx are not dependencies of the service: install them beside i
 path, after the virtualenv's packages). The compile needs a C++ compiler (inductor).
 
 Usage: python bench/dense_runtimes.py [--questions 16] [--rounds 2] [--ort-site /tmp/ort-site]
-           [--out bench/results/dense_runtimes.json]
+           [--out results/bench/dense_runtimes.json]
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ alternating round by round so the machine's noise hits both; per fit the process
 (not wall time: this machine is shared), the best round's mean over the fits. Two sets of
 fits, 10 passages, the service's default design (pruned random, 20 prompts):
 
-- ``smollm2``: the 48 committed SmolLM2 fits (``bench/results/confidence_real_scores.json``:
+- ``smollm2``: the 48 committed SmolLM2 fits (``results/bench/confidence_real_scores.json``:
   8 NQ-Open questions, 6 designs each);
 - ``structureless``: 24 fits of scores with no structure, each prompt's score a sum of 12
   values uniform in [-4, -0.05] (what the paced engine returns: ``bench/load.py`` and
@@ -17,7 +17,7 @@ For each, ``delta`` and ``jackknife`` (the service's default), and per arm the f
 solver steps and the adjacent-pair confidences' mean distance from the first arm's.
 
 Usage: python bench/fit_cost.py --arms before=/tmp/before,after=. [--rounds 5]
-           [--out bench/results/fit_cost.json]
+           [--out results/bench/fit_cost.json]
 """
 
 from __future__ import annotations

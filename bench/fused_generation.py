@@ -15,7 +15,7 @@ cuts them (gold passages kept); the continuation is that question's first answer
 
 Usage: python bench/fused_generation.py [--model google/gemma-3-270m] [--orders 8]
        [--passages 10] [--max-new-tokens 16] [--repeats 2] [--threads 1]
-       [--out bench/results/fused_generation.json]
+       [--out results/bench/fused_generation.json]
 Other settings come from the environment (``RAG_REORDER_DEVICE``, ``RAG_REORDER_DTYPE``, ...).
 """
 

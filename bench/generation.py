@@ -15,7 +15,7 @@ with ``--max-new-tokens``; a completion template stops at the first line break, 
 service's answers do.
 
 Usage: python bench/generation.py [--queries 8] [--passages 10] [--max-new-tokens 32]
-       [--repeats 3] [--out bench/results/generation.json]
+       [--repeats 3] [--out results/bench/generation.json]
 Settings come from the environment (``RAG_REORDER_DEVICE``, ``RAG_REORDER_DTYPE``, ...).
 """
 

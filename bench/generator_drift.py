@@ -17,9 +17,9 @@ answers (the figures are then rounded up to a multiple of it: a refit of 2,000 a
 seconds on a loaded CPU).
 
     PYTHONPATH=. .venv/bin/python bench/generator_drift.py \\
-        --out bench/results/generator_drift/new.json
+        --out results/bench/generator_drift/new.json
     PYTHONPATH=. .venv/bin/python bench/generator_drift.py --old \\
-        --out bench/results/generator_drift/old.json
+        --out results/bench/generator_drift/old.json
 """
 
 from __future__ import annotations

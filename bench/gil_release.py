@@ -8,7 +8,7 @@ encoding a batch of scoring-prompt texts through the Rust tokenizer directly (wh
 before), and a jackknifed MoI fit (numpy/scipy on small arrays). The embedded SmolLM2
 tokenizer, its own Rust parallelism off so one thread is one core.
 
-    python bench/gil_release.py [--out bench/results/gil_release.json]
+    python bench/gil_release.py [--out results/bench/gil_release.json]
 """
 
 from __future__ import annotations

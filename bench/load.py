@@ -28,7 +28,7 @@ the same ceiling; each row says its worker count.
 Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16] [--workers 1]
            [--passages 10 20] [--queries 8] [--data <questions.jsonl>] [--server-root .]
            [--no-ceiling] [--warm-ceiling]
-           [--out bench/results/load.json] [--resume]
+           [--out results/bench/load.json] [--resume]
        python bench/load.py --overload 1.5,3 [--baseline-root <old checkout>] [--duration 480]
            (open-loop overload against the default deadline; bench/overload.py)
 Writes the JSON, a markdown table beside it (.md) and a plot (.png) after every level, so an
@@ -435,7 +435,7 @@ def report(
 
 def main() -> None:
     # --data (the lent GPU has no ../shared: eval/device/gpu-engines.sh passes the carried
-    # copy) and --out (bench/results/load.json) as every benchmark has them.
+    # copy) and --out (results/bench/load.json) as every benchmark has them.
     ap = bench_parser("load", __doc__, data=True)
     ap.add_argument("--levels", default="1,2,4,8,16,32")
     ap.add_argument("--requests-per-level", type=int, default=16)

@@ -17,7 +17,7 @@ processes). Elsewhere it reports the process's peak RSS, which never goes down: 
 shows the peak so far, so only increases are the phase's own.
 
 Usage: python bench/memory_phases.py [--model google/gemma-3-270m] [--questions 4]
-       [--orders 16] [--passages 10] [--max-new-tokens 32] [--out bench/results/memory_phases.json]
+       [--orders 16] [--passages 10] [--max-new-tokens 32] [--out results/bench/memory_phases.json]
 Other settings come from the environment (``RAG_REORDER_DEVICE``, ``RAG_REORDER_DTYPE``,
 ``RAG_REORDER_BATCH_TOKEN_BUDGET``, ...).
 """

@@ -11,8 +11,8 @@ folder), so a rerun continues with the next question; ``--out`` gets the final r
 
     .venv/bin/python bench/online_generator.py --generator-url http://127.0.0.1:8791/v1 \\
         --generator-model HuggingFaceTB/SmolLM2-135M-Instruct --questions 40 --passages 10 \\
-        --work bench/results/online_generator/smollm2 \\
-        --out bench/results/online_generator/smollm2.json
+        --work results/bench/online_generator/smollm2 \\
+        --out results/bench/online_generator/smollm2.json
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> int:
         "--top-slots", type=int, default=2, help="RAG_REORDER_GENERATOR_TOP_SLOTS (1 or 2)"
     )
     ap.add_argument(
-        "--work", type=Path, default=Path("bench/results/online_generator"),
+        "--work", type=Path, default=Path("results/bench/online_generator"),
         help="pooled answers and progress.jsonl (a rerun continues)",
     )  # fmt: skip
     return bench_report.main(ap, run)

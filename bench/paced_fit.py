@@ -7,7 +7,7 @@ and its fixed cost per call (``overhead_s``: the median over the measured querie
 query (one call of 20 prompts each, ``bench/scoring.py --warm-each``). Prints the figures the
 module holds beside the ones recomputed here; they must agree.
 
-    python bench/paced_fit.py [--out bench/results/paced_fit.json]
+    python bench/paced_fit.py [--out results/bench/paced_fit.json]
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ sys.path.insert(0, str(ROOT))
 
 from service.backends.paced import PROFILES
 
-R = ROOT / "bench/results"
+R = ROOT / "results/bench"
 # profile -> (per-query scoring JSON, load JSON with a ceiling or None)
 SOURCES: dict[str, tuple[Path, Path | None]] = {
     "h200-transformers-bf16": (R / "gpu_h200_20261127_2/scoring_transformers.json", None),

@@ -11,7 +11,7 @@ passages) for the first ``--queries`` NQ-Open dev questions with ``--passages`` 
 with the embedded SmolLM2 tokenizer (no model is loaded).
 
 Usage: python bench/prompts.py [--queries 8] [--passages 10] [--design random] [--repeats 5]
-       [--out bench/results/prompts.json]
+       [--out results/bench/prompts.json]
 """
 
 from __future__ import annotations

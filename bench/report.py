@@ -15,8 +15,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
-"""Where a benchmark's ``--out`` goes by default: ``bench/results/<name>.json``."""
+RESULTS = Path(__file__).resolve().parents[1] / "results" / "bench"
+"""Where a benchmark's ``--out`` goes by default: ``results/bench/<name>.json``."""
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 """The NQ-Open development questions (``../shared/data`` beside the checkout)."""
 
@@ -27,7 +27,7 @@ def parser(name: str, doc: str | None, *, data: bool = False) -> argparse.Argume
     """A benchmark's argument parser with the options every benchmark has.
 
     Args:
-        name: the script's name; ``--out`` defaults to ``bench/results/<name>.json``.
+        name: the script's name; ``--out`` defaults to ``results/bench/<name>.json``.
         doc: the script's module docstring; its first paragraph is the ``--help`` description.
         data: add ``--data`` (a JSONL of questions, default ``DATA``).
     """

@@ -26,7 +26,7 @@ the requests run (sampled every 10 ms), the statuses, error parameters and secon
 Target (issue 54): the peak under 1 GiB above idle.
 
 Usage: python bench/request_memory.py [--concurrency 1,8] [--scenarios ...]
-       [--out bench/results/request_memory.json]
+       [--out results/bench/request_memory.json]
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ clients share the process, so it is an upper bound of the server's). A re-fire t
 while its original is still in flight is a miss (no coalescing of in-flight requests).
 
 Usage: python bench/response_cache.py [--requests 1000] [--refire 0.37] [--concurrency 8]
-           [--passages 10] [--seed 0] [--out bench/results/response_cache.json]
+           [--passages 10] [--seed 0] [--out results/bench/response_cache.json]
 Writes the JSON and a markdown table beside it (.md).
 """
 
@@ -150,7 +150,7 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/response_cache.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "results/bench/response_cache.json")
     args = ap.parse_args()
     bodies = stream(args.requests, args.refire, args.passages, args.seed)
     distinct = len({json.dumps(b, sort_keys=True) for b in bodies})

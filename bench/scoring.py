@@ -14,7 +14,7 @@ first call of each new batch shape pays for kernel selection, which would land o
 side goes first (2026-11-27, transformers on an H200: per-query ratios from 0.04 to 16.7).
 
 Usage: python bench/scoring.py [--queries 6] [--passages 10] [--warm-each]
-           [--out bench/results/scoring.json]
+           [--out results/bench/scoring.json]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ which on NQ-Open dev mostly leaves the gold passage out (a retriever miss: every
 distractor).
 
 Usage: python bench/seed_stability.py [--queries 8] [--passages 10] [--budgets 20,40,60]
-       [--selection eval|first] [--out bench/results/seed_stability.json]
+       [--selection eval|first] [--out results/bench/seed_stability.json]
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@
    so latency grows with concurrency while throughput stays flat. Then SIGTERM, exit code.
 
 Usage: python bench/service.py [--pairs 12] [--levels 1,2,4] [--per-level 8]
-                               [--out bench/results/service.json]
+                               [--out results/bench/service.json]
 """
 
 from __future__ import annotations
@@ -268,7 +268,7 @@ def main() -> None:
     ap.add_argument("--per-level", type=int, default=8)
     ap.add_argument("--backend", default="transformers")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "service.json"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench" / "service.json"))
     ap.add_argument("--server-log", default="/tmp/rag-reorder-bench-server.log")
     args = ap.parse_args()
     result = asyncio.run(run(args))

@@ -11,7 +11,7 @@ Kendall taus against the synthetic truth (primacy bias, 1% noise). Cyclic design
 by us with the exact profile, as a calibrated deployment would; SLSQP gets the same program as
 everywhere else, which a cyclic design cannot pin down (its tau shows it).
 
-Usage: python bench/solver.py [--quick] [--out bench/results/solver.json]
+Usage: python bench/solver.py [--quick] [--out results/bench/solver.json]
 """
 
 from __future__ import annotations

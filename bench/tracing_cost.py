@@ -10,7 +10,7 @@ CPU is the process's (``time.process_time``: every thread, the exporter's includ
 the requests.
 
 Usage: python bench/tracing_cost.py [--rounds 3] [--requests 200] [--passages 10]
-           [--out bench/results/tracing_cost.json]
+           [--out results/bench/tracing_cost.json]
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--passages", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/tracing_cost.json"))
+    parser.add_argument("--out", type=Path, default=Path("results/bench/tracing_cost.json"))
     args = parser.parse_args()
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
     try:

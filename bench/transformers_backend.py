@@ -9,7 +9,7 @@ Prints (and optionally writes as JSON):
   span (a 32-token query/answer at the end, the service's case) and for the whole prompt.
 
 Usage: HF_HUB_OFFLINE=1 python bench/transformers_backend.py [--skip-convert] [--repeats 5]
-       [--tokens 1400] [--out bench/results/transformers_backend.json]
+       [--tokens 1400] [--out results/bench/transformers_backend.json]
 """
 
 from __future__ import annotations

@@ -6,12 +6,12 @@ seconds the model calls took (``timing.scoring_s``).
 
 Run (about 10 minutes on this 2-core machine; resumes from its JSONL if interrupted)::
 
-    python bench/whole_request.py --out bench/results/whole_request
+    python bench/whole_request.py --out results/bench/whole_request
 
 and what the shipped deadline refused, under a longer one, to measure the estimate's error
 there too::
 
-    python bench/whole_request.py --out bench/results/whole_request_long --timeout 600 \
+    python bench/whole_request.py --out results/bench/whole_request_long --timeout 600 \
         --only moi:6,lore:6,self_consistency:10   # the first two measure the rates
 
 It starts ``python -m app serve`` on the embedded default (the packaged SmolLM2, CPU) with the

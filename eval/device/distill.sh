@@ -9,7 +9,7 @@
 #   3. `distill-eval` on development questions (resumable; the distilled student is added to
 #      the teacher's and the raw student's records).
 # Every call ends by packing the folder into $OUT/distill.tgz with the log: unpack it into
-# eval/results/distill/ here. A machine lost between calls starts from SEED (a folder holding
+# results/eval/distill/ here. A machine lost between calls starts from SEED (a folder holding
 # an earlier distill.tgz's contents, carried with the call).
 #
 # LR overrides the CLI's learning rate (the paper's 1e-4 is for thousands of steps).

@@ -10,7 +10,7 @@ source eval/device/env.sh
 export OMP_NUM_THREADS=2  # several processes share the machine's 16 cores
 out=/tmp/evalout
 # First call on this machine: start from the committed results, so nothing is recomputed.
-[[ -d $out ]] || cp -r eval/results "$out"
+[[ -d $out ]] || cp -r results/eval "$out"
 nvidia-smi --query-gpu=timestamp,utilization.gpu,memory.used --format=csv,noheader -l 15 \
     >"$OUT/gpu-util.txt" 2>&1 &
 smi=$!

@@ -29,7 +29,7 @@ Usage: python bench/x.py
 def test_parser_defaults_and_description() -> None:
     ap = report.parser("memory_phases", DOC, data=True)
     args = ap.parse_args([])
-    assert args.out == str(ROOT / "bench" / "results" / "memory_phases.json")
+    assert args.out == str(ROOT / "results" / "bench" / "memory_phases.json")
     assert args.data == str(ROOT.parent / "shared" / "data" / "nq_open_dev.jsonl")
     # The whole first paragraph, not its first line cut mid-sentence.
     assert ap.description == "Peak memory of each phase, measured side by side."

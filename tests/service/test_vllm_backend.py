@@ -79,7 +79,7 @@ pytestmark = pytest.mark.vllm
 
 DTYPE = os.environ.get("RAG_REORDER_TEST_VLLM_DTYPE", "float32")
 # nats, per (device, dtype): about 3x the largest |vLLM - transformers| this module measured.
-# CPU float32: ~1e-5. H200, vLLM 0.26 (2026-11-27, bench/results/gpu_h200_20261127): float32
+# CPU float32: ~1e-5. H200, vLLM 0.26 (2026-11-27, results/bench/gpu_h200_20261127): float32
 # 0.0126 (vLLM runs float32 attention in Triton, whose dots default to TF32; transformers' SDPA
 # does not), bfloat16 0.127 (FlashAttention 3 and torch.compile's fused kernels against SDPA).
 TOLERANCES = {

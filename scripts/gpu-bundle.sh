@@ -45,7 +45,7 @@ PART_MIB=${PART_MIB:-60}
 # FlashAttention modules (none reaches a left-behind package) and lists those inside
 # functions; run it after any change of LEAVE or of vLLM's version. Absent, the
 # warm-up skips the MoE router GEMM kernels, 14-18 s of every engine start on the H200
-# (kernel_warmup.py, results/bench/gpu_h200_20261127_2/*.log). The install is then --no-deps
+# (kernel_warmup.py, results/bench/gpu_h200_20261127_2/logs.md). The install is then --no-deps
 # over exact pins (the closure is resolved here), so pip does not ask for them; `LEAVE=`
 # carries everything.
 LEAVE=${LEAVE-opencv-python-headless pynvvideocodec torchcodec tilelang z3-solver tokenspeed-triton \

@@ -40,6 +40,24 @@ def test_no_tracked_result_file_is_larger_than_the_limit() -> None:
     assert not big, f"over {MAX_TRACKED_BYTES} bytes:\n" + "\n".join(big)
 
 
+def test_results_live_in_one_home_apart_from_the_code() -> None:
+    # Evidence under results/, scripts in bench/ and eval/: a search of the code lands in code.
+    code = ("bench", "eval", "scripts", "app", "service", "solver", "offline")
+    stray = [f for f in tracked(*code) if "results" in f.relative_to(ROOT).parts[:-1]]
+    assert not stray, "results outside results/:\n" + "\n".join(map(str, stray))
+
+
+def test_no_runtime_logs_or_state_are_committed() -> None:
+    # A run's logs and its server's state are rewritten by every run; what a doc cites from a
+    # log stays in that folder's logs.md (.gitignore keeps the rest out).
+    runtime = [
+        f.relative_to(ROOT)
+        for f in tracked("results")
+        if f.suffix in {".log", ".sqlite", ".db"} or "state" in f.relative_to(ROOT).parts[:-1]
+    ]
+    assert not runtime, "runtime output committed:\n" + "\n".join(map(str, runtime))
+
+
 def test_the_committed_evaluations_are_found() -> None:
     # Tests parametrised by COMMITTED (tests/offline) would skip silently on an empty list.
     assert len(COMMITTED) >= 6, COMMITTED

@@ -115,7 +115,7 @@ test-vllm: vllm-venv
 	RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 		.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
 
-# eval/device/gpu-engines.sh end to end on the CPU, as the GPU session will run it (about 510 s
+# scripts/device/gpu-engines.sh end to end on the CPU, as the GPU session will run it (about 510 s
 # alone, 650 s beside the light lane): every stage's mechanics, no figures.
 test-rehearsal: vllm-venv
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \

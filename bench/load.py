@@ -14,7 +14,7 @@ ceiling of the same prompts through the backend alone, in one run (issue 22).
    server's), scored through ``TransformersBackend.score`` as one offline stream, once before
    and once after the levels, the faster one kept (CPU load from elsewhere hits one of them
    more than the other). Its prompt tokens/s is the denominator of the throughput ratio.
-   ``--warm-ceiling`` (eval/device/gpu-engines.sh passes it) scores them once, untimed,
+   ``--warm-ceiling`` (scripts/device/gpu-engines.sh passes it) scores them once, untimed,
    before the first timed pass: on a GPU a cold first pass pays for new kernel shapes.
 
 Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at concurrency 16
@@ -73,7 +73,7 @@ from service.config.settings import Settings
 # The bench measures the engine, not admission: a level of 32 clients on 20-passage requests
 # queues minutes of CPU work, past the default deadline and prompt-token budget.
 # The backend and device default to the CPU's transformers engine; set RAG_REORDER_BACKEND /
-# RAG_REORDER_DEVICE to measure another (eval/device/gpu-engines.sh: vllm on cuda).
+# RAG_REORDER_DEVICE to measure another (scripts/device/gpu-engines.sh: vllm on cuda).
 SERVER_ENV = {
     "RAG_REORDER_BACKEND": os.environ.get("RAG_REORDER_BACKEND", "transformers"),
     "RAG_REORDER_DEVICE": os.environ.get("RAG_REORDER_DEVICE", "cpu"),
@@ -434,7 +434,7 @@ def report(
 
 
 def main() -> None:
-    # --data (the lent GPU has no ../shared: eval/device/gpu-engines.sh passes the carried
+    # --data (the lent GPU has no ../shared: scripts/device/gpu-engines.sh passes the carried
     # copy) and --out (results/bench/load.json) as every benchmark has them.
     ap = bench_parser("load", __doc__, data=True)
     ap.add_argument("--levels", default="1,2,4,8,16,32")

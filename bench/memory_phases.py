@@ -1,5 +1,5 @@
 """Peak memory of each phase of the evaluation's work on one model, the question a lent GPU's
-pool left open (eval/device/README.md: one Gemma-3-270m process held 41-65 GiB of an H100,
+pool left open (scripts/device/README.md: one Gemma-3-270m process held 41-65 GiB of an H100,
 cause unknown, and later chunks died of CUDA out of memory).
 
 Phases, each after the peak counter is reset:

@@ -45,7 +45,7 @@ from service.prompting.prompts import build_prompts
 
 def cuda_peak_bytes() -> int | None:
     """Peak CUDA memory allocated in this process: the transformers backend's whole use. vLLM's
-    engine core runs in a process of its own (eval/device/gpu-engines.sh samples nvidia-smi
+    engine core runs in a process of its own (scripts/device/gpu-engines.sh samples nvidia-smi
     for it, where the KV cache's reserved share dominates by design)."""
     import torch
 

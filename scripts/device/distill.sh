@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Device call after eval/device/stage.sh: issue 21's preference distillation at the scale the
-# CPU cannot reach (eval/device/README.md, "Distillation"). Three steps, each skipped once its
+# Device call after scripts/device/stage.sh: issue 21's preference distillation at the scale the
+# CPU cannot reach (scripts/device/README.md, "Distillation"). Three steps, each skipped once its
 # output is complete, so repeated calls on the same machine continue where the last one
 # stopped:
 #   1. the teacher's preference set (`distill --score-only`; resumable question by question);
@@ -26,7 +26,7 @@ if [[ ${LOCAL:-0} == 1 ]]; then
     OUT=${OUT:-/tmp/distill-out}
     mkdir -p "$OUT"
 else
-    source eval/device/env.sh
+    source scripts/device/env.sh
     rr=(python3 -m app)
 fi
 BUDGET=${BUDGET:-540}   # seconds of this call for the steps; the packing follows

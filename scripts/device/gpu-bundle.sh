@@ -2,7 +2,7 @@
 # Builds .gpucarry/ (git-ignored): every wheel the lent GPU machine lacks to run vLLM, for
 # issue 41. The machine has CPython 3.12 and torch 2.11.0+cu130 (in /opt/torch/.venv, with
 # about 200 more packages) but no vLLM and no network, and takes at most 64 MiB per call, so the wheels travel as one tar cut into
-# parts of PART_MIB (default 60) MiB, one part per `device` call (eval/device/gpu-stage.sh
+# parts of PART_MIB (default 60) MiB, one part per `device` call (scripts/device/gpu-stage.sh
 # stores them there and installs once all have arrived).
 #
 # Which vLLM: 0.26.0 is the newest release that pins torch==2.11.0 (0.27.0 on pin 2.13.0),
@@ -13,19 +13,19 @@
 #
 # What is carried: vLLM's whole dependency closure for cp312 / manylinux (glibc <= GLIBC,
 # default 2.35) minus what the machine already has. Those are listed in DEVICE_PACKAGES
-# (default eval/device/gpu-device-packages.txt, `name==version` lines); the resolver sees them
+# (default scripts/device/gpu-device-packages.txt, `name==version` lines); the resolver sees them
 # as installed (stub dist-infos in a scratch venv), so it downloads only those it must replace
 # (a version vLLM's pins exclude). The file is the H200's `pip list --format=freeze` of
-# 2026-11-26 (eval/device/gpu-engines.sh's info stage writes a fresh one to $OUT): 739 MiB in
+# 2026-11-26 (scripts/device/gpu-engines.sh's info stage writes a fresh one to $OUT): 739 MiB in
 # 13 parts, against 1,137 MiB in 19 with only torch, triton and transformers listed; 561 MiB
 # in 10 with the CuTe DSL left behind too (LEAVE below).
 #
 # Writes: .gpucarry/partNN_/ (a part and the tar's sha256, each a carry path),
-# .gpucarry/wheels.tsv, and the committed manifest eval/device/gpu-bundle.manifest.tsv
+# .gpucarry/wheels.tsv, and the committed manifest scripts/device/gpu-bundle.manifest.tsv
 # (wheel, size, sha256; then each part's). Timing of the split and of the reassembly below
 # (REHEARSE=1) is printed.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 VLLM=${VLLM:-0.26.0}
 # Beside vLLM, what the device script runs that the machine may lack: the test runner and its
 # plugins (tests/service/test_vllm_backend.py) and matplotlib (bench/load.py's plot).
@@ -40,7 +40,7 @@ PART_MIB=${PART_MIB:-60}
 # and its libraries, 178 MiB, the cu12 build among them; quack-kernels and tokenspeed-mla,
 # which import it): on an H100/H200 (SM 9.0, FlashAttention 3) a dense model's path imports
 # it only in try/except (ll_bf16.is_available, jit_monitor, flashinfer) or inside functions
-# of FA4 (SM 10.0), MLA, MoE and model-specific kernels: scripts/gpu_leave_check.py walks
+# of FA4 (SM 10.0), MLA, MoE and model-specific kernels: scripts/device/gpu_leave_check.py walks
 # the carried wheels' imports from the engine, worker, runner, warm-up, Llama and
 # FlashAttention modules (none reaches a left-behind package) and lists those inside
 # functions; run it after any change of LEAVE or of vLLM's version. Absent, the
@@ -53,12 +53,12 @@ nvidia-cutlass-dsl nvidia-cutlass-dsl-libs-base nvidia-cutlass-dsl-libs-core \
 nvidia-cutlass-dsl-libs-cu12 nvidia-cutlass-dsl-libs-cu13 nvidia-cuda-nvdisasm quack-kernels \
 tokenspeed-mla}
 GLIBC=${GLIBC:-2.35}
-DEVICE_PACKAGES=${DEVICE_PACKAGES:-eval/device/gpu-device-packages.txt}
+DEVICE_PACKAGES=${DEVICE_PACKAGES:-scripts/device/gpu-device-packages.txt}
 OUT=.gpucarry
-MANIFEST=eval/device/gpu-bundle.manifest.tsv
+MANIFEST=scripts/device/gpu-bundle.manifest.tsv
 # Resolve with a CPython 3.12 (the machine's): pip evaluates the requirements' markers
 # (`six; python_version > "3.11"`) against the interpreter it runs on, not --python-version.
-source scripts/gpu-common.sh
+source scripts/device/gpu-common.sh
 HOST_PY=${HOST_PY:-$(find_python312)} ||
     { echo "gpu-bundle: needs a CPython 3.12 to resolve (set HOST_PY)" >&2; exit 1; }
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_CONSTRAINT=
@@ -130,7 +130,7 @@ for f in "$OUT"/part[0-9][0-9]; do
 done
 split_s=$(echo "$(date +%s.%N) - $start" | bc)
 {
-    printf '# vllm==%s for cp312 manylinux x86_64 (glibc <= %s), minus %s and LEAVE (%s); scripts/gpu-bundle.sh\n' \
+    printf '# vllm==%s for cp312 manylinux x86_64 (glibc <= %s), minus %s and LEAVE (%s); scripts/device/gpu-bundle.sh\n' \
         "$VLLM" "$GLIBC" "$DEVICE_PACKAGES" "$LEAVE"
     printf '# wheel\tbytes\tsha256\n'
     cat "$OUT/wheels.tsv"

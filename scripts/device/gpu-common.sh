@@ -1,4 +1,4 @@
-# Sourced by scripts/gpu-bundle.sh and scripts/gpu-stage-rehearse.sh: what both do to stand in
+# Sourced by scripts/device/gpu-bundle.sh and gpu-stage-rehearse.sh: what both do to stand in
 # for the lent GPU machine here.
 
 # find_python312: print a CPython 3.12 (the machine's interpreter) from PATH or pyenv's

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 41, Part 2: the production engine (vLLM) on the lent GPU, in one device call once both
-# bundles are staged (eval/device/stage.sh: MODELS=smollm2 DATA=nq_open_dev; gpu-stage.sh: vLLM).
+# bundles are staged (scripts/device/stage.sh: MODELS=smollm2 DATA=nq_open_dev; gpu-stage.sh: vLLM).
 # Everything goes into $OUT/results.tgz as soon as each stage ends, so a call cut off at its
 # limit still returns what it finished; a stage that succeeded leaves a mark in $STATE (kept
 # while the machine is warm) and is skipped when the call is repeated.
@@ -60,14 +60,14 @@ PY
 }
 # The V1-runner fallback below, kept for this machine's later calls.
 [[ -f $STATE/fallback.env ]] && source "$STATE/fallback.env"
-source eval/device/env.sh
+source scripts/device/env.sh
 # bf16 on CUDA is the production setting (env.sh sets float32 for the evaluation's records).
 export RAG_REORDER_DTYPE=${GPU_DTYPE:-auto} RAG_REORDER_DEVICE=${DEVICE:-cuda}
 export VLLM_ENABLE_V1_MULTIPROCESSING=${VLLM_ENABLE_V1_MULTIPROCESSING:-1}
 # Two engines share the GPU in bench/load.py (the ceiling's and the server's).
 export RAG_REORDER_GPU_MEMORY_UTILIZATION=${RAG_REORDER_GPU_MEMORY_UTILIZATION:-0.4}
 PY=$VENV/bin/python
-# The load's size; a CPU rehearsal of the stages' mechanics (eval/device/README.md) passes
+# The load's size; a CPU rehearsal of the stages' mechanics (scripts/device/README.md) passes
 # small ones (tests/service/test_gpu_engines_script.py runs them in CI).
 LOAD_ARGS=${LOAD_ARGS:---levels 1,4,8,16,32 --requests-per-level 32 --queries 8 --passages 10}
 SCORING_ARGS=${SCORING_ARGS:---queries 8 --passages 10 --warm-each}

@@ -1,18 +1,18 @@
 #!/usr/bin/env bash
-# Rehearses eval/device/gpu-stage.sh here, on the CPU, before device time is spent (issue 41):
-# the parts of .gpucarry/ (scripts/gpu-bundle.sh) carried one call at a time into a scratch
+# Rehearses scripts/device/gpu-stage.sh here, on the CPU, before device time is spent (issue 41):
+# the parts of .gpucarry/ (scripts/device/gpu-bundle.sh) carried one call at a time into a scratch
 # folder, joined, checked and installed offline (pip --no-index --find-links) into a fresh
-# CPython 3.12 virtualenv that has the machine's packages as stubs (eval/device/
+# CPython 3.12 virtualenv that has the machine's packages as stubs (scripts/device/
 # gpu-device-packages.txt: torch 2.11.0 and the rest, metadata only). Then every installed
 # distribution's top-level modules are imported, one subprocess each; on the CPU those that
 # need torch or CUDA cannot import and are listed apart. Prints the timings.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 # The machine's interpreter is CPython 3.12: find one here (PATH, then pyenv's versions).
-source scripts/gpu-common.sh
+source scripts/device/gpu-common.sh
 PY312=${PY312:-$(find_python312)} || { echo "rehearsal: needs a CPython 3.12 (set PY312)" >&2; exit 1; }
 WORK=${WORK:-/tmp/gpu-rehearse}
-DEVICE_PACKAGES=${DEVICE_PACKAGES:-eval/device/gpu-device-packages.txt}
+DEVICE_PACKAGES=${DEVICE_PACKAGES:-scripts/device/gpu-device-packages.txt}
 rm -rf "$WORK" && mkdir -p "$WORK"
 VENV=$WORK/vllm-env
 "$PY312" -m venv "$VENV"
@@ -24,7 +24,7 @@ for part in .gpucarry/part[0-9][0-9]_; do
     rm -rf "$WORK/tree" && mkdir -p "$WORK/tree/.gpucarry"
     ln -s "$PWD/$part" "$WORK/tree/.gpucarry/"
     (cd "$WORK/tree" && CARRY_DIR=$WORK/carry WHEELS_DIR=$WORK/wheels VENV=$VENV \
-        PYTHON=$PY312 bash "$OLDPWD/eval/device/gpu-stage.sh")
+        PYTHON=$PY312 bash "$OLDPWD/scripts/device/gpu-stage.sh")
 done
 printf 'rehearsal: %d calls and the install in %.1f s\n' \
     "$(ls -d .gpucarry/part[0-9][0-9]_ | wc -l)" "$(echo "$(date +%s.%N) - $start" | bc)"

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# Every device call that carries a part of .gpucarry/ (scripts/gpu-bundle.sh) runs this
+# Every device call that carries a part of .gpucarry/ (scripts/device/gpu-bundle.sh) runs this
 # first: it keeps the carried part in $CARRY_DIR and, once every part is there (the joined tar
 # matches its checksum), installs vLLM offline into $VENV, a virtualenv over the machine's own
 # packages (--system-site-packages: its torch 2.11.0+cu130 satisfies vLLM's torch==2.11.0, and
 # nothing CUDA travels). A call before the last one only stores its part; after the install
 # it is a no-op.
 #
-# Rehearsed on the CPU (REHEARSE=1 scripts/gpu-stage-rehearse.sh): the same steps into a
+# Rehearsed on the CPU (REHEARSE=1 scripts/device/gpu-stage-rehearse.sh): the same steps into a
 # python3.12 virtualenv whose torch is a stub.
 set -euo pipefail
 CARRY_DIR=${CARRY_DIR:-/tmp/gpucarry}
@@ -39,7 +39,7 @@ joined=$SECONDS
 # found no torch. Its site folders come after the venv's own, so the carried wheels win.
 "$PYTHON" -c 'import site; print("\n".join(site.getsitepackages()))' \
     > "$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/machine-site.pth"
-# --no-deps: requirements.txt pins the whole closure resolved by scripts/gpu-bundle.sh, less
+# --no-deps: requirements.txt pins the whole closure resolved by scripts/device/gpu-bundle.sh, less
 # the wheels it leaves behind (LEAVE there), which pip would otherwise ask for.
 PIP_CONSTRAINT= PIP_DISABLE_PIP_VERSION_CHECK=1 "$VENV/bin/python" -m pip install -q --no-deps \
     --no-index --find-links "$WHEELS_DIR" --no-compile -r "$WHEELS_DIR/requirements.txt"

@@ -1,4 +1,4 @@
-"""Could a GPU engine import what scripts/gpu-bundle.sh leaves behind? A walk of module imports.
+"""Could a GPU engine import what scripts/device/gpu-bundle.sh leaves behind? A walk of imports.
 
 The GPU bundle leaves out packages that a text model's prompt log-probs should never import
 (``LEAVE`` there), to save device calls and, for CUTLASS's CuTe DSL, a MoE warm-up of every
@@ -12,7 +12,7 @@ It prints how many modules the entry modules reach, every unguarded path to a le
 module (exit 1 if any), and every import of one inside a function, to be read: those run only
 when the function does (FA4, MLA, MoE kernels...), which a walk cannot decide.
 
-Usage: python scripts/gpu_leave_check.py [--wheels .gpucarry/wheels] [--leave cutlass ...]
+Usage: python scripts/device/gpu_leave_check.py [--wheels .gpucarry/wheels] [--leave cutlass ...]
            [--entry vllm.v1.engine.async_llm ...]
 """
 
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     wheels = sorted(args.wheels.glob("*.whl"))
     if not wheels:
-        print(f"no wheels in {args.wheels}: run scripts/gpu-bundle.sh first", file=sys.stderr)
+        print(f"no wheels in {args.wheels}: run scripts/device/gpu-bundle.sh", file=sys.stderr)
         return 2
     sources = read_sources(wheels)
     missing = [e for e in args.entry if e not in sources]

@@ -9,7 +9,7 @@ the MoI bias profiles are calibrated exactly as eval/run.sh does (both sets at o
 deadline every unfinished process is stopped; the chunks' caches are then merged into
 OUT/<set>/cache.jsonl, so what finished is kept and a later call (on the same machine, or on a
 fresh one from the merged results) continues. Reports are rebuilt afterwards from the merged
-cache with the full data file (eval/device/README.md).
+cache with the full data file (scripts/device/README.md).
 
 The first chunk of each set keeps the positional rotations: it holds the set's first
 questions, so it rotates the same ones the full run would.
@@ -20,8 +20,8 @@ generator's bias profile from OUT/profiles/<set>__NAME/ (calibrated first, as
 eval/cross_model.sh does, when it is missing), no positional rotations. With a pairing the
 same-model runs are left out unless ``--same-model`` asks for them too.
 
-Usage (on the device, after eval/device/stage.sh; see eval/device/README.md):
-    python3 eval/device/parallel.py --data /tmp/data --out /tmp/evalout --budget 520
+Usage (on the device, after scripts/device/stage.sh; see scripts/device/README.md):
+    python3 scripts/device/parallel.py --data /tmp/data --out /tmp/evalout --budget 520
 """
 
 from __future__ import annotations

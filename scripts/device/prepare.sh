@@ -5,7 +5,7 @@
 # own), the three packaged models (SmolLM2-135M's GGUF, Gemma-3-270m's four GGUF chunks,
 # all-MiniLM-L6-v2) as the package folders find_spec locates, and the data sets, in one tarball cut into parts of
 # PART_MIB (default 56) with its checksum. Each device call carries one part
-# (eval/device/stage.sh); see eval/device/README.md for the calls.
+# (scripts/device/stage.sh); see scripts/device/README.md for the calls.
 #
 # MODELS (default: all three) and DATA (default: every set) pack less for a call that needs
 # less: `MODELS="smollm2 gemma" DATA="nq_open_train nq_open_dev"` is the distillation's bundle,

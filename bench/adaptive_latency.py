@@ -16,7 +16,7 @@ The request deadline is raised (``RAG_REORDER_REQUEST_TIMEOUT_S`` 1800) so the d
 at concurrency 8 on two cores is measured rather than refused. Rows go to ``<out>.jsonl`` as
 they finish (a rerun resumes); the summary to ``<out>.json`` and ``<out>.md``::
 
-    python bench/adaptive_latency.py --out results/bench/adaptive/latency.json
+    python -m bench.adaptive_latency --out results/bench/adaptive/latency.json
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 

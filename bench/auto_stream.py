@@ -20,7 +20,7 @@ Everything is appended as it is measured under ``--out-dir`` (``requests.jsonl``
 interrupted run continues where it stopped: the server restarts on its own stored profile and
 learning runs, as a restarted replica does. ``summary.json`` and ``summary.md`` at the end.
 
-Usage: python bench/auto_stream.py --model HuggingFaceTB/SmolLM2-135M-Instruct \\
+Usage: python -m bench.auto_stream --model HuggingFaceTB/SmolLM2-135M-Instruct \\
          --records results/eval/nq_open_dev --profile results/eval/profiles/nq_open_dev/<id>.json \\
          --out-dir results/bench/auto_stream_smollm2
 """
@@ -37,12 +37,9 @@ import asyncio
 import gzip
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 import numpy as np

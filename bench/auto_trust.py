@@ -9,7 +9,7 @@ the same two strongest slots first as the reference does (what the placement dep
 Then the cost, side by side on the same runs: the pooled fit by variable projection against
 ``solver.calibrate`` (the same objective), and one whole assessment.
 
-Usage: python bench/auto_trust.py [--runs results/bench/auto_trust_runs_smollm2.jsonl]
+Usage: python -m bench.auto_trust [--runs results/bench/auto_trust_runs_smollm2.jsonl]
        [--splits 20] [--out results/bench/auto_trust.json]
 """
 
@@ -21,12 +21,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

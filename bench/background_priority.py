@@ -11,7 +11,7 @@ request waiting on the loop would lose. ``none`` runs no assessment (the latenes
 alone causes). ``--busy K`` starts K processes that spin (``while True: pass``) beside it, a
 shared node's neighbours.
 
-Usage: python bench/background_priority.py [--arms none,thread19,process10,process19]
+Usage: python -m bench.background_priority [--arms none,thread19,process10,process19]
        [--busy 0,2] [--assessments 3] [--runs 60] [--limit-s 180]
        [--out results/bench/background_priority.json]
 """
@@ -34,8 +34,6 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

@@ -14,7 +14,7 @@ orders must agree). Modes, each ``--repeats`` times on one app (median wall seco
 The machine is shared (2 cores, other engineers' work): the 1-minute load average is
 recorded beside the figures.
 
-Usage: python bench/batch_route.py [--items 32] [--repeats 3]
+Usage: python -m bench.batch_route [--items 32] [--repeats 3]
            [--out results/bench/batch_route.json]
 """
 
@@ -25,7 +25,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +34,6 @@ import anyio
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from app.main import create_app
 from service.backends.paced import PacedBackend
@@ -203,7 +201,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.batch_route", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--items", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=ROOT / "results/bench/batch_route.json")

@@ -9,7 +9,7 @@ the learning runs in the engine's idle time between requests), a stream paced at
 placement, and the accuracy of the first ``--first`` answers (each stream's ``answers.jsonl``:
 the generator's answer to that order), paired per request.
 
-Usage: python bench/cold_start.py --before results/bench/auto_stream_smollm2 \\
+Usage: python -m bench.cold_start --before results/bench/auto_stream_smollm2 \\
          --after results/bench/auto_cold_smollm2 \\
          --out results/bench/auto_cold_smollm2/cold_start.json
 """
@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 
@@ -50,7 +47,9 @@ def until_trusted(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.cold_start", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--before", required=True)
     ap.add_argument("--after", required=True)
     ap.add_argument("--first", type=int, default=20)

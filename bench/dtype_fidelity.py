@@ -12,7 +12,7 @@ and the time.
 Prompts: the default MoI design (``--design``, default ``pruned_random``) for the first
 ``--queries`` NQ-Open dev questions with ``--passages`` passages each.
 
-Usage: python bench/dtype_fidelity.py [--dtypes float32,bfloat16] [--queries 8]
+Usage: python -m bench.dtype_fidelity [--dtypes float32,bfloat16] [--queries 8]
        [--passages 10] [--design pruned_random] [--baseline-seed 1000]
        [--out results/bench/dtype_fidelity.json]
 ``--baseline-seed`` adds the yardstick: the first dtype's fit on another draw of the design
@@ -29,12 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, cast
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 from scipy.stats import kendalltau

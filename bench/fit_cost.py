@@ -16,7 +16,7 @@ fits, 10 passages, the service's default design (pruned random, 20 prompts):
 For each, ``delta`` and ``jackknife`` (the service's default), and per arm the fits' main
 solver steps and the adjacent-pair confidences' mean distance from the first arm's.
 
-Usage: python bench/fit_cost.py --arms before=/tmp/before,after=. [--rounds 5]
+Usage: python -m bench.fit_cost --arms before=/tmp/before,after=. [--rounds 5]
            [--out results/bench/fit_cost.json]
 """
 
@@ -32,9 +32,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench.report import RESULTS, parser, provenance, write
 

@@ -11,7 +11,7 @@ Kendall taus against the synthetic truth (primacy bias, 1% noise). Cyclic design
 by us with the exact profile, as a calibrated deployment would; SLSQP gets the same program as
 everywhere else, which a cyclic design cannot pin down (its tau shows it).
 
-Usage: python bench/solver.py [--quick] [--out results/bench/solver.json]
+Usage: python -m bench.fit_vs_slsqp [--quick] [--out results/bench/fit_vs_slsqp.json]
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ for _var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "MKL_NUM_THREADS"):
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -35,7 +34,6 @@ import scipy
 from scipy.optimize import minimize
 from scipy.stats import kendalltau
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import solver
 from bench import report
 
@@ -147,7 +145,7 @@ def case(n: int, design: str, seed: int, reps: int, slsqp_reps: int) -> dict[str
 
 
 def main() -> int:
-    ap = report.parser("solver", __doc__)
+    ap = report.parser("fit_vs_slsqp", __doc__)
     ap.add_argument("--quick", action="store_true", help="N in 5, 10, 20 only, fewer repeats")
     args = ap.parse_args()
     ns = [5, 10, 20] if args.quick else [5, 10, 20, 50, 100]
@@ -202,7 +200,7 @@ def main() -> int:
     for name, ok, val in checks:
         print(f"{'PASS' if ok else 'FAIL'}  {name}  ({val})")
     out = {
-        "command": "python bench/solver.py" + (" --quick" if args.quick else ""),
+        "command": "python -m bench.fit_vs_slsqp" + (" --quick" if args.quick else ""),
         "machine": {
             "cpu_count": os.cpu_count(),
             "platform": platform.platform(),

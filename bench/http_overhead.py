@@ -15,8 +15,8 @@
    pipeline time (HTTP, JSON, routing). The transformers backend runs one forward at a time,
    so latency grows with concurrency while throughput stays flat. Then SIGTERM, exit code.
 
-Usage: python bench/service.py [--pairs 12] [--levels 1,2,4] [--per-level 8]
-                               [--out results/bench/service.json]
+Usage: python -m bench.http_overhead [--pairs 12] [--levels 1,2,4] [--per-level 8]
+                               [--out results/bench/http_overhead.json]
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import httpx
 import uvicorn
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from app.main import create_app
 from bench.server_process import free_port, percentile, start_server
@@ -246,7 +245,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     )
     separate = await separate_process(env, args)
     return {
-        "command": shlex.join([".venv/bin/python", "bench/service.py", *sys.argv[1:]]),
+        "command": shlex.join([".venv/bin/python", "-m", "bench.http_overhead", *sys.argv[1:]]),
         "machine": {
             "platform": platform.platform(),
             "python": platform.python_version(),
@@ -262,13 +261,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.http_overhead", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--levels", default="1,2,4")
     ap.add_argument("--per-level", type=int, default=8)
     ap.add_argument("--backend", default="transformers")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--out", default=str(ROOT / "results" / "bench" / "service.json"))
+    ap.add_argument("--out", default=str(ROOT / "results" / "bench" / "http_overhead.json"))
     ap.add_argument("--server-log", default="/tmp/rag-reorder-bench-server.log")
     args = ap.parse_args()
     result = asyncio.run(run(args))

@@ -23,7 +23,7 @@ that is why), and the mean absolute difference grouping makes to the adjacent-pa
 confidences (``default`` against ``stacked``; bench/confidence.py checks that the grouped
 confidences stay calibrated).
 
-Usage: python bench/jackknife_cost.py [--repeats 5] [--out results/bench/jackknife_cost.json]
+Usage: python -m bench.jackknife_cost [--repeats 5] [--out results/bench/jackknife_cost.json]
 """
 
 from __future__ import annotations
@@ -36,14 +36,11 @@ import importlib
 import json
 import re
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

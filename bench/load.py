@@ -25,11 +25,11 @@ Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at con
 HTTP processes on one engine process, app/workers.py), one server after the other, against
 the same ceiling; each row says its worker count.
 
-Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16] [--workers 1]
+Usage: python -m bench.load [--levels 1,2,4,8,16,32] [--requests-per-level 16] [--workers 1]
            [--passages 10 20] [--queries 8] [--data <questions.jsonl>] [--server-root .]
            [--no-ceiling] [--warm-ceiling]
            [--out results/bench/load.json] [--resume]
-       python bench/load.py --overload 1.5,3 [--baseline-root <old checkout>] [--duration 480]
+       python -m bench.load --overload 1.5,3 [--baseline-root <old checkout>] [--duration 480]
            (open-loop overload against the default deadline; bench/overload.py)
 Writes the JSON, a markdown table beside it (.md) and a plot (.png) after every level, so an
 interrupted run keeps what it measured; ``--resume`` continues it: the levels and ceilings
@@ -59,7 +59,6 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench.report import parser as bench_parser
 from bench.server_process import cpu_s, free_port, percentile, process_tree, start_server
@@ -404,7 +403,7 @@ def report(
 ) -> dict[str, Any]:
     best = max(ceilings, key=lambda c: c["prompt_tokens_per_s"]) if ceilings else None
     result = {
-        "command": shlex.join(["python", "bench/load.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "-m", "bench.load", *sys.argv[1:]]),
         "server_root": str(Path(args.server_root).resolve()),
         "machine": {
             "platform": platform.platform(),

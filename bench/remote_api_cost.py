@@ -16,9 +16,9 @@ it bounds the throughput of one API process: 1 / (seconds per token) prompt toke
 core, the connections spread over them by the kernel) and sums the API processes' CPU; the
 bound is then N times one process's.
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=1 .venv-vllm/bin/python bench/remote_api_cost.py \\
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 .venv-vllm/bin/python -m bench.remote_api_cost \\
         --out results/bench/remote_api_cost.json        # ~3 min
-    .venv-vllm/bin/python bench/remote_api_cost.py --api-server-counts 1,2 \\
+    .venv-vllm/bin/python -m bench.remote_api_cost --api-server-counts 1,2 \\
         --out results/bench/remote_api_servers.json     # ~8 min
 """
 
@@ -34,15 +34,12 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.remote import start_vllm_server
 from bench.report import main as report_main

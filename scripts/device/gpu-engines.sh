@@ -112,13 +112,13 @@ stage() {  # stage NAME LIMIT_S COMMAND...: run it once, log it, record rc and s
 
 score() {  # score NAME BACKEND: bench/scoring.py as stage NAME
     stage "$1" 150 env RAG_REORDER_BACKEND="$2" \
-        "$PY" bench/scoring.py --data "$DATA" $SCORING_ARGS --out "$RES/$1.json"
+        "$PY" -m bench.scoring --data "$DATA" $SCORING_ARGS --out "$RES/$1.json"
 }
 
 load() {  # load NAME LIMIT_S VAR=VALUE...: bench/load.py with that environment as stage NAME
     local name=$1 limit=$2
     shift 2
-    stage "$name" "$limit" env "$@" "$PY" bench/load.py --data "$DATA" $LOAD_ARGS \
+    stage "$name" "$limit" env "$@" "$PY" -m bench.load --data "$DATA" $LOAD_ARGS \
         --warm-ceiling ${LOAD_FLAGS:-} --server-log "$RES/$name.server.log" --out "$RES/$name.json"
 }
 
@@ -231,7 +231,7 @@ print(r(S()))")
         # process and from two workers, and ranked by `dense` with the encoder on this
         # device (RAG_REORDER_DEVICE: CUDA here), batched across requests. `load`'s level 8
         # is the MoI path beside it.
-        stage default_path 300 "$PY" bench/default_path.py --data "$DATA" \
+        stage default_path 300 "$PY" -m bench.default_path --data "$DATA" \
             --cases "${DEFAULT_PATH_CASES:-auto_scores,auto_scores_2w,auto_dense}" \
             --levels "${DEFAULT_PATH_LEVELS:-1,16,64}" \
             --seconds "${DEFAULT_PATH_SECONDS:-8}" --cache-dir "$RAG_REORDER_CACHE_DIR" \

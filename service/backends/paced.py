@@ -16,7 +16,7 @@ numbers, the same prompt always the same), so the solver has real work and no si
 The cost model (``PacedProfile``): one forward of ``rows`` prompts takes
 ``overhead_s + tokens / tokens_per_s`` seconds, ``tokens`` padded (rows x longest) where the
 engine pads (transformers) and summed where it does not (vLLM). Each profile's figures and the
-files they come from are in ``PROFILES``; ``python bench/paced_fit.py`` recomputes them from the
+files they come from are in ``PROFILES``; ``python -m bench.paced_fit`` recomputes them from the
 committed GPU results and prints the model's error on each measured query.
 """
 
@@ -68,7 +68,7 @@ class PacedProfile:
         return self.overhead_s + tokens / self.tokens_per_s
 
 
-# `python bench/paced_fit.py` prints these from the files named in `source`. The generation
+# `python -m bench.paced_fit` prints these from the files named in `source`. The generation
 # step is the H100's float32 lockstep figure (results/bench/generation_cuda_float32.json: 32
 # answers of up to 32 tokens in 1.94 s, about 60 ms a step with its prefill): the only
 # generation timing measured on a GPU; scoring, not generation, is what these benchmarks load.

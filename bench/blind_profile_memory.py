@@ -7,7 +7,7 @@ one slot, one in ten split over two. Peak allocation is read with ``tracemalloc`
 reports its buffers to it), the process's peak RSS with ``resource.getrusage``.
 
     PYTHONPATH=. .venv/bin/python -m bench.blind_profile_memory --answers 2000 --slots 100 \\
-        --out results/bench/blind_profile/memory_2000x100.json
+        --out results/bench/blind_profile_memory/memory_2000x100.json
 """
 
 from __future__ import annotations

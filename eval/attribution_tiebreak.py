@@ -14,7 +14,7 @@ the difference, its mean with a bootstrap 95% interval over answers. The scorer 
 service's embedded SmolLM2-135M-Instruct (transformers, float32, CPU), whichever generator
 answered.
 
-    python eval/attribution_tiebreak.py --out results/bench/blind_profile/tiebreak.json
+    python eval/attribution_tiebreak.py --out results/eval/blind_profile/tiebreak.json
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> int:
     ap.add_argument("--runs", type=Path, default=Path("results/eval/answer_profile"))
     ap.add_argument("--scorer", default=EMBEDDED_MODEL)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("results/bench/blind_profile/tiebreak.json"))
+    ap.add_argument("--out", type=Path, default=Path("results/eval/blind_profile/tiebreak.json"))
     args = ap.parse_args()
     scorer = likelihood(args.scorer)
 

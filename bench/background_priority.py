@@ -129,6 +129,7 @@ def main() -> None:
         _child(args)
         return
     rows: list[dict[str, Any]] = []
+    rest = sys.argv[1:]
     for busy in (int(b) for b in args.busy.split(",")):
         for arm in args.arms.split(","):
             hogs = [
@@ -136,8 +137,9 @@ def main() -> None:
             ]
             try:
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", arm, *sys.argv[1:]],
+                    [sys.executable, "-m", "bench.background_priority", "--child", arm, *rest],
                     capture_output=True,
+                    cwd=report.ROOT,
                     text=True,
                     timeout=args.limit_s + 120,
                     check=True,

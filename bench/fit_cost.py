@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.report import RESULTS, parser, provenance, write
+from bench.report import RESULTS, ROOT, parser, provenance, write
 
 SCORES = RESULTS / "confidence_real_scores.json"
 VARIANCES = ("delta", "jackknife")
@@ -97,8 +97,10 @@ def main() -> int:
         for arm, path in arms.items():
             root = str(Path(path).resolve())
             proc = subprocess.run(
-                [sys.executable, __file__, "--arms", args.arms, "--child", root],
-                capture_output=True, text=True, env=env, check=True, cwd=root,
+                # This checkout's bench (-m from its root); the child puts the arm's root first
+                # for `solver` itself.
+                [sys.executable, "-m", "bench.fit_cost", "--arms", args.arms, "--child", root],
+                capture_output=True, text=True, env=env, check=True, cwd=ROOT,
             )  # fmt: skip
             rounds[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {arm}: " + ", ".join(

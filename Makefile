@@ -111,11 +111,11 @@ test-vllm: vllm-venv
 		$(DURATIONS) -m vllm --ignore=tests/app/test_workers_vllm.py \
 		--ignore=tests/service/test_gpu_engines_script.py
 	# bfloat16 too, production's dtype on a GPU: its near-ties and tolerance are what the H200
-	# showed the float32 checks alone miss (2026-11-27, bench/results/gpu_h200_20261127).
+	# showed the float32 checks alone miss (2026-11-27, results/bench/gpu_h200_20261127).
 	RAG_REORDER_TEST_VLLM_DTYPE=bfloat16 VLLM_ENABLE_V1_MULTIPROCESSING=0 \
 		.venv-vllm/bin/python -m pytest -q -p no:cacheprovider -m vllm tests/service/test_vllm_backend.py
 
-# eval/device/gpu-engines.sh end to end on the CPU, as the GPU session will run it (about 510 s
+# scripts/device/gpu-engines.sh end to end on the CPU, as the GPU session will run it (about 510 s
 # alone, 650 s beside the light lane): every stage's mechanics, no figures.
 test-rehearsal: vllm-venv
 	VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m pytest -q -p no:cacheprovider \
@@ -151,7 +151,7 @@ serve: install
 	RAG_REORDER_OPEN_WRITES=true $(BIN)/rag-reorder serve --host 127.0.0.1 --port 8000
 
 bench: install
-	OPENBLAS_NUM_THREADS=1 $(BIN)/python bench/solver.py
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m bench.fit_vs_slsqp
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -2,7 +2,7 @@
 concurrent requests, prompts and prompt tokens per request, side by side in one run.
 
 One ``python -m entrypoints serve`` on the embedded default (the packaged SmolLM2, CPU) with the MoI
-bias profiles the evaluation uses (``eval/results/profiles/nq_open_dev``, copied to a scratch
+bias profiles the evaluation uses (``results/eval/profiles/nq_open_dev``, copied to a scratch
 folder), so the adaptive design fixes its bias as a server that has a profile does. Requests:
 the first ``--queries`` NQ-Open dev questions with their first 10 passages, ``strategy: moi``,
 ``design.kind`` ``pruned_random`` (the default) or ``adaptive``.
@@ -16,7 +16,7 @@ The request deadline is raised (``RAG_REORDER_REQUEST_TIMEOUT_S`` 1800) so the d
 at concurrency 8 on two cores is measured rather than refused. Rows go to ``<out>.jsonl`` as
 they finish (a rerun resumes); the summary to ``<out>.json`` and ``<out>.md``::
 
-    python bench/adaptive_latency.py --out bench/results/adaptive/latency.json
+    python -m bench.adaptive_latency --out results/bench/adaptive/latency.json
 """
 
 from __future__ import annotations
@@ -24,13 +24,10 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
@@ -38,7 +35,7 @@ from bench.report import append, main, parser, provenance, read_jsonl
 from bench.server_process import free_port, percentile, start_server
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT / "eval" / "results" / "profiles" / "nq_open_dev"
+PROFILES = ROOT / "results" / "eval" / "profiles" / "nq_open_dev"
 DESIGNS = ("pruned_random", "adaptive")
 
 

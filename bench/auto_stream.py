@@ -20,9 +20,9 @@ Everything is appended as it is measured under ``--out-dir`` (``requests.jsonl``
 interrupted run continues where it stopped: the server restarts on its own stored profile and
 learning runs, as a restarted replica does. ``summary.json`` and ``summary.md`` at the end.
 
-Usage: python bench/auto_stream.py --model HuggingFaceTB/SmolLM2-135M-Instruct \\
-         --records eval/results/nq_open_dev --profile eval/results/profiles/nq_open_dev/<id>.json \\
-         --out-dir bench/results/auto_stream_smollm2
+Usage: python -m bench.auto_stream --model HuggingFaceTB/SmolLM2-135M-Instruct \\
+         --records results/eval/nq_open_dev --profile results/eval/profiles/nq_open_dev/<id>.json \\
+         --out-dir results/bench/auto_stream_smollm2
 """
 
 from __future__ import annotations
@@ -37,12 +37,9 @@ import asyncio
 import gzip
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 import numpy as np
@@ -380,7 +377,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 def main() -> None:
     ap = report.parser("auto_stream", __doc__, data=True)
     ap.add_argument("--model", default="HuggingFaceTB/SmolLM2-135M-Instruct")
-    ap.add_argument("--records", default="eval/results/nq_open_dev", help="committed eval folder")
+    ap.add_argument("--records", default="results/eval/nq_open_dev", help="committed eval folder")
     ap.add_argument("--profile", required=True, help="committed calibrated profile (JSON)")
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--passages", type=int, default=10)

@@ -1,6 +1,6 @@
 """How many MoI runs before ``auto`` may trust a learned profile, on a real model's runs.
 
-``bench/results/auto_trust_runs_smollm2.jsonl`` holds the scores of SmolLM2-135M on MoI's
+``results/bench/auto_trust_runs_smollm2.jsonl`` holds the scores of SmolLM2-135M on MoI's
 default design (pruned_random, 20 prompts of 5 passages, seed 0, as ``auto`` learns) for NQ-Open
 *training* questions, 10 passages each (numbers only). For each run count k, ``--splits``
 random splits take k runs to assess (``solver.trust.assess``, the service's rules) and pool the
@@ -9,8 +9,8 @@ the same two strongest slots first as the reference does (what the placement dep
 Then the cost, side by side on the same runs: the pooled fit by variable projection against
 ``solver.calibrate`` (the same objective), and one whole assessment.
 
-Usage: python bench/auto_trust.py [--runs bench/results/auto_trust_runs_smollm2.jsonl]
-       [--splits 20] [--out bench/results/auto_trust.json]
+Usage: python -m bench.auto_trust [--runs results/bench/auto_trust_runs_smollm2.jsonl]
+       [--splits 20] [--out results/bench/auto_trust.json]
 """
 
 from __future__ import annotations
@@ -21,12 +21,9 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

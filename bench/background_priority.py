@@ -4,16 +4,16 @@ background worker process (``service.runtime.background``), quiet and beside bus
 Each arm runs in its own child process (a thread cannot be stopped, and one left running
 would spoil the next arm): an asyncio loop wakes every 5 ms, as the server's event loop does
 for requests, while ``--assessments`` trust assessments (``solver.trust.assess``, the service's
-rules) of ``--runs`` real SmolLM2 runs (``bench/results/auto_trust_runs_smollm2.jsonl``) run
+rules) of ``--runs`` real SmolLM2 runs (``results/bench/auto_trust_runs_smollm2.jsonl``) run
 the arm's way. Reported per arm: each assessment's wall time (or that it did not finish within
 ``--limit-s``) and the loop's lateness past each 5 ms wake-up (p50, p99, max): the time a
 request waiting on the loop would lose. ``none`` runs no assessment (the lateness the machine
 alone causes). ``--busy K`` starts K processes that spin (``while True: pass``) beside it, a
 shared node's neighbours.
 
-Usage: python bench/background_priority.py [--arms none,thread19,process10,process19]
+Usage: python -m bench.background_priority [--arms none,thread19,process10,process19]
        [--busy 0,2] [--assessments 3] [--runs 60] [--limit-s 180]
-       [--out bench/results/background_priority.json]
+       [--out results/bench/background_priority.json]
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ import time
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
@@ -131,6 +129,7 @@ def main() -> None:
         _child(args)
         return
     rows: list[dict[str, Any]] = []
+    rest = sys.argv[1:]
     for busy in (int(b) for b in args.busy.split(",")):
         for arm in args.arms.split(","):
             hogs = [
@@ -138,8 +137,9 @@ def main() -> None:
             ]
             try:
                 out = subprocess.run(
-                    [sys.executable, __file__, "--child", arm, *sys.argv[1:]],
+                    [sys.executable, "-m", "bench.background_priority", "--child", arm, *rest],
                     capture_output=True,
+                    cwd=report.ROOT,
                     text=True,
                     timeout=args.limit_s + 120,
                     check=True,

@@ -15,8 +15,8 @@ weighs on both.
 
 Run::
 
-    python bench/background_yield.py --arms before=/tmp/before,after=. --questions 6 \
-        --out bench/results/background_yield
+    python -m bench.background_yield --arms before=/tmp/before,after=. --questions 6 \
+        --out results/bench/background_yield
 
 ``<out>/requests.jsonl`` gets one row per request and is resumed from; ``<out>/summary.json``
 and ``<out>/summary.md`` are written from every row at the end.
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -36,7 +35,6 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import report
 from bench.estimates import one

@@ -12,8 +12,8 @@ Prompts: the scoring prompts of one MoI request per question, ``--design`` (defa
 ``pruned_random``: 2N prompts of ceil(N/2) passages), for the first ``--queries`` NQ-Open dev
 questions with ``--passages`` passages.
 
-Usage: python bench/batch_budget.py [--budgets 16384,4096,2048,1024] [--queries 2]
-       [--passages 10] [--design pruned_random] [--rounds 2] [--out bench/results/...json]
+Usage: python -m bench.batch_budget [--budgets 16384,4096,2048,1024] [--queries 2]
+       [--passages 10] [--design pruned_random] [--rounds 2] [--out results/bench/...json]
 Settings (device, dtype) come from the environment (``RAG_REORDER_DEVICE``, ...).
 """
 
@@ -25,12 +25,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

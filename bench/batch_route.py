@@ -14,8 +14,8 @@ orders must agree). Modes, each ``--repeats`` times on one app (median wall seco
 The machine is shared (2 cores, other engineers' work): the 1-minute load average is
 recorded beside the figures.
 
-Usage: python bench/batch_route.py [--items 32] [--repeats 3]
-           [--out bench/results/batch_route.json]
+Usage: python -m bench.batch_route [--items 32] [--repeats 3]
+           [--out results/bench/batch_route.json]
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import json
 import os
 import random
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -35,7 +34,6 @@ import anyio
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from app.main import create_app
 from service.backends.paced import PacedBackend
@@ -203,10 +201,12 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.batch_route", description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--items", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench/results/batch_route.json")
+    parser.add_argument("--out", type=Path, default=ROOT / "results/bench/batch_route.json")
     args = parser.parse_args()
     result = anyio.run(main_async, args)
     print(f"{'mode':<12} {'median s':>9} {'x sequential':>13}   all runs (s)")

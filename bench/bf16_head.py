@@ -6,7 +6,7 @@ If the head were the culprit (logits rounded to bf16's 8-bit mantissa), computin
 scored rows' head in float32 would be a cheap fix, since the backend only runs the head on
 the scored rows. This shows whether it is.
 
-Usage: python bench/bf16_head.py [--prompts 6] [--passages 6] [--out bench/results/bf16_head.json]
+Usage: python -m bench.bf16_head [--prompts 6] [--passages 6] [--out results/bench/bf16_head.json]
 """
 
 from __future__ import annotations
@@ -15,11 +15,8 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch

@@ -6,8 +6,8 @@ Synthetic answers from a generator with a mild recency preference (seeded): each
 one slot, one in ten split over two. Peak allocation is read with ``tracemalloc`` (numpy
 reports its buffers to it), the process's peak RSS with ``resource.getrusage``.
 
-    PYTHONPATH=. .venv/bin/python bench/blind_profile_memory.py --answers 2000 --slots 100 \\
-        --out bench/results/blind_profile/memory_2000x100.json
+    PYTHONPATH=. .venv/bin/python -m bench.blind_profile_memory --answers 2000 --slots 100 \\
+        --out results/bench/blind_profile_memory/memory_2000x100.json
 """
 
 from __future__ import annotations
@@ -17,15 +17,12 @@ import json
 import platform
 import resource
 import subprocess
-import sys
 import time
 import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from solver.blind_profile import fit_blind_profile
 from solver.trust import TrustRules
@@ -71,7 +68,9 @@ def measure(n: int, slots: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.blind_profile_memory", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--answers", type=int, default=2000)
     ap.add_argument("--slots", type=int, default=100)
     ap.add_argument("--out", type=Path)

@@ -2,16 +2,16 @@
 ``bench/auto_stream.py`` streams over the same questions in the same order, side by side.
 
 Before: MoI in the caller's time until a profile is trusted (the committed stream,
-``bench/results/auto_stream_smollm2``: back to back). After: the cold path (answered at once,
+``results/bench/auto_stream_smollm2``: back to back). After: the cold path (answered at once,
 the learning runs in the engine's idle time between requests), a stream paced at
 ``--interval`` seconds (``bench/auto_stream.py --interval``). Per stream: each of the first
 ``--first`` requests' path and latency, the requests and seconds until the first trusted
 placement, and the accuracy of the first ``--first`` answers (each stream's ``answers.jsonl``:
 the generator's answer to that order), paired per request.
 
-Usage: python bench/cold_start.py --before bench/results/auto_stream_smollm2 \\
-         --after bench/results/auto_cold_smollm2 \\
-         --out bench/results/auto_cold_smollm2/cold_start.json
+Usage: python -m bench.cold_start --before results/bench/auto_stream_smollm2 \\
+         --after results/bench/auto_cold_smollm2 \\
+         --out results/bench/auto_cold_smollm2/cold_start.json
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 
@@ -50,7 +47,9 @@ def until_trusted(rows: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.cold_start", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--before", required=True)
     ap.add_argument("--after", required=True)
     ap.add_argument("--first", type=int, default=20)

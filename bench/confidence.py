@@ -10,7 +10,7 @@ Student's t) would have said for the same fits, and what the jackknife (``varian
 "jackknife"``, the service's default, built for real scores where the model is approximate)
 says for them: the same fits, so the same pairs.
 
-Usage: python bench/confidence.py [--trials 200] [--out bench/results/confidence.json]
+Usage: python -m bench.confidence [--trials 200] [--out results/bench/confidence.json]
 """
 
 from __future__ import annotations
@@ -19,11 +19,7 @@ import os
 
 os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
-import sys
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 from scipy.special import ndtr, stdtrit

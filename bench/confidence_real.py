@@ -18,8 +18,8 @@ of the default designs, measured side by side, and their ratio.
 The scores are written to ``--raw`` (numbers only) and reused when that file exists, so the
 analysis can be rerun without the model (``--raw`` alone, about a second).
 
-Usage: python bench/confidence_real.py [--queries 8] [--seeds 6] [--num-prompts 20]
-       [--raw bench/results/confidence_real_scores.json] [--out bench/results/confidence_real.json]
+Usage: python -m bench.confidence_real [--queries 8] [--seeds 6] [--num-prompts 20]
+       [--raw results/bench/confidence_real_scores.json] [--out results/bench/confidence_real.json]
 """
 
 from __future__ import annotations
@@ -37,8 +37,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, cast
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

@@ -9,9 +9,9 @@ With ``--workload auto_scores`` the requests are ``bench/default_path.py``'s no-
 instead: ``auto`` placing by a trusted profile seeded before start, the caller's score on every
 passage, that bench's server environment (no MoI, no model of any kind).
 
-Usage: python bench/cpu_stages.py [--concurrency 8] [--requests 160] [--passages 10]
+Usage: python -m bench.cpu_stages [--concurrency 8] [--requests 160] [--passages 10]
            [--workload moi|auto_scores] [--rate 200] [--server-root .]
-           [--out bench/results/cpu_stages.json]
+           [--out results/bench/cpu_stages.json]
 
 py-spy is a dev tool (``pip install py-spy``), not a dependency of the service. py-spy
 attaches after a warm-up cycle (imports, the solver pool's start and the designs' cache are not
@@ -41,7 +41,6 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import default_path
 from bench.load import SERVER_ENV, level

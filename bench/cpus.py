@@ -15,7 +15,7 @@ Confinements (``--confine``):
   period (1 CPU of quota, both CPUs in the mask: a Kubernetes CPU limit). Needs root and a
   writable ``/sys/fs/cgroup/cpu``.
 
-Usage: python bench/cpus.py --confine taskset --out bench/results/cpus/taskset.json
+Usage: python -m bench.cpus --confine taskset --out results/bench/cpus/taskset.json
 Rows are appended to ``<out>.jsonl`` as measured; a rerun skips those done.
 """
 
@@ -36,8 +36,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
@@ -111,7 +109,7 @@ def load(url: str, requests: int, concurrency: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.cpus", description=__doc__.splitlines()[0])
     ap.add_argument("--confine", choices=["taskset", "quota"], default="taskset")
     ap.add_argument("--before", default=BEFORE)
     ap.add_argument("--requests", type=int, default=4)

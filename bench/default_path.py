@@ -42,10 +42,10 @@ request) they, not the server, set the no-model path's requests/s.
 Targets: ``auto_scores`` at least 500 requests/s at 16 concurrent; ``auto_dense`` at least 3x
 ``dense_before`` at 16 concurrent.
 
-Usage: python bench/default_path.py [--levels 1,4,16,64] [--seconds 8] [--queries 50]
+Usage: python -m bench.default_path [--levels 1,4,16,64] [--seconds 8] [--queries 50]
            [--cases auto_scores,auto_scores_2w,auto_dense,auto_dense_cached,dense_before]
            [--baseline-commit 146c332^] [--baseline-root <checkout>]
-           [--out bench/results/default_path/default_path.json]
+           [--out results/bench/default_path/default_path.json]
 Writes the JSON and a markdown table beside it (.md) after every case.
 """
 
@@ -61,7 +61,6 @@ import asyncio
 import json
 import math
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -70,7 +69,6 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import report
 from bench.server_process import (

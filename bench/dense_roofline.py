@@ -13,8 +13,8 @@ peak is what ``torch.mm`` reaches on one thread on a large square product and on
 encoder's own largest shape (its feed-forward, a 8 x 150-token batch against 384 x 1536):
 GFLOP/s achieved against peak say how much any faster float32 runtime could still gain.
 
-Usage: python bench/dense_roofline.py [--questions 16] [--rounds 3]
-           [--out bench/results/dense_roofline.json]
+Usage: python -m bench.dense_roofline [--questions 16] [--rounds 3]
+           [--out results/bench/dense_roofline.json]
 """
 
 from __future__ import annotations
@@ -25,16 +25,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import report
 from bench.dense_runtimes import CHUNK, _Pooled, chunked

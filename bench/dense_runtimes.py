@@ -19,8 +19,8 @@ ONNX Runtime and onnx are not dependencies of the service: install them beside i
 (``pip install --target /tmp/ort-site onnxruntime onnx``; ``--ort-site`` is appended to the
 path, after the virtualenv's packages). The compile needs a C++ compiler (inductor).
 
-Usage: python bench/dense_runtimes.py [--questions 16] [--rounds 2] [--ort-site /tmp/ort-site]
-           [--out bench/results/dense_runtimes.json]
+Usage: python -m bench.dense_runtimes [--questions 16] [--rounds 2] [--ort-site /tmp/ort-site]
+           [--out results/bench/dense_runtimes.json]
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ from typing import Any
 
 import numpy as np
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import report
 from service.backends.embedding import DIM, MAX_TOKENS, EncoderConfig, MiniLMEncoder, model_dir

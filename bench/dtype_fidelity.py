@@ -1,7 +1,7 @@
 """Does a faster dtype change MoI's answer? The same prompts scored in two (or more) dtypes,
 side by side, and the MoI fits compared.
 
-bfloat16 scored about 3x faster than float32 on the H100 (bench/results/scoring_cuda_*.json),
+bfloat16 scored about 3x faster than float32 on the H100 (results/bench/scoring_cuda_*.json),
 but the evaluation used float32 because bf16's effect on the fits was not measured. This
 measures it: one backend per dtype over the same converted weights, every question's design
 prompts scored by each (in rotating order, so load drift hits all), and per dtype against the
@@ -12,9 +12,9 @@ and the time.
 Prompts: the default MoI design (``--design``, default ``pruned_random``) for the first
 ``--queries`` NQ-Open dev questions with ``--passages`` passages each.
 
-Usage: python bench/dtype_fidelity.py [--dtypes float32,bfloat16] [--queries 8]
+Usage: python -m bench.dtype_fidelity [--dtypes float32,bfloat16] [--queries 8]
        [--passages 10] [--design pruned_random] [--baseline-seed 1000]
-       [--out bench/results/dtype_fidelity.json]
+       [--out results/bench/dtype_fidelity.json]
 ``--baseline-seed`` adds the yardstick: the first dtype's fit on another draw of the design
 (how much MoI's order moves with the design's seed alone).
 Device and batch budget come from the environment (``RAG_REORDER_DEVICE``, ...).
@@ -29,12 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any, cast
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 from scipy.stats import kendalltau

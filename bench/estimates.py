@@ -7,8 +7,8 @@ median and worst of estimate / actual.
 
 Run (the full measurement: 20 requests per strategy, quiet, then with one competing process)::
 
-    python bench/estimates.py --requests 20
-    python bench/estimates.py --requests 20 --compete
+    python -m bench.estimates --requests 20
+    python -m bench.estimates --requests 20 --compete
 
 Requests go round-robin (question 0 for every strategy, then question 1, ...), one at a time,
 so the server's measured rates come from mixed traffic, as they would on a shared service.
@@ -37,7 +37,6 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import report
 from bench.server_process import free_port, start_server

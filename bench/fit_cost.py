@@ -7,7 +7,7 @@ alternating round by round so the machine's noise hits both; per fit the process
 (not wall time: this machine is shared), the best round's mean over the fits. Two sets of
 fits, 10 passages, the service's default design (pruned random, 20 prompts):
 
-- ``smollm2``: the 48 committed SmolLM2 fits (``bench/results/confidence_real_scores.json``:
+- ``smollm2``: the 48 committed SmolLM2 fits (``results/bench/confidence_real_scores.json``:
   8 NQ-Open questions, 6 designs each);
 - ``structureless``: 24 fits of scores with no structure, each prompt's score a sum of 12
   values uniform in [-4, -0.05] (what the paced engine returns: ``bench/load.py`` and
@@ -16,8 +16,8 @@ fits, 10 passages, the service's default design (pruned random, 20 prompts):
 For each, ``delta`` and ``jackknife`` (the service's default), and per arm the fits' main
 solver steps and the adjacent-pair confidences' mean distance from the first arm's.
 
-Usage: python bench/fit_cost.py --arms before=/tmp/before,after=. [--rounds 5]
-           [--out bench/results/fit_cost.json]
+Usage: python -m bench.fit_cost --arms before=/tmp/before,after=. [--rounds 5]
+           [--out results/bench/fit_cost.json]
 """
 
 from __future__ import annotations
@@ -33,10 +33,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.report import RESULTS, parser, provenance, write
+from bench.report import RESULTS, ROOT, parser, provenance, write
 
 SCORES = RESULTS / "confidence_real_scores.json"
 VARIANCES = ("delta", "jackknife")
@@ -100,8 +97,10 @@ def main() -> int:
         for arm, path in arms.items():
             root = str(Path(path).resolve())
             proc = subprocess.run(
-                [sys.executable, __file__, "--arms", args.arms, "--child", root],
-                capture_output=True, text=True, env=env, check=True, cwd=root,
+                # This checkout's bench (-m from its root); the child puts the arm's root first
+                # for `solver` itself.
+                [sys.executable, "-m", "bench.fit_cost", "--arms", args.arms, "--child", root],
+                capture_output=True, text=True, env=env, check=True, cwd=ROOT,
             )  # fmt: skip
             rounds[arm].append(json.loads(proc.stdout.strip().splitlines()[-1]))
             print(f"round {r + 1} {arm}: " + ", ".join(

@@ -13,9 +13,9 @@ Prompts: the generator's prompt (its model's template) for ``--orders`` seeded r
 NQ-Open dev question ``--question``'s passages, cut to ``--passages`` the way the evaluation
 cuts them (gold passages kept); the continuation is that question's first answer.
 
-Usage: python bench/fused_generation.py [--model google/gemma-3-270m] [--orders 8]
+Usage: python -m bench.fused_generation [--model google/gemma-3-270m] [--orders 8]
        [--passages 10] [--max-new-tokens 16] [--repeats 2] [--threads 1]
-       [--out bench/results/fused_generation.json]
+       [--out results/bench/fused_generation.json]
 Other settings come from the environment (``RAG_REORDER_DEVICE``, ``RAG_REORDER_DTYPE``, ...).
 """
 
@@ -29,12 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch

@@ -14,8 +14,8 @@ first ``--queries`` NQ-Open dev questions with their first ``--passages`` passag
 with ``--max-new-tokens``; a completion template stops at the first line break, as the
 service's answers do.
 
-Usage: python bench/generation.py [--queries 8] [--passages 10] [--max-new-tokens 32]
-       [--repeats 3] [--out bench/results/generation.json]
+Usage: python -m bench.generation [--queries 8] [--passages 10] [--max-new-tokens 32]
+       [--repeats 3] [--out results/bench/generation.json]
 Settings come from the environment (``RAG_REORDER_DEVICE``, ``RAG_REORDER_DTYPE``, ...).
 """
 
@@ -29,12 +29,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from bench.report import provenance

@@ -16,10 +16,10 @@ change of the top slots placed by in between (``placed_by``).
 answers (the figures are then rounded up to a multiple of it: a refit of 2,000 answers takes
 seconds on a loaded CPU).
 
-    PYTHONPATH=. .venv/bin/python bench/generator_drift.py \\
-        --out bench/results/generator_drift/new.json
-    PYTHONPATH=. .venv/bin/python bench/generator_drift.py --old \\
-        --out bench/results/generator_drift/old.json
+    PYTHONPATH=. .venv/bin/python -m bench.generator_drift \\
+        --out results/bench/generator_drift/new.json
+    PYTHONPATH=. .venv/bin/python -m bench.generator_drift --old \\
+        --out results/bench/generator_drift/old.json
 """
 
 from __future__ import annotations
@@ -34,8 +34,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from service.config.settings import Settings
 from service.learning.generator_online import GeneratorSampler
@@ -125,7 +123,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.generator_drift", description=__doc__.splitlines()[0]
+    )
     ap.add_argument("--old", action="store_true")
     ap.add_argument("--before", type=int, default=2000)
     ap.add_argument("--after", type=int, default=3000)

@@ -8,7 +8,7 @@ encoding a batch of scoring-prompt texts through the Rust tokenizer directly (wh
 before), and a jackknifed MoI fit (numpy/scipy on small arrays). The embedded SmolLM2
 tokenizer, its own Rust parallelism off so one thread is one core.
 
-    python bench/gil_release.py [--out bench/results/gil_release.json]
+    python -m bench.gil_release [--out results/bench/gil_release.json]
 """
 
 from __future__ import annotations
@@ -20,15 +20,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import json
-import sys
 import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import solver
 from bench.report import provenance
@@ -61,7 +58,9 @@ def beside(work: Callable[[], object], seconds: float = 1.0) -> int:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.gil_release", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument(
         "--data", default=str(Path(__file__).resolve().parents[2] / "shared/data/nq_open_dev.jsonl")
     )

@@ -7,7 +7,7 @@ a fit at N = 50 take seconds and one at N = 100 ten or more. Now the refits run 
 pass (``solver.lm.run_batch``), with the exact Hessian (the refits converge in a few
 iterations instead of dozens), and at most ``_JACKKNIFE_GROUPS`` (20) groups of prompts are
 left out. Measured side by side in one run, per design (synthetic scores: primacy bias,
-30% noise) and on the committed SmolLM2 scores (bench/results/confidence_real_scores.json):
+30% noise) and on the committed SmolLM2 scores (results/bench/confidence_real_scores.json):
 
 - ``delta``: the fit with the delta method, the floor;
 - ``one_at_a_time``: delete-one refits one after the other (the previous implementation,
@@ -23,7 +23,7 @@ that is why), and the mean absolute difference grouping makes to the adjacent-pa
 confidences (``default`` against ``stacked``; bench/confidence.py checks that the grouped
 confidences stay calibrated).
 
-Usage: python bench/jackknife_cost.py [--repeats 5] [--out bench/results/jackknife_cost.json]
+Usage: python -m bench.jackknife_cost [--repeats 5] [--out results/bench/jackknife_cost.json]
 """
 
 from __future__ import annotations
@@ -36,14 +36,11 @@ import importlib
 import json
 import re
 import statistics
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, cast
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

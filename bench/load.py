@@ -14,7 +14,7 @@ ceiling of the same prompts through the backend alone, in one run (issue 22).
    server's), scored through ``TransformersBackend.score`` as one offline stream, once before
    and once after the levels, the faster one kept (CPU load from elsewhere hits one of them
    more than the other). Its prompt tokens/s is the denominator of the throughput ratio.
-   ``--warm-ceiling`` (eval/device/gpu-engines.sh passes it) scores them once, untimed,
+   ``--warm-ceiling`` (scripts/device/gpu-engines.sh passes it) scores them once, untimed,
    before the first timed pass: on a GPU a cold first pass pays for new kernel shapes.
 
 Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at concurrency 16
@@ -25,11 +25,11 @@ Targets (issue 22): tokens/s at concurrency >= 8 >= 0.9x the ceiling; p99 at con
 HTTP processes on one engine process, entrypoints/workers.py), one server after the other, against
 the same ceiling; each row says its worker count.
 
-Usage: python bench/load.py [--levels 1,2,4,8,16,32] [--requests-per-level 16] [--workers 1]
+Usage: python -m bench.load [--levels 1,2,4,8,16,32] [--requests-per-level 16] [--workers 1]
            [--passages 10 20] [--queries 8] [--data <questions.jsonl>] [--server-root .]
            [--no-ceiling] [--warm-ceiling]
-           [--out bench/results/load.json] [--resume]
-       python bench/load.py --overload 1.5,3 [--baseline-root <old checkout>] [--duration 480]
+           [--out results/bench/load.json] [--resume]
+       python -m bench.load --overload 1.5,3 [--baseline-root <old checkout>] [--duration 480]
            (open-loop overload against the default deadline; bench/overload.py)
 Writes the JSON, a markdown table beside it (.md) and a plot (.png) after every level, so an
 interrupted run keeps what it measured; ``--resume`` continues it: the levels and ceilings
@@ -59,7 +59,6 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench.report import parser as bench_parser
 from bench.server_process import cpu_s, free_port, percentile, process_tree, start_server
@@ -73,7 +72,7 @@ from service.config.settings import Settings
 # The bench measures the engine, not admission: a level of 32 clients on 20-passage requests
 # queues minutes of CPU work, past the default deadline and prompt-token budget.
 # The backend and device default to the CPU's transformers engine; set RAG_REORDER_BACKEND /
-# RAG_REORDER_DEVICE to measure another (eval/device/gpu-engines.sh: vllm on cuda).
+# RAG_REORDER_DEVICE to measure another (scripts/device/gpu-engines.sh: vllm on cuda).
 SERVER_ENV = {
     "RAG_REORDER_BACKEND": os.environ.get("RAG_REORDER_BACKEND", "transformers"),
     "RAG_REORDER_DEVICE": os.environ.get("RAG_REORDER_DEVICE", "cpu"),
@@ -404,7 +403,7 @@ def report(
 ) -> dict[str, Any]:
     best = max(ceilings, key=lambda c: c["prompt_tokens_per_s"]) if ceilings else None
     result = {
-        "command": shlex.join(["python", "bench/load.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "-m", "bench.load", *sys.argv[1:]]),
         "server_root": str(Path(args.server_root).resolve()),
         "machine": {
             "platform": platform.platform(),
@@ -434,8 +433,8 @@ def report(
 
 
 def main() -> None:
-    # --data (the lent GPU has no ../shared: eval/device/gpu-engines.sh passes the carried
-    # copy) and --out (bench/results/load.json) as every benchmark has them.
+    # --data (the lent GPU has no ../shared: scripts/device/gpu-engines.sh passes the carried
+    # copy) and --out (results/bench/load.json) as every benchmark has them.
     ap = bench_parser("load", __doc__, data=True)
     ap.add_argument("--levels", default="1,2,4,8,16,32")
     ap.add_argument("--requests-per-level", type=int, default=16)

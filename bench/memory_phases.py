@@ -1,5 +1,5 @@
 """Peak memory of each phase of the evaluation's work on one model, the question a lent GPU's
-pool left open (eval/device/README.md: one Gemma-3-270m process held 41-65 GiB of an H100,
+pool left open (scripts/device/README.md: one Gemma-3-270m process held 41-65 GiB of an H100,
 cause unknown, and later chunks died of CUDA out of memory).
 
 Phases, each after the peak counter is reset:
@@ -16,8 +16,8 @@ On CUDA it reports ``torch.cuda.max_memory_allocated`` and ``max_memory_reserved
 processes). Elsewhere it reports the process's peak RSS, which never goes down: each phase
 shows the peak so far, so only increases are the phase's own.
 
-Usage: python bench/memory_phases.py [--model google/gemma-3-270m] [--questions 4]
-       [--orders 16] [--passages 10] [--max-new-tokens 32] [--out bench/results/memory_phases.json]
+Usage: python -m bench.memory_phases [--model google/gemma-3-270m] [--questions 4]
+       [--orders 16] [--passages 10] [--max-new-tokens 32] [--out results/bench/memory_phases.json]
 Other settings come from the environment (``RAG_REORDER_DEVICE``, ``RAG_REORDER_DTYPE``,
 ``RAG_REORDER_BATCH_TOKEN_BUDGET``, ...).
 """
@@ -32,13 +32,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import argparse
 import asyncio
 import resource
-import sys
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch

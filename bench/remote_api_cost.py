@@ -1,7 +1,7 @@
 """Where the remote engine's time goes at GPU speed: the CPU that vLLM's OpenAI server spends
 *outside* its engine on each prompt token whose log-prob it returns (issue 60).
 
-On an H100 (2026-11-27, `bench/results/gpu_h100_20261127/load_remote.*`) the service through
+On an H100 (2026-11-27, `results/bench/gpu_h100_20261127/load_remote.*`) the service through
 vLLM's OpenAI server reached 0.32x the in-process engine at concurrency 8 while the server's
 engine reported `Running: 0 reqs` in most of its 10 s samples: the engine waited on something
 else. This measures, on this CPU, the API server process's own CPU seconds (the parent
@@ -16,10 +16,10 @@ it bounds the throughput of one API process: 1 / (seconds per token) prompt toke
 core, the connections spread over them by the kernel) and sums the API processes' CPU; the
 bound is then N times one process's.
 
-    VLLM_ENABLE_V1_MULTIPROCESSING=1 .venv-vllm/bin/python bench/remote_api_cost.py \\
-        --out bench/results/remote_api_cost.json        # ~3 min
-    .venv-vllm/bin/python bench/remote_api_cost.py --api-server-counts 1,2 \\
-        --out bench/results/remote_api_servers.json     # ~8 min
+    VLLM_ENABLE_V1_MULTIPROCESSING=1 .venv-vllm/bin/python -m bench.remote_api_cost \\
+        --out results/bench/remote_api_cost.json        # ~3 min
+    .venv-vllm/bin/python -m bench.remote_api_cost --api-server-counts 1,2 \\
+        --out results/bench/remote_api_servers.json     # ~8 min
 """
 
 from __future__ import annotations
@@ -34,15 +34,12 @@ os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1"
 
 import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.remote import start_vllm_server
 from bench.report import main as report_main

@@ -15,8 +15,10 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results"
-"""Where a benchmark's ``--out`` goes by default: ``bench/results/<name>.json``."""
+ROOT = Path(__file__).resolve().parents[1]
+"""The checkout's root: the benchmarks run from it as ``python -m bench.<name>``."""
+RESULTS = ROOT / "results" / "bench"
+"""Where a benchmark's ``--out`` goes by default: ``results/bench/<name>.json``."""
 DATA = Path(__file__).resolve().parents[2] / "shared" / "data" / "nq_open_dev.jsonl"
 """The NQ-Open development questions (``../shared/data`` beside the checkout)."""
 
@@ -27,12 +29,12 @@ def parser(name: str, doc: str | None, *, data: bool = False) -> argparse.Argume
     """A benchmark's argument parser with the options every benchmark has.
 
     Args:
-        name: the script's name; ``--out`` defaults to ``bench/results/<name>.json``.
+        name: the script's name; ``--out`` defaults to ``results/bench/<name>.json``.
         doc: the script's module docstring; its first paragraph is the ``--help`` description.
         data: add ``--data`` (a JSONL of questions, default ``DATA``).
     """
     first_paragraph = " ".join((doc or name).strip().split("\n\n")[0].split())
-    ap = argparse.ArgumentParser(prog=f"bench/{name}.py", description=first_paragraph)
+    ap = argparse.ArgumentParser(prog=f"python -m bench.{name}", description=first_paragraph)
     if data:
         ap.add_argument("--data", default=str(DATA), help="JSONL of questions with passages")
     ap.add_argument("--out", default=str(RESULTS / f"{name}.json"), help="result JSON")
@@ -58,11 +60,12 @@ def provenance() -> dict[str, Any]:
     """The exact command (this script and its arguments) and the machine it ran on."""
     script = Path(sys.argv[0]).resolve()
     try:
-        shown = script.relative_to(Path(__file__).resolve().parents[1])
+        # Run as ``python -m bench.<name>`` from the checkout's root (docs/benchmarks.md).
+        shown = ["-m", ".".join(script.relative_to(ROOT).with_suffix("").parts)]
     except ValueError:
-        shown = script
+        shown = [str(script)]
     return {
-        "command": shlex.join(["python", str(shown), *sys.argv[1:]]),
+        "command": shlex.join(["python", *shown, *sys.argv[1:]]),
         "machine": {"cpu_count": os.cpu_count(), "platform": platform.platform()},
     }
 

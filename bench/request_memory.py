@@ -25,8 +25,8 @@ Per scenario: the server's RSS when idle (after ready and one small request), it
 the requests run (sampled every 10 ms), the statuses, error parameters and seconds.
 Target (issue 54): the peak under 1 GiB above idle.
 
-Usage: python bench/request_memory.py [--concurrency 1,8] [--scenarios ...]
-       [--out bench/results/request_memory.json]
+Usage: python -m bench.request_memory [--concurrency 1,8] [--scenarios ...]
+       [--out results/bench/request_memory.json]
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ import argparse
 import asyncio
 import random
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -50,7 +49,6 @@ import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import report
 from bench.server_process import free_port, start_server

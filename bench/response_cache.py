@@ -14,8 +14,8 @@ the process's CPU ms per request (user + system over the case, divided by the re
 clients share the process, so it is an upper bound of the server's). A re-fire that arrives
 while its original is still in flight is a miss (no coalescing of in-flight requests).
 
-Usage: python bench/response_cache.py [--requests 1000] [--refire 0.37] [--concurrency 8]
-           [--passages 10] [--seed 0] [--out bench/results/response_cache.json]
+Usage: python -m bench.response_cache [--requests 1000] [--refire 0.37] [--concurrency 8]
+           [--passages 10] [--seed 0] [--out results/bench/response_cache.json]
 Writes the JSON and a markdown table beside it (.md).
 """
 
@@ -39,7 +39,6 @@ import anyio
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from app.main import create_app
 from service.config.settings import Settings
@@ -144,13 +143,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(
+        prog="python -m bench.response_cache", description=__doc__.split("\n")[0]
+    )
     ap.add_argument("--requests", type=int, default=1000)
     ap.add_argument("--refire", type=float, default=0.37)
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--passages", type=int, default=10)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=ROOT / "bench/results/response_cache.json")
+    ap.add_argument("--out", type=Path, default=ROOT / "results/bench/response_cache.json")
     args = ap.parse_args()
     bodies = stream(args.requests, args.refire, args.passages, args.seed)
     distinct = len({json.dumps(b, sort_keys=True) for b in bodies})

@@ -13,8 +13,8 @@ per second, and the pipeline's time split (tokenise, score, solve), and writes J
 first call of each new batch shape pays for kernel selection, which would land on whichever
 side goes first (2026-11-27, transformers on an H200: per-query ratios from 0.04 to 16.7).
 
-Usage: python bench/scoring.py [--queries 6] [--passages 10] [--warm-each]
-           [--out bench/results/scoring.json]
+Usage: python -m bench.scoring [--queries 6] [--passages 10] [--warm-each]
+           [--out results/bench/scoring.json]
 """
 
 from __future__ import annotations
@@ -27,12 +27,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import argparse
 import asyncio
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from bench.report import provenance
@@ -45,7 +42,7 @@ from service.prompting.prompts import build_prompts
 
 def cuda_peak_bytes() -> int | None:
     """Peak CUDA memory allocated in this process: the transformers backend's whole use. vLLM's
-    engine core runs in a process of its own (eval/device/gpu-engines.sh samples nvidia-smi
+    engine core runs in a process of its own (scripts/device/gpu-engines.sh samples nvidia-smi
     for it, where the KV cache's reserved share dominates by design)."""
     import torch
 

@@ -15,8 +15,8 @@ kept among ``--passages``); ``--selection first`` takes the first ``--passages``
 which on NQ-Open dev mostly leaves the gold passage out (a retriever miss: every passage a
 distractor).
 
-Usage: python bench/seed_stability.py [--queries 8] [--passages 10] [--budgets 20,40,60]
-       [--selection eval|first] [--out bench/results/seed_stability.json]
+Usage: python -m bench.seed_stability [--queries 8] [--passages 10] [--budgets 20,40,60]
+       [--selection eval|first] [--out results/bench/seed_stability.json]
 """
 
 from __future__ import annotations
@@ -32,8 +32,6 @@ import sys
 import time
 from pathlib import Path
 from typing import Any, cast
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 

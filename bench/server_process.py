@@ -90,7 +90,7 @@ def child_env(root: Path, env: dict[str, str]) -> dict[str, str]:
     """The server's environment: this one's, then ``env``, with ``root`` first on PYTHONPATH.
 
     Entries already on PYTHONPATH are kept after ``root``: on the lent GPU machine the
-    service's own packages live there (eval/device/env.sh puts /tmp/site on it), and a server
+    service's own packages live there (scripts/device/env.sh puts /tmp/site on it), and a server
     started with ``PYTHONPATH=root`` alone died on ``import pydantic`` (2026-11-27, H200).
     """
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]

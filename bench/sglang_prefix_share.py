@@ -9,7 +9,7 @@ already holds: what a warm cache, not evicted in between, can skip. An upper bou
 request's hits: SGLang reports the real ones per prompt (``meta_info.cached_tokens``).
 vLLM computes prompt log-probs without its prefix cache, so there the share is 0.
 
-    .venv/bin/python bench/sglang_prefix_share.py --passages 4 10
+    .venv/bin/python -m bench.sglang_prefix_share --passages 4 10
 """
 
 from __future__ import annotations
@@ -19,12 +19,8 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
-import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from service.backends.base import SpanRequest

@@ -6,20 +6,17 @@ and parses the file each time; the Redis store reads this replica's memory, refr
 background, so no request makes a network call. Runs a real ``redis-server`` (scripts/
 redis-server.sh installs it) on a loopback port.
 
-Usage: python bench/state_store.py [--reads 20000]
+Usage: python -m bench.state_store [--reads 20000]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pydantic import SecretStr
 

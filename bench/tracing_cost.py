@@ -9,8 +9,8 @@ answers 200; its CPU is not counted). Rounds alternate so drift on a shared mach
 CPU is the process's (``time.process_time``: every thread, the exporter's included) divided by
 the requests.
 
-Usage: python bench/tracing_cost.py [--rounds 3] [--requests 200] [--passages 10]
-           [--out bench/results/tracing_cost.json]
+Usage: python -m bench.tracing_cost [--rounds 3] [--requests 200] [--passages 10]
+           [--out results/bench/tracing_cost.json]
 """
 
 from __future__ import annotations
@@ -31,9 +31,6 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
-
-# The repository's packages, not bench/service.py, whatever the working directory.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import httpx
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
@@ -108,11 +105,13 @@ class _SpanCounter(SpanProcessor):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.tracing_cost", description=__doc__.split("\n\n")[0]
+    )
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--passages", type=int, default=10)
-    parser.add_argument("--out", type=Path, default=Path("bench/results/tracing_cost.json"))
+    parser.add_argument("--out", type=Path, default=Path("results/bench/tracing_cost.json"))
     args = parser.parse_args()
     receiver = subprocess.Popen([sys.executable, "-c", RECEIVER], stdout=subprocess.PIPE, text=True)
     try:

@@ -8,8 +8,8 @@ Prints (and optionally writes as JSON):
   only (``head_mode=mask``, the default) and once on every row (``head_mode=full``), for a short
   span (a 32-token query/answer at the end, the service's case) and for the whole prompt.
 
-Usage: HF_HUB_OFFLINE=1 python bench/transformers_backend.py [--skip-convert] [--repeats 5]
-       [--tokens 1400] [--out bench/results/transformers_backend.json]
+Usage: HF_HUB_OFFLINE=1 python -m bench.transformers_backend [--skip-convert] [--repeats 5]
+       [--tokens 1400] [--out results/bench/transformers_backend.json]
 """
 
 from __future__ import annotations
@@ -20,13 +20,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
@@ -75,7 +73,9 @@ def time_modes(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.transformers_backend", description=__doc__.splitlines()[0]
+    )
     parser.add_argument("--skip-convert", action="store_true")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=1400)

@@ -7,7 +7,7 @@ Three cases of ``service.prompting.truncation.fit_passages`` on the same request
 the cut texts itself: the check tokenises them and cuts nothing). The median of ``--repeats``
 runs each, alternating.
 
-Usage: python bench/truncation_cost.py [--passages 100] [--chars 8000] [--limit 256]
+Usage: python -m bench.truncation_cost [--passages 100] [--chars 8000] [--limit 256]
        [--repeats 7]
 """
 
@@ -19,11 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from service.backends.tokenizer_files import load_prompt_tokenizer

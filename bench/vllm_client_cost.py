@@ -18,7 +18,7 @@ the figure to set against an engine's ceiling (about 20 requests/s, 300,000 prom
 for SmolLM2 on an H100, docs/benchmarks.md). The socket hop's pickling (requests and results,
 as ``service.backends.engine_socket`` sends them) is timed beside it.
 
-    .venv-vllm/bin/python bench/vllm_client_cost.py --out bench/results/vllm_client_cost.json
+    .venv-vllm/bin/python -m bench.vllm_client_cost --out results/bench/vllm_client_cost.json
         # ~12 min on 2 cores: the forwards run on the CPU at about 350 prompt tokens/s here
 """
 
@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import json
 import pickle
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,8 +42,6 @@ from typing import Any
 
 import numpy as np
 import psutil
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from bench.remote import load_in_process_vllm, start_vllm_server

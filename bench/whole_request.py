@@ -6,12 +6,12 @@ seconds the model calls took (``timing.scoring_s``).
 
 Run (about 10 minutes on this 2-core machine; resumes from its JSONL if interrupted)::
 
-    python bench/whole_request.py --out bench/results/whole_request
+    python -m bench.whole_request --out results/bench/whole_request
 
 and what the shipped deadline refused, under a longer one, to measure the estimate's error
 there too::
 
-    python bench/whole_request.py --out bench/results/whole_request_long --timeout 600 \
+    python -m bench.whole_request --out results/bench/whole_request_long --timeout 600 \
         --only moi:6,lore:6,self_consistency:10   # the first two measure the rates
 
 It starts ``python -m entrypoints serve`` on the embedded default (the packaged SmolLM2, CPU)
@@ -22,7 +22,6 @@ the table to ``whole_request.md``.
 from __future__ import annotations
 
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +30,6 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 from bench import report
 from bench.server_process import free_port, start_server

@@ -2,28 +2,28 @@
 # The answer-calibrated profile measured on this machine: a generator's position profile from
 # its answers (vLLM's OpenAI server on the CPU, the generator's prompt shape), then NQ-Open dev
 # with `dense` placed by that profile, paired against the committed variants of the generator's
-# run in eval/results (and, with CONTROL=1, against `dense` placed by the log-prob profile
+# run in results/eval (and, with CONTROL=1, against `dense` placed by the log-prob profile
 # re-run here). Every step resumes: run it again after an interruption.
 #
-#   eval/answer_profile.sh [DATA_DIR] [OUT]     # defaults ../shared/data, eval/results/answer_profile
+#   eval/answer_profile.sh [DATA_DIR] [OUT]     # defaults ../shared/data, results/eval/answer_profile
 #
 # SmolLM2 (the default; ~50 min on a 2-core CPU):   eval/answer_profile.sh
 # Gemma-3-270m, a base model answering through /completions (~51 min: its curve needs 100
 # questions to be told from flat, 1,000 calls in ~33 min, then the evaluation ~18 min):
 #   QUESTIONS=100 MODEL=google/gemma-3-270m NAME=gemma-3-270m API=completions TEMPLATE=qa_completion \
-#     LOGPROB=eval/results/profiles/nq_open_dev__gemma-3-270m__gemma-3-270m \
-#     COMMITTED=eval/results/nq_open_dev__gemma-3-270m__gemma-3-270m CONTROL=0 eval/answer_profile.sh
+#     LOGPROB=results/eval/profiles/nq_open_dev__gemma-3-270m__gemma-3-270m \
+#     COMMITTED=results/eval/nq_open_dev__gemma-3-270m__gemma-3-270m CONTROL=0 eval/answer_profile.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
-OUT=${2:-eval/results/answer_profile}
+OUT=${2:-results/eval/answer_profile}
 RR=${RR:-.venv/bin/rag-reorder}
 MODEL=${MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}
 NAME=${NAME:-smollm2}
 API=${API:-chat}
 TEMPLATE=${TEMPLATE:-qa_default}
-LOGPROB=${LOGPROB:-eval/results/profiles/nq_open_dev}
-COMMITTED=${COMMITTED:-eval/results/nq_open_dev}
+LOGPROB=${LOGPROB:-results/eval/profiles/nq_open_dev}
+COMMITTED=${COMMITTED:-results/eval/nq_open_dev}
 CONTROL=${CONTROL:-1}
 PORT=${PORT:-8765}
 # The SmolLM2 run's folders keep their first names (nq_open_dev, nq_open_dev_logprob).

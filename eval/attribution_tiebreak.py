@@ -6,7 +6,7 @@ its weight. A tie-break would give the whole weight to the passage under which t
 model finds the answer most likely: ``log P(answer | passage, question)``, summed over the
 answer's tokens (``service.learning.answer_likelihood``, the code the service runs).
 
-Measured on the labelled runs' answers (every call of ``eval/results/answer_profile/<name>/
+Measured on the labelled runs' answers (every call of ``results/eval/answer_profile/<name>/
 answers.jsonl``, each a uniformly random placement with the answer text kept), the gold labels
 read only to judge: among the answers attributed to several passages, the gold passage's share
 of the weight when split, against how often the tie-break's pick is a gold passage; per answer
@@ -14,7 +14,7 @@ the difference, its mean with a bootstrap 95% interval over answers. The scorer 
 service's embedded SmolLM2-135M-Instruct (transformers, float32, CPU), whichever generator
 answered.
 
-    python eval/attribution_tiebreak.py --out bench/results/blind_profile/tiebreak.json
+    python eval/attribution_tiebreak.py --out results/eval/blind_profile/tiebreak.json
 """
 
 from __future__ import annotations
@@ -89,10 +89,10 @@ async def measure(
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--data", type=Path, default=Path("../shared/data/nq_open_train.jsonl"))
-    ap.add_argument("--runs", type=Path, default=Path("eval/results/answer_profile"))
+    ap.add_argument("--runs", type=Path, default=Path("results/eval/answer_profile"))
     ap.add_argument("--scorer", default=EMBEDDED_MODEL)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", type=Path, default=Path("bench/results/blind_profile/tiebreak.json"))
+    ap.add_argument("--out", type=Path, default=Path("results/eval/blind_profile/tiebreak.json"))
     args = ap.parse_args()
     scorer = likelihood(args.scorer)
 

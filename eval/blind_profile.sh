@@ -4,14 +4,14 @@
 # the comparison with the gold-based profile of the same generator (eval/compare_blind_profile.py).
 # Every step resumes: run it again after an interruption.
 #
-#   eval/blind_profile.sh [DATA_DIR] [OUT]    # defaults ../shared/data, bench/results/blind_profile
+#   eval/blind_profile.sh [DATA_DIR] [OUT]    # defaults ../shared/data, results/eval/blind_profile
 #
 # SmolLM2 to 600 questions: QUESTIONS=600 STEPS=50,100,200,300,400,500,600 TIMEOUT=1800 eval/blind_profile.sh
 # Gemma-3-270m: MODEL=google/gemma-3-270m NAME=gemma-3-270m API=completions TEMPLATE=qa_completion eval/blind_profile.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
-OUT=${2:-bench/results/blind_profile}
+OUT=${2:-results/eval/blind_profile}
 RR=${RR:-.venv/bin/rag-reorder}
 MODEL=${MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}
 NAME=${NAME:-smollm2}
@@ -41,5 +41,5 @@ nice -n 10 $RR profile-generator --no-labels --base-url "http://127.0.0.1:$PORT/
     --out "$OUT/$NAME" || { rc=$?; [ "$rc" -eq 3 ] || exit "$rc"; }
 .venv/bin/python eval/compare_blind_profile.py --blind "$OUT/$NAME" --steps "${STEPS:-50,100,200}" \
     --data "$DATA/nq_open_train.jsonl" \
-    --gold "eval/results/answer_profile/$NAME/profile.json" > "$OUT/compare_$NAME.json"
+    --gold "results/eval/answer_profile/$NAME/profile.json" > "$OUT/compare_$NAME.json"
 cat "$OUT/compare_$NAME.json"

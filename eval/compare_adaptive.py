@@ -1,7 +1,7 @@
 """MoI's adaptive design paired against its default design on the same questions
 (eval/adaptive.sh makes the adaptive records; the default design's are the committed ones).
 
-    python eval/compare_adaptive.py --out eval/results/adaptive/comparison
+    python eval/compare_adaptive.py --out results/eval/adaptive/comparison
 
 Per set (NQ-Open dev, HotpotQA dev; SmolLM2 scoring and answering; 10 passages; both placed
 ``bias_matched``), the questions both have:
@@ -250,9 +250,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--adaptive", default="eval/results/adaptive", type=Path)
-    ap.add_argument("--default", default="eval/results", type=Path)
-    ap.add_argument("--out", default="eval/results/adaptive/comparison", type=Path)
+    ap.add_argument("--adaptive", default="results/eval/adaptive", type=Path)
+    ap.add_argument("--default", default="results/eval", type=Path)
+    ap.add_argument("--out", default="results/eval/adaptive/comparison", type=Path)
     args = ap.parse_args()
     rows = [
         compare(s, args.adaptive / s, args.default / s)

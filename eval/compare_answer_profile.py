@@ -1,10 +1,10 @@
 """The answer-calibrated profile against the log-prob one, and `dense` placed by it on NQ-Open
 dev paired against the committed variants (eval/answer_profile.sh runs it; Markdown on stdout).
 
-    python eval/compare_answer_profile.py --answers eval/results/answer_profile \\
-        --logprob-profiles eval/results/profiles/nq_open_dev \\
-        --control eval/results/answer_profile/nq_open_dev_logprob \\
-        --committed eval/results/nq_open_dev
+    python eval/compare_answer_profile.py --answers results/eval/answer_profile \\
+        --logprob-profiles results/eval/profiles/nq_open_dev \\
+        --control results/eval/answer_profile/nq_open_dev_logprob \\
+        --committed results/eval/nq_open_dev
 
 The committed variants were run on an H100 (CUDA, float32) for most questions, the answer
 profile's on this CPU; the control (`dense` placed by the log-prob profile, re-run here) pairs

@@ -17,9 +17,9 @@ same two slots first, the intervals; and the number of questions after which the
 first said ``shaped`` and kept saying it. The data's gold labels are read only to report how
 often the attributed passage is the gold one (the attribution's precision).
 
-    python eval/compare_blind_profile.py --blind bench/results/blind_profile/smollm2 \\
+    python eval/compare_blind_profile.py --blind results/eval/blind_profile/smollm2 \\
         --data ../shared/data/nq_open_train.jsonl \\
-        --gold eval/results/answer_profile/smollm2/profile.json
+        --gold results/eval/answer_profile/smollm2/profile.json
 """
 
 from __future__ import annotations

@@ -2,9 +2,9 @@
 server) paired against the in-process one on the same questions, to show the two paths agree
 (eval/deployed.sh runs it; writes agreement.json and agreement.md, prints the Markdown).
 
-    python eval/compare_deployed.py --deployed eval/results/deployed \\
-        --in-process eval/results/nq_open_dev --auto-stream bench/results/auto_stream_smollm2 \\
-        --out eval/results/deployed/agreement
+    python eval/compare_deployed.py --deployed results/eval/deployed \\
+        --in-process results/eval/nq_open_dev --auto-stream results/bench/auto_stream_smollm2 \\
+        --out results/eval/deployed/agreement
 
 - ``retriever`` and ``shuffle``: the same orders (both paths cut the passages alike and the
   server's shuffle is seeded by the question), so any difference is the generator's serving

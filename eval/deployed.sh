@@ -6,13 +6,13 @@
 # (eval/compare_deployed.py). Every step resumes: run it again after an interruption (the
 # server's learned state is kept in $OUT/state).
 #
-#   eval/deployed.sh [DATA_DIR] [OUT]     # defaults ../shared/data, eval/results/deployed
+#   eval/deployed.sh [DATA_DIR] [OUT]     # defaults ../shared/data, results/eval/deployed
 #
 # ~30 min on a 2-core CPU for 200 questions (QUESTIONS=50 for a quick look).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DATA=${1:-../shared/data}
-OUT=${2:-eval/results/deployed}
+OUT=${2:-results/eval/deployed}
 MODEL=${MODEL:-HuggingFaceTB/SmolLM2-135M-Instruct}
 VPORT=${VPORT:-8766}
 RPORT=${RPORT:-8767}
@@ -52,5 +52,5 @@ done
     --reorder-url "http://127.0.0.1:$RPORT" --timeout 600 --reorder-timeout 900 --concurrency "${CONCURRENCY:-4}" --no-progress \
     --reorder-retries 5 --out "$OUT"
 .venv/bin/python eval/compare_deployed.py --deployed "$OUT" \
-    --in-process eval/results/nq_open_dev --auto-stream bench/results/auto_stream_smollm2 \
+    --in-process results/eval/nq_open_dev --auto-stream results/bench/auto_stream_smollm2 \
     --out "$OUT/agreement"

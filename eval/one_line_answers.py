@@ -13,7 +13,7 @@ is the generator's recorded cost (the tokens and time it really took). Running i
 changes nothing.
 
 Usage: python eval/one_line_answers.py --data ../shared/data FOLDER [FOLDER ...]
-       (FOLDER: an eval/results/<set>[__<scorer>__<generator>]/ holding cache.jsonl)
+       (FOLDER: an results/eval/<set>[__<scorer>__<generator>]/ holding cache.jsonl)
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """`dense` placed by the label-free profile on NQ-Open dev, paired against the same questions
 placed by the gold-based answer profile and against a shuffle (committed records); Markdown.
 
-    python eval/pair_blind_profile.py --eval bench/results/blind_profile/nq_open_dev_smollm2 \\
-        --gold eval/results/answer_profile/nq_open_dev --committed eval/results/nq_open_dev
+    python eval/pair_blind_profile.py --eval results/eval/blind_profile/nq_open_dev_smollm2 \\
+        --gold results/eval/answer_profile/nq_open_dev --committed results/eval/nq_open_dev
 """
 
 from __future__ import annotations

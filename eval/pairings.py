@@ -6,8 +6,8 @@ question: mean difference, 95% paired bootstrap interval and Wilcoxon signed-ran
 the answer's accuracy and the gold answer's log-likelihood per token under the generator. No
 model is loaded, so it runs in seconds on whatever part of a run has finished.
 
-    .venv/bin/python eval/pairings.py eval/results/nq_open_dev \
-        eval/results/nq_open_dev__smollm2-135m__gemma-3-270m \
+    .venv/bin/python eval/pairings.py results/eval/nq_open_dev \
+        results/eval/nq_open_dev__smollm2-135m__gemma-3-270m \
         --variant moi:pruned_random:bias_matched \
         --baselines shuffle,retriever,dense:litm,query_likelihood
 """

@@ -11,7 +11,7 @@ tokens per character, so that the evaluation computes it again, and prints what 
 ``service.model_assets`` now refuses such a conversion, so no new record can be like these.
 
 Usage: python eval/purge_tokenizer_records.py --data ../shared/data FOLDER [FOLDER ...]
-       (FOLDER: an eval/results/<set>__<scorer>__<generator>/ holding cache.jsonl)
+       (FOLDER: an results/eval/<set>__<scorer>__<generator>/ holding cache.jsonl)
 """
 
 from __future__ import annotations

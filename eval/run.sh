@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Reproduces eval/results/: every strategy on both development sets, 10 passages per question.
+# Reproduces results/eval/: every strategy on both development sets, 10 passages per question.
 #
 # Before each evaluation the profiles that some strategies need are measured and stored in a
 # profile folder of that run (RAG_REORDER_BIAS_PROFILE_DIR), never taken from a previous run:
@@ -11,7 +11,7 @@
 #     non-gold passages, and HotpotQA questions have 8. For NQ-Open those 50 questions are also
 #     evaluated; what they pass on is two 10-value per-slot profiles, nothing per question.
 #
-# Usage: eval/run.sh [DATA_DIR] [OUT_DIR]          (defaults: ../shared/data, eval/results)
+# Usage: eval/run.sh [DATA_DIR] [OUT_DIR]          (defaults: ../shared/data, results/eval)
 # Environment: RAG_REORDER_* settings (device, dtype, model); RR is the CLI to call
 # (default .venv/bin/rag-reorder); EVAL_ARGS is appended to every `rag-reorder eval`.
 # Steps already done (their output file exists) are skipped, and `eval` resumes from its cache,
@@ -20,7 +20,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 DATA=${1:-../shared/data}
-OUT=${2:-eval/results}
+OUT=${2:-results/eval}
 RR=${RR:-.venv/bin/rag-reorder}  # may be several words, e.g. "python3 -m app"
 K=${K:-10}
 CALIBRATION_QUESTIONS=${CALIBRATION_QUESTIONS:-50}

@@ -14,8 +14,8 @@ hysteresis):
   shown in slot k moved to slot L-1-k, so a recency profile becomes a primacy one): after how
   many of the mirrored answers the profile stops being placed by.
 
-    python eval/trust_hysteresis.py --blind bench/results/blind_profile/smollm2 --top-slots 1 \\
-        --out bench/results/blind_profile/trust_hysteresis_smollm2_top1.json
+    python eval/trust_hysteresis.py --blind results/eval/blind_profile/smollm2 --top-slots 1 \\
+        --out results/eval/blind_profile/trust_hysteresis_smollm2_top1.json
 """
 
 from __future__ import annotations

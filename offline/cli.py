@@ -37,7 +37,7 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
         "eval",
         *("--data", "my_questions.jsonl", "--limit", "50", "--max-passages", "10"),
         *("--generator-url", "http://vllm:8000/v1", "--generator-model", "my-generator"),
-        *("--reorder-url", "http://rag-reorder:8000", "--out", "eval/results/mine"),
+        *("--reorder-url", "http://rag-reorder:8000", "--out", "results/eval/mine"),
     ),
     "convert-data": (
         *("convert-data", "--from", "litm"),
@@ -51,9 +51,9 @@ EXAMPLES: dict[str, tuple[str, ...]] = {
     "distill-eval": (
         "distill-eval",
         *("--data", _DEV, "--limit", "16", "--teacher", _GEMMA, "--student", _SMOLLM2),
-        *("--adapter", "models/smollm2-from-gemma", "--out", "eval/results/distill"),
+        *("--adapter", "models/smollm2-from-gemma", "--out", "results/eval/distill"),
     ),
-    "eval-report": ("eval-report", "--out", "eval/results/nq_open_dev", "--pack"),
+    "eval-report": ("eval-report", "--out", "results/eval/nq_open_dev", "--pack"),
     "profile-generator": (
         "profile-generator",
         *("--base-url", "https://api.openai.com/v1", "--model", "gpt-4o-mini"),

@@ -74,7 +74,7 @@ def plan(
     if retriever_scores is None:
         # A function of its arguments alone, and the same few designs serve every request
         # (N and the defaults repeat): building pruned_random's balanced rows took 11% of the
-        # service's CPU at GPU speed (issue 57, bench/results/paced_profile.md). A copy, so
+        # service's CPU at GPU speed (issue 57, results/bench/paced_profile.md). A copy, so
         # no caller can change the cached one.
         return _planned(kind, int(n_passages), num_prompts, prompt_passages, seed).copy()
     return _plan(kind, n_passages, num_prompts, prompt_passages, seed, retriever_scores)

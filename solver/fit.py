@@ -37,7 +37,7 @@ Variance = Literal["jackknife", "delta"]
 # Multistart: every start (the reference and the generic shapes) gets the exact utilities for
 # its bias (its variable-projection cost) and the cheapest is finished; only if that one hits
 # the iteration cap are the others finished too, and the lowest-cost converged fit wins. On
-# SmolLM2's scores (bench/results/confidence_real_scores.json, 48 default fits) one cheapest
+# SmolLM2's scores (results/bench/confidence_real_scores.json, 48 default fits) one cheapest
 # start diverged (a -> uniform, |u| -> 1e5, where the design's incidence matrix has rank
 # N - 1) while the other starts converged. Finishing every start always would cost 4-9x the
 # solver time: it found a lower cost in 9 of the 48 fits, with another order, yet those orders
@@ -418,7 +418,7 @@ _JACKKNIFE_GROUPS = 20
 # keeps 1e-12 and 200). A standard error is a spread over refits, not an optimum: at 1e-12
 # about 40% of the stacked solves refined digits the spread does not show, most of them damped
 # steps rejected near the optimum. And a refit from the full fit's optimum converges in at
-# most 17 iterations on the 48 committed SmolLM2 fits (bench/results/confidence_real_scores
+# most 17 iterations on the 48 committed SmolLM2 fits (results/bench/confidence_real_scores
 # .json), so one still going at 60 is walking off along a valley (reported: it stopped at the
 # limit); at 200 such refits were most of the jackknife's time on scores with no structure
 # (the paced engine's). With both, those 48 fits take 24.5 stacked solves instead of 41.5, the

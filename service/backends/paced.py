@@ -16,7 +16,7 @@ numbers, the same prompt always the same), so the solver has real work and no si
 The cost model (``PacedProfile``): one forward of ``rows`` prompts takes
 ``overhead_s + tokens / tokens_per_s`` seconds, ``tokens`` padded (rows x longest) where the
 engine pads (transformers) and summed where it does not (vLLM). Each profile's figures and the
-files they come from are in ``PROFILES``; ``python bench/paced_fit.py`` recomputes them from the
+files they come from are in ``PROFILES``; ``python -m bench.paced_fit`` recomputes them from the
 committed GPU results and prints the model's error on each measured query.
 """
 
@@ -58,7 +58,7 @@ class PacedProfile:
     decode_step_s: float
     """Seconds per greedy decode step of a generation batch."""
     source: str
-    """Where the figures come from (committed under ``bench/results/``)."""
+    """Where the figures come from (committed under ``results/bench/``)."""
 
     def forward_s(self, lengths: Sequence[int]) -> float:
         """Seconds one forward of prompts of these lengths takes on the profiled engine."""
@@ -68,8 +68,8 @@ class PacedProfile:
         return self.overhead_s + tokens / self.tokens_per_s
 
 
-# `python bench/paced_fit.py` prints these from the files named in `source`. The generation
-# step is the H100's float32 lockstep figure (bench/results/generation_cuda_float32.json: 32
+# `python -m bench.paced_fit` prints these from the files named in `source`. The generation
+# step is the H100's float32 lockstep figure (results/bench/generation_cuda_float32.json: 32
 # answers of up to 32 tokens in 1.94 s, about 60 ms a step with its prefill): the only
 # generation timing measured on a GPU; scoring, not generation, is what these benchmarks load.
 _DECODE_STEP_S = 0.06
@@ -82,7 +82,7 @@ PROFILES: dict[str, PacedProfile] = {
             overhead_s=0.0,
             padded=False,
             decode_step_s=_DECODE_STEP_S,
-            source="bench/results/gpu_h200_20261127_2/scoring_transformers.json (engine alone, "
+            source="results/bench/gpu_h200_20261127_2/scoring_transformers.json (engine alone, "
             "8 queries of 20 prompts one call each: 119,510 tokens in 0.350 s)",
         ),
         PacedProfile(
@@ -91,7 +91,7 @@ PROFILES: dict[str, PacedProfile] = {
             overhead_s=0.0069,
             padded=False,
             decode_step_s=_DECODE_STEP_S,
-            source="bench/results/gpu_h100_20261127/load_transformers.json ceiling (160 prompts, "
+            source="results/bench/gpu_h100_20261127/load_transformers.json ceiling (160 prompts, "
             "120,130 tokens in 0.339 s); overhead: scoring_transformers.json's per-query median",
         ),
         PacedProfile(
@@ -100,7 +100,7 @@ PROFILES: dict[str, PacedProfile] = {
             overhead_s=0.0739,
             padded=False,
             decode_step_s=_DECODE_STEP_S,
-            source="bench/results/gpu_h100_20261127/load_vllm_16384.json ceiling (120,130 tokens "
+            source="results/bench/gpu_h100_20261127/load_vllm_16384.json ceiling (120,130 tokens "
             "in 0.400 s); overhead: scoring_vllm.json's per-query median",
         ),
         PacedProfile(
@@ -109,7 +109,7 @@ PROFILES: dict[str, PacedProfile] = {
             overhead_s=0.0,
             padded=False,
             decode_step_s=_DECODE_STEP_S,
-            source="bench/results/scoring_cuda_float32.json (engine alone, 6 queries of 20 "
+            source="results/bench/scoring_cuda_float32.json (engine alone, 6 queries of 20 "
             "prompts, 92,180 tokens in 1.103 s)",
         ),
     )

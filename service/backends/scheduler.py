@@ -32,7 +32,7 @@ forwards.
   during one waits: a full budget of 4096 padded tokens is about 10 s on a 2-core CPU, and
   admission's progress check once read that wait as a slow engine and stopped the caller's
   request (a 503 at 36.9 s of a ``query_likelihood`` request that follows an ``auto`` cold
-  start, ``bench/results/estimates/quiet_20``).
+  start, ``results/bench/estimates/quiet_20``).
 - The worker cannot strand a caller: whatever ends it (an exception in the packing, a
   cancellation, even one before it first ran), a done-callback fails every caller still waiting
   with ``BackendUnavailable``, and the next call starts a new worker.

@@ -24,7 +24,7 @@ _Model = TypeVar("_Model", bound=torch.nn.Module)
 
 # Padded prompt tokens per forward batch when the settings leave it open. A GPU needs large
 # batches to stay busy; a CPU does not, and there a large padded batch is slower
-# (bench/results/batch_budget.json: SmolLM2 on 2 cores, 4096 against 16384).
+# (results/bench/batch_budget.json: SmolLM2 on 2 cores, 4096 against 16384).
 _CUDA_BATCH_TOKENS = 16384
 _CPU_BATCH_TOKENS = 4096
 _DEFAULT_CONTEXT = 2048

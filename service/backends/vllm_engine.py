@@ -27,7 +27,7 @@ DtypeName = Literal["auto", "float32", "bfloat16", "float16"]
 # Every request of ours is greedy, so vLLM's FlashInfer top-k/top-p sampler never samples; but
 # Model Runner V2 warms it up at start, and flashinfer-python from PyPI (without its prebuilt
 # kernels) then compiles them with nvcc. On the H200 of 2026-11-26 the engine sat with the GPU
-# idle after its CUDA graphs until the stage's limit (eval/device/README.md). Off unless the
+# idle after its CUDA graphs until the stage's limit (scripts/device/README.md). Off unless the
 # operator sets it.
 _VLLM_ENV_DEFAULTS = {"VLLM_USE_FLASHINFER_SAMPLER": "0"}
 
@@ -44,7 +44,7 @@ def engine_usage_context(*, on_cpu: bool) -> UsageContext:
     ``AsyncLLM``'s own context (``ENGINE_CONTEXT``) has no entry in vLLM's table of defaults
     and falls back to 2048 tokens per step; its ``LLM`` class, offline throughput work like
     this backend's (prefill only), gets 16384 on an H100/H200 and 8192 on other GPUs. On an
-    H200 (2026-11-27, vLLM 0.26, bench/results/gpu_h200_20261127_2) the scoring benchmark ran
+    H200 (2026-11-27, vLLM 0.26, results/bench/gpu_h200_20261127_2) the scoring benchmark ran
     at 2048 tokens per step, 8 steps for a query's 20 prompts. The CPU keeps 2048 (the LLM
     class would take 4096), which every CPU measurement and bench/remote.py were made with.
     ``max_num_batched_tokens`` (RAG_REORDER_MAX_NUM_BATCHED_TOKENS) overrides either.

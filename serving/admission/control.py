@@ -25,16 +25,16 @@ from serving.metrics import ServiceMetrics
 # Admit only what the estimate says ends within 90% of the time left: under overload the engine
 # runs a little slower than when its rate was measured (shedding, HTTP and tokenising share
 # its cores), and without the margin 2 of the 19 requests admitted at 3x capacity missed their
-# deadline by that little (bench/results/overload_no_headroom.md).
+# deadline by that little (results/bench/overload_no_headroom.md).
 _HEADROOM = 0.9
 _LONG_MARGIN = 1.2
 """A request's own work is admitted only if its estimate times this fits the usable time.
 Work estimated near its deadline ran over it by the estimate's own error: split into parts
 (``_in_parts``), it was stopped early by its pace after 25-53 s with a 503 (2 of 20
 ``self_consistency`` requests estimated just under 108 s, quiet,
-bench/results/estimates/quiet_20_after). The long requests' model seconds over their
+results/bench/estimates/quiet_20_after). The long requests' model seconds over their
 estimates: at most 1.18 quiet and 1.12 after the yield changes, p90 1.10 with a competing
-process (bench/results/estimates); such work is now refused at once (422 on a confirmed
+process (results/bench/estimates); such work is now refused at once (422 on a confirmed
 rate), saying how much of it would fit."""
 _REMEASURE_GUESS_S = 10.0
 """Retry-After's share for the rate canary before one has run (a few seconds on this CPU)."""

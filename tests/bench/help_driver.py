@@ -1,10 +1,11 @@
-"""Runs ``python SCRIPT --help`` for many benchmark scripts in one process's forks.
+"""Runs ``python -m bench.NAME --help`` for many benchmark scripts in one process's forks.
 
 Each script run on its own imports torch, transformers, scipy and the web stack again: 6 to 9 s
 of CPU a script, over 200 s for the 33 of them in every `make test`. Here one parent imports
 those third-party libraries once, then forks a child per script; the child starts as
-``python SCRIPT`` would (``sys.argv``, ``sys.path[0]`` the script's folder, ``__main__``) with
-none of the project's modules imported, so a broken project import or option still fails it.
+``python -m bench.NAME`` would from the checkout's root (``sys.argv``, ``sys.path[0]`` the root,
+``__main__``) with none of the project's modules imported, so a broken project import or
+option still fails it.
 Each child's stdout, stderr and exit code go to ``OUT/<stem>.{out,err,rc}``.
 
 Usage: python tests/bench/help_driver.py OUT SCRIPT [SCRIPT ...]
@@ -33,16 +34,16 @@ _TIMEOUT_S = 120.0
 
 
 def _child(script: Path, out: Path) -> None:
-    """In the fork: become ``python SCRIPT --help`` and exit with its code."""
+    """In the fork: become ``python -m bench.NAME --help`` and exit with its code."""
     for fd, suffix in ((1, "out"), (2, "err")):
         handle = os.open(out / f"{script.stem}.{suffix}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
         os.dup2(handle, fd)
         os.close(handle)
     sys.argv = [str(script), "--help"]
-    sys.path[0] = str(script.parent)
+    sys.path[0] = str(script.parents[1])
     code = 0
     try:
-        runpy.run_path(str(script), run_name="__main__")
+        runpy.run_module(f"{script.parent.name}.{script.stem}", run_name="__main__", alter_sys=True)
     except SystemExit as exc:
         if isinstance(exc.code, int) or exc.code is None:
             code = exc.code or 0
@@ -60,7 +61,7 @@ def _child(script: Path, out: Path) -> None:
 def main() -> int:
     out = Path(sys.argv[1])
     root = Path(__file__).resolve().parents[2]
-    # As `python SCRIPT` from the checkout: the parent's own folder is not on the path.
+    # As `python -m bench.NAME` from the checkout: the parent's own folder is not on the path.
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).parent]
     os.chdir(root)
     for name in sys.argv[2:]:

@@ -16,24 +16,24 @@ from bench import report
 
 ROOT = Path(__file__).resolve().parents[2]
 # Helpers imported by the scripts, not scripts themselves.
-LIBRARIES = {"report", "server_process", "overload", "workload"}
+LIBRARIES = {"__init__", "report", "server_process", "overload", "workload"}
 SCRIPTS = sorted(p for p in (ROOT / "bench").glob("*.py") if p.stem not in LIBRARIES)
 
 DOC = """Peak memory of each phase,
 measured side by side.
 
-Usage: python bench/x.py
+Usage: python -m bench.x
 """
 
 
 def test_parser_defaults_and_description() -> None:
     ap = report.parser("memory_phases", DOC, data=True)
     args = ap.parse_args([])
-    assert args.out == str(ROOT / "bench" / "results" / "memory_phases.json")
+    assert args.out == str(ROOT / "results" / "bench" / "memory_phases.json")
     assert args.data == str(ROOT.parent / "shared" / "data" / "nq_open_dev.jsonl")
     # The whole first paragraph, not its first line cut mid-sentence.
     assert ap.description == "Peak memory of each phase, measured side by side."
-    assert ap.prog == "bench/memory_phases.py"
+    assert ap.prog == "python -m bench.memory_phases"
 
 
 def test_parser_without_data_has_no_data_option() -> None:
@@ -97,7 +97,7 @@ def test_every_benchmark_script_starts(
 
 
 def test_the_benchmarks_import_no_circle() -> None:
-    # bench/ is not a package, so the import contracts (lint-imports) cannot see it: the
+    # bench/ is outside the import contracts (lint-imports reads the product's packages): the
     # scripts' own imports of each other, lazy ones included, must form no cycle.
     import ast
 
@@ -122,3 +122,37 @@ def test_the_benchmarks_import_no_circle() -> None:
 
     circles = sorted(name for name in edges if reaches(name, name, {name}))
     assert not circles, f"bench modules in an import circle: {circles}"
+
+
+def _product_packages() -> set[str]:
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    return {p.rstrip("*") for p in config["tool"]["setuptools"]["packages"]["find"]["include"]}
+
+
+def test_no_benchmark_is_named_like_a_product_package() -> None:
+    # `python -m bench.x` puts the checkout's root first on the path, so `import service` is the
+    # product's; a bench/service.py would be the same name to a reader and to a static import
+    # map, which then cannot tell which one a script imports.
+    packages = _product_packages()
+    assert {"app", "service", "solver"} <= packages, packages
+    clashes = sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.stem in packages)
+    assert not clashes, f"bench modules named like product packages: {clashes}"
+
+
+def test_no_benchmark_patches_the_import_path_when_imported() -> None:
+    # The product's packages are installed and bench is a package run with -m: a module-level
+    # sys.path patch would only hide a misplaced import. An option that adds a folder while the
+    # script runs (dense_runtimes.py's --ort-site, fit_cost.py's arms) is inside a function.
+    import ast
+
+    patched = []
+    for path in sorted((ROOT / "bench").glob("*.py")):
+        for node in ast.parse(path.read_text()).body:
+            text = ast.unparse(node)
+            if "sys.path" in text and not isinstance(
+                node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
+            ):
+                patched.append(f"{path.name}:{node.lineno}: {text.splitlines()[0]}")
+    assert not patched, "\n".join(patched)

@@ -1,4 +1,4 @@
-"""eval/device/parallel.py: the pool that runs the evaluation on a lent GPU. Its chunks must
+"""scripts/device/parallel.py: the pool that runs the evaluation on a lent GPU. Its chunks must
 cover every question once, its merge must keep every finished record once (and survive a line
 torn by a stopped process), and a chunk that failed must run again on the next call.
 
@@ -24,7 +24,7 @@ import pytest
 from tests.support.scripts import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "eval" / "device" / "parallel.py"
+SCRIPT = ROOT / "scripts" / "device" / "parallel.py"
 
 # Stand-in CLI: `calibrate` prints a profile summary; `eval --data F --out D` appends a record
 # per question of F to D/cache.jsonl unless the key is there, and fails on a question whose
@@ -379,7 +379,7 @@ def test_merge_counts_the_questions_with_every_variant_of_a_pairing(
     assert f"{run.folder}: 3 records, 2 questions (1 with every variant)" in capsys.readouterr().out
 
 
-# Stand-in CLI for eval/device/distill.sh: `distill --score-only` writes the preference set,
+# Stand-in CLI for scripts/device/distill.sh: `distill --score-only` writes the preference set,
 # `distill` the manifest, `distill-eval` the summary; each call is logged, and $FAIL_STEP
 # makes that step exit 3; $LIMITS logs each step's --limit, $SLOW_SCORE makes scoring hang.
 FAKE_DISTILL_CLI = r"""
@@ -413,7 +413,7 @@ else:
 
 
 def _distill_sh(tmp_path: Path, **env: str) -> Callable[..., subprocess.CompletedProcess[str]]:
-    """Runs eval/device/distill.sh locally over the stand-in CLI, folders under ``tmp_path``;
+    """Runs scripts/device/distill.sh locally over the stand-in CLI, folders under ``tmp_path``;
     each call's keyword arguments add to ``env``."""
     cli = tmp_path / "cli.py"
     cli.write_text(FAKE_DISTILL_CLI)
@@ -425,7 +425,7 @@ def _distill_sh(tmp_path: Path, **env: str) -> Callable[..., subprocess.Complete
 
     def call(**extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            ["bash", str(ROOT / "eval" / "device" / "distill.sh")], cwd=ROOT, check=False,
+            ["bash", str(ROOT / "scripts" / "device" / "distill.sh")], cwd=ROOT, check=False,
             env=base | extra, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""scripts/gpu_leave_check.py, the evidence that the GPU bundle may leave a package behind,
+"""scripts/device/gpu_leave_check.py, the evidence that the GPU bundle may leave a package behind,
 on a wheel built here: what runs at import is followed, what a function or a guard hides is
 not, and an entry that would import a left-behind module fails the check."""
 
@@ -45,7 +45,7 @@ MODULES = {
 
 @pytest.fixture(scope="module")
 def check() -> ModuleType:
-    return load_script(ROOT / "scripts" / "gpu_leave_check.py", "gpu_leave_check")
+    return load_script(ROOT / "scripts" / "device" / "gpu_leave_check.py", "gpu_leave_check")
 
 
 @pytest.fixture
@@ -90,4 +90,4 @@ def test_no_wheels_is_an_error_that_says_how_to_build_them(
     check: ModuleType, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert check.main(["--wheels", str(tmp_path)]) == 2
-    assert "scripts/gpu-bundle.sh" in capsys.readouterr().err
+    assert "scripts/device/gpu-bundle.sh" in capsys.readouterr().err

@@ -313,7 +313,7 @@ def test_the_generator_s_rules_are_auto_s_but_its_top_slots(tmp_path: Path) -> N
         Settings(cache_dir=tmp_path, generator_keep_stability=0.95)
 
 
-RECORDED = Path(__file__).resolve().parents[2] / "bench/results/blind_profile/smollm2"
+RECORDED = Path(__file__).resolve().parents[2] / "results/eval/blind_profile/smollm2"
 
 
 async def test_a_trusted_profile_is_kept_through_noise_and_withdrawn_when_its_slot_moves(

@@ -1,4 +1,4 @@
-"""eval/device/gpu-engines.sh, the GPU session's one script, run end to end on the CPU.
+"""scripts/device/gpu-engines.sh, the GPU session's one script, run end to end on the CPU.
 
 Device time is 15 minutes a session, in some sessions only, and three H200 sessions lost
 most of theirs to the script's mechanics, not to vLLM: no torch in the virtualenv, the
@@ -47,7 +47,7 @@ SERVER_LOGS = [f"{name}.server.log" for name in STAGES if name.startswith("load_
 
 def run_script(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["bash", "eval/device/gpu-engines.sh"],
+        ["bash", "scripts/device/gpu-engines.sh"],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -178,7 +178,7 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
     started = probe.read_text().splitlines()
     assert sum("-m app serve" in line for line in started) == 7, started
     assert any("scripts/vllm_serve.py" in line for line in started), started
-    assert sum("bench/load.py" in line for line in started) == 5, started
+    assert sum("-m bench.load " in line for line in started) == 5, started
     # The headline figures are in the output too (the tool returns its last 12,000 chars).
     for name in results:
         assert f"{name}.json " in first.stdout

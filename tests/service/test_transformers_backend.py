@@ -184,7 +184,7 @@ def test_small_token_budget_splits_batches_with_same_numbers(
 def test_the_batch_budget_defaults_by_device_and_settings_override_it(
     tiny_model_dir: Path,
 ) -> None:
-    # Measured (bench/results/batch_budget.json): on a CPU a 4096-token batch scores faster
+    # Measured (results/bench/batch_budget.json): on a CPU a 4096-token batch scores faster
     # than a 16384 one; a GPU keeps the large batches.
     assert default_batch_token_budget(torch.device("cpu")) == 4096
     assert default_batch_token_budget(torch.device("cuda")) == 16384

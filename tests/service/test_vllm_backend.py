@@ -1,6 +1,6 @@
 """The vLLM backend against brute-force transformers on a tiny random Llama (CPU, float32).
 
-On a GPU (eval/device/gpu-engines.sh) the same module runs on CUDA, both sides on the GPU,
+On a GPU (scripts/device/gpu-engines.sh) the same module runs on CUDA, both sides on the GPU,
 with ``RAG_REORDER_TEST_VLLM_DTYPE`` (default float32); the per-token tolerance in nats comes
 from ``TOLERANCES`` (what was measured on each device and dtype) unless
 ``RAG_REORDER_TEST_VLLM_TOL`` sets it. A tolerance that loose would let a misaligned span pass
@@ -79,7 +79,7 @@ pytestmark = pytest.mark.vllm
 
 DTYPE = os.environ.get("RAG_REORDER_TEST_VLLM_DTYPE", "float32")
 # nats, per (device, dtype): about 3x the largest |vLLM - transformers| this module measured.
-# CPU float32: ~1e-5. H200, vLLM 0.26 (2026-11-27, bench/results/gpu_h200_20261127): float32
+# CPU float32: ~1e-5. H200, vLLM 0.26 (2026-11-27, results/bench/gpu_h200_20261127): float32
 # 0.0126 (vLLM runs float32 attention in Triton, whose dots default to TF32; transformers' SDPA
 # does not), bfloat16 0.127 (FlashAttention 3 and torch.compile's fused kernels against SDPA).
 TOLERANCES = {
@@ -539,7 +539,7 @@ def test_score_mode_follows_what_the_engine_can_run() -> None:
 
 def test_flashinfer_sampler_off_unless_the_operator_says(backend: VLLMBackend) -> None:
     """Greedy requests never use FlashInfer's top-k/top-p sampler; its start-up JIT must not run
-    (eval/device/README.md, 2026-11-26). An operator's own setting wins."""
+    (scripts/device/README.md, 2026-11-26). An operator's own setting wins."""
     environ: dict[str, str] = {}
     apply_vllm_env_defaults(environ)
     assert environ == {"VLLM_USE_FLASHINFER_SAMPLER": "0"}

@@ -392,10 +392,10 @@ def test_jackknife_falls_back_to_the_delta_method_when_a_passage_rests_on_one_pr
 
 def test_on_real_scores_the_jackknife_claims_what_an_independent_fit_confirms() -> None:
     """SmolLM2's scores of 8 NQ-Open questions, 6 default designs each
-    (bench/results/confidence_real_scores.json, bench/confidence_real.py): each design's pairs
+    (results/bench/confidence_real_scores.json, bench/confidence_real.py): each design's pairs
     against a fit of the other five designs' prompts. The delta method claims far more than
     is confirmed; the jackknife about what is."""
-    path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
+    path = Path(__file__).resolve().parents[2] / "results/bench/confidence_real_scores.json"
     raw = json.loads(path.read_text())
     claimed: dict[str, list[float]] = {"delta": [], "jackknife": []}
     confirmed = []
@@ -423,7 +423,7 @@ def test_a_diverging_start_falls_back_to_the_other_starts() -> None:
     """A real default fit (SmolLM2, NQ-Open question 1, second design) whose cheapest start
     walks to a uniform bias and utilities of 1e5 (the design's incidence matrix has rank
     N - 1); the other starts converge, and the fit takes the best of those."""
-    path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
+    path = Path(__file__).resolve().parents[2] / "results/bench/confidence_real_scores.json"
     design = json.loads(path.read_text())["questions"][0]["designs"][1]
     perms, s = np.asarray(design["perms"]), np.asarray(design["scores"])
     assert np.linalg.matrix_rank(solver.as_design(perms, 10).u_matrix(np.full(5, 0.2))) == 9
@@ -538,7 +538,7 @@ def test_a_refit_that_runs_away_is_reported() -> None:
     """A real default fit (SmolLM2, NQ-Open question 0, first design) where one left-out
     problem has no finite optimum (its refit walks off to |u| ~ 1e3 within the iteration
     cap): the jackknife says so, and its confidences are near 0.5."""
-    path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
+    path = Path(__file__).resolve().parents[2] / "results/bench/confidence_real_scores.json"
     design = json.loads(path.read_text())["questions"][0]["designs"][0]
     f = fit(np.asarray(design["perms"]), np.asarray(design["scores"]), variance="jackknife")
     assert any("1 of 20 jackknife refits stopped" in w for w in f.warnings)
@@ -664,7 +664,7 @@ Case = tuple[np.ndarray, np.ndarray, int]
 
 def _committed_fits() -> list[Case]:
     """The 48 committed SmolLM2 default fits (perms, scores, N)."""
-    path = Path(__file__).resolve().parents[2] / "bench/results/confidence_real_scores.json"
+    path = Path(__file__).resolve().parents[2] / "results/bench/confidence_real_scores.json"
     return [
         (np.asarray(d["perms"]), np.asarray(d["scores"]), int(q["n_passages"]))
         for q in json.loads(path.read_text())["questions"]

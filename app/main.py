@@ -69,15 +69,16 @@ def create_app(
 
     Args:
         settings: the service configuration.
-        backend: a ready backend (tests pass ``FakeBackend``); default: the lifespan builds
-            one with ``service.backends.factory.create_backend``. Either way the lifespan
-            closes it on shutdown.
+        backend: a ready backend (tests pass ``FakeBackend``); default: the engine's
+            supervisor (``serving.supervisor``) builds one with
+            ``service.backends.factory.create_backend``. Either way the lifespan closes it on
+            shutdown.
         shared: one of several worker processes on one engine (``entrypoints.workers``): the
             in-flight counts admission shares with the others.
         meter: with ``shared``, the engine process's meter (``SocketBackend.meter``).
 
     Returns:
-        The FastAPI app; its context is ``app.state.ctx`` (``app.state.AppContext``).
+        The FastAPI app; its context is ``app.state.ctx`` (``serving.context.AppContext``).
 
     Raises:
         ValueError: ``api_key`` or ``admin_api_key`` is set but blank.

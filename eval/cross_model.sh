@@ -23,7 +23,7 @@ cd "$(dirname "$0")/.."
 SET=$1 CALIB=$2 SCORER=$3 GENERATOR=$4 NAME=$5
 DATA=${6:-../shared/data}
 OUT=${7:-results/eval}
-RR=${RR:-.venv/bin/rag-reorder}  # may be several words, e.g. "python3 -m app"
+RR=${RR:-.venv/bin/rag-reorder}  # may be several words, e.g. "python3 -m entrypoints"
 K=${K:-10}
 STRATEGIES=${STRATEGIES:-moi:pruned_random,retriever,shuffle,litm,query_likelihood,query_generation,bm25,dense}
 

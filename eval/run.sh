@@ -21,7 +21,7 @@ cd "$(dirname "$0")/.."
 
 DATA=${1:-../shared/data}
 OUT=${2:-results/eval}
-RR=${RR:-.venv/bin/rag-reorder}  # may be several words, e.g. "python3 -m app"
+RR=${RR:-.venv/bin/rag-reorder}  # may be several words, e.g. "python3 -m entrypoints"
 K=${K:-10}
 CALIBRATION_QUESTIONS=${CALIBRATION_QUESTIONS:-50}
 

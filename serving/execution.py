@@ -21,9 +21,11 @@ from typing import TypeVar
 import anyio
 from starlette.requests import Request
 
+from service.config.settings import Settings
 from service.errors import BackendUnavailable, EngineTimeout
 from service.pipeline import Reorderer, ReorderResult
 from serving.admission.backends import AdmittedBackend
+from serving.admission.deadline import Deadline
 from serving.admission.errors import ClientDisconnected, DeadlineExceeded
 from serving.context import AppContext, request_id_of
 
@@ -49,11 +51,7 @@ async def execute(
         ReorderError: whatever the work raised.
     """
     result = await run_admitted(
-        ctx,
-        request,
-        lambda reorderer: work(reorderer()),
-        timeout_s=ctx.settings.request_timeout_s,
-        timeout_name="request_timeout_s",
+        ctx, request, lambda reorderer: work(reorderer()), deadline_of=Deadline.of_request
     )
     ctx.metrics.observe(result)
     ctx.metrics.within_deadline.inc()
@@ -82,8 +80,7 @@ async def run_admitted(
     request: Request,
     work: Callable[[Callable[[], Reorderer]], Awaitable[T]],
     *,
-    timeout_s: float,
-    timeout_name: str,
+    deadline_of: Callable[[Settings], Deadline],
 ) -> T:
     """Run ``work`` in one request slot, under a deadline, cancelled if the client leaves.
 
@@ -91,15 +88,19 @@ async def run_admitted(
     request, whose per-request limits (prompts, prompts x tokens) then apply to it alone. A
     calibration takes one per query, so each query is held to the limits of one request.
 
+    ``deadline_of`` makes the request's deadline (``Deadline.of_request``,
+    ``Deadline.of_calibration``) once it may be served; every check on its way takes that one
+    value.
+
     Raises:
-        as ``execute``, with ``timeout_name`` in the 504's message.
+        as ``execute``, with the deadline's setting in the 504's message.
     """
     await ctx.check_serving()
     backend = ctx.engine.require()
     settings = ctx.settings
     rid = request_id_of(request.scope)
 
-    deadline = time.monotonic() + timeout_s
+    deadline = deadline_of(settings)
     gates: list[AdmittedBackend] = []
 
     def reorderer() -> Reorderer:
@@ -110,8 +111,6 @@ async def run_admitted(
             ctx.admission,
             settings,
             deadline=deadline,
-            timeout_s=timeout_s,
-            timeout_name=timeout_name,
         )
         gates.append(gate)
         return Reorderer(
@@ -121,7 +120,7 @@ async def run_admitted(
     t0 = time.perf_counter()
     with ctx.admission.request():
         try:
-            with anyio.fail_after(timeout_s):
+            with anyio.fail_after(deadline.length_s):
                 result = await cancel_on_disconnect(request, lambda: work(reorderer))
         except TimeoutError:
             # What admission expected of it: a 504 of admitted work is an estimate that was
@@ -133,7 +132,7 @@ async def run_admitted(
                 else ""
             )
             raise DeadlineExceeded(
-                f"the request did not finish within {timeout_name} = {timeout_s:g} s; "
+                f"the request did not finish within {deadline.named}; "
                 f"its scoring was cancelled{expected}"
             ) from None
         except ClientDisconnected:

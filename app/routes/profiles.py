@@ -41,6 +41,7 @@ from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded, NotFound
 from service.pipeline import DesignSpec, Reorderer
 from service.strategies.work import Work
+from serving.admission.deadline import Deadline
 from serving.execution import run_admitted
 
 log = logging.getLogger(__name__)
@@ -113,13 +114,7 @@ async def calibrate(
     Deadline: `calibration_timeout_s`; nothing is stored when it fails."""
     t0 = time.perf_counter()
     work = _from_traffic(body, ctx) if body.from_traffic else _from_queries(body, ctx, request_id)
-    report = await run_admitted(
-        ctx,
-        request,
-        work,
-        timeout_s=ctx.settings.calibration_timeout_s,
-        timeout_name="calibration_timeout_s",
-    )
+    report = await run_admitted(ctx, request, work, deadline_of=Deadline.of_calibration)
     ctx.metrics.calibrations.labels(
         body.design, "traffic" if body.from_traffic else "queries"
     ).inc()

@@ -27,7 +27,7 @@ if [[ ${LOCAL:-0} == 1 ]]; then
     mkdir -p "$OUT"
 else
     source scripts/device/env.sh
-    rr=(python3 -m app)
+    rr=(python3 -m entrypoints)
 fi
 BUDGET=${BUDGET:-540}   # seconds of this call for the steps; the packing follows
 DATA=${DATA:-/tmp/data}

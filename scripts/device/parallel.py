@@ -326,7 +326,7 @@ def main() -> int:
     ap.add_argument("--procs", type=int, default=5, help="eval processes at once")
     ap.add_argument("--chunk", type=int, default=13, help="questions per process")
     ap.add_argument("--budget", type=float, default=520, help="seconds, then stop and merge")
-    ap.add_argument("--rr", default="python3 -m app", help="the CLI to call")
+    ap.add_argument("--rr", default="python3 -m entrypoints", help="the CLI to call")
     # The chunks' own reports are discarded (rebuilt from the merged cache), so a short
     # bootstrap there saves their CPU.
     ap.add_argument("--eval-args", default="--resamples 100")

@@ -53,10 +53,16 @@ engine is idle. The service's own work (the canaries, ``auto``'s background runs
 into the meter without holding a place in the queue (``backends.MeteredBackend``), so a
 request arriving meanwhile sees an idle engine and preempts it.
 
+A request's deadline is one value (``deadline.Deadline``: when, how long, which setting), made
+once when its work may start (``serving.execution``) and passed to every check above: the
+estimates, a refusal's ``Retry-After`` (priced against a fresh deadline of the same length: a
+calibration's is ``calibration_timeout_s``, not ``request_timeout_s``), the parts of a long
+call and the 504, each naming the setting to raise.
+
 With several worker processes on one engine, the counts are the engine's, summed over the
 workers (``service.runtime.shared_counts``), and the rates are the engine process's.
 
-The modules, in reading order: ``control`` (``Admission``: the counts and the decisions on
-them), ``backends`` (the backend as a request, or the service's own work, sees it) and
-``errors`` (what a refusal raises).
+The modules, in reading order: ``deadline`` (the one value), ``control`` (``Admission``: the
+counts and the decisions on them), ``backends`` (the backend as a request, or the service's
+own work, sees it) and ``errors`` (what a refusal raises).
 """

@@ -33,6 +33,7 @@ from service.config.settings import Settings
 from service.errors import DeadlineUnreachable, LimitExceeded
 from service.strategies.request import Estimate
 from serving.admission.control import Admission, Reservation
+from serving.admission.deadline import Deadline
 from serving.admission.errors import Overloaded
 
 _PART_SHARE = 0.2
@@ -93,25 +94,19 @@ class AdmittedBackend:
         admission: Admission,
         settings: Settings,
         *,
-        deadline: float | None = None,
-        timeout_s: float | None = None,
-        timeout_name: str = "request_timeout_s",
+        deadline: Deadline | None = None,
     ) -> None:
         """Args:
         inner: the shared backend.
         admission: the service's admission.
         settings: the limits.
-        deadline: ``time.monotonic()`` by which the request must be answered (admission
-            refuses work that would not finish by then); ``None``: not checked.
-        timeout_s: the deadline's whole length (default ``request_timeout_s``).
-        timeout_name: the setting that sets it, named in a refusal.
+        deadline: the request's (admission refuses work that would not finish by then);
+            ``None``: not checked.
         """
         self._inner = inner
         self._admission = admission
         self._settings = settings
         self._deadline = deadline
-        self._timeout_s = settings.request_timeout_s if timeout_s is None else timeout_s
-        self._timeout_name = timeout_name
         self._reservation: Reservation | None = None
         self.estimated_s: float | None = None
         """The request's estimate when it was admitted as a whole (``None``: not, or no
@@ -145,9 +140,7 @@ class AdmittedBackend:
             DeadlineUnreachable, Overloaded: as ``Admission.reserve``.
         """
         self.release()
-        self._reservation = self._admission.reserve(
-            estimate, self._deadline, timeout_s=self._timeout_s, timeout_name=self._timeout_name
-        )
+        self._reservation = self._admission.reserve(estimate, self._deadline)
         self.estimated_s = self._reservation.estimated_s
         return self.estimated_s
 
@@ -184,7 +177,6 @@ class AdmittedBackend:
                 prompt_tokens(reqs),
                 self._deadline,
                 reservation=self._reservation,
-                timeout_s=self._timeout_s,
             ):
                 return await self._inner.score(reqs)
 
@@ -210,7 +202,6 @@ class AdmittedBackend:
                 self._deadline,
                 new_tokens=budget,
                 reservation=self._reservation,
-                timeout_s=self._timeout_s,
             ):
                 return await self._inner.generate(reqs)
 
@@ -265,7 +256,7 @@ class AdmittedBackend:
             return whole
         budget = sum(new_tokens) if new_tokens else 0
         total_s = self._admission.meter.seconds_for(sum(tokens), budget)
-        part_s = _PART_SHARE * self._timeout_s
+        part_s = _PART_SHARE * self._deadline.length_s
         if total_s is None or total_s <= part_s:
             return whole
         n = min(len(tokens), math.ceil(total_s / part_s))
@@ -288,12 +279,13 @@ class AdmittedBackend:
     ) -> None:
         """``Overloaded`` if the rest of a call, at the pace its first ``done`` parts ran
         (``spent_s`` against ``estimated_s``), would end after the request's deadline."""
-        assert self._deadline is not None
+        deadline = self._deadline
+        assert deadline is not None
         if estimated_s <= 0:
             return
         pace = spent_s / estimated_s
         rest_s = pace * sum(rest)
-        left_s = self._deadline - time.monotonic()
+        left_s = deadline.left_s(time.monotonic())
         if rest_s <= left_s:
             return
         self._admission.progress_refused()
@@ -309,17 +301,17 @@ class AdmittedBackend:
             total_s = spent_s + rest_s
             raise DeadlineUnreachable(
                 reservation.param,
-                round(self._timeout_s, 3),
+                round(deadline.length_s, 3),
                 round(total_s, 3),
                 f"this request was admitted on an idle engine to re-measure its rate (it was "
                 f"estimated over its deadline on a rate not yet confirmed); the first {done} "
                 f"of {parts} parts of its model calls took {spent_s:.1f} s against "
                 f"{estimated_s:.1f} s estimated ({pace:.1f}x), so all of them would take about "
-                f"{total_s:.0f} s, past its deadline ({self._timeout_name} = "
-                f"{self._timeout_s:g} s, {max(left_s, 0):.0f} s left); the rate is now "
+                f"{total_s:.0f} s, past its deadline ({deadline.named}, "
+                f"{max(left_s, 0):.0f} s left); the rate is now "
                 + ("confirmed" if why is None else f"not confirmed ({why})")
                 + f" at {meter.tokens_per_s or 0:.0f} prompt tokens/s: send fewer passages, "
-                f"prompts or samples ({reservation.param}), or raise {self._timeout_name}",
+                f"prompts or samples ({reservation.param}), or raise {deadline.setting}",
             )
         wait_s = self._admission.estimated_wait_s or 0.0
         raise Overloaded(

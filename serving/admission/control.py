@@ -19,6 +19,7 @@ from service.errors import DeadlineUnreachable
 from service.runtime.shared_counts import SharedCounts
 from service.runtime.throughput import FRESH_S, MIN_CALLS, PLAUSIBLE_SPEEDUP, ThroughputMeter
 from service.strategies.request import Estimate
+from serving.admission.deadline import Deadline
 from serving.admission.errors import Overloaded
 from serving.metrics import ServiceMetrics
 
@@ -175,20 +176,14 @@ class Admission:
     def reserve(
         self,
         estimate: Estimate,
-        deadline: float | None,
-        *,
-        timeout_s: float,
-        timeout_name: str = "request_timeout_s",
+        deadline: Deadline | None,
     ) -> Reservation:
         """Admit a request's whole estimated work, reserving it in the tokens in flight, or
         raise (the package docstring). Release what is left with ``release``.
 
         Args:
             estimate: the request's prompt tokens and answer budget.
-            deadline: ``time.monotonic()`` by which it must be answered; ``None``: the
-                deadline is not checked.
-            timeout_s: the whole deadline's length (what an idle engine would have).
-            timeout_name: the setting that sets it, named in a refusal.
+            deadline: the request's; ``None``: no deadline is checked.
 
         Raises:
             DeadlineUnreachable: it cannot finish by its deadline even on an idle engine.
@@ -197,7 +192,7 @@ class Admission:
         n = estimate.prompt_tokens + estimate.new_tokens
         now = time.monotonic()
         own_s = self.meter.seconds_for(estimate.prompt_tokens, estimate.new_tokens)
-        usable = _HEADROOM * timeout_s
+        usable = _HEADROOM * deadline.length_s if deadline is not None else math.inf
         # The estimate's own error: work estimated near the deadline is over it (_LONG_MARGIN).
         allowed = usable / _LONG_MARGIN
         doubted = False
@@ -207,7 +202,7 @@ class Admission:
                 # Over the deadline even at far more than the engine has ever shown: no error
                 # in a rate explains that, so no re-measurement can admit it (issue 90).
                 self._metrics.admission_rejections.labels("unreachable").inc()
-                raise _implausible(estimate, own_s, least_s, allowed, timeout_s, timeout_name)
+                raise _implausible(estimate, own_s, least_s, allowed, deadline)
             # Over the deadline alone. For good (422) only on a confirmed rate, and only if
             # even the fastest the engine has recently shown cannot fit it; else it is the
             # estimate that is in doubt: admitted on an idle engine (its calls re-measure),
@@ -217,7 +212,7 @@ class Admission:
             if self.meter.confirmed(now) and decode_ok and best_s is not None and best_s > allowed:
                 self._metrics.admission_rejections.labels("unreachable").inc()
                 self.remeasure("refused")
-                raise _unreachable(estimate, best_s, self.meter, now, timeout_s, timeout_name)
+                raise _unreachable(estimate, best_s, self.meter, now, deadline)
             self.remeasure("doubted")
             wait_s = self.estimated_wait_s or 0.0
             if self.tokens_in_flight:
@@ -250,7 +245,7 @@ class Admission:
                 )
             doubted = True
         elif self.tokens_in_flight:
-            self._check_deadline(n, estimate.new_tokens, deadline, now, timeout_s)
+            self._check_deadline(n, estimate.new_tokens, deadline, now)
         if self.tokens_in_flight:
             self._check_budgets(n)
         self._add(n, estimate.new_tokens)
@@ -304,24 +299,21 @@ class Admission:
     def tokens(
         self,
         n: int,
-        deadline: float | None = None,
+        deadline: Deadline | None = None,
         *,
         new_tokens: int = 0,
         reservation: Reservation | None = None,
-        timeout_s: float | None = None,
     ) -> Iterator[None]:
         """Hold ``n`` tokens while a call runs, or raise ``Overloaded``.
 
         Args:
             n: the call's prompt tokens plus its answer budget (generation).
             new_tokens: the answer-budget part of ``n``.
-            deadline: ``time.monotonic()`` by which the call's request must be answered;
-                ``None``: no deadline check.
+            deadline: the call's request's (a refusal's Retry-After is priced against its
+                length: a calibration's is ``calibration_timeout_s``); ``None``: no deadline
+                check.
             reservation: the call's request was admitted as a whole: the call takes its
                 tokens from that reservation and is not checked again.
-            timeout_s: the length of the request's deadline, which a refusal's Retry-After
-                is priced against (default ``request_timeout_s``; a calibration's is
-                ``calibration_timeout_s``).
 
         A call is always admitted when nothing else is in flight: its own size is bounded by
         ``max_prompt_tokens_x_prompts``, so no budget or estimate can starve it.
@@ -334,7 +326,7 @@ class Admission:
             reservation.new_tokens -= took_new
             self._add(-took, -took_new)
         elif self.tokens_in_flight:
-            self._check_deadline(n, new_tokens, deadline, now, timeout_s)
+            self._check_deadline(n, new_tokens, deadline, now)
             self._check_budgets(n)
         self._add(n, new_tokens)
         self.meter.begin(now)
@@ -394,26 +386,24 @@ class Admission:
         self,
         n: int,
         new_tokens: int,
-        deadline: float | None,
+        deadline: Deadline | None,
         now: float,
-        timeout_s: float | None = None,
     ) -> None:
         """``Overloaded`` (reason ``deadline``) if the work ahead plus ``n`` tokens (of which
         ``new_tokens`` answer budget) cannot be done by ``deadline`` at the measured rates;
-        its Retry-After is when they could be, for a retry with a fresh deadline of
-        ``timeout_s`` (default ``request_timeout_s``: a calibration's is
-        ``calibration_timeout_s``, issue 90)."""
+        its Retry-After is when they could be, for a retry with a fresh deadline of the same
+        length (a calibration's is ``calibration_timeout_s``, issue 90)."""
         wait_s = self.estimated_wait_s
         own_s = self.meter.seconds_for(n - new_tokens, new_tokens)
         if deadline is None or wait_s is None or own_s is None:
             return
-        left_s = deadline - now
+        left_s = deadline.left_s(now)
         if wait_s + own_s <= _HEADROOM * left_s:
             return
         self._metrics.admission_rejections.labels("deadline").inc()
         # Retried, it fits once the queue ahead has shrunk to what a fresh deadline leaves
         # beside its own work; a call longer than a deadline only once the engine is idle.
-        timeout = _HEADROOM * (self._settings.request_timeout_s if timeout_s is None else timeout_s)
+        timeout = _HEADROOM * deadline.length_s
         ahead_s = wait_s + own_s - timeout if own_s < timeout else wait_s
         retry = max(1, math.ceil(ahead_s - 1e-6))  # not a second more for a rounding error
         rate = self.meter.tokens_per_s
@@ -430,8 +420,7 @@ def _implausible(
     own_s: float,
     least_s: float,
     allowed: float,
-    timeout_s: float,
-    name: str,
+    deadline: Deadline,
 ) -> DeadlineUnreachable:
     """The 422 for work over its deadline even at ``PLAUSIBLE_SPEEDUP`` times the fastest rate
     the engine has shown: refused for good whether or not the rate is confirmed."""
@@ -441,11 +430,11 @@ def _implausible(
         round(own_s, 3),
         f"this request's {estimate.prompts} model calls ({estimate.prompt_tokens} prompt "
         f"tokens, {estimate.new_tokens} answer tokens) are estimated at {own_s:.0f} s, "
-        f"{own_s / allowed:.0f}x the {allowed:.1f} s its deadline allows ({name} = "
-        f"{timeout_s:g} s: 90% usable, less a {_LONG_MARGIN - 1:.0%} margin); even at "
+        f"{own_s / allowed:.0f}x the {allowed:.1f} s its deadline allows ({deadline.named}: "
+        f"90% usable, less a {_LONG_MARGIN - 1:.0%} margin); even at "
         f"{PLAUSIBLE_SPEEDUP:g}x the fastest rate this engine has shown it would take "
         f"{least_s:.1f} s, so no re-measurement of the rate can admit it: send fewer "
-        f"passages, prompts or samples ({estimate.param}), or raise {name}",
+        f"passages, prompts or samples ({estimate.param}), or raise {deadline.setting}",
     )
 
 
@@ -454,12 +443,11 @@ def _unreachable(
     own_s: float,
     meter: ThroughputMeter,
     now: float,
-    timeout_s: float,
-    name: str,
+    deadline: Deadline,
 ) -> DeadlineUnreachable:
     """The 422 for work that cannot finish by its deadline even alone: the estimate, how it
     was made (the rate, and the calls it rests on), the deadline, and what would fit."""
-    allowed = _HEADROOM * timeout_s / _LONG_MARGIN
+    allowed = _HEADROOM * deadline.length_s / _LONG_MARGIN
     rate = meter.best_rate(now) or 0.0
     parts = [
         f"{estimate.prompt_tokens} prompt tokens at the measured {rate:.0f}/s "
@@ -475,7 +463,7 @@ def _unreachable(
         round(own_s, 3),
         f"this request's {estimate.prompts} model calls are estimated at {own_s:.1f} s on an "
         f"idle engine ({'; '.join(parts)}), over the {allowed:.1f} s its deadline allows "
-        f"({name} = {timeout_s:g} s: 90% usable, less a {_LONG_MARGIN - 1:.0%} margin for the "
+        f"({deadline.named}: 90% usable, less a {_LONG_MARGIN - 1:.0%} margin for the "
         f"estimate's error); about {share:.0%} of this work would fit: "
-        f"send fewer passages, prompts or samples ({estimate.param}), or raise {name}",
+        f"send fewer passages, prompts or samples ({estimate.param}), or raise {deadline.setting}",
     )

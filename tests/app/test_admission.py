@@ -20,6 +20,7 @@ from service.prompting.prompts import build_prompts
 from service.runtime.throughput import ThroughputMeter
 from serving.admission.backends import AdmittedBackend
 from serving.admission.control import Admission
+from serving.admission.deadline import Deadline
 from serving.admission.errors import Overloaded
 from serving.metrics import ServiceMetrics
 from tests.app.conftest import PASSAGES, measured, serving
@@ -28,7 +29,7 @@ from tests.app.conftest import PASSAGES, measured, serving
 def test_a_call_is_admitted_while_the_queue_ahead_and_its_own_work_fit_its_deadline() -> None:
     # Within 90% of the time left: the margin for an engine slower under load than measured.
     admission = measured(1000.0)
-    deadline = time.monotonic() + 10.0
+    deadline = Deadline.starting_now(10.0, "request_timeout_s")
     with admission.tokens(4000, deadline), admission.tokens(4000, deadline):
         assert admission.estimated_wait_s == pytest.approx(8.0)
         # 8,000 ahead + 2,000 of its own = 10 s > 9 s: refused, retry in about 1 s.
@@ -44,7 +45,7 @@ def test_a_call_is_admitted_while_the_queue_ahead_and_its_own_work_fit_its_deadl
 
 def test_retry_after_is_when_the_queue_will_have_shrunk_enough() -> None:
     admission = measured(100.0, timeout_s=10.0)
-    deadline = time.monotonic() + 10.0
+    deadline = Deadline.starting_now(10.0, "request_timeout_s")
     with admission.tokens(3000, deadline):  # 30 s of work ahead (admitted: the engine idled)
         with pytest.raises(Overloaded) as refused, admission.tokens(200, deadline):
             pass
@@ -58,12 +59,14 @@ def test_retry_after_is_when_the_queue_will_have_shrunk_enough() -> None:
 
 def test_an_idle_engine_admits_any_call_and_an_unmeasured_one_skips_the_check() -> None:
     admission = measured(10.0, timeout_s=1.0)
-    with admission.tokens(10_000, time.monotonic() + 1.0):  # 1,000 s: still admitted alone
+    # 1,000 s: still admitted alone
+    with admission.tokens(10_000, Deadline.starting_now(1.0, "request_timeout_s")):
         pass
     fresh = Admission(Settings(), ServiceMetrics(include_default_registry=False))
     assert fresh.meter.tokens_per_s is None and fresh.estimated_wait_s is None
     # Unmeasured: no deadline check (within unmeasured_inflight_prompt_tokens).
-    with fresh.tokens(10_000, time.monotonic()), fresh.tokens(10_000, time.monotonic()):
+    now = Deadline(time.monotonic(), 120.0, "request_timeout_s")
+    with fresh.tokens(10_000, now), fresh.tokens(10_000, now):
         pass
 
 
@@ -156,7 +159,7 @@ def test_before_any_measurement_the_tokens_in_flight_are_capped() -> None:
         Settings(unmeasured_inflight_prompt_tokens=100_000),
         ServiceMetrics(include_default_registry=False),
     )
-    deadline = time.monotonic() + 120.0
+    deadline = Deadline.starting_now(120.0, "request_timeout_s")
     refused = 0
     with admission.tokens(150_000, deadline):  # alone: always admitted, even over the cap
         for _ in range(64):
@@ -189,7 +192,7 @@ def test_a_seeded_rate_makes_deadline_admission_work_from_the_first_request() ->
     admission.seed(120, 0.12)  # the warm-up probe: 120 prompt tokens in 0.12 s
     assert admission.meter.tokens_per_s == pytest.approx(1000.0)
     assert admission.meter.completed == 0
-    deadline = time.monotonic() + 10.0
+    deadline = Deadline.starting_now(10.0, "request_timeout_s")
     with (
         admission.tokens(4000, deadline),
         admission.tokens(4000, deadline),
@@ -285,25 +288,18 @@ def test_a_refused_calibration_s_retry_after_is_priced_against_its_own_deadline(
 
     admission = measured(1000.0, timeout_s=10.0)  # 1,000 prompt tokens/s
     ahead = admission.reserve(
-        Estimate(prompts=1, prompt_tokens=90_000, new_tokens=0, param="passages"),
-        None,
-        timeout_s=10.0,
+        Estimate(prompts=1, prompt_tokens=90_000, new_tokens=0, param="passages"), None
     )  # 90 s of work queued
     calibration = Estimate(prompts=10, prompt_tokens=20_000, new_tokens=0, param="queries")
     with pytest.raises(Overloaded) as refused:  # 90 + 20 s > 90 s usable of 100 s
-        admission.reserve(
-            calibration,
-            time.monotonic() + 100.0,
-            timeout_s=100.0,
-            timeout_name="calibration_timeout_s",
-        )
+        admission.reserve(calibration, Deadline.starting_now(100.0, "calibration_timeout_s"))
     # Retried once 20 s of the queue are done, its 20 s fit behind the other 70 (90 s usable);
     # priced against request_timeout_s it was told 90 s (the whole queue).
     assert refused.value.retry_after_s == 20
     # The same through a call not admitted as a whole (AdmittedBackend.score's path).
     with (
         pytest.raises(Overloaded) as call,
-        admission.tokens(20_000, time.monotonic() + 100.0, timeout_s=100.0),
+        admission.tokens(20_000, Deadline.starting_now(100.0, "calibration_timeout_s")),
     ):
         pass
     assert call.value.retry_after_s == 20

@@ -24,6 +24,7 @@ from service.runtime.throughput import FRESH_S, MIN_CALLS, WALL_HALF_LIFE_S, Thr
 from service.state.profile_store import ProfileStore
 from service.strategies.request import Estimate
 from serving.admission.control import Admission
+from serving.admission.deadline import Deadline
 from serving.metrics import ServiceMetrics
 from tests.app.conftest import Harness, TrackingBackend, serving, wait_until
 
@@ -114,14 +115,14 @@ def test_one_slow_first_measurement_never_refuses_for_good() -> None:
     admission.on_remeasure = lambda: asked.append(admission.remeasure_wanted or "")
     slow_calls(admission.meter, 47.0, 1)
     estimate = Estimate(prompts=20, prompt_tokens=14_000, new_tokens=0, param="passages")
-    reservation = admission.reserve(estimate, time.monotonic() + 10.0, timeout_s=10.0)
+    reservation = admission.reserve(estimate, Deadline.starting_now(10.0, "request_timeout_s"))
     assert reservation.estimated_s == pytest.approx(14_000 / 47, rel=0.01)  # 298 s: admitted
     assert asked == ["doubted"]
     # Behind it (the engine busy), the same request gets 503 + Retry-After, never 422.
     from serving.admission.errors import Overloaded
 
     with pytest.raises(Overloaded) as busy:
-        admission.reserve(estimate, time.monotonic() + 10.0, timeout_s=10.0)
+        admission.reserve(estimate, Deadline.starting_now(10.0, "request_timeout_s"))
     assert busy.value.retry_after_s is not None and busy.value.retry_after_s >= 1
     assert "not yet confirmed" in busy.value.message
     admission.release(reservation)
@@ -140,7 +141,7 @@ async def test_the_rate_canary_waits_for_the_engine_to_stay_idle() -> None:
 
         async def traffic() -> None:
             await anyio.sleep(0.2)
-            held = admission.reserve(estimate, None, timeout_s=10.0)
+            held = admission.reserve(estimate, None)
             await anyio.sleep(0.2)
             admission.release(held)
 

@@ -21,6 +21,7 @@ from service.errors import DeadlineUnreachable
 from service.runtime.throughput import ThroughputMeter
 from service.strategies.request import Estimate
 from serving.admission.control import Admission, Reservation
+from serving.admission.deadline import Deadline
 from serving.admission.errors import Overloaded
 from serving.metrics import ServiceMetrics
 from tests.app.conftest import QUERY, Harness, TrackingBackend, measured, serving, wait_ready
@@ -65,11 +66,11 @@ def test_decode_is_measured_apart_from_prefill() -> None:
 
 def test_work_over_the_deadline_on_an_idle_engine_is_refused_with_the_estimate() -> None:
     admission = _measured(1000.0, decode=20.0, timeout_s=10.0)
-    deadline = time.monotonic() + 10.0
+    deadline = Deadline.starting_now(10.0, "request_timeout_s")
     # 5,000 prompt tokens (5 s) + 200 answer tokens (10 s): 15 s > 7.5 s (9 s usable, less the
     # 20% margin for the estimate's own error).
     with pytest.raises(DeadlineUnreachable) as refused:
-        admission.reserve(_estimate(5000, 200, "samples"), deadline, timeout_s=10.0)
+        admission.reserve(_estimate(5000, 200, "samples"), deadline)
     err = refused.value
     assert err.param == "samples" and err.code == "deadline_unreachable"
     assert err.value == pytest.approx(15.0) and err.limit == pytest.approx(7.5)
@@ -77,7 +78,7 @@ def test_work_over_the_deadline_on_an_idle_engine_is_refused_with_the_estimate()
         assert part in err.message, err.message
     assert admission.tokens_in_flight == 0
     # Counted as prompt tokens (as before the decode rate), it would have looked like 4.2 s.
-    fits = admission.reserve(_estimate(4000, 60), deadline, timeout_s=10.0)  # 4 + 3 s
+    fits = admission.reserve(_estimate(4000, 60), deadline)  # 4 + 3 s
     assert fits.estimated_s == pytest.approx(7.0)
     admission.release(fits)
     assert admission.tokens_in_flight == 0
@@ -90,9 +91,10 @@ def test_a_rate_from_the_warm_up_seed_alone_never_refuses_for_good() -> None:
         ServiceMetrics(include_default_registry=False),
     )
     admission.seed(100, 1.0)  # a tiny probe: 100 tokens/s, far below the engine's real rate
+    # 50 s by the seed: admitted, the engine is idle
     reservation = admission.reserve(
-        _estimate(5000), time.monotonic() + 10.0, timeout_s=10.0
-    )  # 50 s by the seed: admitted, the engine is idle
+        _estimate(5000), Deadline.starting_now(10.0, "request_timeout_s")
+    )
     assert reservation.estimated_s == pytest.approx(50.0)
     admission.release(reservation)
     # With it (the default), 503 + Retry-After while it re-measures: never a 422.
@@ -101,23 +103,23 @@ def test_a_rate_from_the_warm_up_seed_alone_never_refuses_for_good() -> None:
     )
     canary.seed(100, 1.0)
     with pytest.raises(Overloaded) as busy:
-        canary.reserve(_estimate(5000), time.monotonic() + 10.0, timeout_s=10.0)
+        canary.reserve(_estimate(5000), Deadline.starting_now(10.0, "request_timeout_s"))
     assert busy.value.retry_after_s is not None and canary.remeasure_wanted == "doubted"
 
 
 def test_a_reserved_request_keeps_its_place_and_newer_arrivals_queue_behind_it() -> None:
     admission = _measured(1000.0, timeout_s=10.0)
-    deadline = time.monotonic() + 10.0
-    first = admission.reserve(_estimate(6000), deadline, timeout_s=10.0)  # 6 s, idle: in
+    deadline = Deadline.starting_now(10.0, "request_timeout_s")
+    first = admission.reserve(_estimate(6000), deadline)  # 6 s, idle: in
     # Before its first call, its tokens are in flight: a newer 4 s request would end at 10 s.
     assert admission.tokens_in_flight == 6000
     assert admission.estimated_wait_s == pytest.approx(6.0)
     with pytest.raises(Overloaded) as shed:
-        admission.reserve(_estimate(4000), deadline, timeout_s=10.0)
+        admission.reserve(_estimate(4000), deadline)
     assert shed.value.retry_after_s is not None
     # Its own calls are not checked again, even with the deadline almost gone: they draw on
     # the reservation, which shrinks by what they take.
-    almost_gone = time.monotonic() + 0.01
+    almost_gone = Deadline(time.monotonic() + 0.01, 10.0, "request_timeout_s")
     with admission.tokens(2500, almost_gone, reservation=first):
         assert first.tokens == 3500
         assert admission.tokens_in_flight == 6000
@@ -131,7 +133,7 @@ def test_a_reserved_request_keeps_its_place_and_newer_arrivals_queue_behind_it()
 
 def test_release_gives_back_what_the_calls_did_not_take() -> None:
     admission = _measured(1000.0)
-    reservation = admission.reserve(_estimate(3000, 100), None, timeout_s=10.0)
+    reservation = admission.reserve(_estimate(3000, 100), None)
     assert isinstance(reservation, Reservation)
     assert admission.tokens_in_flight == 3100
     with admission.tokens(1000, None, reservation=reservation):
@@ -265,16 +267,16 @@ def test_work_over_its_deadline_even_at_the_best_rate_is_not_admitted_on_a_doubt
     meter.end(t + 0.1, 100)  # a newer call alone on the engine at 1,000/s contradicts it
     now = time.monotonic()
     assert not meter.confirmed(now) and meter.best_rate(now) == pytest.approx(1000.0)
-    deadline = now + 10.0
+    deadline = Deadline(now + 10.0, 10.0, "request_timeout_s")
     # 5,000 tokens: over the deadline at the estimate, 5 s at the best rate: the doubt may be
     # the estimate's, so it is admitted on the idle engine (its calls re-measure).
-    fits = admission.reserve(_estimate(5000), deadline, timeout_s=10.0)
+    fits = admission.reserve(_estimate(5000), deadline)
     admission.release(fits)
     # 20,000 tokens: 20 s even at the best rate. Admitted, it ran into a 504; now 503 at
     # once, nothing reserved, the canary asked to re-measure, and never a 422 on a doubt.
     admission.remeasure_s = 3.2
     with pytest.raises(Overloaded) as refused:
-        admission.reserve(_estimate(20_000), deadline, timeout_s=10.0)
+        admission.reserve(_estimate(20_000), deadline)
     assert refused.value.retry_after_s == 4  # the queue (none) and the canary's 3.2 s
     assert "re-measured" in refused.value.message and "20.0 s even at" in refused.value.message
     assert admission.tokens_in_flight == 0 and admission.remeasure_wanted == "doubted"
@@ -383,7 +385,7 @@ def test_work_over_its_deadline_by_more_than_any_rate_error_is_refused_at_once()
     huge = _estimate(4_000_000, param="design.num_prompts")  # 40,000 s at 100 tokens/s
     for _ in range(3):  # every retry the same answer, none a 503
         with pytest.raises(DeadlineUnreachable) as refused:
-            admission.reserve(huge, time.monotonic() + 108.0, timeout_s=108.0)
+            admission.reserve(huge, Deadline.starting_now(108.0, "request_timeout_s"))
         err = refused.value
         assert err.param == "design.num_prompts" and err.value == pytest.approx(40_000.0)
         assert err.limit == pytest.approx(0.9 * 108.0 / 1.2)
@@ -393,7 +395,7 @@ def test_work_over_its_deadline_by_more_than_any_rate_error_is_refused_at_once()
     # Within the bound the rate may be what is wrong: a doubt, as before (503 while the
     # canary re-measures): 100,000 tokens is 1,000 s at the seed, 10 s at 100x it.
     with pytest.raises(Overloaded):
-        admission.reserve(_estimate(100_000), time.monotonic() + 108.0, timeout_s=108.0)
+        admission.reserve(_estimate(100_000), Deadline.starting_now(108.0, "request_timeout_s"))
 
 
 def test_a_re_measurement_asked_for_stays_wanted_until_the_rate_is_confirmed(
@@ -412,7 +414,7 @@ def test_a_re_measurement_asked_for_stays_wanted_until_the_rate_is_confirmed(
     )
     admission.seed(100, 1.0)
     with pytest.raises(Overloaded) as refused:
-        admission.reserve(_estimate(5000), clock[0] + 10.0, timeout_s=10.0)
+        admission.reserve(_estimate(5000), Deadline(clock[0] + 10.0, 10.0, "request_timeout_s"))
     assert "not confirmed: 1 of the 4 recent calls it needs" in refused.value.message
     assert admission.remeasure_wanted == "doubted"
     wanted_after: list[str | None] = []
@@ -485,4 +487,4 @@ def test_the_plausibility_bound_holds_with_several_workers() -> None:
         meter=worker_meter,
     )
     with pytest.raises(DeadlineUnreachable, match="100x the fastest rate"):
-        worker.reserve(_estimate(4_000_000), time.monotonic() + 108.0, timeout_s=108.0)
+        worker.reserve(_estimate(4_000_000), Deadline.starting_now(108.0, "request_timeout_s"))

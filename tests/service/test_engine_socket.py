@@ -22,6 +22,7 @@ from service.config.settings import Settings
 from service.errors import BackendUnavailable, EngineUnavailable, LimitExceeded
 from service.runtime import shared_counts
 from service.runtime.shared_counts import SharedCounts
+from serving.admission.deadline import Deadline
 
 SLOW = PacedProfile("t", tokens_per_s=20_000.0, overhead_s=0.02, padded=True, decode_step_s=0.0,
                     source="test")  # fmt: skip
@@ -246,7 +247,7 @@ def test_a_workers_liveness_probes_are_not_timed_into_the_engines_meter() -> Non
         admission = Admission(Settings(), ServiceMetrics(include_default_registry=False),
                               meter=meter)  # fmt: skip
         big = Estimate(prompts=100, prompt_tokens=int(5 * rate), new_tokens=0, param="passages")
-        admission.release(admission.reserve(big, now + 10.0, timeout_s=10.0))
+        admission.release(admission.reserve(big, Deadline(now + 10.0, 10.0, "request_timeout_s")))
         await worker.aclose()
         stop.set()
         await task

@@ -34,12 +34,12 @@ from app.routes import batch, feedback, info, probes, profiles, reorder, rerank
 from app.schemas.reorder import ReorderOptions
 from app.state import AppContext, Engine, Lifecycle
 from service.backends.base import LogprobBackend
-from service.backends.engine_client import EngineClient
-from service.backends.engine_load import EngineLoad
-from service.backends.engine_socket import SocketBackend, unmetered
+from service.backends.engines.engine_socket import SocketBackend, unmetered
+from service.backends.engines.remote_backend import RemoteBackend
 from service.backends.factory import create_backend, size_threads
-from service.backends.remote_backend import RemoteBackend
-from service.backends.scheduler import ForwardScheduler, ForwardStats
+from service.backends.scheduling.scheduler import ForwardScheduler, ForwardStats
+from service.backends.transport.engine_client import EngineClient
+from service.backends.transport.engine_load import EngineLoad
 from service.config.settings import Settings
 from service.errors import (
     BackendUnavailable,
@@ -322,7 +322,7 @@ def _ranker_loader(settings: Settings) -> Callable[[], object] | None:
         return None
 
     def load() -> object:
-        from service.backends.embedding import encoder
+        from service.backends.encoders.embedding import encoder
 
         return encoder(settings)
 
@@ -444,7 +444,8 @@ async def _load_and_watch(ctx: AppContext, given: LogprobBackend | None) -> None
         await _reach_engine_process(ctx)
     check_score_mode = getattr(backend, "check_score_mode", None)
     if check_score_mode is not None:
-        # vLLM's fast score path earns its place before /ready (service.backends.score_mode_check).
+        # vLLM's fast score path earns its place before /ready
+        # (service.backends.engines.score_mode_check).
         try:
             check = await check_score_mode()
         except BackendUnavailable as exc:

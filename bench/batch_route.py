@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from app.main import create_app
-from service.backends.paced import PacedBackend
+from service.backends.fakes.paced import PacedBackend
 from service.config.settings import Settings
 
 WORDS = [

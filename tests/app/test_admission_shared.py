@@ -11,7 +11,7 @@ import pytest
 from app.admission import Admission
 from app.exceptions import Overloaded
 from app.metrics import ServiceMetrics
-from service.backends.engine_socket import EngineMeter
+from service.backends.engines.engine_socket import EngineMeter
 from service.config.settings import Settings
 from service.runtime import shared_counts
 from service.runtime.shared_counts import SharedCounts

@@ -8,8 +8,8 @@ import anyio
 import pytest
 
 import app.main
-from service.backends.byte_tokenizer import ByteTokenizer
-from service.backends.score_mode_check import ScoreModeCheck
+from service.backends.engines.score_mode_check import ScoreModeCheck
+from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 from service.config.settings import Settings
 from service.errors import BackendUnavailable
 from tests.app.conftest import TRUTH, TrackingBackend, serving, wait_until

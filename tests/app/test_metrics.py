@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from app import metrics as metrics_module
 from app.metrics import ServiceMetrics
 from service.backends.base import ScoreResult, SpanLogprobs, SpanRequest
-from service.backends.scheduler import ForwardScheduler
+from service.backends.scheduling.scheduler import ForwardScheduler
 from service.learning.generator_online import GeneratorCounters
 from service.learning.learner import LearnerCounters
 from tests.app.conftest import PASSAGES, QUERY, serving

@@ -23,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.passage import Passage
+from service.strategies.protocol import Reference
 from service.strategies.request import Cost, Outcome, ReorderRequest, descending, retriever_ranking
 from service.strategies.work import Work
 
@@ -92,7 +92,15 @@ class _Lexical:
 class Bm25(_Lexical):
     """``bm25``: BM25 over the request's passages (module docstring)."""
 
-    name: StrategyName = "bm25"
+    name = "bm25"
+    reference = Reference(
+        rule=(
+            "descending Okapi BM25 (`bm25s`, Lucene variant, k1 = 1.5, b = 0.75, English stop "
+            "words), the request's passages as the corpus"
+        ),
+        calls="0 (CPU, no model call)",
+        returns="`passages[].score`",
+    )
     score_name = "bm25"
 
     def scores(self, query: str, documents: Sequence[str], settings: Settings) -> np.ndarray:
@@ -102,7 +110,15 @@ class Bm25(_Lexical):
 class Dense(_Lexical):
     """``dense``: all-MiniLM-L6-v2 cosine similarity (module docstring)."""
 
-    name: StrategyName = "dense"
+    name = "dense"
+    reference = Reference(
+        rule=(
+            "descending cosine similarity of all-MiniLM-L6-v2 embeddings (mean pooled, unit norm) "
+            "of the question and each passage"
+        ),
+        calls="0 (CPU encoder, about 90 MB, loaded on first use)",
+        returns="`passages[].score`",
+    )
     score_name = "cosine_similarity"
 
     def scores(self, query: str, documents: Sequence[str], settings: Settings) -> np.ndarray:

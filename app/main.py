@@ -265,7 +265,7 @@ def _ranker_loader(settings: Settings) -> Callable[[], object] | None:
         return None
 
     def load() -> object:
-        from service.backends.embedding import encoder
+        from service.backends.encoders.embedding import encoder
 
         return encoder(settings)
 

@@ -35,7 +35,7 @@ import solver
 from bench import report
 from bench.report import provenance
 from service.backends.base import ScoreResult, SpanRequest
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
 from service.batch.dataset import load_examples
 from service.config.settings import Settings
 from service.model_assets import resolve_model

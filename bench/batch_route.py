@@ -36,7 +36,7 @@ import httpx
 ROOT = Path(__file__).resolve().parents[1]
 
 from app.main import create_app
-from service.backends.paced import PacedBackend
+from service.backends.fakes.paced import PacedBackend
 from service.config.settings import Settings
 
 WORDS = [

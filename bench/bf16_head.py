@@ -25,7 +25,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 import solver
 from bench import report
 from bench.report import provenance, write
-from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 from service.batch.dataset import load_examples
 from service.config.settings import Settings
 from service.model_assets import resolve_model

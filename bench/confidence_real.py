@@ -52,7 +52,7 @@ async def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Score ``--seeds`` default designs per question with the embedded model."""
     from offline.evaluation.runner import prepare
     from service.backends.base import SpanLogprobs
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
     from service.batch.dataset import load_examples
     from service.config.settings import Settings
     from service.prompting.prompts import build_prompts

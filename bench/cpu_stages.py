@@ -58,7 +58,7 @@ STAGES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("design", ("solver/design.py", "solver/designs.py", "solver/adaptive.py")),
     ("tokenise", ("encode_batch", "encode (", "tokenizers", "decode (")),
     ("prompts: other", ("service/prompting/prompts.py", "service/prompting/templates.py")),
-    ("paced engine", ("backends/paced.py",)),
+    ("paced engine", ("backends/fakes/paced.py",)),
     ("scheduler/backend", ("service/backends/",)),
     ("placement/confidence", ("solver/placement.py", "solver/trust.py", "strategies/placement")),
     ("strategy/pipeline", ("service/strategies/", "service/pipeline.py")),

@@ -34,7 +34,7 @@ import torch
 
 from bench import report
 from bench.dense_runtimes import CHUNK, _Pooled, chunked
-from service.backends.embedding import MAX_TOKENS, EncoderConfig, MiniLMEncoder, model_dir
+from service.backends.encoders.embedding import MAX_TOKENS, EncoderConfig, MiniLMEncoder, model_dir
 
 
 def forward_flops(lengths: list[int], *, padded: bool, hidden: int, ff: int, layers: int) -> float:

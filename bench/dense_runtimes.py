@@ -1,5 +1,5 @@
 """The ``dense`` encoder (all-MiniLM-L6-v2) on the CPU under several runtimes, side by side:
-eager PyTorch (what ``service/backends/embedding.py`` runs), ONNX Runtime (the same module,
+eager PyTorch (what ``service/backends/encoders/embedding.py`` runs), ONNX Runtime (the same module,
 mean pooling and normalisation included, exported with ``torch.onnx.export``, opset 17),
 ``torch.compile(dynamic=True)``, and dynamic int8 quantisation of the linear layers
 (``torch.ao.quantization.quantize_dynamic``; ``--runtimes`` picks which beside eager).
@@ -43,7 +43,13 @@ import numpy as np
 import torch
 
 from bench import report
-from service.backends.embedding import DIM, MAX_TOKENS, EncoderConfig, MiniLMEncoder, model_dir
+from service.backends.encoders.embedding import (
+    DIM,
+    MAX_TOKENS,
+    EncoderConfig,
+    MiniLMEncoder,
+    model_dir,
+)
 
 CHUNK = 8
 

@@ -40,7 +40,7 @@ import solver
 from bench import report
 from bench.report import provenance
 from service.backends.base import SpanLogprobs
-from service.backends.transformers_backend import DtypeName, TransformersBackend
+from service.backends.engines.transformers_backend import DtypeName, TransformersBackend
 from service.batch.dataset import load_examples
 from service.config.settings import Settings
 from service.model_assets import resolve_model

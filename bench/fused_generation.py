@@ -39,7 +39,7 @@ import torch
 from bench import report
 from bench.report import provenance
 from offline.evaluation.runner import prepare
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
 from service.batch.dataset import load_examples
 from service.config.settings import GEMMA_MODEL, Settings
 from service.pipeline import Reorderer

@@ -29,7 +29,7 @@ import numpy as np
 
 import solver
 from bench.report import provenance
-from service.backends.tokenizer_files import load_prompt_tokenizer
+from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
 from service.config.settings import Settings
 from service.model_assets import resolve_model
 

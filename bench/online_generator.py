@@ -28,7 +28,7 @@ import httpx
 
 from app.main import create_app
 from bench import report as bench_report
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.batch.dataset import load_examples
 from service.config.settings import Settings
 

@@ -1,6 +1,6 @@
 """The paced engine's cost model from the committed GPU measurements (issue 57).
 
-For each profile of ``service.backends.paced.PROFILES``: the engine's streaming rate
+For each profile of ``service.backends.fakes.paced.PROFILES``: the engine's streaming rate
 (``tokens_per_s``, from a load ceiling where one was measured, else from the per-query calls)
 and its fixed cost per call (``overhead_s``: the median over the measured queries of
 ``direct_s - tokens / tokens_per_s``, at least 0), then the model's error on every measured
@@ -20,7 +20,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
-from service.backends.paced import PROFILES
+from service.backends.fakes.paced import PROFILES
 
 R = ROOT / "results/bench"
 # profile -> (per-query scoring JSON, load JSON with a ceiling or None)

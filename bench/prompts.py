@@ -30,7 +30,7 @@ import solver
 from bench import report
 from bench.report import provenance, write
 from service.backends.base import Encoding, PromptTokenizer
-from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 from service.batch.dataset import load_examples
 from service.config.settings import Settings
 from service.model_assets import resolve_model

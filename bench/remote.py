@@ -48,7 +48,7 @@ from bench import report
 from bench.report import provenance
 from bench.server_process import cpu_s, free_port, percentile, process_tree, wait_until_up
 from service.backends.base import SpanRequest
-from service.backends.remote_backend import RemoteBackend
+from service.backends.engines.remote_backend import RemoteBackend
 from service.batch.dataset import load_examples
 from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
@@ -105,7 +105,7 @@ def load_in_process_vllm(folder: Path, kv_bytes: int) -> Any:
     (float32, eager, ``STEP_TOKENS`` a step, the same KV cache), so the two differ only in
     the HTTP server between them. Blocks for seconds."""
     # Here, not at the top: `--help` must work where vLLM is not installed (tests/bench).
-    from service.backends.vllm_backend import VLLMBackend
+    from service.backends.engines.vllm_backend import VLLMBackend
 
     return VLLMBackend.load(
         folder,

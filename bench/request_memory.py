@@ -52,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from bench import report
 from bench.server_process import free_port, start_server
-from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 from service.config.settings import EMBEDDED_MODEL, Settings
 from service.passage import Passage
 from service.prompting.prompts import build_prompt

@@ -41,7 +41,7 @@ from bench.dtype_fidelity import agreement
 from bench.report import provenance
 from offline.evaluation.runner import prepare
 from service.backends.base import SpanLogprobs
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
 from service.batch.dataset import load_examples
 from service.config.settings import Settings
 from service.prompting.prompts import build_prompts

@@ -24,7 +24,7 @@ from typing import Any
 
 from bench import report
 from service.backends.base import SpanRequest
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
 from service.config.settings import Settings
 from service.passage import Passage
 from service.pipeline import Reorderer, ReorderRequest

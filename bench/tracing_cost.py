@@ -36,7 +36,7 @@ import httpx
 from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor
 
 from app.main import create_app
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.runtime import tracing
 

@@ -29,8 +29,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch
 
 from service.backends.base import ChatMessage, SpanRequest
-from service.backends.batching import HeadMode
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
+from service.backends.scheduling.batching import HeadMode
 from service.config.settings import EMBEDDED_MODEL, Settings
 from service.model_assets import resolve_model
 

@@ -22,7 +22,7 @@ import statistics
 import time
 
 from bench import report
-from service.backends.tokenizer_files import load_prompt_tokenizer
+from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
 from service.errors import LimitExceeded
 from service.passage import Passage
 from service.prompting.truncation import fit_passages

@@ -16,7 +16,7 @@ as a cost per prompt plus one per token, they give the CPU of a 10-passage MoI r
 prompts, about 15,000 tokens) and its inverse, the requests/s one such process can take in,
 the figure to set against an engine's ceiling (about 20 requests/s, 300,000 prompt tokens/s,
 for SmolLM2 on an H100, docs/benchmarks.md). The socket hop's pickling (requests and results,
-as ``service.backends.engine_socket`` sends them) is timed beside it.
+as ``service.backends.engines.engine_socket`` sends them) is timed beside it.
 
     .venv-vllm/bin/python -m bench.vllm_client_cost --out results/bench/vllm_client_cost.json
         # ~12 min on 2 cores: the forwards run on the CPU at about 350 prompt tokens/s here
@@ -73,7 +73,7 @@ def _calls(prompts: int, length: int, repeats: int, vocab: int) -> list[list[Spa
 
 
 async def _remote(port: int) -> Any:
-    from service.backends.remote_backend import RemoteBackend
+    from service.backends.engines.remote_backend import RemoteBackend
 
     remote = RemoteBackend.from_settings(
         Settings(

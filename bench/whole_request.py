@@ -33,20 +33,15 @@ ROOT = Path(__file__).resolve().parents[1]
 
 from bench import report
 from bench.server_process import free_port, start_server
+from service.config.settings import Settings
+from service.passage import Passage
+from service.strategies import STRATEGIES as REGISTRY
+from service.strategies.request import ReorderRequest
 
-# Every strategy that calls the model (the others make no call: nothing to estimate).
-STRATEGIES = (
-    "moi",
-    "auto",
-    "query_likelihood",
-    "convex_score",
-    "query_generation",
-    "bayes_saliency",
-    "longllmlingua",
-    "min_distraction",
-    "lore",
-    "self_consistency",
-)
+# Every registered strategy that calls the model, by the cost it states for six passages (the
+# others make no call: nothing to estimate).
+_SIX = ReorderRequest("q", [Passage(f"passage {i}") for i in range(6)])
+STRATEGIES = tuple(n for n, s in REGISTRY.items() if s.cost(_SIX, Settings()).prompts > 0)
 SIZES = (6, 10)
 
 

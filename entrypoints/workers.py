@@ -8,7 +8,7 @@ once and starts:
 - one **engine process** (``python -m entrypoints.workers engine``): the configured backend
   (paced or transformers with its cross-request scheduler, or vLLM's ``AsyncLLM``, whose own
   scheduler batches), answering every worker's calls on a Unix socket
-  (``service.backends.engine_socket``), so prompts of all workers share forwards;
+  (``service.backends.engines.engine_socket``), so prompts of all workers share forwards;
 - ``workers`` **worker processes** (``python -m entrypoints.workers worker``): the full app on the
   inherited socket (the kernel spreads connections over them), each scoring through a
   ``SocketBackend``. Admission's in-flight counts are summed over the workers
@@ -35,7 +35,7 @@ when a worker's has not changed for ``worker_hang_timeout_s`` (0: no check) by t
 supervisor's own clock, SIGKILLs its process group and restarts it as one that crashed. A
 worker is checked from its first beat, so loading its tokenizer is not a hang. The engine
 process meanwhile closes a connection that has not read for the same time
-(``service.backends.engine_socket``), so a hung worker does not grow its memory. A counter,
+(``service.backends.engines.engine_socket``), so a hung worker does not grow its memory. A counter,
 not a time: no clock is shared, and a torn read only looks like a beat.
 """
 
@@ -374,9 +374,9 @@ def _stop(workers: Sequence[_Child], engine: _Child, settings: Settings) -> None
 
 def _engine_main(run_dir: Path) -> None:
     """The engine process: load the backend, answer the workers until SIGTERM."""
-    from service.backends.engine_socket import serve_engine
+    from service.backends.engines.engine_socket import serve_engine
     from service.backends.factory import create_backend, size_threads
-    from service.backends.scheduler import ForwardScheduler
+    from service.backends.scheduling.scheduler import ForwardScheduler
     from service.runtime.cpus import process_budget
     from serving.metrics import ServiceMetrics
 
@@ -428,8 +428,8 @@ def _worker_main(run_dir: Path, slot: int, fd: int) -> None:
     """A worker process: the whole app on the inherited socket, scoring on the engine."""
     from app.main import create_app
     from entrypoints.server import serve_app
-    from service.backends.engine_socket import SocketBackend
-    from service.backends.tokenizer_files import load_prompt_tokenizer
+    from service.backends.engines.engine_socket import SocketBackend
+    from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
     from service.model_assets import resolve_model
     from service.runtime.shared_counts import SharedCounts
 

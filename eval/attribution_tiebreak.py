@@ -42,7 +42,7 @@ RUNS = ("smollm2", "gemma-3-270m")
 def likelihood(model: str) -> AnswerLikelihood:
     """The product's tie-break scorer (``service.learning.answer_likelihood``) over ``model``
     in process (transformers, float32, CPU)."""
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
 
     folder = resolve_model(Settings(model=model))
     return AnswerLikelihood(TransformersBackend.load(folder, model_id=model, device="cpu"))

@@ -1,8 +1,9 @@
 """A generator behind an OpenAI-compatible API, as the offline commands call it
 (``profile-generator``, ``eval --generator-url``): the endpoint's settings, the request body
 for a prompt, the answer read back, a refusal in words and the budgeted client live in
-``service.backends.generator_client`` (the server's online sampler of the generator uses them
-too, and the server never imports ``offline``); the offline commands' worker runner is here.
+``service.backends.transport.generator_client`` (the server's online sampler of the generator
+uses them too, and the server never imports ``offline``); the offline commands' worker runner
+is here.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from service.backends.generator_client import (
+from service.backends.transport.generator_client import (
     DEFAULT_KEY_ENV,
     ApiKind,
     BudgetedClient,

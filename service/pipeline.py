@@ -20,7 +20,6 @@ import numpy as np
 import solver
 from service.backends.base import LogprobBackend
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest, LimitExceeded, ServerError
 from service.passage import Passage
 from service.runtime import tracing
@@ -73,7 +72,7 @@ class ReorderResult:
     request_id: str
     model: str
     template: str
-    strategy: StrategyName
+    strategy: str
     design: DesignKind | None  # MoI's design; None for other strategies
     placement: Placement | None  # the placement applied (MoI's, or the request's for a ranker)
     prompts: int  # planned model calls

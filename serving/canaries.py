@@ -17,8 +17,8 @@ from collections.abc import Callable, Sequence
 import anyio
 
 from service.backends.base import LogprobBackend
-from service.backends.engine_socket import unmetered
-from service.backends.remote_backend import RemoteBackend
+from service.backends.engines.engine_socket import unmetered
+from service.backends.engines.remote_backend import RemoteBackend
 from service.errors import (
     BackendUnavailable,
     ClientError,

@@ -13,9 +13,9 @@ import anyio
 from starlette.types import Scope
 
 from service.backends.base import LogprobBackend
-from service.backends.engine_load import EngineLoad
-from service.backends.engine_socket import SocketBackend
-from service.backends.score_mode_check import ScoreModeCheck
+from service.backends.engines.engine_socket import SocketBackend
+from service.backends.engines.score_mode_check import ScoreModeCheck
+from service.backends.transport.engine_load import EngineLoad
 from service.config.settings import Settings
 from service.errors import EngineUnavailable
 from service.learning.learner import ProfileLearner

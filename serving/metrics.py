@@ -31,9 +31,9 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from service.backends.engine_client import EngineCall, EngineClient
-from service.backends.engine_load import EngineLoad
-from service.backends.scheduler import ForwardScheduler, ForwardStats
+from service.backends.scheduling.scheduler import ForwardScheduler, ForwardStats
+from service.backends.transport.engine_client import EngineCall, EngineClient
+from service.backends.transport.engine_load import EngineLoad
 from service.learning.generator_online import GeneratorSampler
 from service.learning.learner import ProfileLearner
 from service.pipeline import ReorderResult

@@ -110,8 +110,8 @@ def vllm_server(smollm2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> 
         "float32",
         "--max-model-len",
         "2048",
-        # Eager, as the in-process engine on a CPU (service/backends/vllm_engine.py): without
-        # it the server compiles its model (torch.compile) before it answers, 126 s of one
+        # Eager, as the in-process engine on a CPU (service/backends/engines/vllm_engine.py):
+        # without it the server compiles its model (torch.compile) before it answers, 126 s of one
         # start on these 2 cores (2026-11-28, the GPU script's CPU check).
         "--enforce-eager",
         "--host",

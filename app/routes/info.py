@@ -29,7 +29,7 @@ from app.schemas.info import (
     ModelList,
     ScoreModeOut,
 )
-from service.backends.remote_backend import RemoteBackend
+from service.backends.engines.remote_backend import RemoteBackend
 from service.errors import BackendUnavailable
 from service.learning.generator_online import GeneratorSampler
 from service.model_assets.adapter import AdapterManifest, adapted_model_id, read_manifest
@@ -140,7 +140,7 @@ async def info(ctx: Ctx) -> InfoOut:
 def _dense(ctx: AppContext) -> DenseOut | None:
     # Looked up, not imported: importing the encoder's module loads torch, which a server
     # whose requests never used `dense` has no reason to pay for on /info.
-    module = sys.modules.get("service.backends.embedding")
+    module = sys.modules.get("service.backends.encoders.embedding")
     stats = None if module is None else module.loaded(ctx.settings)
     return None if stats is None else DenseOut.model_validate(stats)
 

@@ -5,11 +5,11 @@ takes it (an object or a bare string) and the error envelope.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from service.config.strategy_names import StrategyName
+from service.strategies import strategy_names
 from service.strategies.request import Placement
 
 # Absolute caps of the wire types. The configurable limits in Settings are bounded by the same
@@ -33,7 +33,15 @@ MAX_ANSWER_TOKENS = 1024
 
 MAX_CALIBRATION_QUERIES = 4096
 
-Strategy = StrategyName
+if TYPE_CHECKING:
+    Strategy = str
+else:
+    # The registry's names, in its order, as the wire type: pydantic validates and documents a
+    # Literal (the OpenAPI enum, the 422 listing the values), and the names stay typed once, on
+    # their classes (service.strategies). mypy cannot read a Literal built at run time, so it
+    # sees the name's type.
+    Strategy = Literal[strategy_names()]
+"""A registered strategy's name: the accepted values of every `strategy` field."""
 
 
 def _whitespace_class() -> str:

@@ -24,7 +24,6 @@ from app.schemas.base import (
 )
 from app.schemas.profiles import PositionalProfileOut, ProfileOut, TrustOut
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.passage import Passage
 from service.pipeline import DesignSpec, ReorderRequest
 from service.strategies import ranking_strategy_names
@@ -167,12 +166,12 @@ class ReorderOptions(_Strict):
 
 
 def with_defaults(
-    strategy: StrategyName | None,
+    strategy: str | None,
     placement: PlacementName | None,
     settings: Settings,
     *,
     moi_options: bool = False,
-) -> tuple[StrategyName, PlacementName | None]:
+) -> tuple[str, PlacementName | None]:
     """A request's strategy and placement with the server's defaults where it names none:
     `RAG_REORDER_STRATEGY`, and for a ranker other than `moi` and `auto` that it supplies,
     `RAG_REORDER_PLACEMENT` (those two place by themselves; a request that names a ranker

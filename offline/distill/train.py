@@ -31,8 +31,8 @@ from scipy.stats import kendalltau
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from offline.distill.preferences import Preference, PreferenceMeta
-from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.backends.transformers_backend import token_logprobs
+from service.backends.engines.transformers_backend import token_logprobs
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 from service.errors import InvalidRequest
 from service.model_assets.adapter import (
     CARD,

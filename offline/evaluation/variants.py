@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
 from service.strategies import strategy_names
 from service.strategies.request import DesignKind, Placement
@@ -22,7 +21,7 @@ PLACEMENTS: tuple[Placement, ...] = ("descending_utility", "bias_matched")
 # The cheap rankers evaluated also under the placements a request can ask for (issue 20):
 # each alone (its own order, best first), then as LangChain's LongContextReorder places a
 # reranker's output (`litm`), then by the generator's calibrated bias (`bias_matched`).
-PLACED_RANKERS: tuple[StrategyName, ...] = ("query_generation", "bm25", "dense")
+PLACED_RANKERS: tuple[str, ...] = ("query_generation", "bm25", "dense")
 RANKER_PLACEMENTS: tuple[Placement, ...] = ("litm", "bias_matched")
 GENERATOR_BIAS = "generator_bias"
 """The label suffix of MoI's fit placed ``bias_matched`` by the *generator's* stored profile
@@ -31,7 +30,7 @@ Only a run whose generator is not the scorer has these variants: with one model 
 the same model's bias."""
 
 
-STATEFUL: StrategyName = "auto"
+STATEFUL = "auto"
 """Not a variant: what ``auto`` does depends on the requests before it (it learns a profile
 from them), so it is measured on a stream (``bench/auto_stream.py``), not per question."""
 
@@ -41,7 +40,7 @@ class Variant:
     """One strategy configuration under evaluation."""
 
     label: str
-    strategy: StrategyName
+    strategy: str
     design: DesignKind | None = None
     placement: Placement | None = None
     by_generator: bool = False

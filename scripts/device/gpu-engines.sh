@@ -166,7 +166,7 @@ for s in $STAGES; do
         load load_transformers 200 RAG_REORDER_BACKEND=transformers
         ;;
     paced)
-        # The paced engine (service/backends/paced.py: no model, this GPU kind's measured
+        # The paced engine (service/backends/fakes/paced.py: no model, this GPU kind's measured
         # transformers forward times) on this host's CPU: the projection of issue 57, to set
         # beside load_transformers of the same call.
         profile=${PACED_PROFILE:-$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null |

@@ -1,3 +1,5 @@
-"""The scoring engines behind one port (``base.LogprobBackend``): transformers, vLLM, a remote
-vLLM server, the deterministic fake and the paced benchmark engine, chosen by ``factory``;
-plus the tokenizers and the ``dense`` strategy's sentence encoder."""
+"""The scoring engines behind one port (``base.LogprobBackend``), chosen by ``factory``:
+``engines/`` (transformers, vLLM, a remote vLLM or SGLang server, the engine socket),
+``fakes/`` (the deterministic fake and the paced benchmark engine), ``tokenizers/``,
+``scheduling/`` (batch planning, the cross-request scheduler), ``transport/`` (HTTP to remote
+engines and generators) and ``encoders/`` (the ``dense`` strategy's sentence encoder)."""

@@ -141,11 +141,12 @@ _BACKGROUND: ContextVar[bool] = ContextVar("rag_reorder_background_work", defaul
 def background_work() -> Iterator[None]:
     """Mark the engine calls made inside (and in the tasks and threads started from it) as the
     service's own work: ``auto``'s background learning and explore runs. The scheduler
-    (``service.backends.scheduler``) serves callers' calls before them and keeps a forward of
-    them alone short, so a caller arriving while one runs waits a fraction of a second, not a
-    full forward batch (about 10 s on a 2-core CPU), and admission's progress check does not
-    read that wait as a slow engine. Not the rate canary: it measures the engine's rate, so
-    its forwards must be packed as callers' are (they are short: about 600 tokens)."""
+    (``service.backends.scheduling.scheduler``) serves callers' calls before them and keeps a
+    forward of them alone short, so a caller arriving while one runs waits a fraction of a
+    second, not a full forward batch (about 10 s on a 2-core CPU), and admission's progress
+    check does not read that wait as a slow engine. Not the rate canary: it measures the
+    engine's rate, so its forwards must be packed as callers' are (they are short: about 600
+    tokens)."""
     token = _BACKGROUND.set(True)
     try:
         yield

@@ -45,7 +45,7 @@ def size_threads(settings: Settings, budget: CpuBudget) -> None:
     encoder shares torch's setting with the transformers backend."""
     if resolve_backend(settings) in ("vllm", "paced") or importlib.util.find_spec("torch") is None:
         return
-    from service.backends.transformers_loading import set_torch_threads
+    from service.backends.engines.transformers_loading import set_torch_threads
 
     set_torch_threads(budget.torch_threads)
 
@@ -59,20 +59,20 @@ def create_backend(settings: Settings) -> LogprobBackend:
     kind = resolve_backend(settings)
     log.info("loading backend %s for model %s", kind, settings.model)
     if kind == "paced":
-        from service.backends.paced import PacedBackend
+        from service.backends.fakes.paced import PacedBackend
 
         log.warning("backend paced: no model, benchmark log-probs at a GPU's measured pace")
         return PacedBackend.from_settings(settings)
     if kind == "remote":
-        from service.backends.remote_backend import RemoteBackend
+        from service.backends.engines.remote_backend import RemoteBackend
 
         return RemoteBackend.from_settings(settings)
     if kind == "vllm":
-        from service.backends.vllm_backend import VLLMBackend
+        from service.backends.engines.vllm_backend import VLLMBackend
 
         return VLLMBackend.from_settings(
             settings, kv_cache_memory_bytes=settings.vllm_kv_cache_bytes
         )
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
 
     return TransformersBackend.from_settings(settings)

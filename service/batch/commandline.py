@@ -30,8 +30,8 @@ async def open_pipeline(settings: Settings) -> AsyncIterator[Reorderer]:
     """The configured backend, loaded off the event loop, in a pipeline; closed on exit."""
     import anyio.to_thread
 
+    from service.backends.engines.remote_backend import RemoteBackend
     from service.backends.factory import create_backend
-    from service.backends.remote_backend import RemoteBackend
     from service.pipeline import Reorderer
 
     backend = await anyio.to_thread.run_sync(lambda: create_backend(settings))

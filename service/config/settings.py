@@ -11,8 +11,6 @@ from typing import Any, Literal
 from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from service.config.strategy_names import StrategyName
-
 # The deterministic fake backend is not configurable: it needs known truth per passage, so
 # tests inject it (``create_app(settings, backend=FakeBackend(...))``).
 BackendKind = Literal["auto", "vllm", "transformers", "remote", "paced"]
@@ -52,7 +50,7 @@ class Settings(BaseSettings):
         "h100-vllm-16384",
         "h100-transformers-float32",
     ] = "h200-transformers-bf16"
-    """Backend `paced`: whose measured forward times to take (`service/backends/paced.py`,
+    """Backend `paced`: whose measured forward times to take (`service/backends/fakes/paced.py`,
     `bench/paced_fit.py`)."""
     model: str = EMBEDDED_MODEL
     """Scoring model: a local folder, a hub id already in the local cache, or the embedded
@@ -153,12 +151,13 @@ class Settings(BaseSettings):
     """Folder of calibrated bias profiles (default: `<cache_dir>/profiles`)."""
     seed: int = 0
     """Default seed for permutation designs (a request may override it)."""
-    strategy: StrategyName = "auto"
-    """The strategy of a request that names none. `auto`: MoI until the scoring model's
-    position profile is learned from those MoI runs and trusted, then a cheap ranker placed by
-    it with no model call (docs/operations.md, "The profile-first strategy"). A ranker other
-    than `moi` and `auto` gets `placement` there too (a request that names the strategy keeps
-    the ranker's own order unless it names a placement)."""
+    strategy: str = Field(default="auto", min_length=1, max_length=64)
+    """The strategy of a request that names none: a registered strategy's name (`/info`'s
+    `strategies`, docs/strategies.md; the warm-up refuses another). `auto`: MoI until the
+    scoring model's position profile is learned from those MoI runs and trusted, then a cheap
+    ranker placed by it with no model call (docs/operations.md, "The profile-first strategy").
+    A ranker other than `moi` and `auto` gets `placement` there too (a request that names the
+    strategy keeps the ranker's own order unless it names a placement)."""
     generator_model: str | None = Field(default=None, min_length=1, max_length=512)
     """The model that answers from the order, when it is not `model` (a smaller scorer stands
     in for it). Then `auto` places only by a profile of the generator

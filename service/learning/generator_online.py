@@ -66,7 +66,7 @@ import anyio.to_thread
 import httpx
 import numpy as np
 
-from service.backends.generator_client import (
+from service.backends.transport.generator_client import (
     BudgetedClient,
     BudgetSpent,
     CallBudget,

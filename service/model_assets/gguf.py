@@ -1,9 +1,9 @@
 """Convert a GGUF checkpoint into a plain transformers folder (float32 safetensors + tokenizer).
 
 Beside the model assets that call it, not in the backend that later loads the folder: with
-``service.backends.transformers_backend`` the only module that imports torch and transformers
-(an import-linter contract keeps it so), and imported lazily by ``service.model_assets`` so that
-resolving a path stays cheap.
+``service.backends.engines.transformers_backend`` the only module that imports torch and
+transformers (an import-linter contract keeps it so), and imported lazily by
+``service.model_assets`` so that resolving a path stays cheap.
 """
 
 from __future__ import annotations

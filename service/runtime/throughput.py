@@ -281,9 +281,9 @@ class ThroughputMeter:
 
     def snapshot(self) -> dict[str, object]:
         """The meter's state, for a copy of it in another process (the engine process's
-        meter in every worker: ``service.backends.engine_socket``). A few numbers and at most
-        ``FRESH_S / RECENT_BUCKET_S + 1`` buckets of recent times: 4.2 KiB pickled
-        at 200 calls a second for 300 s (the times themselves were 540 KiB)."""
+        meter in every worker: ``service.backends.engines.engine_socket``). A few numbers and at
+        most ``FRESH_S / RECENT_BUCKET_S + 1`` buckets of recent times: 4.2 KiB
+        pickled at 200 calls a second for 300 s (the times themselves were 540 KiB)."""
         state = dict(vars(self))
         state["_recent"] = deque(self._recent)
         return state

@@ -1,13 +1,18 @@
-"""Every reordering method behind one port (``Strategy``), by its wire name.
+"""Every reordering method behind one port (``Strategy``), by its wire name: the registry.
 
-To add one: implement ``service.strategies.protocol.Strategy`` in a module here, add an instance
-to ``_ALL`` below and its name to ``StrategyName``; the HTTP schema, the CLI, the metrics and
-the tests that run every strategy pick it up from the registry.
+A strategy's name is typed once, on its class (``name``); this registry is the one list of
+them. To add one: implement ``service.strategies.protocol.Strategy`` in a module here (its
+``name``, ``options``, ``ranks`` and its ``reference`` row) and ``register`` an instance below.
+Everything else is derived from the registry: the HTTP schema's accepted values
+(``app.schemas.base.Strategy``) and so the OpenAPI document, ``/info``'s ``strategies`` and
+``ranking_strategies``, the CLI's choices, the metrics, the strategies table of
+docs/strategies.md (``scripts/gen_strategies_reference.py``) and the tests that run every
+strategy. tests/repository/test_strategy_names.py fails if a list of the names is typed
+anywhere else.
 """
 
 from __future__ import annotations
 
-from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
 from service.strategies.auto import Auto
 from service.strategies.distraction import MaxRelevance, MinDistraction
@@ -20,29 +25,46 @@ from service.strategies.protocol import Strategy, register_option_users
 from service.strategies.retrieval import Bm25, Dense
 from service.strategies.self_consistency import SelfConsistency
 
-_ALL: tuple[Strategy, ...] = (
+STRATEGIES: dict[str, Strategy] = {}
+"""The registry: every strategy by its name, in the order the schema and ``/info`` list them."""
+
+
+def register(strategy: Strategy) -> Strategy:
+    """Add ``strategy`` to the registry under its ``name``.
+
+    Before the app is imported: the wire schema takes its accepted values from the registry
+    when ``app.schemas`` is first imported.
+
+    Raises:
+        ValueError: another strategy has that name.
+    """
+    if strategy.name in STRATEGIES:
+        raise ValueError(f"strategy {strategy.name!r} is registered twice")
+    STRATEGIES[strategy.name] = strategy
+    register_option_users(strategy)
+    return strategy
+
+
+for _s in (
     MoI(),
     Auto(),
+    QueryLikelihood(),
+    ConvexScore(),
+    Lore(),
+    MinDistraction(),
+    MaxRelevance(),
     Retriever(),
     Inverse(),
     Shuffle(),
     Litm(),
-    QueryLikelihood(),
-    ConvexScore(),
-    QueryGeneration(),
     BayesSaliency(),
+    QueryGeneration(),
     LongLLMLingua(),
-    Lore(),
     SelfConsistency(),
-    MaxRelevance(),
-    MinDistraction(),
     Bm25(),
     Dense(),
-)
-
-STRATEGIES: dict[str, Strategy] = {s.name: s for s in _ALL}
-for _s in _ALL:
-    register_option_users(_s)
+):
+    register(_s)
 
 
 def get_strategy(name: str) -> Strategy:
@@ -60,11 +82,11 @@ def get_strategy(name: str) -> Strategy:
         ) from None
 
 
-def strategy_names() -> tuple[StrategyName, ...]:
+def strategy_names() -> tuple[str, ...]:
     """Every strategy's wire name, ``moi`` first, then ``auto`` (the default)."""
-    return tuple(s.name for s in _ALL)
+    return tuple(STRATEGIES)
 
 
-def ranking_strategy_names() -> tuple[StrategyName, ...]:
+def ranking_strategy_names() -> tuple[str, ...]:
     """The strategies that rank: ``placement`` and ``bias_profile`` apply to them."""
-    return tuple(s.name for s in _ALL if s.ranks)
+    return tuple(name for name, s in STRATEGIES.items() if s.ranks)

@@ -40,12 +40,12 @@ import numpy as np
 
 import solver
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
 from service.learning.learner import Decision, ProfileLearner, ShadowRun
 from service.runtime import tracing
 from service.strategies.moi import MoI, bias_basis, design_cost, plan_design, retriever_scores
 from service.strategies.placement import named_profile
+from service.strategies.protocol import Reference
 from service.strategies.request import (
     AutoReport,
     Cost,
@@ -70,7 +70,24 @@ were measured best per token."""
 class Auto:
     """``auto``: profile-first with MoI where no trusted profile exists (module docstring)."""
 
-    name: StrategyName = "auto"
+    name = "auto"
+    reference = Reference(
+        rule=(
+            "until the scoring model's position profile is learned from these MoI runs and "
+            "trusted: `moi`'s pruned random design; then the caller's `score`s (else `dense`) "
+            "placed `bias_matched` by that profile, or best first if it is flat; a share of "
+            "requests still run MoI to check it ([The profile-first "
+            "strategy](operations.md#the-profile-first-strategy))"
+        ),
+        calls=(
+            "2N scored prompts of ⌈N/2⌉ passages while learning and on explore requests; 0 once "
+            "trusted"
+        ),
+        returns=(
+            "`auto` (path, reason, profile and its trust figures); MoI's fields on the MoI paths"
+        ),
+        options_note="`placement`: `bias_matched` only; `bias_profile` is taken as given",
+    )
     options: frozenset[str] = frozenset()
     uses_design = False
     ranks = True

@@ -64,10 +64,10 @@ from typing import Literal
 import numpy as np
 
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.errors import UnidentifiableRequest
 from service.passage import Passage
 from service.state.positional_store import PositionalRecord, PositionalStore
+from service.strategies.protocol import Reference
 from service.strategies.request import (
     Calls,
     Cost,
@@ -188,7 +188,16 @@ def stored_record(work: Work, strategy: str, n: int) -> PositionalRecord | None:
 class MaxRelevance:
     """004 (iv): the retriever's best passages into the slots of highest positional accuracy."""
 
-    name: StrategyName = "max_relevance"
+    name = "max_relevance"
+    reference = Reference(
+        source="Cuconasu et al., iv",
+        rule=(
+            "the retriever's r-th passage into the r-th best slot of the measured positional "
+            "accuracy profile"
+        ),
+        calls="0 (needs a stored profile for N slots)",
+        returns="`positional_profile`",
+    )
     options: frozenset[str] = frozenset()
     uses_design = False
     ranks = False
@@ -218,7 +227,16 @@ class MaxRelevance:
 class MinDistraction:
     """004 (v): the most distracting passages into the slots of lowest positional DE."""
 
-    name: StrategyName = "min_distraction"
+    name = "min_distraction"
+    reference = Reference(
+        source="Cuconasu et al., v",
+        rule=(
+            "passages by decreasing distracting effect (DE) into slots by increasing measured "
+            "positional DE"
+        ),
+        calls="N scored prompts of 1 passage (`qa_abstain`)",
+        returns="`passages[].distracting_effect`, `positional_profile`",
+    )
     options: frozenset[str] = frozenset()
     uses_design = False
     ranks = False

@@ -21,8 +21,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest, ScoringFailed
+from service.strategies.protocol import Reference
 from service.strategies.request import (
     Calls,
     Cost,
@@ -129,7 +129,14 @@ class QueryLikelihood:
     Cost: ``min(K, N!)`` scored prompts of N passages each; no generation.
     """
 
-    name: StrategyName = "query_likelihood"
+    name = "query_likelihood"
+    reference = Reference(
+        source="[Liu et al.](method.md#references), method 1",
+        rule="among K distinct shuffles, the one with the highest per-token mean log p(question)",
+        calls="min(K, N!) scored prompts of N passages",
+        returns="`diagnostics.details.loglik_*`",
+        options_note="`samples`: K, default N",
+    )
     options = frozenset({"samples", "seed"})
     uses_design = False
     ranks = True
@@ -214,7 +221,16 @@ class ConvexScore:
     (``max_prompts_per_request``) refuses large N before any scoring.
     """
 
-    name: StrategyName = "convex_score"
+    name = "convex_score"
+    reference = Reference(
+        source="Liu et al., method 2",
+        rule=(
+            "ConvexScore_d = 2 (l(d,1) + l(d,N) - sum_{i=2..N-1} l(d,i)); the top passage goes "
+            "first"
+        ),
+        calls="N² scored prompts of N passages (repeats scored once)",
+        returns="`passages[].score`; `details.top`, `details.position_loglik`",
+    )
     options = frozenset({"seed"})
     uses_design = False
     ranks = True

@@ -48,9 +48,9 @@ from fractions import Fraction
 import numpy as np
 
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
 from service.prompting.answers import DEFAULT_MAX_ANSWER_TOKENS
+from service.strategies.protocol import Reference
 from service.strategies.request import (
     Calls,
     Cost,
@@ -118,7 +118,17 @@ def context_ranks(rrf: Sequence[Fraction], tiebreak: Sequence[int]) -> list[int]
 class Lore:
     """``lore`` (the LoRE paper): the rules and the cost are in the module docstring."""
 
-    name: StrategyName = "lore"
+    name = "lore"
+    reference = Reference(
+        source="[LoRE](method.md#references)",
+        rule=(
+            "one greedy answer per passage alone; LoR = 0.8 mean token probability + 0.2 / context "
+            "rank, context rank by reciprocal rank fusion (k = 60) of the input rankings"
+        ),
+        calls="N generations of 1 passage",
+        returns="`answer` (the best passage's); `passages[].answer`, `passages[].score` (LoR)",
+        options_note="`max_answer_tokens`: default 32",
+    )
     options = frozenset(
         {"rankings", "probability_weight", "rank_weight", "rrf_k", "max_answer_tokens"}
     )

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import solver
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
+from service.strategies.protocol import Reference
 from service.strategies.request import Cost, Outcome, ReorderRequest, retriever_ranking, rng_for
 from service.strategies.work import Work
 
@@ -42,7 +42,12 @@ class _Placement:
 class Retriever(_Placement):
     """The retriever's order (Cuconasu et al.'s Sequential)."""
 
-    name: StrategyName = "retriever"
+    name = "retriever"
+    reference = Reference(
+        source="Cuconasu et al.'s Sequential",
+        rule="the retriever order",
+        calls="0",
+    )
     ranks = True
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
@@ -54,7 +59,11 @@ class Inverse(_Placement):
     """The retriever's order reversed: its best passage is the last, next to the question
     (every template puts the question after the documents)."""
 
-    name: StrategyName = "inverse"
+    name = "inverse"
+    reference = Reference(
+        rule="the retriever order reversed: its best passage next to the question",
+        calls="0",
+    )
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         ranking = retriever_ranking(request.passages)
@@ -64,7 +73,11 @@ class Inverse(_Placement):
 class Shuffle(_Placement):
     """A seeded uniform permutation; reproducible per (seed, query) (``rng_for``)."""
 
-    name: StrategyName = "shuffle"
+    name = "shuffle"
+    reference = Reference(
+        rule="a seeded uniform permutation",
+        calls="0",
+    )
     options = frozenset({"seed"})
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
@@ -75,7 +88,11 @@ class Shuffle(_Placement):
 class Litm(_Placement):
     """Lost-in-the-middle: the retriever's best passages at both ends (``litm_order``)."""
 
-    name: StrategyName = "litm"
+    name = "litm"
+    reference = Reference(
+        rule="lost in the middle: the best passages at both ends",
+        calls="0",
+    )
 
     async def run(self, work: Work, request: ReorderRequest) -> Outcome:
         ranking = retriever_ranking(request.passages)

@@ -17,11 +17,11 @@ import numpy as np
 
 import solver
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage
 from service.runtime import tracing
 from service.strategies.placement import named_profile, placed_by
+from service.strategies.protocol import Reference
 from service.strategies.request import (
     AdaptiveReport,
     Calls,
@@ -132,7 +132,18 @@ class ScoredOutcome:
 
 
 class MoI:
-    name: StrategyName = "moi"
+    name = "moi"
+    reference = Reference(
+        rule=(
+            "fit utilities and position bias from scored permutations ([How it works](method.md)), "
+            "place by `placement`"
+        ),
+        calls=(
+            "the design's M scored prompts (default `adaptive`: at most half `pruned_random`'s "
+            "tokens, in rounds; `pruned_random`: 2N of ⌈N/2⌉ passages)"
+        ),
+        returns="`position_bias`; `passages[].utility`, `stderr`, `confidence_above_next`",
+    )
     options = frozenset({"seed"})
     uses_design = True
     ranks = True

@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
+from service.strategies.protocol import Reference
 from service.strategies.request import (
     Calls,
     Cost,
@@ -83,7 +83,13 @@ class QueryGeneration(_Pointwise):
     alike, and the sum is the log of the paper's ``P(q | p)``. ``score_name="log_p_query"``.
     """
 
-    name: StrategyName = "query_generation"
+    name = "query_generation"
+    reference = Reference(
+        source="MoI paper, Table 1",
+        rule="descending log P(q | p), each passage alone",
+        calls="N scored prompts of 1 passage",
+        returns="`passages[].score`",
+    )
     score_name = "log_p_query"
 
     def utility(self, score: PromptScore) -> float:
@@ -101,7 +107,13 @@ class BayesSaliency(_Pointwise):
     in neither term. ``score_name="bayes_saliency"``.
     """
 
-    name: StrategyName = "bayes_saliency"
+    name = "bayes_saliency"
+    reference = Reference(
+        source="MoI paper, Eq. 1",
+        rule="descending log P(q | p) + log P(p)",
+        calls="N scored prompts of 1 passage (its tokens scored too)",
+        returns="`passages[].score`",
+    )
     score_name = "bayes_saliency"
     joint = True
 
@@ -134,7 +146,13 @@ class LongLLMLingua(_Pointwise):
     P > 1/e it ranks like QG. That is a property of the published formula, kept on purpose.
     """
 
-    name: StrategyName = "longllmlingua"
+    name = "longllmlingua"
+    reference = Reference(
+        source="MoI paper, Table 1",
+        rule="descending sum_l P(q_l | p, q_<l) log P(q_l | p, q_<l)",
+        calls="N scored prompts of 1 passage",
+        returns="`passages[].score`",
+    )
     score_name = "longllmlingua"
 
     def utility(self, score: PromptScore) -> float:

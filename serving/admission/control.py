@@ -75,7 +75,7 @@ class Admission:
             the budgets and the queue ahead are the engine's, summed over the workers
             (``service.runtime.shared_counts``); ``None``: this process's alone.
         meter: the engine's rates measured elsewhere (with several workers, the engine
-            process's: ``service.backends.engine_socket.EngineMeter``); ``None``: measured
+            process's: ``service.backends.engines.engine_socket.EngineMeter``); ``None``: measured
             here, from the calls this admission sees.
         """
         self._settings = settings

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 
 from app.main import create_app
 from service.backends.base import ScoreResult, SpanRequest
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.runtime.throughput import MIN_CALLS
 from serving.admission.control import Admission

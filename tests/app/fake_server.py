@@ -19,7 +19,7 @@ import anyio
 from app.main import create_app
 from entrypoints.server import serve_app
 from service.backends.base import ScoreResult, SpanRequest
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.errors import BackendUnavailable
 from tests.app.conftest import TRUTH

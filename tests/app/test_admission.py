@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from service.backends.base import ChatMessage, Encoding
-from service.backends.byte_tokenizer import ByteTokenizer
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
+from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 from service.config.settings import Settings
 from service.errors import LimitExceeded
 from service.passage import Passage

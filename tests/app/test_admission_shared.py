@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from service.backends.engine_socket import EngineMeter
+from service.backends.engines.engine_socket import EngineMeter
 from service.config.settings import Settings
 from service.runtime import shared_counts
 from service.runtime.shared_counts import SharedCounts

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from tests.app.conftest import Harness, TrackingBackend, serving, wait_until
 
 pytestmark = pytest.mark.anyio

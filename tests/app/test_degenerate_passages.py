@@ -105,7 +105,7 @@ async def test_every_strategy_on_degenerate_passages_fake_backend(tmp_path: Path
 async def test_model_strategies_on_degenerate_passages_tiny_model(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
     from service.config.settings import Settings
 
     settings = Settings(

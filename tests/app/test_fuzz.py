@@ -185,8 +185,8 @@ async def test_rare_characters_with_smollm2s_tokenizer_never_5xx(
     import httpx
 
     from app.main import create_app
-    from service.backends.paced import PacedBackend, PacedProfile
-    from service.backends.tokenizer_files import load_prompt_tokenizer
+    from service.backends.fakes.paced import PacedBackend, PacedProfile
+    from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
     from tests.app.conftest import settings_for, wait_ready
 
     tokenizer = load_prompt_tokenizer(smollm2_dir, name="smollm2")

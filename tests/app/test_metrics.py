@@ -13,7 +13,7 @@ from prometheus_client import values
 from prometheus_client.parser import text_string_to_metric_families
 
 from service.backends.base import ScoreResult, SpanLogprobs, SpanRequest
-from service.backends.scheduler import ForwardScheduler
+from service.backends.scheduling.scheduler import ForwardScheduler
 from service.learning.generator_online import GeneratorCounters
 from service.learning.learner import LearnerCounters
 from serving import metrics as metrics_module

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from app.main import create_app
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
 from tests.app.conftest import (
     PASSAGES,
     TRUTH,

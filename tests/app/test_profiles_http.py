@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from service.backends.fake import primacy_bias
+from service.backends.fakes.fake import primacy_bias
 from tests.app.conftest import PASSAGES, QUERY, TRUTH, Harness, TrackingBackend, serving
 
 

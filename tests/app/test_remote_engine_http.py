@@ -16,9 +16,9 @@ import httpx
 import pytest
 
 from app.main import create_app
-from service.backends.engine_client import EngineClient
-from service.backends.remote_backend import RemoteBackend
-from service.backends.tokenizer_files import load_prompt_tokenizer
+from service.backends.engines.remote_backend import RemoteBackend
+from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
+from service.backends.transport.engine_client import EngineClient
 from tests.app.conftest import settings_for, wait_until
 from tests.service.test_remote_backend import ScriptedServer
 

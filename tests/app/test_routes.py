@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from service.backends.fake import primacy_bias
+from service.backends.fakes.fake import primacy_bias
 from service.strategies import strategy_names
 from tests.app.conftest import (
     BEST_FIRST,

@@ -1,6 +1,6 @@
 """Schema-driven fuzz of the HTTP API: schemathesis reads the served ``/openapi.json`` and sends
 what it generates from it, bodies that fit the schema and bodies that break it, to a real
-server process (uvicorn, every middleware, the fake backend of ``service.backends.fake``:
+server process (uvicorn, every middleware, the fake backend of ``service.backends.fakes.fake``:
 what is fuzzed is the HTTP edge, not a model's speed).
 
 Each answer must be below 500, carry the error envelope when it is an error, use a status the

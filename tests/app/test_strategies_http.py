@@ -323,7 +323,7 @@ async def test_every_strategy_runs_on_a_tiny_real_model(
     monkeypatch: pytest.MonkeyPatch,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
     from service.config.settings import Settings
 
     # The positional profiles come from the command an operator runs, into the cache the
@@ -389,7 +389,7 @@ async def test_positional_strategies_follow_profiles_measured_on_smollm2(
     (accuracy 0, DE 1.0 in every slot) and any slot rule gives the retriever order. SmolLM2's
     measured values differ across slots and passages, so here a wrong slot rule changes the
     placement."""
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
     from service.config.settings import Settings
 
     monkeypatch.setenv("RAG_REORDER_BIAS_PROFILE_DIR", str(tmp_path / "profiles"))

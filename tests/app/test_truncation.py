@@ -16,8 +16,8 @@ import pytest
 
 from app.main import create_app
 from service.backends.base import PromptTokenizer, ScoreResult, SpanRequest
-from service.backends.paced import PacedBackend, PacedProfile
-from service.backends.tokenizer_files import load_prompt_tokenizer
+from service.backends.fakes.paced import PacedBackend, PacedProfile
+from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
 from tests.app.conftest import PASSAGES, QUERY, settings_for, wait_ready
 
 LONG = (

@@ -474,7 +474,7 @@ def test_the_plausibility_bound_holds_with_several_workers() -> None:
     """With ``workers`` > 1 each worker's admission reads the engine process's meter
     (``EngineMeter``, updated from its ``vars``): the fastest rate shown travels with it, and
     a worker refuses the same work at once, though its own copy measured nothing."""
-    from service.backends.engine_socket import EngineMeter
+    from service.backends.engines.engine_socket import EngineMeter
 
     engine = ThroughputMeter()
     engine.seed(100, 1.0, time.monotonic())

@@ -29,8 +29,8 @@ from offline.distill.train import (
     train_steps,
     with_lora,
 )
-from service.backends.fake import FakeBackend
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
+from service.backends.fakes.fake import FakeBackend
 from service.batch.dataset import Example
 from service.config.settings import Settings
 from service.errors import BackendUnavailable, InvalidRequest

@@ -30,7 +30,7 @@ from offline.evaluation.stats import (
 )
 from offline.evaluation.verdict import REPORT_JSON, questions_needed, verdict
 from offline.generator_api import GeneratorEndpoint, api_key
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.batch.dataset import Example, load_examples
 from service.config.settings import Settings
 from service.errors import InvalidRequest

@@ -26,8 +26,8 @@ from offline.evaluation.stats import (
     wilcoxon_p,
 )
 from service.backends.base import GenerateResult, GenerationRequest
-from service.backends.byte_tokenizer import ByteTokenizer
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
+from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 from service.batch.dataset import Example, load_examples
 from service.config.settings import Settings
 from service.errors import InvalidRequest

@@ -17,10 +17,10 @@ from transformers import AutoTokenizer
 
 from offline.evaluation.metrics import score_answer
 from service.backends.base import Generation, GenerationRequest
-from service.backends.byte_tokenizer import END_OF_TURN_ID, ByteTokenizer
-from service.backends.fake import FakeBackend
-from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.transformers_backend import TransformersBackend
+from service.backends.fakes.fake import FakeBackend
+from service.backends.tokenizers.byte_tokenizer import END_OF_TURN_ID, ByteTokenizer
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 from service.config.settings import Settings
 from service.passage import Passage
 from service.prompting.answers import first_line

@@ -58,7 +58,7 @@ class Recording:
 
 @pytest.fixture(scope="module")
 def tiny(tiny_model_dir: Path) -> LogprobBackend:
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
 
     return TransformersBackend.load(tiny_model_dir, model_id="tiny", device="cpu")
 
@@ -72,7 +72,7 @@ async def test_the_answer_s_log_likelihood_under_each_passage(
     got = await AnswerLikelihood(rec)(QUESTION, PASSAGES, ANSWER)  # type: ignore[arg-type]
     assert len(got) == 2 and got[0] != got[1]
     ((requests, background),) = rec.calls
-    assert background  # callers' forwards go first (service.backends.scheduler)
+    assert background  # callers' forwards go first (service.backends.scheduling.scheduler)
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     tok = tiny.tokenizer
     answer_ids = tok.encode(" " + ANSWER).ids
@@ -103,7 +103,7 @@ class _Engine:
     threads that tokenised and the calls it was sent. ``hang``: never answers."""
 
     def __init__(self, *, hang: bool = False, max_model_len: int = 32768) -> None:
-        from service.backends.byte_tokenizer import ByteTokenizer
+        from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 
         self.calls: list[list[SpanRequest]] = []
         self.hang = hang

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import kendalltau
 
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.batch.calibration import calibrate_profile
 from service.batch.dataset import Example, load_examples
 from service.config.settings import Settings

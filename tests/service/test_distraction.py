@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from offline.positions import calibrate_positions, rotations
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.batch.dataset import Example
 from service.errors import InvalidRequest
 from service.passage import Passage

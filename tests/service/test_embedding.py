@@ -1,5 +1,5 @@
-"""The ``dense`` encoder batched across requests (``service.backends.embedding``), on the real
-all-MiniLM-L6-v2: the same rankings as the one-request encoder on committed dev questions,
+"""The ``dense`` encoder batched across requests (``service.backends.encoders.embedding``), on
+the real all-MiniLM-L6-v2: the same rankings as the one-request encoder on committed dev questions,
 concurrent callers sharing forwards, the token budget, and the bounded cache."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.backends.embedding import EncoderConfig, MiniLMEncoder, model_dir
+from service.backends.encoders.embedding import EncoderConfig, MiniLMEncoder, model_dir
 from service.passage import Passage
 from service.strategies.retrieval import passage_text
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import httpx
 import pytest
 
-from service.backends.engine_client import (
+from service.backends.transport.engine_client import (
     EngineCall,
     EngineClient,
     EngineHTTPError,

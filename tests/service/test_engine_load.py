@@ -7,8 +7,8 @@ import anyio
 import httpx
 import pytest
 
-from service.backends.engine_client import EngineClient
-from service.backends.engine_load import EngineLoad, EngineQueue, parse_queue
+from service.backends.transport.engine_client import EngineClient
+from service.backends.transport.engine_load import EngineLoad, EngineQueue, parse_queue
 
 # As vLLM writes it: HELP/TYPE lines, labelled series, one per engine (data parallel).
 VLLM_METRICS = """\

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 from service.backends.base import ScoreResult, SpanLogprobs, SpanRequest
-from service.backends.byte_tokenizer import ByteTokenizer
-from service.backends.engine_socket import SocketBackend, serve_engine, unmetered
-from service.backends.paced import PacedBackend, PacedProfile
-from service.backends.scheduler import ForwardStats
+from service.backends.engines.engine_socket import SocketBackend, serve_engine, unmetered
+from service.backends.fakes.paced import PacedBackend, PacedProfile
+from service.backends.scheduling.scheduler import ForwardStats
+from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 from service.config.settings import Settings
 from service.errors import BackendUnavailable, EngineUnavailable, LimitExceeded
 from service.runtime import shared_counts
@@ -296,7 +296,7 @@ class _Accepted:
 
             return await real(accepted, *args, **kwargs)
 
-        # The one the engine side calls (service.backends.engine_socket uses asyncio's).
+        # The one the engine side calls (service.backends.engines.engine_socket uses asyncio's).
         monkeypatch.setattr(asyncio, "start_unix_server", capturing)
 
 

@@ -20,14 +20,14 @@ from service.backends.base import (
     SpanLogprobs,
     SpanRequest,
 )
-from service.backends.byte_tokenizer import (
+from service.backends.fakes.fake import FakeBackend, FakePrompt, primacy_bias
+from service.backends.tokenizers.byte_tokenizer import (
     ASSISTANT_ID,
     BOS_ID,
     END_OF_TURN_ID,
     EOS_ID,
     ByteTokenizer,
 )
-from service.backends.fake import FakeBackend, FakePrompt, primacy_bias
 from service.errors import BackendUnavailable
 from service.passage import Passage
 from service.prompting.prompts import BuiltPrompt, build_generation_prompt, build_prompts

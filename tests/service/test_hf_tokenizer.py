@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from service.backends.base import ChatMessage, PromptTokenizer
-from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 
 IM_START, IM_END, ENDOFTEXT = 1, 2, 0
 MESSAGES = [ChatMessage("system", "Be brief."), ChatMessage("user", "Café in 日本? ok")]

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded
 from service.passage import Passage

@@ -9,9 +9,9 @@ import typing
 import pytest
 
 from service.backends.base import GenerationRequest, SpanLogprobs, SpanRequest
-from service.backends.byte_tokenizer import ByteTokenizer
 from service.backends.factory import resolve_backend
-from service.backends.paced import PROFILES, PacedBackend, PacedProfile
+from service.backends.fakes.paced import PROFILES, PacedBackend, PacedProfile
+from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded
 from tests.support.prompt_contract import Limits, check_contract

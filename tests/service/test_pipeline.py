@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from scipy.stats import kendalltau
 
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.errors import InvalidRequest, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage

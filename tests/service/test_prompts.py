@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from service.backends.base import ChatMessage, Encoding, PromptTokenizer
-from service.backends.byte_tokenizer import ByteTokenizer
+from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 from service.config.settings import DEFAULT_TEMPLATE
 from service.errors import InvalidRequest, LimitExceeded
 from service.passage import Passage
@@ -562,7 +562,7 @@ def test_segments_equal_whole_prompts_on_the_dev_set_with_the_packaged_tokenizer
     from transformers import AutoTokenizer
 
     import solver
-    from service.backends.hf_tokenizer import HFPromptTokenizer
+    from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 
     folder = smollm2_dir if model == "smollm2" else _gemma_tokenizer_dir()
     tok = HFPromptTokenizer(AutoTokenizer.from_pretrained(str(folder)))
@@ -725,7 +725,7 @@ def test_smollm2_query_span_is_aligned_and_identical_across_permutations(
 ) -> None:
     from transformers import AutoTokenizer
 
-    from service.backends.hf_tokenizer import HFPromptTokenizer
+    from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 
     tok = HFPromptTokenizer(AutoTokenizer.from_pretrained(str(smollm2_dir)))
     rows = [json.loads(line) for line in NQ_DEV.read_text(encoding="utf-8").splitlines()]
@@ -761,7 +761,7 @@ def test_smollm2_query_with_a_character_it_cannot_represent_is_a_422_naming_it(
     the vocabulary has, is aligned as before."""
     from transformers import AutoTokenizer
 
-    from service.backends.hf_tokenizer import HFPromptTokenizer
+    from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 
     tok = HFPromptTokenizer(AutoTokenizer.from_pretrained(str(smollm2_dir)))
     rare = "\U00082e9e"

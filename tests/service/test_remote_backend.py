@@ -23,9 +23,9 @@ from service.backends.base import (
     SpanLogprobs,
     SpanRequest,
 )
-from service.backends.engine_client import EngineClient
-from service.backends.remote_backend import RemoteBackend, span_from_rows
-from service.backends.tokenizer_files import load_prompt_tokenizer
+from service.backends.engines.remote_backend import RemoteBackend, span_from_rows
+from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
+from service.backends.transport.engine_client import EngineClient
 from service.errors import EngineMismatch, EngineUnavailable, LimitExceeded
 from tests.support.prompt_contract import Limits, check_contract
 

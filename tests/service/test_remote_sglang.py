@@ -28,7 +28,6 @@ from typing import Any
 import httpx
 import pytest
 
-from service.backends import sglang_dialect
 from service.backends.base import (
     Generation,
     GenerationRequest,
@@ -36,8 +35,9 @@ from service.backends.base import (
     SpanLogprobs,
     SpanRequest,
 )
-from service.backends.remote_backend import RemoteBackend
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines import sglang_dialect
+from service.backends.engines.remote_backend import RemoteBackend
+from service.backends.engines.transformers_backend import TransformersBackend
 from service.config.settings import Settings
 from service.errors import EngineMismatch, EngineTimeout, EngineUnavailable
 from service.passage import Passage

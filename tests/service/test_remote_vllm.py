@@ -30,8 +30,8 @@ import httpx
 import pytest
 
 from service.backends.base import SpanLogprobs, SpanRequest
-from service.backends.remote_backend import RemoteBackend
-from service.backends.transformers_backend import TransformersBackend
+from service.backends.engines.remote_backend import RemoteBackend
+from service.backends.engines.transformers_backend import TransformersBackend
 from service.config.settings import EMBEDDED_MODEL, Settings
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest

@@ -14,8 +14,8 @@ import anyio
 import pytest
 
 from service.backends.base import PromptFailure, ScoreResult, SpanLogprobs, SpanRequest
-from service.backends.batching import plan_batches
-from service.backends.scheduler import ForwardScheduler, ForwardStats
+from service.backends.scheduling.batching import plan_batches
+from service.backends.scheduling.scheduler import ForwardScheduler, ForwardStats
 from service.errors import BackendUnavailable
 
 
@@ -332,8 +332,8 @@ def test_the_services_own_work_yields_to_a_caller_within_a_short_forward(
     # forwards were kept to about BACKGROUND_FORWARD_S (0.05 s here: 25 tokens at 2 ms a
     # token, two 12-token prompts), so the caller waited one short forward; before, the run's
     # forwards filled the whole budget (600 tokens here, 1.2 s).
-    from service.backends import scheduler as scheduler_module
     from service.backends.base import background_work
+    from service.backends.scheduling import scheduler as scheduler_module
 
     monkeypatch.setattr(scheduler_module, "BACKGROUND_FORWARD_S", 0.05)
     forward = PacedForward(s_per_token=0.002)

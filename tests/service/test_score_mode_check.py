@@ -8,8 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from service.backends.base import PromptFailure, ScoreResult, SpanLogprobs, SpanRequest
-from service.backends.byte_tokenizer import ByteTokenizer
-from service.backends.score_mode_check import (
+from service.backends.engines.score_mode_check import (
     TOLERANCE_NATS,
     Mode,
     ScoreIn,
@@ -19,6 +18,7 @@ from service.backends.score_mode_check import (
     compare,
     probe_requests,
 )
+from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 
 PROBES = probe_requests(ByteTokenizer(), 4096)
 

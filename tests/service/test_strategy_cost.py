@@ -34,7 +34,7 @@ from service.backends.base import (
     ScoreResult,
     SpanRequest,
 )
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.passage import Passage
 from service.pipeline import DesignSpec, Reorderer, ReorderRequest, StrategyOptions
@@ -201,7 +201,7 @@ async def test_fake_backend_calls_match_the_stated_cost(
 
 @pytest.fixture(scope="module")
 def tiny_backend(tiny_model_dir: Path) -> LogprobBackend:
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
 
     return TransformersBackend.load(tiny_model_dir, model_id="tiny", device="cpu")
 

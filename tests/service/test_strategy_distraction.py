@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed, UnidentifiableRequest
 from service.passage import Passage
@@ -220,7 +220,7 @@ async def test_calibrate_positions_cli_then_min_distraction_on_a_tiny_model(
 ) -> None:
     import anyio.to_thread
 
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
 
     monkeypatch.setenv("RAG_REORDER_CACHE_DIR", str(tmp_path))
     data = write_qa_file(tmp_path / "qa.jsonl")

@@ -1,6 +1,6 @@
 """``lore`` on the fake backend, every number hand-computed from the fake's generation rule.
 
-Fake rule (``service.backends.fake``): a prompt holding one passage is answered with that
+Fake rule (``service.backends.fakes.fake``): a prompt holding one passage is answered with that
 passage's first ``answer_words`` (3) words, every token at log-prob ``log(sigmoid(u))``, then
 the end-of-turn token. So a passage's mean token probability is exactly ``sigmoid(u)``, and an
 answer costs its UTF-8 bytes plus one end-of-turn token (ByteTokenizer).
@@ -16,7 +16,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed
 from service.passage import Passage
@@ -268,7 +268,7 @@ async def test_nan_logprobs_count_as_failures(tmp_path: Path) -> None:
 
 
 async def test_runs_on_a_tiny_real_model(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
 
     backend = TransformersBackend.load(tiny_model_dir, model_id="tiny", device="cpu")
     r = Reorderer(backend, Settings(cache_dir=tmp_path), ProfileStore(tmp_path / "p"))

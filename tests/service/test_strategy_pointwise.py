@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import DEFAULT_TEMPLATE, Settings
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed
 from service.passage import Passage
@@ -171,7 +171,7 @@ async def test_no_option_applies_and_n_prompts_count_against_the_limit(
 async def test_pointwise_baselines_run_on_a_tiny_real_model(
     tmp_path: Path, tiny_model_dir: Path
 ) -> None:
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
 
     backend = TransformersBackend.load(tiny_model_dir, model_id="tiny", device="cpu")
     r = Reorderer(backend, Settings(cache_dir=tmp_path), ProfileStore(tmp_path / "profiles"))

@@ -1,6 +1,6 @@
 """``self_consistency`` on the fake backend, votes hand-counted from the fake's generation rule.
 
-Fake rule (``service.backends.fake``): a prompt is answered from its highest-utility passage,
+Fake rule (``service.backends.fakes.fake``): a prompt is answered from its highest-utility passage,
 the earliest slot on ties, with ``answers[text]`` (or its first 3 words), every token at
 log-prob ``log(sigmoid(u))``, then the end-of-turn token. Three passages tied at the top
 utility make the answer depend on the order: it is that of whichever of them comes first.
@@ -19,7 +19,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.errors import InvalidRequest, LimitExceeded, ScoringFailed
 from service.passage import Passage
@@ -250,7 +250,7 @@ async def test_answer_budget_applies_to_every_sample(tmp_path: Path) -> None:
 
 
 async def test_runs_on_a_tiny_real_model(tmp_path: Path, tiny_model_dir: Path) -> None:
-    from service.backends.transformers_backend import TransformersBackend
+    from service.backends.engines.transformers_backend import TransformersBackend
 
     backend = TransformersBackend.load(tiny_model_dir, model_id="tiny", device="cpu")
     r = Reorderer(backend, Settings(cache_dir=tmp_path), ProfileStore(tmp_path / "p"))

@@ -29,14 +29,14 @@ from service.backends.base import (
     SpanLogprobs,
     SpanRequest,
 )
-from service.backends.batching import HeadMode, plan_batches, plan_generation_batches
-from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.backends.scheduler import ForwardStats
-from service.backends.transformers_backend import (
+from service.backends.engines.transformers_backend import (
     TransformersBackend,
     default_batch_token_budget,
     token_logprobs,
 )
+from service.backends.scheduling.batching import HeadMode, plan_batches, plan_generation_batches
+from service.backends.scheduling.scheduler import ForwardStats
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 from service.config.settings import EMBEDDED_MODEL, Settings
 from service.errors import BackendUnavailable, InvalidRequest, LimitExceeded
 from tests.support.models import build_tiny_gemma3, cache_dir_for_tests

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from service.backends.byte_tokenizer import ByteTokenizer
+from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 from service.errors import InvalidRequest, LimitExceeded
 from service.passage import Passage
 from service.prompting.truncation import fit_passages

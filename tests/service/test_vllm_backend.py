@@ -50,7 +50,6 @@ from vllm.logprobs import FlatLogprobs, Logprob
 from vllm.usage.usage_lib import UsageContext
 from vllm.v1.engine.exceptions import EngineDeadError, EngineGenerateError
 
-from service.backends import vllm_engine
 from service.backends.base import (
     POSITIVE_TOLERANCE,
     ChatMessage,
@@ -61,10 +60,10 @@ from service.backends.base import (
     SpanLogprobs,
     SpanRequest,
 )
-from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.backends.vllm_backend import VLLMBackend
-from service.backends.vllm_engine import apply_vllm_env_defaults
-from service.backends.vllm_requests import (
+from service.backends.engines import vllm_engine
+from service.backends.engines.vllm_backend import VLLMBackend
+from service.backends.engines.vllm_engine import apply_vllm_env_defaults
+from service.backends.engines.vllm_requests import (
     TOKEN_ID_PARAMS,
     generation_from_output,
     resolve_score_mode,
@@ -72,6 +71,7 @@ from service.backends.vllm_requests import (
     span_from_token_id_scores,
     with_score_logprobs,
 )
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 from service.errors import BackendUnavailable
 from tests.support.prompt_contract import Limits, check_contract
 

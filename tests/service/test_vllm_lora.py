@@ -30,7 +30,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 from service.backends.base import SpanLogprobs, SpanRequest
-from service.backends.vllm_backend import VLLMBackend
+from service.backends.engines.vllm_backend import VLLMBackend
 from service.config.settings import Settings
 from service.model_assets.adapter import write_manifest
 from tests.support.distill import manifest

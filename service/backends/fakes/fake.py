@@ -55,7 +55,7 @@ from service.backends.base import (
     SpanLogprobs,
     SpanRequest,
 )
-from service.backends.byte_tokenizer import END_OF_TURN_ID, ByteTokenizer
+from service.backends.tokenizers.byte_tokenizer import END_OF_TURN_ID, ByteTokenizer
 from service.errors import BackendUnavailable
 
 BiasSpec = Sequence[float] | Callable[[int], Sequence[float]]

@@ -41,7 +41,7 @@ from service.backends.base import (
     check_generations,
     check_scoring,
 )
-from service.backends.scheduler import ForwardScheduler
+from service.backends.scheduling.scheduler import ForwardScheduler
 from service.config.settings import Settings
 from service.errors import BackendUnavailable
 
@@ -155,7 +155,7 @@ class PacedBackend:
         Raises:
             BackendUnavailable: the tokenizer cannot be loaded.
         """
-        from service.backends.tokenizer_files import load_prompt_tokenizer
+        from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
         from service.model_assets import resolve_model
 
         tokenizer = load_prompt_tokenizer(resolve_model(settings), name=settings.model)

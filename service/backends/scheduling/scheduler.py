@@ -52,7 +52,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from service.backends.base import ScoreResult, SpanRequest, in_background
-from service.backends.batching import BatchFill, HeadMode, longest_first
+from service.backends.scheduling.batching import BatchFill, HeadMode, longest_first
 from service.errors import BackendUnavailable
 
 logger = logging.getLogger(__name__)

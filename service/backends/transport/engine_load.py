@@ -31,7 +31,7 @@ from typing import Final
 
 import anyio
 
-from service.backends.engine_client import EngineClient
+from service.backends.transport.engine_client import EngineClient
 
 log = logging.getLogger(__name__)
 

@@ -78,7 +78,7 @@ from service.backends.base import (
     in_background,
     prompt_tokens,
 )
-from service.backends.score_mode_check import ScoreModeCheck
+from service.backends.engines.score_mode_check import ScoreModeCheck
 from service.errors import BackendUnavailable, EngineUnavailable, ReorderError, ServerError
 from service.runtime.throughput import ThroughputMeter
 
@@ -431,7 +431,7 @@ class SocketBackend:
 
     async def check_score_mode(self) -> ScoreModeCheck | None:
         """The outcome of vLLM's score-mode check, which the engine process ran before it
-        served (``service.backends.score_mode_check``); ``None`` for an engine without one.
+        served (``service.backends.engines.score_mode_check``); ``None`` for an engine without one.
         Read at ``connect``."""
         return self._score_mode_check
 

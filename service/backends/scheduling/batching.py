@@ -22,8 +22,8 @@ class BatchFill:
     """One forward batch as it grows: padded tokens and LM-head rows against the budgets.
 
     The one packing rule shared by ``plan_batches`` (one call's prompts) and the scheduler
-    (``service.backends.scheduler``: every in-flight call's prompts), so a request scored alone
-    batches exactly as before the scheduler existed.
+    (``service.backends.scheduling.scheduler``: every in-flight call's prompts), so a request
+    scored alone batches exactly as before the scheduler existed.
     """
 
     def __init__(self, *, token_budget: int, row_budget: int, head_mode: HeadMode) -> None:

@@ -8,9 +8,9 @@ torch and transformers (an import-linter contract keeps it so). peft is imported
 distilled scorer's LoRA adapter (``RAG_REORDER_ADAPTER``), merged into the weights once at load.
 
 Scoring packs the requests of every concurrent call into shared padded batches under
-``batch_token_budget`` (``service.backends.scheduler``, with the packing rule of
-``service.backends.batching``) and runs the vocabulary-sized LM head only on the rows whose
-log-probs are asked for: on SmolLM2 the head is ~20% of a forward and the full-vocabulary
+``batch_token_budget`` (``service.backends.scheduling.scheduler``, with the packing rule of
+``service.backends.scheduling.batching``) and runs the vocabulary-sized LM head only on the rows
+whose log-probs are asked for: on SmolLM2 the head is ~20% of a forward and the full-vocabulary
 log-softmax over every prompt row is what makes prompt-log-prob serving run out of memory (see
 docs/operations.md).
 
@@ -43,12 +43,9 @@ from service.backends.base import (
     check_generations,
     check_scoring,
 )
-from service.backends.batching import HeadMode, plan_generation_batches
-from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.backends.scheduler import ForwardScheduler
-from service.backends.transformers_forward import token_logprobs
-from service.backends.transformers_generation import GreedyGeneration
-from service.backends.transformers_loading import (
+from service.backends.engines.transformers_forward import token_logprobs
+from service.backends.engines.transformers_generation import GreedyGeneration
+from service.backends.engines.transformers_loading import (
     DeviceName,
     DtypeName,
     context_length,
@@ -60,6 +57,9 @@ from service.backends.transformers_loading import (
     resolve_dtype,
     weight_rows,
 )
+from service.backends.scheduling.batching import HeadMode, plan_generation_batches
+from service.backends.scheduling.scheduler import ForwardScheduler
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 from service.config.settings import Settings
 from service.errors import BackendUnavailable
 from service.model_assets import resolve_model

@@ -22,7 +22,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 import httpx
 
 from service.backends.base import ChatMessage
-from service.backends.engine_client import EngineClient, EngineHTTPError
+from service.backends.transport.engine_client import EngineClient, EngineHTTPError
 from service.errors import InvalidRequest
 
 ApiKind = Literal["chat", "completions"]

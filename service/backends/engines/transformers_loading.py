@@ -13,7 +13,7 @@ import torch
 from peft import PeftModel
 from transformers import PreTrainedModel
 
-from service.backends.batching import HeadMode
+from service.backends.scheduling.batching import HeadMode
 from service.errors import BackendUnavailable
 
 logger = logging.getLogger(__name__)

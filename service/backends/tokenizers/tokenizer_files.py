@@ -11,7 +11,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, GenerationConfig
 
-from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 from service.errors import BackendUnavailable
 
 

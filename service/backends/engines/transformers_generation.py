@@ -19,8 +19,8 @@ from service.backends.base import (
     PromptFailure,
     checked_span,
 )
-from service.backends.hf_tokenizer import HFPromptTokenizer
-from service.backends.transformers_forward import SpanScoring, token_logprobs
+from service.backends.engines.transformers_forward import SpanScoring, token_logprobs
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
 
 
 class GreedyGeneration(SpanScoring):

@@ -32,8 +32,8 @@ At run time an engine answering 5xx, 401 or 403 raises ``EngineUnavailable`` (th
 fault, not the prompts); another 4xx fails the call's prompts alone (``PromptFailure``).
 
 With ``engine_dialect=sglang`` the same calls go to SGLang's native ``/generate``
-(``service.backends.sglang_dialect``: ``input_ids``, ``logprob_start_len`` at the token before
-the span, ``max_new_tokens: 0``; rows placed by their token ids). Its ``connect`` lists the
+(``service.backends.engines.sglang_dialect``: ``input_ids``, ``logprob_start_len`` at the token
+before the span, ``max_new_tokens: 0``; rows placed by their token ids). Its ``connect`` lists the
 model the same way (SGLang serves ``/v1/models`` with ``max_model_len``) and checks the
 tokenizer by scoring: the probe sent as text comes back with one row per token the *server*
 encoded (with its special tokens, as SGLang encodes text), which must be exactly ours; the
@@ -54,7 +54,6 @@ import math
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Literal
 
-from service.backends import sglang_dialect
 from service.backends.base import (
     GenerateResult,
     Generation,
@@ -66,8 +65,9 @@ from service.backends.base import (
     check_scoring,
     checked_span,
 )
-from service.backends.engine_client import EngineClient, EngineHTTPError
-from service.backends.hf_tokenizer import HFPromptTokenizer
+from service.backends.engines import sglang_dialect
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer
+from service.backends.transport.engine_client import EngineClient, EngineHTTPError
 from service.config.settings import Settings
 from service.errors import (
     BackendUnavailable,
@@ -141,7 +141,7 @@ class RemoteBackend:
         Raises:
             BackendUnavailable: no ``engine_url``, or the tokenizer cannot be loaded.
         """
-        from service.backends.tokenizer_files import load_prompt_tokenizer
+        from service.backends.tokenizers.tokenizer_files import load_prompt_tokenizer
         from service.model_assets import resolve_model
 
         if not settings.engine_url:

@@ -20,7 +20,7 @@ from service.backends.base import (
     SpanRequest,
     checked_span,
 )
-from service.backends.batching import HeadMode
+from service.backends.scheduling.batching import HeadMode
 
 logger = logging.getLogger(__name__)
 

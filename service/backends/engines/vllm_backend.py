@@ -74,16 +74,15 @@ from service.backends.base import (
     check_generations,
     check_scoring,
 )
-from service.backends.hf_tokenizer import HFPromptTokenizer, HFTokenizerLike
-from service.backends.score_mode_check import (
+from service.backends.engines.score_mode_check import (
     TOLERANCE_NATS,
     ScoreModeCheck,
     ScoreModeMismatch,
     check_score_mode,
     probe_requests,
 )
-from service.backends.vllm_engine import DtypeName, start_engine
-from service.backends.vllm_requests import (
+from service.backends.engines.vllm_engine import DtypeName, start_engine
+from service.backends.engines.vllm_requests import (
     TOKEN_ID_PARAMS,
     ScoreMode,
     echo_problem,
@@ -96,6 +95,7 @@ from service.backends.vllm_requests import (
     span_from_token_id_scores,
     with_score_logprobs,
 )
+from service.backends.tokenizers.hf_tokenizer import HFPromptTokenizer, HFTokenizerLike
 from service.config.settings import Settings
 from service.errors import BackendUnavailable
 from service.model_assets import resolve_model
@@ -319,7 +319,7 @@ class VLLMBackend:
 
     async def check_score_mode(self) -> ScoreModeCheck:
         """Prove the ``token_ids`` mode against ``prompt_logprobs`` on probe prompts before
-        serving (``service.backends.score_mode_check``); a no-op when it does not run.
+        serving (``service.backends.engines.score_mode_check``); a no-op when it does not run.
 
         Returns:
             The check's outcome; ``score_mode`` is the mode chosen by it from now on.

@@ -1,0 +1,1 @@
+"""Sentence encoders for the rankers that need no language model (``dense``)."""

@@ -21,12 +21,12 @@ import anyio
 import anyio.to_thread
 
 from service.backends.base import LogprobBackend
+from service.backends.engines.engine_socket import SocketBackend
+from service.backends.engines.remote_backend import RemoteBackend
+from service.backends.factory import create_backend, size_threads
+from service.backends.scheduling.scheduler import ForwardScheduler, ForwardStats
 from service.backends.transport.engine_client import EngineClient
 from service.backends.transport.engine_load import EngineLoad
-from service.backends.engines.engine_socket import SocketBackend
-from service.backends.factory import create_backend, size_threads
-from service.backends.engines.remote_backend import RemoteBackend
-from service.backends.scheduling.scheduler import ForwardScheduler, ForwardStats
 from service.errors import (
     BackendUnavailable,
     EngineMismatch,
@@ -134,7 +134,8 @@ async def _load_and_watch(
         await _reach_engine_process(ctx)
     check_score_mode = getattr(backend, "check_score_mode", None)
     if check_score_mode is not None:
-        # vLLM's fast score path earns its place before /ready (service.backends.engines.score_mode_check).
+        # vLLM's fast score path earns its place before /ready
+        # (service.backends.engines.score_mode_check).
         try:
             check = await check_score_mode()
         except BackendUnavailable as exc:

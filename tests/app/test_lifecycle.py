@@ -8,8 +8,8 @@ import anyio
 import pytest
 
 from app.main import create_app
-from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 from service.backends.engines.score_mode_check import ScoreModeCheck
+from service.backends.tokenizers.byte_tokenizer import ByteTokenizer
 from service.config.settings import Settings
 from service.errors import BackendUnavailable
 from serving import supervisor

@@ -85,11 +85,14 @@ async def wait_until(cond: Callable[[], bool], timeout: float = 5.0) -> None:
         await anyio.sleep(0.005)
 
 
-async def wait_ready(client: httpx.AsyncClient, timeout: float = 5.0) -> None:
+async def wait_ready(client: httpx.AsyncClient, timeout: float = 30.0) -> None:
+    # A wait, not a timing check: on a 2-core machine shared with other suites (load 30 seen)
+    # a warm-up that takes 0.3 s alone took over 5 s. A harness that never gets ready still
+    # fails, with /ready's last answer.
     deadline = time.monotonic() + timeout
-    while (await client.get("/ready")).status_code != 200:
+    while (response := await client.get("/ready")).status_code != 200:
         if time.monotonic() > deadline:
-            raise AssertionError("/ready never turned 200")
+            raise AssertionError(f"/ready never turned 200: {response.text}")
         await anyio.sleep(0.005)
 
 

@@ -58,6 +58,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValidationError as exc:
         _fail(f"invalid configuration: {exc}")
         return 2
+    if settings.strategy not in strategy_names():
+        # The settings sit below the strategies' registry, so they cannot check the name
+        # themselves: refused here, before any model loads, as a bad setting always was.
+        known = ", ".join(strategy_names())
+        _fail(
+            f"invalid configuration: RAG_REORDER_STRATEGY {settings.strategy!r} is not a strategy ({known})"
+        )
+        return 2
     try:
         if args.command == "serve":
             if settings.workers > 1:

@@ -187,6 +187,20 @@ def test_an_engine_url_without_the_remote_backend_is_refused_at_start(
     assert "is 'auto'" in capsys.readouterr().err
 
 
+def test_a_default_strategy_the_registry_lacks_is_refused_before_any_model_loads(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The settings cannot check the name (they sit below the registry): the command line does,
+    # at exit 2 like any bad setting, not after a model load as the warm-up would.
+    from entrypoints.cli import main
+
+    monkeypatch.setenv("RAG_REORDER_STRATEGY", "nope")
+    assert main(["serve"]) == 2
+    err = capsys.readouterr().err
+    assert "RAG_REORDER_STRATEGY 'nope' is not a strategy" in err
+    assert "query_likelihood" in err
+
+
 def test_profile_generator_refuses_bad_settings_before_any_call(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -209,7 +209,7 @@ def test_feedback_on_a_served_shuffle_reaches_its_record_whichever_worker_receiv
         served = httpx.post(f"{server.base_url}/v1/reorder", json=body, timeout=30)
         assert served.status_code == 200, served.text
         last = served.json()["order"][-1]
-        answer = {"id": served.json()["id"], "answer": PASSAGES[last]}
+        answer = {"id": served.json()["feedback_id"], "answer": PASSAGES[last]}
         r = httpx.post(f"{server.base_url}/v1/feedback", json=answer, timeout=30)
         used.append((r.status_code, r.json().get("used"), r.json().get("slots")))
     assert used == [(200, True, [len(PASSAGES) - 1])] * 12

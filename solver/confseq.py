@@ -27,9 +27,9 @@ with bets ``l_i`` fixed before ``z_i`` is seen (from the earlier outcomes' varia
 capped so no wealth can go negative (``c / (m - lo_i)``, ``c / (hi_i - m)``). At the true
 mean both are nonnegative martingales; so is their mix ``theta K+ + (1 - theta) K-``, and by
 Ville's inequality it passes ``1/alpha`` at any time with probability at most ``alpha``.
-``C_t`` is every ``m`` whose mix stayed below ``1/alpha`` up to ``t`` (the running
-intersection, still valid). Evaluated on a grid of ``m``; the bounds returned are widened
-by one grid step, so the grid never narrows them.
+``C_t`` is every ``m`` whose mix is below ``1/alpha`` at ``t``: the true value leaves it
+at some ``t`` with probability at most ``alpha``. Evaluated on a grid of ``m``; the bounds
+returned are widened by one grid step, so the grid never narrows them.
 
 Why not the reference package: ``confseq`` (Howard, Waudby-Smith) on PyPI is a source
 distribution only (0.0.11, a C++ extension built against Boost at install time, no wheel),
@@ -109,15 +109,16 @@ def bets(z: np.ndarray, alpha: float, prior_var: float = 1.0) -> np.ndarray:
 def excluded(
     z: np.ndarray, lo: np.ndarray, hi: np.ndarray, alpha: float
 ) -> np.ndarray:  # fmt: skip
-    """``out[t, g]``: whether ``GRID[g]`` is outside the sequence after outcome ``t`` (the
-    running intersection: once out, out for good). Shape ``(n, len(GRID))``."""
+    """``out[t, g]``: whether ``GRID[g]`` is outside the sequence after outcome ``t``: its
+    mixed wealth is at or above ``1/alpha`` then. Shape ``(n, len(GRID))``. Not the running
+    intersection (tighter, and as valid): after a change of the generator it empties for good,
+    while this one follows the pooled stream back."""
     n = z.size
     lam = bets(z, alpha)
     threshold = math.log(1.0 / alpha)
     out = np.zeros((n, GRID.size), dtype=bool)
     up = np.zeros(GRID.size)
     down = np.zeros(GRID.size)
-    seen = np.zeros(GRID.size, dtype=bool)
     for start in range(0, n, _ROWS):
         s = slice(start, min(n, start + _ROWS))
         m = GRID[None, :]
@@ -130,16 +131,15 @@ def excluded(
         cup = up + np.cumsum(np.log1p(lp * (zs - m)), axis=0)
         cdown = down + np.cumsum(np.log1p(-lm * (zs - m)), axis=0)
         hedged = np.logaddexp(cup + math.log(_THETA), cdown + math.log(1.0 - _THETA))
-        hit = np.maximum.accumulate(hedged >= threshold, axis=0) | seen
-        out[s] = hit
-        up, down, seen = cup[-1], cdown[-1], hit[-1]
+        out[s] = hedged >= threshold
+        up, down = cup[-1], cdown[-1]
     return out
 
 
 def interval(row: np.ndarray) -> tuple[float, float]:
     """The bounds of one row of ``excluded``, widened by a grid step (clipped to [-1, 1]).
-    An empty row (every value excluded, possible only on the event of probability <= alpha)
-    gives the whole range: nothing is claimed."""
+    An empty row (every value excluded: possible only on the event of probability <= alpha,
+    or after the generator changed) gives the whole range: nothing is claimed."""
     kept = np.flatnonzero(~row)
     if kept.size == 0:
         return -1.0, 1.0

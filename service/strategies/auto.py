@@ -115,7 +115,8 @@ class Auto:
         outcome = await self._placed(work, request, decision)
         if arm is not None:
             assert outcome.auto is not None
-            outcome = replace(outcome, auto=replace(outcome.auto, arm=arm))
+            why = f"{arm.reason}; {outcome.auto.reason}" if arm.reason else outcome.auto.reason
+            outcome = replace(outcome, auto=replace(outcome.auto, arm=arm, reason=why))
         if decision.path == "explore":
             # Served by the profile like any other; the MoI run that checks the profile
             # happens afterwards, in the background, never in this caller's path.

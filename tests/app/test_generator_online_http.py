@@ -202,7 +202,9 @@ async def test_feedback_is_learned_from_random_placements_only_and_auto_places_b
         assert s.endpoint is None and s.rate == 0  # no URL: no call, answers by feedback only
         # A ranked order (auto, learning: MoI): its feedback identifies nothing.
         ranked = (await h.client.post("/v1/reorder", json=body())).json()
-        r = await h.client.post("/v1/feedback", json={"id": ranked["feedback_id"], "answer": PASSAGES[1]})
+        r = await h.client.post(
+            "/v1/feedback", json={"id": ranked["feedback_id"], "answer": PASSAGES[1]}
+        )
         assert r.status_code == 200, r.text
         assert r.json()["used"] is False and "not a random placement" in r.json()["reason"]
 
@@ -239,7 +241,9 @@ async def test_feedback_is_learned_from_random_placements_only_and_auto_places_b
         auto = (await h.client.post("/v1/reorder", json=body())).json()["auto"]
         assert auto["path"] == "profile" and auto["trust"]["source"] == "generator_online"
 
-        blank = await h.client.post("/v1/feedback", json={"id": ranked["feedback_id"], "answer": " "})
+        blank = await h.client.post(
+            "/v1/feedback", json={"id": ranked["feedback_id"], "answer": " "}
+        )
         assert blank.status_code == 422
 
 
@@ -294,7 +298,9 @@ async def test_served_requests_are_kept_within_the_byte_bound_and_shuffles_only_
         assert after["kept_for_feedback"] == kept + 1  # the ranked one in beside the mark
         grown = after["kept_for_feedback_bytes"] - answered["kept_for_feedback_bytes"]
         assert 0 < grown < 1024, grown
-        r = await h.client.post("/v1/feedback", json={"id": ranked.json()["feedback_id"], "answer": "0"})
+        r = await h.client.post(
+            "/v1/feedback", json={"id": ranked.json()["feedback_id"], "answer": "0"}
+        )
         assert r.status_code == 200 and r.json()["used"] is False
 
 

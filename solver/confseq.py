@@ -136,6 +136,26 @@ def excluded(
     return out
 
 
+def _excluded_now(z: np.ndarray, lo: np.ndarray, hi: np.ndarray, alpha: float) -> np.ndarray:
+    """The last row of ``excluded`` alone: the wealths' sums, no running history (what the
+    service reads after each outcome; ``excluded`` is for simulations that read every row)."""
+    lam = bets(z, alpha)
+    up = np.zeros(GRID.size)
+    down = np.zeros(GRID.size)
+    m = GRID[None, :]
+    for start in range(0, z.size, _ROWS):
+        s = slice(start, min(z.size, start + _ROWS))
+        zs, ls, los, his = z[s, None], lam[s, None], lo[s, None], hi[s, None]
+        lp = np.where(m > los, np.minimum(ls, _CAP / np.maximum(m - los, 1e-12)), 0.0)
+        lm = np.where(m < his, np.minimum(ls, _CAP / np.maximum(his - m, 1e-12)), 0.0)
+        d = zs - m
+        up += np.log1p(lp * d).sum(axis=0)
+        down += np.log1p(-lm * d).sum(axis=0)
+    hedged = np.logaddexp(up + math.log(_THETA), down + math.log(1.0 - _THETA))
+    out: np.ndarray = hedged >= math.log(1.0 / alpha)
+    return out
+
+
 def interval(row: np.ndarray) -> tuple[float, float]:
     """The bounds of one row of ``excluded``, widened by a grid step (clipped to [-1, 1]).
     An empty row (every value excluded: possible only on the event of probability <= alpha,
@@ -157,6 +177,6 @@ def confidence_sequence(
     n = int(z.size)
     if n == 0:
         return Sequence(0, 0.0, -1.0, 1.0)
-    lower, upper = interval(excluded(z, lo, hi, alpha)[-1])
+    lower, upper = interval(_excluded_now(z, lo, hi, alpha))
     estimate = float(np.clip(z.mean(), -1.0, 1.0))
     return Sequence(n, estimate, lower, upper)

@@ -54,6 +54,11 @@ VERDICTS: tuple[Verdict, ...] = ("helps", "hurts", "no_difference", "not_enough"
 PLACED_PATHS = frozenset({"profile", "flat", "explore"})
 """``auto``'s paths that place by a trusted profile: the ones the holdout measures."""
 _ARM_CODE: dict[Arm, int] = {"placed": 0, "holdout": 1, "pass_through": 2}
+CHEAP_OUTCOMES = 1000
+"""Up to this many outcomes a key's uplift is recomputed after every one; beyond, at most
+once per ``state_refresh_s`` per worker. The sequence is recomputed over the whole kept stream
+(401 candidate values each): 0.04 / 0.16 / 0.29 s of a core at 1,000 / 10,000 / 20,000
+outcomes on the 2-core development machine under load, in a thread off the event loop."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +160,7 @@ class OutcomeMonitor:
         self._rng = random.SystemRandom()
         self._uplift: dict[OutcomeKey, Uplift] = {}
         self._read_at: dict[OutcomeKey, float] = {}
+        self._computed_at: dict[OutcomeKey, float] = {}
         self._first_seen: dict[OutcomeKey, tuple[float, int]] = {}
         self.switches = 0
         """Times ``act`` switched a key to pass-through or back (this process)."""
@@ -228,8 +234,19 @@ class OutcomeMonitor:
         return await self.refresh(key)
 
     async def refresh(self, key: OutcomeKey) -> Uplift:
-        """Read the key's outcomes again if any worker appended one, and recompute."""
-        self._read_at[key] = time.monotonic()
+        """Read the key's outcomes again if any worker appended one, and recompute; past
+        ``CHEAP_OUTCOMES`` outcomes at most once per ``state_refresh_s`` (the last
+        computed uplift is returned between)."""
+        now = time.monotonic()
+        self._read_at[key] = now
+        held = self._uplift.get(key)
+        if (
+            held is not None
+            and sum(held.outcomes.values()) >= CHEAP_OUTCOMES
+            and now - self._computed_at.get(key, -math.inf) < self.settings.state_refresh_s
+        ):
+            return held
+        self._computed_at[key] = now
         return await anyio.to_thread.run_sync(lambda: self._recompute(key))
 
     def _recompute(self, key: OutcomeKey) -> Uplift:

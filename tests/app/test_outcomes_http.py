@@ -178,3 +178,35 @@ async def test_act_switches_a_key_to_the_retrievers_order_and_back(tmp_path: Pat
         assert not key["pass_through"] and key["verdict"] != "hurts"
         assert h.metric("rag_reorder_outcome_pass_through", {"key": key["key"]}) == 0
         assert h.metric("rag_reorder_outcome_policy_switches_total") == 2
+
+
+async def test_a_holdout_shuffle_with_its_answer_feeds_the_generators_profile(
+    tmp_path: Path,
+) -> None:
+    """Item 5: with ``holdout_order`` ``shuffle`` the holdout is a uniformly random placement
+    the server drew, so the answer sent with its outcome is pooled into the generator's
+    label-free profile (``used``), attributed to the slot it was served in; a placed request's
+    answer is not (its order came from the passages' scores)."""
+    settings = _settings(tmp_path, holdout_rate=0.5, holdout_order="shuffle")
+    async with serving(tmp_path, **settings) as h:
+        used = {"placed": 0, "holdout": 0}
+        for _ in range(60):
+            r = await serve(h)
+            arm = r["auto"]["arm"]
+            first = r["order"][0]
+            fb = await h.client.post(
+                "/v1/feedback",
+                json={"id": r["feedback_id"], "outcome": 1.0, "answer": PASSAGES[first]},
+                headers={"X-Tenant": "a"},
+            )
+            assert fb.status_code == 200, fb.text
+            out = fb.json()
+            assert out["outcome"]["counted"] is True and out["outcome"]["arm"] == arm
+            if out["used"]:
+                assert arm == "holdout" and out["slots"] == [0]
+                used[arm] += 1
+            else:
+                assert arm == "placed" and "not a random placement" in out["reason"]
+        assert used["holdout"] > 0
+        info = (await h.client.get("/info")).json()["auto"]["generator_online"]
+        assert info["feedback"]["used"] == used["holdout"]

@@ -43,5 +43,6 @@ until curl -sf "http://127.0.0.1:$VPORT/v1/models" >/dev/null \
     sleep 2
 done
 PYTHONPATH=$PWD .venv/bin/python -m bench.outcome_stream --reorder-url "http://127.0.0.1:$RPORT" \
+    --data "${DATA:-../shared/data}/nq_open_dev.jsonl" \
     --generator-url "http://127.0.0.1:$VPORT/v1" --generator-model "$MODEL" \
     --requests "${REQUESTS:-1000}" --concurrency "${CONCURRENCY:-4}" --out "$OUT/smollm2.json"

@@ -252,9 +252,9 @@ class Settings(BaseSettings):
     instead of the placement, drawn by the server (never from what the caller sends), so
     that the outcomes reported to `POST /v1/feedback` measure the placement's uplift
     (docs/outcomes.md). Only with `feedback_max_requests` > 0 (no outcome can come back
-    otherwise). 0.1: a tenth of the uplift given up while measured, against a holdout twice
-    as large reaching a verdict ~1.8x sooner (docs/outcomes.md, "The default rate"). 0: no
-    holdout, nothing changes."""
+    otherwise). 0.1: a tenth of the uplift given up while it is measured; the outcomes needed
+    scale about as 1/(rate x (1 - rate)), so 0.2 would need about half as many at twice the
+    cost (docs/outcomes.md, "The default rate"). 0: no holdout, nothing changes."""
     holdout_order: Literal["retriever", "shuffle"] = "retriever"
     """The holdout's control order: the retriever's (the uplift over doing nothing), or a
     shuffle the server draws (also a random placement, so its answers sent with the outcome

@@ -141,12 +141,13 @@ def auto_out(a: AutoReport | None) -> AutoOut | None:
     return AutoOut(
         path=a.path,
         reason=a.reason,
-        ranker=cast(Literal["request_scores", "dense", "bm25", "moi"], a.ranker),
+        ranker=cast(Literal["request_scores", "dense", "bm25", "moi", "retriever"], a.ranker),
         profile=a.profile.id if a.profile is not None else None,
         operator=a.operator,
         trust=trust_out(a.profile.trust) if a.profile is not None else None,
         learning_runs=a.learning_runs,
         recorded=a.recorded,
+        arm=a.arm.arm if a.arm is not None else None,
     )
 
 

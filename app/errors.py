@@ -32,6 +32,7 @@ from app.exceptions import (
 )
 from app.schemas.base import NOT_BLANK, ErrorEnvelope, ErrorType
 from service.errors import (
+    AlreadyReported,
     BackendUnavailable,
     ClientError,
     EngineTimeout,
@@ -65,6 +66,7 @@ ERROR_TABLE: Final[Mapping[type[ReorderError], ErrorKind]] = {
     WritesClosed: ErrorKind(403, "permission_error"),
     RouteNotFound: ErrorKind(404, "not_found_error"),
     NotFound: ErrorKind(404, "not_found_error"),
+    AlreadyReported: ErrorKind(409, "invalid_request_error"),
     MethodNotAllowed: ErrorKind(405, "invalid_request_error"),
     MalformedRequest: ErrorKind(400, "invalid_request_error"),
     ValidationFailed: ErrorKind(422, "invalid_request_error"),
@@ -93,6 +95,7 @@ _DESCRIPTIONS: Final[Mapping[int, str]] = {
     "feedback) on a server with no admin key and `open_writes` off.",
     404: "No such resource (a bias profile id that is not stored; a served request no longer "
     "kept for feedback, or feedback off).",
+    409: "A served request already reported on (`POST /v1/feedback`: one report per id).",
     413: "Request body over `max_body_bytes`.",
     422: "Schema violation (bounded echo of the value), a limit (param, limit, value), a "
     "design that cannot identify the fit, or `deadline_unreachable`: the request's estimated "

@@ -33,6 +33,7 @@ from service.learning.learner import (
     allowed_to_learn,
     generator_rules_of,
 )
+from service.learning.outcomes import OutcomeMonitor
 from service.passage import Passage
 from service.pipeline import DesignSpec, ReorderRequest
 from service.runtime import tracing
@@ -149,6 +150,13 @@ def create_app(
             settings, store, spool, generator_rules_of(settings), served=served
         )
         metrics.track_generator(ctx.engine.learner.generator)
+        if settings.holdout_rate > 0 and settings.feedback_max_requests > 0:
+            # The randomized holdout and the uplift (docs/outcomes.md): the outcomes in the
+            # state store, read by every worker and replica.
+            outcomes = state.spool("auto/outcomes", settings.outcome_max_outcomes, None)
+            assert outcomes is not None  # every store keeps auto's spools
+            ctx.engine.learner.outcomes = OutcomeMonitor(settings, outcomes)
+            metrics.track_outcomes(ctx.engine.learner.outcomes)
     metrics.track_traffic(ctx.engine.traffic)
     metrics.track_auto(ctx.engine.learner)
     metrics.track_state(state)
@@ -227,6 +235,8 @@ def _lifespan(
         if sampler is not None:
             # The generator's sampled calls: in the background, never awaited by a request.
             tasks.add(loop.create_task(sampler.run_forever()))
+        if ctx.engine.learner.outcomes is not None:
+            tasks.add(loop.create_task(ctx.engine.learner.outcomes.run_forever()))
         _say_who_places(ctx.settings)
         if join_when_ready:
             await until_serving(ctx.lifecycle)

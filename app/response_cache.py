@@ -21,8 +21,9 @@ random orders from the request's seed (the caller's, else the configured one mix
 query: ``service.strategies.request.rng_for``), so without the cache a re-fire gets the same
 answer, and caching it defeats no randomisation. Not stored: ``auto``'s paths other than
 ``profile`` and ``flat`` (``moi``, ``explore``, ``cold``: a server-side draw or a learning
-run), an answer with a failed prompt (transient), one placed by a positional profile (its
-folder is not versioned here), or one placed by a profile that is no longer the stored one
+run) and any drawn into ``auto``'s randomized holdout (its arm is drawn per request), an
+answer with a failed prompt (transient), one placed by a positional profile (its folder is
+not versioned here), or one placed by a profile that is no longer the stored one
 (the version is read again after the work: a profile that moved during it is not pinned).
 Errors are never stored: only a result reaches ``store``.
 """
@@ -141,7 +142,9 @@ def cacheable(result: ReorderResult) -> bool:
     if result.usage.prompts_failed > 0 or result.positional_profile is not None:
         return False
     auto = result.auto
-    return auto is None or (auto.path in _AUTO_CACHEABLE and not auto.recorded)
+    # An arm of the randomized holdout is drawn per request (docs/outcomes.md): a cached
+    # placement would skip the draw for every later identical request.
+    return auto is None or (auto.path in _AUTO_CACHEABLE and not auto.recorded and auto.arm is None)
 
 
 def _profiles_of(result: ReorderResult) -> list[StoredProfile]:

@@ -63,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # themselves: refused here, before any model loads, as a bad setting always was.
         known = ", ".join(strategy_names())
         _fail(
-            f"invalid configuration: RAG_REORDER_STRATEGY {settings.strategy!r} is not a strategy ({known})"
+            f"invalid configuration: RAG_REORDER_STRATEGY {settings.strategy!r} is not a "
+            f"strategy ({known})"
         )
         return 2
     try:

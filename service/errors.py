@@ -55,6 +55,12 @@ class NotFound(ClientError):
     code = "not_found"
 
 
+class AlreadyReported(ClientError):
+    """A served request was already reported on (``POST /v1/feedback``: one report per id)."""
+
+    code = "already_reported"
+
+
 class UnidentifiableRequest(ClientError):
     """The chosen design cannot identify what the fit needs (e.g. cyclic without a profile)."""
 

@@ -36,6 +36,7 @@ from service.backends.transport.engine_client import EngineCall, EngineClient
 from service.backends.transport.engine_load import EngineLoad
 from service.learning.generator_online import GeneratorSampler
 from service.learning.learner import ProfileLearner
+from service.learning.outcomes import VERDICTS, OutcomeMonitor
 from service.pipeline import ReorderResult
 from service.runtime.throughput import ThroughputMeter
 from service.state.response_cache import ResponseCache
@@ -155,6 +156,63 @@ def _labelled(
     for value, n in counts.items():
         family.add_metric([value], n)
     return family
+
+
+class _Outcomes(_ScrapeTime):
+    """``auto``'s randomized holdout and the uplift per key (docs/outcomes.md), at scrape:
+    the gauges are read from the outcomes every worker and replica share."""
+
+    def __init__(self, monitor: OutcomeMonitor) -> None:
+        self._monitor = monitor
+
+    def counters(self) -> Iterator[CounterMetricFamily]:
+        m = self._monitor
+        yield _labelled(
+            "holdout_draws",
+            "auto's placed requests by the arm drawn (RAG_REORDER_HOLDOUT_RATE): placed, "
+            "holdout (the control order), pass_through (outcome_policy act), exempt (the "
+            "caller's holdout: false).",
+            "arm",
+            m.drawn,
+        )
+        yield CounterMetricFamily(
+            f"{PREFIX}_outcome_policy_switches",
+            "Times outcome_policy act switched a key to the retriever's order or back.",
+            value=m.switches,
+        )
+
+    def gauges(self) -> Iterator[Metric]:
+        uplift = GaugeMetricFamily(
+            f"{PREFIX}_outcome_uplift",
+            "The placement's uplift over the holdout's control order per key "
+            "(model|template|passages): the estimate and its always-valid bounds.",
+            labels=["key", "bound"],
+        )
+        outcomes = GaugeMetricFamily(
+            f"{PREFIX}_outcomes",
+            "Outcomes reported (POST /v1/feedback) per key and arm, kept in the state store.",
+            labels=["key", "arm"],
+        )
+        verdict = GaugeMetricFamily(
+            f"{PREFIX}_outcome_verdict",
+            "1 for each key's verdict: helps, hurts, no_difference, not_enough.",
+            labels=["key", "verdict"],
+        )
+        passing = GaugeMetricFamily(
+            f"{PREFIX}_outcome_pass_through",
+            "1 while outcome_policy act serves this key the retriever's order.",
+            labels=["key"],
+        )
+        for u in self._monitor.status():
+            k = u.key.label
+            for bound, value in (("estimate", u.estimate), ("lower", u.lower), ("upper", u.upper)):
+                uplift.add_metric([k, bound], value)
+            for arm, n in u.outcomes.items():
+                outcomes.add_metric([k, arm], n)
+            for v in VERDICTS:
+                verdict.add_metric([k, v], 1.0 if u.verdict == v else 0.0)
+            passing.add_metric([k], 1.0 if u.pass_through else 0.0)
+        yield from (uplift, outcomes, verdict, passing)
 
 
 class _Generator(_ScrapeTime):
@@ -692,6 +750,10 @@ class ServiceMetrics:
     def track_generator(self, sampler: GeneratorSampler) -> None:
         """Expose ``auto``'s online sampling of the generator."""
         self._track(_Generator(sampler))
+
+    def track_outcomes(self, monitor: OutcomeMonitor) -> None:
+        """Expose auto's randomized holdout and the uplift per key."""
+        self._track(_Outcomes(monitor))
 
     def track_auto(self, learner: ProfileLearner) -> None:
         """Expose what the auto strategy does and how far it trusts its profiles."""

@@ -12,6 +12,7 @@ from fastapi import APIRouter
 from app.conversions import trust_out
 from app.dependencies import Ctx
 from app.errors import GET_ERRORS
+from app.routes.feedback import uplift_out
 from app.schemas.base import PlacementName
 from app.schemas.info import (
     AdapterOut,
@@ -27,11 +28,13 @@ from app.schemas.info import (
     LimitsOut,
     ModelCard,
     ModelList,
+    OutcomesOut,
     ScoreModeOut,
 )
 from service.backends.engines.remote_backend import RemoteBackend
 from service.errors import BackendUnavailable
 from service.learning.generator_online import GeneratorSampler
+from service.learning.outcomes import OutcomeMonitor
 from service.model_assets.adapter import AdapterManifest, adapted_model_id, read_manifest
 from service.prompting.templates import template_names
 from service.strategies import ranking_strategy_names, strategy_names
@@ -204,6 +207,20 @@ def _auto(ctx: AppContext, model: str, kept: tuple[int, int] | None) -> AutoInfo
         generator_online=(
             None if learner.generator is None else _generator(learner.generator, kept)
         ),
+        outcomes=None if learner.outcomes is None else _outcomes(learner.outcomes),
+    )
+
+
+def _outcomes(monitor: OutcomeMonitor) -> OutcomesOut:
+    s = monitor.settings
+    return OutcomesOut(
+        holdout_rate=s.holdout_rate,
+        holdout_order=s.holdout_order,
+        policy=s.outcome_policy,
+        alpha=s.outcome_alpha,
+        margin=s.outcome_margin,
+        placed_share=s.outcome_placed_share,
+        keys=[uplift_out(u) for u in monitor.status()],
     )
 
 

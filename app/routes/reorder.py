@@ -53,6 +53,8 @@ async def reorder_one(
     )
     caller = caller_of(request, ctx.settings.auto_caller_header)
     req = body.request(body.query, passages, spec, request_id, ctx.settings, caller=caller)
+    # Only here (and in a batch's items) can an outcome come back: the response's feedback_id.
+    req = replace(req, holdout=body.holdout)
     cuts: list[Cut] = []
 
     async def work(reorderer: Reorderer) -> ReorderResult:
@@ -68,17 +70,22 @@ async def reorder_one(
         out = ReorderResponse.model_validate_json(cache.hit)
         out.id = request_id
         as_hit(out, cache.started)
-        shown, strategy = out.order, out.strategy
+        shown, strategy, arm = out.order, out.strategy, None
     else:
         result = await execute(ctx, request, work)
         out = reorder_response(result, passages, top_n=body.top_n, truncated=cuts)
         if cache is not None:
             await cache.store(result, out)
         shown, strategy = selected_order(result, body.top_n), result.strategy
+        arm = result.auto.arm if result.auto is not None else None
     sampler = ctx.engine.learner.generator
     if sampler is not None:
         # Kept for POST /v1/feedback on this response (in the state store, bounded): what was
-        # served, its passages only where the feedback can be learned from (a shuffle).
-        # Under the caller's name: no other caller can replace it or answer on it.
-        await sampler.served.keep(request_id, body.query, passages, shown, strategy, caller)
+        # served, its passages only where the feedback can be learned from (a shuffle), and
+        # the holdout's arm. Under the caller's name and a token the server made: no other
+        # caller can replace it or report on it. A cached response's arm is not counted (it
+        # was drawn for the request first served it).
+        out.feedback_id = await sampler.served.keep(
+            request_id, body.query, passages, shown, strategy, caller, arm
+        )
     return out

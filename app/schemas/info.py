@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Literal
 
 from app.schemas.base import ResultsOrder, Strategy, _Model
+from app.schemas.feedback import UpliftOut
 from app.schemas.profiles import TrustOut
 
 
@@ -242,6 +243,22 @@ class AutoInfoOut(_Model):
     generator_online: GeneratorOnlineOut | None = None
     """The generator's profile learned from its answers (null without
     `RAG_REORDER_GENERATOR_URL`)."""
+    outcomes: OutcomesOut | None = None
+    """The randomized holdout and the placement's uplift per key (null while the holdout is
+    off: `RAG_REORDER_HOLDOUT_RATE` 0 or feedback off; docs/outcomes.md)."""
+
+
+class OutcomesOut(_Model):
+    """`auto`'s randomized holdout and what the outcomes reported say."""
+
+    holdout_rate: float
+    holdout_order: Literal["retriever", "shuffle"]
+    policy: Literal["report", "act"]
+    alpha: float
+    margin: float
+    placed_share: float
+    """`act`: the share of a passed-through key still placed."""
+    keys: list[UpliftOut]
 
 
 class ScoreModeOut(_Model):

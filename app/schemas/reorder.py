@@ -204,6 +204,10 @@ class ReorderBody(ReorderOptions):
     """Most of the scoring model's tokens in one passage's text (tokenised on its own, the
     title not counted); over it: a 422, or a cut with `truncate` `end`. The server's
     `RAG_REORDER_MAX_PASSAGE_TOKENS` applies where it is lower (`/info`)."""
+    holdout: bool = True
+    """`auto` only: whether this request may be drawn into the randomized holdout
+    (`RAG_REORDER_HOLDOUT_RATE`, docs/outcomes.md) and served the control order. `false`:
+    it is placed, and not in the experiment (a request that must be placed)."""
 
 
 class TruncatedOut(_Model):
@@ -275,13 +279,17 @@ class AnswerOut(_Model):
 class AutoOut(_Model):
     """What `auto` did with this request (docs/operations.md, "The profile-first strategy")."""
 
-    path: Literal["profile", "flat", "moi", "explore", "cold"]
+    path: Literal["profile", "flat", "moi", "explore", "cold", "holdout", "pass_through"]
     """`profile`: ranked cheaply and placed by a trusted profile, no model call; `flat`: the
     trusted profile is flat, so best first; `moi`: no trusted profile yet (this run is kept
     for learning); `explore`: a trusted profile, and this request's MoI run checks it in the
     background; `cold`: no trusted profile and MoI too slow to wait on
     (`RAG_REORDER_AUTO_COLD_MAX_S`): placed by a prior (another passage count's profile) or
-    left in the retriever's order, its MoI run learned from in the background."""
+    left in the retriever's order, its MoI run learned from in the background; `holdout`:
+    drawn into the randomized holdout (`RAG_REORDER_HOLDOUT_RATE`): the control order
+    (`RAG_REORDER_HOLDOUT_ORDER`) instead of the placement; `pass_through`: `outcome_policy`
+    `act` found the placement does not help this key: the retriever's order, no ranking
+    (docs/outcomes.md)."""
     reason: str
     ranker: Literal["request_scores", "dense", "bm25", "moi", "retriever"]
     """What ranked the passages: the caller's `score`s (every passage had one), the
@@ -298,6 +306,9 @@ class AutoOut(_Model):
     """MoI runs pooled for learning this profile (this request's included when kept)."""
     recorded: bool
     """Whether this request's MoI run was kept (learning, or the drift test)."""
+    arm: Literal["placed", "holdout", "pass_through"] | None = None
+    """The randomized holdout's arm that served it (null: not in the experiment: the holdout
+    is off, the path is not a placed one, or the request was exempt)."""
 
 
 class AdaptiveOut(_Model):
@@ -412,3 +423,7 @@ class ReorderMeta(_Model):
 class ReorderResponse(ReorderMeta):
     id: str
     model: str
+    feedback_id: str | None = None
+    """The token `POST /v1/feedback` takes for this served request (an outcome, the
+    generator's answer): made by the server, unguessable, valid for the caller it was served
+    to within `RAG_REORDER_FEEDBACK_TTL_S`. Null while feedback is off."""

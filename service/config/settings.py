@@ -245,6 +245,35 @@ class Settings(BaseSettings):
     """Most bytes of served requests kept for feedback (each: its id and record as UTF-8 JSON
     plus 256), the oldest out first: per profile folder (every worker of a host) with the
     folder store, per deployment with `state_url`."""
+    holdout_rate: float = Field(default=0.1, ge=0.0, le=0.5)
+    """Share of `auto`'s placed requests (paths `profile`, `flat`, `explore`) of each key
+    (scoring model, template, passage count) served the control order (`holdout_order`)
+    instead of the placement, drawn by the server (never from what the caller sends), so
+    that the outcomes reported to `POST /v1/feedback` measure the placement's uplift
+    (docs/outcomes.md). Only with `feedback_max_requests` > 0 (no outcome can come back
+    otherwise). 0.1: a tenth of the uplift given up while it is measured; the outcomes needed
+    scale about as 1/(rate x (1 - rate)), so 0.2 would need about half as many at twice the
+    cost (docs/outcomes.md, "The default rate"). 0: no holdout, nothing changes."""
+    holdout_order: Literal["retriever", "shuffle"] = "retriever"
+    """The holdout's control order: the retriever's (the uplift over doing nothing), or a
+    shuffle the server draws (also a random placement, so its answers sent with the outcome
+    feed the generator's label-free profile)."""
+    outcome_alpha: float = Field(default=0.05, gt=0.0, lt=0.5)
+    """Level of the uplift's always-valid interval: it misses the true uplift, at any time it
+    is read, with probability at most this (docs/outcomes.md)."""
+    outcome_margin: float = Field(default=0.02, ge=0.0, le=0.5)
+    """An uplift whose interval lies inside +- this is `no_difference` (outcomes in [0, 1]:
+    0.02 is two points of exact match)."""
+    outcome_policy: Literal["report", "act"] = "report"
+    """`report`: the uplift is shown (`/info`, metrics, log). `act`: a key whose verdict is
+    `hurts` or `no_difference` is served the retriever's order, no ranking, but for
+    `outcome_placed_share` (and a shuffle holdout), and placed again once it helps."""
+    outcome_placed_share: float = Field(default=0.1, gt=0.0, le=0.5)
+    """With `outcome_policy` `act`, the share of a passed-through key's requests still placed,
+    so that a later change of the generator is seen."""
+    outcome_max_outcomes: int = Field(default=20_000, ge=100, le=1_000_000)
+    """Outcomes kept per key in the state store (the latest): the uplift is computed over
+    them (~80 bytes each)."""
     auto_ranker: Literal["dense", "bm25"] = "dense"
     """`auto`'s ranker on the profile and flat paths when not every passage carries the
     caller's `score` (with scores, they rank)."""

@@ -53,6 +53,7 @@ import logging
 import math
 import os
 import random
+import secrets
 import threading
 import time
 from collections import Counter, deque
@@ -77,6 +78,7 @@ from service.backends.transport.generator_client import (
 )
 from service.config.settings import Settings
 from service.errors import (
+    AlreadyReported,
     EngineTimeout,
     EngineUnavailable,
     InvalidRequest,
@@ -84,6 +86,7 @@ from service.errors import (
     StateUnavailable,
 )
 from service.learning.answer_likelihood import Likelihood, resolve_tie
+from service.learning.outcomes import Arm, ArmDraw, OutcomeKey, OutcomeMonitor, Uplift
 from service.passage import Passage
 from service.prompting.prompts import api_prompt
 from service.prompting.templates import get_template
@@ -117,6 +120,8 @@ IDENTIFICATION = "answers-online"
 TRUST_SOURCE = "generator_online"
 _CHARS_PER_TOKEN = 4
 FAILURES = ("unavailable", "timeout", "refused", "bad_answer", "budget", "error")
+TOKEN_BYTES = 18
+"""Random bytes of a served request's ``feedback_id`` (144 bits: never guessed)."""
 
 
 RANDOM_PLACEMENTS = frozenset({"shuffle"})
@@ -130,8 +135,19 @@ _UNIDENTIFIED = (
 
 
 @dataclass(frozen=True)
+class OutcomeTaken:
+    """What ``POST /v1/feedback`` did with an outcome."""
+
+    counted: bool
+    arm: Arm | None
+    reason: str
+    uplift: Uplift | None = None
+    """The key's uplift after it (``None``: not counted)."""
+
+
+@dataclass(frozen=True)
 class Feedback:
-    """What ``POST /v1/feedback`` did with an answer."""
+    """What ``POST /v1/feedback`` did with an answer and an outcome."""
 
     used: bool
     reason: str
@@ -139,6 +155,34 @@ class Feedback:
     """How the answer was attributed (``None`` when not used)."""
     slots: tuple[int, ...]
     """The slots (0-based, as served) of the passages it was attributed to."""
+    outcome: OutcomeTaken | None = None
+    """``None``: no outcome was sent."""
+
+
+def _learnable(served: ServedRequest) -> bool:
+    return served.strategy in RANDOM_PLACEMENTS and served.slots >= 2
+
+
+def _why_not(served: ServedRequest) -> str:
+    if served.strategy not in RANDOM_PLACEMENTS:
+        return _UNIDENTIFIED.format(strategy=served.strategy)
+    return "one passage was shown: no slot to compare"
+
+
+async def _count_outcome(
+    served: ServedRequest, reward: float, outcomes: OutcomeMonitor | None
+) -> OutcomeTaken:
+    if served.arm is None or served.key is None:
+        return OutcomeTaken(
+            False,
+            None,
+            "not in auto's randomized holdout (another strategy or path, exempt, or the "
+            "holdout off): nothing to compare it with",
+        )
+    if outcomes is None:
+        return OutcomeTaken(False, served.arm, "the holdout is off on this server")
+    up = await outcomes.report(served.key, served.arm, served.p_placed, served.p_control, reward)
+    return OutcomeTaken(True, served.arm, f"counted in {served.key.label}", up)
 
 
 @dataclass(frozen=True)
@@ -154,25 +198,48 @@ class ServedRequest:
     shown: tuple[Passage, ...] = ()
     """The passages shown, in served order: ``shown[k]`` was in slot ``k`` (empty: not a
     random placement, not kept)."""
+    arm: Arm | None = None
+    """``auto``'s randomized holdout arm (``service.learning.outcomes``; ``None``: not in
+    it), with the probabilities it was drawn with and its key: what an outcome needs."""
+    p_placed: float = 0.0
+    p_control: float = 0.0
+    key: OutcomeKey | None = None
+    reported: bool = False
+    """A report was taken on it: what is left is this mark, so a second is a 409."""
 
     def dump(self) -> str:
-        """The record kept (JSON text): the passages' titles and texts, all the prompt used."""
-        return json.dumps(
-            {
-                "strategy": self.strategy,
-                "slots": self.slots,
-                "query": self.query,
-                "shown": [[p.title, p.text] for p in self.shown],
-            },
-            ensure_ascii=False,
-            separators=(",", ":"),
-        )
+        """The record kept (JSON text): the passages' titles and texts, all the prompt used,
+        and the holdout's arm (numbers and the key's names: no passage for the outcome)."""
+        d: dict[str, object] = {
+            "strategy": self.strategy,
+            "slots": self.slots,
+            "query": self.query,
+            "shown": [[p.title, p.text] for p in self.shown],
+        }
+        if self.arm is not None and self.key is not None:
+            d["arm"] = [self.arm, self.p_placed, self.p_control]
+            d["key"] = [self.key.model, self.key.template, self.key.passages]
+        if self.reported:
+            d = {"reported": True}
+        return json.dumps(d, ensure_ascii=False, separators=(",", ":"))
 
     @classmethod
     def load(cls, record: str) -> ServedRequest:
         d = json.loads(record)
+        if d.get("reported"):
+            return cls("", 0, reported=True)
         shown = tuple(Passage(text=str(t), title=h) for h, t in d["shown"])
-        return cls(str(d["strategy"]), int(d["slots"]), str(d["query"]), shown)
+        arm, key = d.get("arm"), d.get("key")
+        return cls(
+            str(d["strategy"]),
+            int(d["slots"]),
+            str(d["query"]),
+            shown,
+            arm=arm[0] if arm else None,
+            p_placed=float(arm[1]) if arm else 0.0,
+            p_control=float(arm[2]) if arm else 0.0,
+            key=OutcomeKey(str(key[0]), str(key[1]), int(key[2])) if key else None,
+        )
 
 
 class ServedRequests:
@@ -205,22 +272,33 @@ class ServedRequests:
 
     async def keep(
         self, response_id: str, query: str, passages: Sequence[Passage], shown: Sequence[int],
-        strategy: str, caller: str | None = None,
-    ) -> bool:  # fmt: skip
+        strategy: str, caller: str | None = None, arm: ArmDraw | None = None,
+    ) -> str | None:  # fmt: skip
         """Keep one served request (``shown``: the passages' indices in served order) under
-        its caller's name (``record_key``); the oldest go first beyond the bounds. Returns
-        whether it is kept; never raises."""
+        its caller's name and a token the server makes (``record_key``); the oldest go first
+        beyond the bounds. A holdout's shuffle is kept as a shuffle (a random placement).
+        Returns the token (the response's ``feedback_id``), ``None`` if it is not kept;
+        never raises."""
         if self.records is None:
-            return False
+            return None
+        if arm is not None and arm.arm == "holdout" and arm.control == "shuffle":
+            strategy = "shuffle"  # what served it: a uniformly random placement
         random_placement = strategy in RANDOM_PLACEMENTS and len(shown) >= 2
         served = ServedRequest(
             strategy,
             len(shown),
             query if random_placement else "",
             tuple(passages[i] for i in shown) if random_placement else (),
+            arm=arm.arm if arm is not None else None,
+            p_placed=arm.p_placed if arm is not None else 0.0,
+            p_control=arm.p_control if arm is not None else 0.0,
+            key=arm.key if arm is not None else None,
         )
         record = served.dump()
-        key = record_key(caller, response_id)
+        # The token, not the response id (the caller's X-Request-Id when it sends one): an
+        # id the caller chose or could guess would let it name records it was not given.
+        token = secrets.token_urlsafe(TOKEN_BYTES)
+        key = record_key(caller, token)
         kept = await self._call(lambda r: r.put(key, record))
         if not kept:
             log.warning(
@@ -228,7 +306,31 @@ class ServedRequests:
                 "or the state store is down)",
                 response_id, len(record.encode()), self.max_bytes,
             )  # fmt: skip
-        return bool(kept)
+        return token if kept else None
+
+    async def claim(self, token: str, caller: str | None) -> ServedRequest:
+        """Take the served request ``token`` for a report, leaving a mark that it was
+        reported (bounded as every record): of reports racing on one token, in any worker,
+        one gets it, and any later one is told it was reported.
+
+        Raises:
+            NotFound: unknown, another caller's, expired or evicted.
+            AlreadyReported: reported on before.
+            StateUnavailable: the state store cannot be reached.
+        """
+        key = record_key(caller, token)
+        served = _parsed(await self._call(lambda r: r.take(key)))
+        if served is None:
+            raise NotFound("", param="id")
+        mark = ServedRequest("", 0, reported=True).dump()
+        await self._call(lambda r: r.put(key, mark))
+        if served.reported:
+            raise AlreadyReported(
+                f"served request {token!r} was already reported on: one report per served "
+                "request (send its outcome and the generator's answer together)",
+                param="id",
+            )
+        return served
 
     async def get(self, response_id: str, caller: str | None = None) -> ServedRequest | None:
         """The request of that id kept for ``caller`` (``None``: unknown, another caller's,
@@ -681,10 +783,21 @@ class GeneratorSampler:
         await self._refit(n, force=False)
         return found
 
-    async def feedback(self, response_id: str, answer: str, caller: str | None = None) -> Feedback:
-        """Learn from the generator's ``answer`` to a served request, where its placement
-        identifies the profile: only a uniformly random one (``shuffle``), docs/generator-
-        profile.md, "Feedback".
+    async def feedback(
+        self,
+        response_id: str,
+        answer: str | None,
+        caller: str | None = None,
+        *,
+        outcome: float | None = None,
+        outcomes: OutcomeMonitor | None = None,
+    ) -> Feedback:
+        """Count the ``outcome`` of a served request in its key's uplift (when it was in
+        ``auto``'s randomized holdout, docs/outcomes.md), and learn from the generator's
+        ``answer`` to it where its placement identifies the profile: only a uniformly random
+        one (``shuffle``, or a holdout's shuffle), docs/generator-profile.md, "Feedback".
+        One report per served request, but an answer alone on an order it cannot be learned
+        from takes nothing.
 
         Raises:
             NotFound: feedback is off, or no served request of that id is kept for ``caller``
@@ -694,17 +807,32 @@ class GeneratorSampler:
             StateUnavailable: the state store cannot be reached.
         """
         served = await self.served.get(response_id, caller)
-        if served is not None and served.strategy not in RANDOM_PLACEMENTS:
-            self.counters.feedback["unused"] += 1
-            return Feedback(False, _UNIDENTIFIED.format(strategy=served.strategy), None, ())
-        if served is not None and served.slots < 2:
-            self.counters.feedback["unused"] += 1
-            return Feedback(False, "one passage was shown: no slot to compare", None, ())
-        # One answer per served request: taken, so feedback sent to two workers at once is
-        # learned from once.
-        served = await self.served.take(response_id, caller) if served is not None else None
         if served is None:
             raise NotFound(self._not_kept(response_id), param="id")
+        if served.reported:
+            raise AlreadyReported(
+                f"served request {response_id!r} was already reported on: one report per "
+                "served request (send its outcome and the generator's answer together)",
+                param="id",
+            )
+        if outcome is None and answer is not None and not _learnable(served):
+            # An answer alone on an order it cannot be learned from: nothing is taken, so
+            # the request's outcome can still be reported.
+            self.counters.feedback["unused"] += 1
+            return Feedback(False, _why_not(served), None, ())
+        # One report per served request: taken, so a report sent to two workers at once is
+        # counted once, and a second is refused.
+        try:
+            served = await self.served.claim(response_id, caller)
+        except NotFound:
+            raise NotFound(self._not_kept(response_id), param="id") from None
+        counted: OutcomeTaken | None = None
+        if outcome is not None:
+            counted = await _count_outcome(served, outcome, outcomes)
+        if answer is None or not _learnable(served):
+            if answer is not None:
+                self.counters.feedback["unused"] += 1
+            return Feedback(False, _why_not(served) if answer else "", None, (), counted)
         n = len(served.shown)
         found = await self._learn(served.query, served.shown, tuple(range(n)), answer)
         self.counters.feedback["used"] += 1
@@ -714,6 +842,7 @@ class GeneratorSampler:
             "answers of this passage count",
             found.kind,
             tuple(sorted(found.passages)),
+            counted,
         )
 
     def _not_kept(self, response_id: str) -> str:

@@ -56,6 +56,7 @@ from service.backends.base import background_work
 from service.config.settings import Settings
 from service.errors import StateUnavailable
 from service.learning.generator_online import GeneratorSampler
+from service.learning.outcomes import OutcomeMonitor
 from service.runtime.background import shared_worker
 from service.state.profile_store import ProfileStore, ProfileTrust, StoredProfile, profile_id
 from service.state.state_store import (
@@ -74,8 +75,12 @@ log = logging.getLogger(__name__)
 
 _T = TypeVar("_T")
 
-AutoPath = Literal["profile", "flat", "moi", "explore", "cold"]
-AUTO_PATHS: tuple[AutoPath, ...] = ("profile", "flat", "moi", "explore", "cold")
+AutoPath = Literal["profile", "flat", "moi", "explore", "cold", "holdout", "pass_through"]
+AUTO_PATHS: tuple[AutoPath, ...] = (
+    "profile", "flat", "moi", "explore", "cold", "holdout", "pass_through"
+)  # fmt: skip
+"""``holdout`` and ``pass_through``: a placed path's request served the control order by the
+randomized holdout or ``outcome_policy`` ``act`` (``service.learning.outcomes``)."""
 MIN_PASSAGES = 4
 """Fewer passages than this: a pruned design shows one passage a prompt, which measures no
 position bias, so there is nothing to learn and ``auto`` runs MoI (a few prompts)."""
@@ -249,6 +254,9 @@ class ProfileLearner:
         self.generator: GeneratorSampler | None = None
         """The generator's online sampler (``generator_url`` set; the server sets it): its
         trusted profile is placed by before any learned from the scorer."""
+        self.outcomes: OutcomeMonitor | None = None
+        """The randomized holdout and the uplift (``holdout_rate`` with feedback on; the
+        server sets it)."""
 
     @classmethod
     def read_only(cls, settings: Settings, profiles: ProfileStore) -> ProfileLearner:

@@ -84,10 +84,11 @@ class SampleCount:
 Run = tuple[np.ndarray, np.ndarray]
 
 
-SpoolName = Literal["sample", "auto/runs", "auto/explore", "auto/generator"]
+SpoolName = Literal["sample", "auto/runs", "auto/explore", "auto/generator", "auto/outcomes"]
 """The run spools: the calibration-from-traffic sample, ``auto``'s learning and explore runs,
 and the generator's attributed answers (``service.learning.generator_online``: a "run" is the
-order shown, one row, and the answer's weight per slot)."""
+order shown, one row, and the answer's weight per slot), and the outcomes callers report
+(``service.learning.outcomes``: a "run" is the arm, and the reward with the arms' odds)."""
 
 
 class RunSpool(Protocol):

@@ -33,7 +33,9 @@ request is offered to).
 
 from __future__ import annotations
 
+import random
 from dataclasses import replace
+from typing import Literal
 
 import anyio.to_thread
 import numpy as np
@@ -42,6 +44,7 @@ import solver
 from service.config.settings import Settings
 from service.errors import InvalidRequest
 from service.learning.learner import Decision, ProfileLearner, ShadowRun
+from service.learning.outcomes import PLACED_PATHS, ArmDraw, OutcomeKey
 from service.runtime import tracing
 from service.strategies.moi import MoI, bias_basis, design_cost, plan_design, retriever_scores
 from service.strategies.placement import named_profile
@@ -123,7 +126,14 @@ class Auto:
             if cold is not None:
                 return cold
             return await self._moi(work, request, learner, decision)
+        arm = _draw(work, request, learner, decision)
+        if arm is not None and arm.arm != "placed":
+            return await _control(work, request, decision, arm)
         outcome = await self._placed(work, request, decision)
+        if arm is not None:
+            assert outcome.auto is not None
+            why = f"{arm.reason}; {outcome.auto.reason}" if arm.reason else outcome.auto.reason
+            outcome = replace(outcome, auto=replace(outcome.auto, arm=arm, reason=why))
         if decision.path == "explore":
             # Served by the profile like any other; the MoI run that checks the profile
             # happens afterwards, in the background, never in this caller's path.
@@ -236,6 +246,43 @@ class Auto:
             warnings=warnings,
             auto=_report(decision, ranker=ranker),
         )
+
+
+def _draw(
+    work: Work, request: ReorderRequest, learner: ProfileLearner, decision: Decision
+) -> ArmDraw | None:
+    """The randomized holdout's arm of a request on a placed path (``None``: not in it)."""
+    monitor = learner.outcomes
+    if monitor is None or decision.path not in PLACED_PATHS or len(request.passages) < 2:
+        return None
+    key = OutcomeKey(work.model_id, work.template, len(request.passages))
+    return monitor.draw(key, exempt=not request.holdout)
+
+
+async def _control(
+    work: Work, request: ReorderRequest, decision: Decision, arm: ArmDraw
+) -> Outcome:
+    """A holdout's or a pass-through's order: the retriever's, or a shuffle the server drew
+    (``SystemRandom``: not the request's seed, which the caller sets). No ranking cost."""
+    ranking = retriever_ranking(request.passages)
+    order = list(ranking)
+    if arm.arm == "holdout" and arm.control == "shuffle":
+        random.SystemRandom().shuffle(order)
+    shuffled = arm.arm == "holdout" and arm.control == "shuffle"
+    path: Literal["holdout", "pass_through"] = (
+        "pass_through" if arm.passing and not shuffled else "holdout"
+    )
+    report = AutoReport(
+        path=path,
+        reason=arm.reason + f" (the placed path: {decision.path!r}, {decision.reason})",
+        ranker="retriever",
+        profile=decision.profile,
+        operator=decision.operator,
+        learning_runs=decision.learning_runs,
+        recorded=False,
+        arm=arm,
+    )
+    return Outcome(order=order, ranking=ranking, auto=report)
 
 
 def _learning_request(request: ReorderRequest) -> ReorderRequest:

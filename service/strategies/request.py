@@ -24,6 +24,7 @@ from solver import placement as _placement
 
 if TYPE_CHECKING:
     import solver
+    from service.learning.outcomes import ArmDraw
     from service.state.profile_store import StoredProfile
 
 DesignKind = _designs.DesignKind
@@ -93,6 +94,11 @@ class ReorderRequest:
     """Who sent it (the HTTP client's address, or ``auto_caller_header``'s value), for
     ``auto``'s per-caller share of learning runs; ``None`` (the command line, probes):
     unbounded."""
+    holdout: bool = False
+    """Whether ``auto`` may draw this request into its randomized holdout
+    (``service.learning.outcomes``): only ``POST /v1/reorder`` (and its batch), whose
+    response carries the ``feedback_id`` an outcome is reported on, and only unless the
+    caller exempts it; ``False``: placed, never in the experiment."""
 
 
 @dataclass(frozen=True)
@@ -217,7 +223,7 @@ class PositionalProfile:
 class AutoReport:
     """What ``auto`` did with a request (``service.strategies.auto``)."""
 
-    path: Literal["profile", "flat", "moi", "explore", "cold"]
+    path: Literal["profile", "flat", "moi", "explore", "cold", "holdout", "pass_through"]
     reason: str
     ranker: str
     """``request_scores``, ``dense`` or ``bm25`` (profile, flat paths, cold with a prior),
@@ -230,6 +236,8 @@ class AutoReport:
     """Runs pooled for learning this key, this one included when it was kept."""
     recorded: bool
     """Whether this request's MoI run was kept for learning or the drift test."""
+    arm: ArmDraw | None = None
+    """The randomized holdout's arm (``service.learning.outcomes``; ``None``: not in it)."""
 
 
 @dataclass(frozen=True)

@@ -202,7 +202,9 @@ async def test_feedback_is_learned_from_random_placements_only_and_auto_places_b
         assert s.endpoint is None and s.rate == 0  # no URL: no call, answers by feedback only
         # A ranked order (auto, learning: MoI): its feedback identifies nothing.
         ranked = (await h.client.post("/v1/reorder", json=body())).json()
-        r = await h.client.post("/v1/feedback", json={"id": ranked["id"], "answer": PASSAGES[1]})
+        r = await h.client.post(
+            "/v1/feedback", json={"id": ranked["feedback_id"], "answer": PASSAGES[1]}
+        )
         assert r.status_code == 200, r.text
         assert r.json()["used"] is False and "not a random placement" in r.json()["reason"]
 
@@ -216,15 +218,20 @@ async def test_feedback_is_learned_from_random_placements_only_and_auto_places_b
             ).json()
             last = served["order"][-1]
             r = await h.client.post(
-                "/v1/feedback", json={"id": served["id"], "answer": PASSAGES[last]}
+                "/v1/feedback", json={"id": served["feedback_id"], "answer": PASSAGES[last]}
             )
             assert r.status_code == 200, r.text
             assert r.json()["used"] is True and r.json()["attribution"] == "contained"
             assert r.json()["slots"] == [N - 1]
-        # One answer per served request: the same id again is no longer kept.
-        again = await h.client.post("/v1/feedback", json={"id": served["id"], "answer": "x y"})
-        assert again.status_code == 404 and again.json()["error"]["param"] == "id"
-        assert "FEEDBACK_TTL_S = 3600 s" in again.json()["error"]["message"]
+        # One report per served request: the same id again is refused (409).
+        again = await h.client.post(
+            "/v1/feedback", json={"id": served["feedback_id"], "answer": "x y"}
+        )
+        assert again.status_code == 409 and again.json()["error"]["param"] == "id"
+        assert "already reported" in again.json()["error"]["message"]
+        unknown = await h.client.post("/v1/feedback", json={"id": served["id"], "answer": "x"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "id"
+        assert "FEEDBACK_TTL_S = 3600 s" in unknown.json()["error"]["message"]
 
         info = (await h.client.get("/info")).json()["auto"]["generator_online"]
         assert info["url"] is None and info["feedback"] == {"used": 12, "unused": 1}
@@ -234,7 +241,9 @@ async def test_feedback_is_learned_from_random_placements_only_and_auto_places_b
         auto = (await h.client.post("/v1/reorder", json=body())).json()["auto"]
         assert auto["path"] == "profile" and auto["trust"]["source"] == "generator_online"
 
-        blank = await h.client.post("/v1/feedback", json={"id": ranked["id"], "answer": " "})
+        blank = await h.client.post(
+            "/v1/feedback", json={"id": ranked["feedback_id"], "answer": " "}
+        )
         assert blank.status_code == 422
 
 
@@ -257,7 +266,7 @@ async def test_served_requests_are_kept_within_the_byte_bound_and_shuffles_only_
                 body = {"query": f"{QUERY} {q}", "passages": big, "strategy": "shuffle"}
                 r = await h.client.post("/v1/reorder", json=body)
                 assert r.status_code == 200, r.text
-                ids.append(r.json()["id"])
+                ids.append(r.json()["feedback_id"])
                 del r
             gc.collect()
             held = tracemalloc.get_traced_memory()[0] - before
@@ -279,16 +288,19 @@ async def test_served_requests_are_kept_within_the_byte_bound_and_shuffles_only_
 
         # A ranked order: its name kept, its passages not (a few dozen bytes, not 3.2 MB).
         answered = (await h.client.get("/info")).json()["auto"]["generator_online"]
-        assert answered["kept_for_feedback"] == kept - 1  # one answer per served request
+        # One report per served request: its record is replaced by a mark that it was.
+        assert answered["kept_for_feedback"] == kept
         ranked = await h.client.post(
             "/v1/reorder", json={"query": QUERY, "passages": big, "strategy": "bm25"}
         )
         assert ranked.status_code == 200, ranked.text
         after = (await h.client.get("/info")).json()["auto"]["generator_online"]
-        assert after["kept_for_feedback"] == kept  # the answered one out, the ranked one in
+        assert after["kept_for_feedback"] == kept + 1  # the ranked one in beside the mark
         grown = after["kept_for_feedback_bytes"] - answered["kept_for_feedback_bytes"]
         assert 0 < grown < 1024, grown
-        r = await h.client.post("/v1/feedback", json={"id": ranked.json()["id"], "answer": "0"})
+        r = await h.client.post(
+            "/v1/feedback", json={"id": ranked.json()["feedback_id"], "answer": "0"}
+        )
         assert r.status_code == 200 and r.json()["used"] is False
 
 
@@ -328,21 +340,27 @@ async def test_a_caller_cannot_replace_or_answer_on_another_callers_served_reque
             out: dict[str, Any] = r.json()
             return out
 
-        async def answer(tenant: str, text: str) -> httpx.Response:
+        async def answer(tenant: str, text: str, token: str) -> httpx.Response:
             return await h.client.post(
                 "/v1/feedback",
-                json={"id": "chosen-id", "answer": text},
+                json={"id": token, "answer": text},
                 headers={"X-Tenant": tenant},
             )
 
         victim = await serve("victim", f"{QUERY} (victim)")
-        await serve("hostile", f"{QUERY} (hostile)")  # the same id, its own passages
-        # The hostile caller answers once on "its" id: its own record, not the victim's.
-        assert (await answer("hostile", "none of it")).status_code == 200
-        again = await answer("hostile", "none of it")
-        assert again.status_code == 404 and "another caller" in again.json()["error"]["message"]
+        hostile = await serve("hostile", f"{QUERY} (hostile)")  # the same id, its own passages
+        # Each record is under a token the server made, not the caller's id.
+        assert victim["feedback_id"] != hostile["feedback_id"] != "chosen-id"
+        assert (await answer("hostile", "x", "chosen-id")).status_code == 404
+        # The victim's token, sent by the hostile caller: unknown under its name.
+        stolen = await answer("hostile", "none of it", victim["feedback_id"])
+        assert stolen.status_code == 404 and "another caller" in stolen.json()["error"]["message"]
+        # The hostile caller answers once on its own: then it was reported.
+        assert (await answer("hostile", "none of it", hostile["feedback_id"])).status_code == 200
+        again = await answer("hostile", "none of it", hostile["feedback_id"])
+        assert again.status_code == 409
         # The victim's record is whole: its answer is placed in the slot it was served in.
         first = victim["order"][0]
-        mine = await answer("victim", PASSAGES[first])
+        mine = await answer("victim", PASSAGES[first], victim["feedback_id"])
         assert mine.status_code == 200, mine.text
         assert mine.json()["used"] is True and mine.json()["slots"] == [0]

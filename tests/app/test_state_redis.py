@@ -52,7 +52,7 @@ def feedback(served_by: ServerProcess, told: ServerProcess) -> tuple[int, bool |
     body = {"query": QUERY, "passages": PASSAGES, "strategy": "shuffle"}
     served = httpx.post(f"{served_by.base_url}/v1/reorder", json=body, timeout=30)
     assert served.status_code == 200, served.text
-    answer = {"id": served.json()["id"], "answer": PASSAGES[served.json()["order"][0]]}
+    answer = {"id": served.json()["feedback_id"], "answer": PASSAGES[served.json()["order"][0]]}
     r = httpx.post(f"{told.base_url}/v1/feedback", json=answer, timeout=30)
     return r.status_code, r.json().get("used")
 

@@ -211,10 +211,63 @@ def test_feedback_on_a_served_shuffle_reaches_its_record_whichever_worker_receiv
         served = httpx.post(f"{server.base_url}/v1/reorder", json=body, timeout=30)
         assert served.status_code == 200, served.text
         last = served.json()["order"][-1]
-        answer = {"id": served.json()["id"], "answer": PASSAGES[last]}
+        answer = {"id": served.json()["feedback_id"], "answer": PASSAGES[last]}
         r = httpx.post(f"{server.base_url}/v1/feedback", json=answer, timeout=30)
         used.append((r.status_code, r.json().get("used"), r.json().get("slots")))
     assert used == [(200, True, [len(PASSAGES) - 1])] * 12
+
+
+def test_outcomes_reach_the_uplift_whichever_worker_and_after_a_worker_restart(
+    server: ServerProcess,
+) -> None:
+    """Issue 92: an outcome reported on a served request reaches its record and its key's
+    uplift whichever worker serves and whichever receives it (the records and the outcomes
+    are in the state store, Redis here), and after a worker is killed and restarted: a
+    request served before the kill is still reported on, every outcome still counted. auto
+    places by a named profile here (the ``profile`` path: in the holdout's experiment at the
+    default rate), calibrated on 4 passages so no other test's key is touched."""
+    four = PASSAGES[:4]
+    cal = {"queries": [{"query": BODY["query"], "passages": four}] * 2, "design": "random"}
+    r = httpx.post(f"{server.base_url}/v1/bias-profiles/calibrate", json=cal, timeout=120)
+    assert r.status_code == 200, r.text
+    body = {"query": BODY["query"], "passages": four, "bias_profile": r.json()["id"]}
+
+    def serve() -> dict[str, object]:
+        served = httpx.post(f"{server.base_url}/v1/reorder", json=body, timeout=30)
+        assert served.status_code == 200, served.text
+        out: dict[str, object] = served.json()
+        return out
+
+    def report(token: object, outcome: float) -> int:
+        r = httpx.post(
+            f"{server.base_url}/v1/feedback", json={"id": token, "outcome": outcome}, timeout=30
+        )
+        return r.status_code
+
+    def counted() -> int:
+        keys = httpx.get(f"{server.base_url}/info", timeout=10).json()["auto"]["outcomes"]["keys"]
+        return sum(sum(k["outcomes"].values()) for k in keys if k["key"].endswith("|4"))
+
+    # Each worker reads the stored profiles every RAG_REORDER_STATE_REFRESH_S.
+    known = f"{server.base_url}/v1/reorder"
+    wait_for(
+        lambda: all(httpx.post(known, json=body, timeout=30).status_code == 200 for _ in range(4)),
+        30,
+        "the profile known to both workers",
+    )
+    served = [serve() for _ in range(12)]
+    assert all(s["auto"]["arm"] in ("placed", "holdout") for s in served)  # type: ignore[index]
+    kept = served.pop()
+    assert [report(s["feedback_id"], 1.0) for s in served] == [200] * 11
+    # Both workers read the same outcomes: any /info (on a new connection each) counts 11.
+    wait_for(lambda: all(counted() == 11 for _ in range(4)), 30, "11 outcomes on both workers")
+    victim = children(server, "worker")[0]
+    victim.kill()
+    victim.wait(10)
+    wait_for(lambda: len(children(server, "worker")) == 2, 30, "a new worker")
+    assert report(kept["feedback_id"], 0.0) == 200
+    assert report(kept["feedback_id"], 0.0) == 409  # one report per served request
+    wait_for(lambda: all(counted() == 12 for _ in range(4)), 30, "12 outcomes after the restart")
 
 
 def test_a_killed_worker_is_restarted_and_the_other_serves_meanwhile(server: ServerProcess) -> None:

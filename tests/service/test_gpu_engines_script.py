@@ -104,12 +104,15 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
         # None of vLLM's CPU defaults (2048 and 4096, by usage context): the remote
         # server must run at the in-process engine's budget, not its own default.
         "TOKENS": "3072",
-        "SCORING_ARGS": "--queries 1 --passages 3",
+        # Two passages: MoI's pruned random design then plans both orders, two prompts a
+        # request where three passages made six (3!): 543 prompt tokens a scoring pass against
+        # 2,694. Every stage still scores each request through its engine; the mechanics, not
+        # the figures, are checked here (with three, the scoring passes were about half of
+        # the scoring stages' time, 2026-12-07; docs/development.md, Tests).
+        "SCORING_ARGS": "--queries 1 --passages 2",
         # Three requests a load stage: one at concurrency 1, two at 2 (bench/load.py sends at
-        # least the concurrency); the mechanics, not the figures, are checked here. Three
-        # passages, not four: fewer and shorter prompts, where scoring them took about a third
-        # of a load stage on vLLM's CPU build (load_vllm_3072: 37 of 131 s, 2026-11-29).
-        "LOAD_ARGS": "--levels 1,2 --requests-per-level 1 --queries 1 --passages 3",
+        # least the concurrency).
+        "LOAD_ARGS": "--levels 1,2 --requests-per-level 1 --queries 1 --passages 2",
         "REMOTE_PORT": str(free_port()),
         # The stages' limits are the GPU's: on this CPU beside the light lane the scoring
         # stage's vLLM took over its 150 s once (a CI run of f02dcef) and the rest ran on the

@@ -27,7 +27,7 @@ from typing import Any
 
 import anyio
 import httpx
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 
 from app.main import create_app
 from bench import report

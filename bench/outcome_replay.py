@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 import httpx
 import numpy as np
-from service.backends.fake import FakeBackend
+from service.backends.fakes.fake import FakeBackend
 
 from app.main import create_app
 from bench import report

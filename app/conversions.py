@@ -68,9 +68,11 @@ def caller_of(request: Request, header: str | None = None) -> str | None:
 
 def to_passages(items: Sequence[PassageIn | RerankDocument]) -> list[Passage]:
     return [
-        Passage(text=p.text, title=p.title, id=p.id, score=p.score)
+        Passage(
+            text=p.text, title=p.title, id=p.id, score=p.score, source=p.source, offset=p.offset
+        )
         if isinstance(p, PassageIn)
-        else Passage(text=p.text)
+        else Passage(text=p.text, source=p.source, offset=p.offset)
         for p in items
     ]
 

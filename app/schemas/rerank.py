@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field
 
 from app.schemas.base import (
+    MAX_ID_CHARS,
     MAX_PASSAGES,
     PassageText,
     QueryText,
@@ -34,6 +35,10 @@ class RerankOptions(ReorderOptions):
 
 class RerankDocument(_Lenient):
     text: PassageText
+    source: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+    """The document it was cut from (`reorder.context.order` `document`)."""
+    offset: int | None = Field(default=None, ge=0)
+    """Where in its source it starts."""
 
 
 DocumentItem = Annotated[

@@ -193,3 +193,52 @@ def test_dedup_merges_near_identical_not_overlapping_chunks() -> None:
     assert 0.8 <= plan.merges[1].similarity < 1.0
     assert jaccard(shingles(a), shingles(half)) == pytest.approx(46 / 146, abs=0.01)
     assert merge_duplicates([Passage(a), Passage(near)], None).kept == (0, 1)
+
+
+def brute_force(
+    passages: list[Passage], threshold: float
+) -> tuple[tuple[int, ...], list[tuple[int, int]]]:
+    sets = [shingles(p.text) for p in passages]
+    kept: list[int] = []
+    merges: list[tuple[int, int]] = []
+    for j, sj in enumerate(sets):
+        into = next((i for i in kept if jaccard(sets[i], sj) >= threshold), None)
+        if into is None:
+            kept.append(j)
+        else:
+            merges.append((j, into))
+    return tuple(kept), merges
+
+
+@pytest.mark.parametrize("threshold", [0.3, 0.5, 0.8, 1.0])
+def test_dedup_prefix_filter_finds_every_pair_the_brute_force_finds(threshold: float) -> None:
+    rnd = random.Random(threshold)
+    base = [
+        " ".join(f"w{rnd.randint(0, 40)}" for _ in range(rnd.randint(1, 30))) for _ in range(15)
+    ]
+    texts = []
+    for _ in range(120):  # edited copies of a few texts: many pairs near any threshold
+        words = rnd.choice(base).split()
+        for _ in range(rnd.randint(0, 4)):
+            words[rnd.randrange(len(words))] = f"x{rnd.randint(0, 9)}"
+        texts.append(" ".join(words))
+    passages = [Passage(t) for t in texts]
+    plan = merge_duplicates(passages, threshold)
+    kept, merges = brute_force(passages, threshold)
+    assert plan.kept == kept
+    assert [(m.index, m.into) for m in plan.merges] == merges
+
+
+def test_dedup_of_the_largest_request_is_fast() -> None:
+    """MAX_PASSAGES (4096) distinct passages of 100 words: a caller cannot make the service
+    compare every pair (8 million Jaccards)."""
+    import time
+
+    rnd = random.Random(0)
+    passages = [
+        Passage(" ".join(f"w{rnd.randint(0, 50_000)}" for _ in range(100))) for _ in range(4096)
+    ]
+    t0 = time.process_time()  # CPU seconds: the wall clock here depends on the neighbours
+    plan = merge_duplicates(passages, 0.8)
+    assert len(plan.kept) == 4096
+    assert time.process_time() - t0 < 10.0  # 2.0 CPU s measured here

@@ -141,13 +141,7 @@ async def _rerank(
             RerankResult(
                 index=i,
                 relevance_score=scores[i],
-                document=(
-                    RerankDocument(
-                        text=passages[i].text, source=passages[i].source, offset=passages[i].offset
-                    )
-                    if body.return_documents
-                    else None
-                ),
+                document=RerankDocument(text=passages[i].text) if body.return_documents else None,
             )
             for i in keep
         ],

@@ -74,7 +74,9 @@ async def one(reorderer: Reorderer, q: Any, is_hotpot: bool) -> dict[str, Any]:
     passages = list(q.passages)
     if is_hotpot:
         # Titles as sources (OP-RAG's document order needs them); offsets: input position.
-        passages = [Passage(p.text, p.title, source=p.title, offset=k) for k, p in enumerate(passages)]
+        passages = [
+            Passage(p.text, p.title, source=p.title, offset=k) for k, p in enumerate(passages)
+        ]
     t0 = time.perf_counter()
     result = await reorderer.reorder(
         ReorderRequest(
@@ -146,7 +148,9 @@ async def run(args: argparse.Namespace) -> None:
     data = Path(args.data) / f"{args.set}.jsonl"
     out = OUT / f"{args.set}.jsonl"
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = {json.loads(line)["id"] for line in out.read_text().splitlines()} if out.exists() else set()
+    done = (
+        {json.loads(line)["id"] for line in out.read_text().splitlines()} if out.exists() else set()
+    )
     settings = Settings(
         model=EMBEDDED_MODEL,
         device="cpu",

@@ -29,7 +29,7 @@ from app.schemas.reorder import (
     TruncatedOut,
     UsageOut,
 )
-from app.schemas.rerank import RerankDocument
+from app.schemas.rerank import RerankDocumentIn
 from service.errors import InvalidRequest
 from service.passage import Passage
 from service.pipeline import ReorderResult
@@ -66,11 +66,13 @@ def caller_of(request: Request, header: str | None = None) -> str | None:
     return request.client.host if request.client is not None else None
 
 
-def to_passages(items: Sequence[PassageIn | RerankDocument]) -> list[Passage]:
+def to_passages(items: Sequence[PassageIn | RerankDocumentIn]) -> list[Passage]:
     return [
-        Passage(text=p.text, title=p.title, id=p.id, score=p.score)
+        Passage(
+            text=p.text, title=p.title, id=p.id, score=p.score, source=p.source, offset=p.offset
+        )
         if isinstance(p, PassageIn)
-        else Passage(text=p.text)
+        else Passage(text=p.text, source=p.source, offset=p.offset)
         for p in items
     ]
 

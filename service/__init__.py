@@ -5,6 +5,8 @@ One subpackage per concern, imported in one direction (import-linter, pyproject.
 - ``batch``: work over a question file: the QA set format, calibrating a profile from a set of
   queries, and what the two command lines share.
 - ``pipeline`` (a module): one request -> its strategy -> one result.
+- ``context``: which scored passages go into the generator's prompt (token budget,
+  distractors, near-duplicates, document order); beside the pipeline, read by ``app``.
 - ``strategies``: every reordering method behind one port, by its wire name.
 - ``learning``: ``auto``'s learner: the scoring model's position profile learned from the
   traffic it serves, its trust and its background runs.

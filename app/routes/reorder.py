@@ -6,6 +6,7 @@ from dataclasses import replace
 
 from fastapi import APIRouter, Request, Response
 
+from app.context import ContextPlan
 from app.conversions import caller_of, reorder_response, selected_order, to_passages
 from app.dependencies import Ctx, RequestId
 from app.errors import POST_ERRORS
@@ -52,7 +53,10 @@ async def reorder_one(
         ctx.settings, body.max_passage_tokens, body.truncate, requested_name="max_passage_tokens"
     )
     caller = caller_of(request, ctx.settings.auto_caller_header)
-    req = body.request(body.query, passages, spec, request_id, ctx.settings, caller=caller)
+    # `context` (issue 93): near-duplicates merged before scoring; the pipeline sees `scored`.
+    plan = ContextPlan(body.context, passages)
+    scored = plan.scored
+    req = body.request(body.query, scored, spec, request_id, ctx.settings, caller=caller)
     # Only here (and in a batch's items) can an outcome come back: the response's feedback_id.
     req = replace(req, holdout=body.holdout)
     cuts: list[Cut] = []
@@ -60,9 +64,11 @@ async def reorder_one(
     async def work(reorderer: Reorderer) -> ReorderResult:
         # The model scores the cut texts; the response (and feedback's record of what was
         # served) keeps the caller's passages, which `truncated` refers to.
-        fitted, found = await fit_to_limit(reorderer.backend.tokenizer, passages, limit)
+        fitted, found = await fit_to_limit(reorderer.backend.tokenizer, scored, limit)
         cuts.extend(found)
-        return await reorderer.reorder(replace(req, passages=fitted) if found else req)
+        result = await reorderer.reorder(replace(req, passages=fitted) if found else req)
+        plan.build(result, ctx.settings, reorderer.backend.tokenizer, body.top_n)
+        return result
 
     # The response cache (docs/cache.md) on the route only: a batch's items are not cached.
     cache = await lookup(ctx, request, body, response) if response is not None else None
@@ -73,10 +79,12 @@ async def reorder_one(
         shown, strategy, arm = out.order, out.strategy, None
     else:
         result = await execute(ctx, request, work)
-        out = reorder_response(result, passages, top_n=body.top_n, truncated=cuts)
+        out = reorder_response(result, scored, top_n=body.top_n, truncated=cuts)
+        plan.apply(out)
         if cache is not None:
             await cache.store(result, out)
-        shown, strategy = selected_order(result, body.top_n), result.strategy
+        shown = out.order if plan.active else selected_order(result, body.top_n)
+        strategy = result.strategy
         arm = result.auto.arm if result.auto is not None else None
     sampler = ctx.engine.learner.generator
     if sampler is not None:

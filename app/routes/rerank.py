@@ -14,6 +14,7 @@ from typing import Final
 
 from fastapi import APIRouter, Request, Response
 
+from app.context import ContextPlan
 from app.conversions import caller_of, relevance_scores, reorder_meta, selected_order, to_passages
 from app.dependencies import Ctx, RequestId
 from app.errors import POST_ERRORS
@@ -75,9 +76,12 @@ async def _rerank(
     opts = body.reorder
     spec = opts.design.spec()
     check_inputs(ctx.settings, body.query, passages, spec, passages_param="documents")
+    # `reorder.context` (issue 93): near-duplicates merged before scoring.
+    plan = ContextPlan(opts.context, passages)
+    scored = plan.scored
     req = opts.request(
         body.query,
-        passages,
+        scored,
         spec,
         request_id,
         ctx.settings,
@@ -91,10 +95,18 @@ async def _rerank(
     async def work(reorderer: Reorderer) -> ReorderResult:
         # The model scores the cut texts; `results[].document.text` stays the caller's.
         fitted, found = await fit_to_limit(
-            reorderer.backend.tokenizer, passages, limit, passages_param="documents"
+            reorderer.backend.tokenizer, scored, limit, passages_param="documents"
         )
         cuts.extend(found)
-        return await reorderer.reorder(replace(req, passages=fitted) if found else req)
+        result = await reorderer.reorder(replace(req, passages=fitted) if found else req)
+        plan.build(
+            result,
+            ctx.settings,
+            reorderer.backend.tokenizer,
+            body.top_n or None,
+            param_prefix="reorder.context",
+        )
+        return result
 
     cache = await lookup(ctx, request, body, response)
     if cache is not None and cache.hit is not None:
@@ -109,10 +121,18 @@ async def _rerank(
     results_order = opts.results_order or ctx.settings.rerank_results_order
     # `placement` hands rerank clients the prompt order, where the measured gain lies; the
     # same top_n passages either way, so only their order differs from `ranking`.
-    if results_order == "placement":
+    if plan.active:
+        # Only the kept passages, in prompt order or best first (`meta.reorder.context`).
+        kept = plan.kept()
+        by_rank = {plan.request_index(k): r for r, k in enumerate(result.ranking)}
+        keep = kept if results_order == "placement" else sorted(kept, key=by_rank.__getitem__)
+        scores = {plan.request_index(k): v for k, v in scores.items()}
+    elif results_order == "placement":
         keep = selected_order(result, top_n)
     else:
         keep = result.ranking[:top_n] if top_n else result.ranking
+    meta = reorder_meta(result, scored, top_n, truncated=cuts)
+    plan.apply(meta)
     out = RerankResponse(
         id=request_id,
         model=result.model,
@@ -126,7 +146,7 @@ async def _rerank(
             for i in keep
         ],
         meta=RerankMetaOut(
-            reorder=reorder_meta(result, passages, top_n, truncated=cuts),
+            reorder=meta,
             results_order=results_order,
         ),
     )

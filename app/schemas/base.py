@@ -107,6 +107,11 @@ class PassageIn(_Strict):
     id: str | None = Field(default=None, max_length=MAX_ID_CHARS)
     score: float | None = Field(default=None, allow_inf_nan=False)
     """The retriever's score: variable pruning, ties and never-shown passages use it."""
+    source: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+    """The document this passage was cut from: `context.order` `document` keeps one source's
+    passages together, in `offset` order."""
+    offset: int | None = Field(default=None, ge=0)
+    """Where in its source the passage starts (any unit that sorts: characters, chunk number)."""
 
 
 def _text_object(value: Any) -> Any:

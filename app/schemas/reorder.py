@@ -22,6 +22,7 @@ from app.schemas.base import (
     _Model,
     _Strict,
 )
+from app.schemas.context import ContextIn, ContextOut
 from app.schemas.profiles import PositionalProfileOut, ProfileOut, TrustOut
 from service.config.settings import Settings
 from service.passage import Passage
@@ -120,6 +121,11 @@ class ReorderOptions(_Strict):
     tokens. `end`: its text is cut to its first tokens and the model scores that; each cut is
     listed in the response's `truncated` (the rerank routes': `meta.reorder.truncated`).
     `end` without any limit is a 422."""
+    context: ContextIn | None = None
+    """Which passages go into the prompt, beyond their order: a token budget in the
+    generator's tokens, distractor and near-duplicate removal, document order
+    (docs/context.md). Set: `order` lists only the kept passages and the response's `context`
+    says what was dropped and why; unset: every passage is placed."""
 
     def strategy_options(self) -> StrategyOptions:
         return StrategyOptions(
@@ -407,6 +413,9 @@ class ReorderMeta(_Model):
     """`lore`, `self_consistency`: the strategy's answer."""
     auto: AutoOut | None = None
     """`auto`: the path it took, why, and the profile's trust figures."""
+    context: ContextOut | None = None
+    """With the request's `context`: the kept passages in prompt order, their tokens and the
+    budget, the tokenizer that counted, and every dropped passage with why."""
     truncated: list[TruncatedOut] = Field(default_factory=list)
     """The passages cut to the per-passage token limit (`truncate` `end`), in passage order;
     empty when none was. Nothing is cut without being listed here. Everything else (indices,

@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import BeforeValidator, Field
 
 from app.schemas.base import (
+    MAX_ID_CHARS,
     MAX_PASSAGES,
     PassageText,
     QueryText,
@@ -36,9 +37,19 @@ class RerankDocument(_Lenient):
     text: PassageText
 
 
+class RerankDocumentIn(RerankDocument):
+    """A document as sent: its text, and where it was cut from (`reorder.context.order`
+    `document`); results echo the text only, as Cohere's do."""
+
+    source: str | None = Field(default=None, max_length=MAX_ID_CHARS)
+    """The document it was cut from."""
+    offset: int | None = Field(default=None, ge=0)
+    """Where in its source it starts."""
+
+
 DocumentItem = Annotated[
-    RerankDocument,
-    BeforeValidator(_text_object, json_schema_input_type=PassageText | RerankDocument),
+    RerankDocumentIn,
+    BeforeValidator(_text_object, json_schema_input_type=PassageText | RerankDocumentIn),
 ]
 
 

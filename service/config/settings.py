@@ -165,6 +165,11 @@ class Settings(BaseSettings):
     from the generator's answers with `generator_url`), unless
     `auto_learn_from_scorer` allows the scorer's learned one. Unset: the scoring model is the
     generator (also with `backend=remote`, which scores on the generator itself)."""
+    generator_tokenizer: str | None = Field(default=None, min_length=1, max_length=2048)
+    """The generator's tokenizer (a local model folder or a cached Hugging Face id) that
+    counts a request's `context.max_context_tokens` (docs/context.md). Unset: the scoring
+    model's counts, and the response says so (`context.tokenizer_is_generator` false unless
+    `generator_model` is unset)."""
     auto_learn_from_scorer: bool = False
     """Let `auto` place by a profile learned from the scoring model's log-probs when
     `generator_model` names another model (the scorer's bias then stands in for the

@@ -26,10 +26,24 @@ METADATA_KEYS: Final = tuple(
         "placement",
         "strategy",
         "request_id",
+        "context_tokens",
+        "context_budget",
+        "dropped",
     )
 )
 
-MetadataValue = int | float | str | list[float] | None
+MetadataValue = int | float | str | list[float] | list[dict[str, object]] | None
+
+
+def source_of(source: object, offset: object) -> dict[str, Any]:
+    """``Passage``'s ``source`` and ``offset`` from a document's metadata, where it has them
+    (``context={"order": "document"}`` keeps one source's documents in offset order)."""
+    out: dict[str, Any] = {}
+    if isinstance(source, str | int) and not isinstance(source, bool) and str(source):
+        out["source"] = str(source)
+    if isinstance(offset, int) and not isinstance(offset, bool) and offset >= 0:
+        out["offset"] = offset
+    return out
 
 
 def placed(result: Reordering) -> list[tuple[int, dict[str, MetadataValue]]]:
@@ -38,7 +52,21 @@ def placed(result: Reordering) -> list[tuple[int, dict[str, MetadataValue]]]:
     ``slot`` is the position in the prompt (0 first), ``rank`` the position in the ranking
     (0 best); ``position_bias`` is the fitted weight of each slot of the scoring prompts
     (fewer slots than passages with a pruned design), the same list on every document.
+    With a context budget or options, only the kept passages are returned, and every one
+    carries ``context_tokens`` (the kept documents' tokens), ``context_budget`` and
+    ``dropped``: each left-out document's input index, ``reason`` (``budget``,
+    ``distractor``, ``duplicate``, ``top_n``), ``detail`` and ``into`` (a duplicate's kept
+    copy); all three are None without them.
     """
+    ctx = result.context
+    dropped: list[dict[str, object]] | None = (
+        [
+            {"index": d.index, "reason": d.reason, "detail": d.detail, "into": d.into}
+            for d in ctx.dropped
+        ]
+        if ctx is not None
+        else None
+    )
     bias = list(result.position_bias.coefficients) if result.position_bias else None
     scored = {p.index: p for p in result.passages}
     rank = {index: k for k, index in enumerate(result.ranking)}
@@ -56,6 +84,9 @@ def placed(result: Reordering) -> list[tuple[int, dict[str, MetadataValue]]]:
             "placement": result.placement,
             "strategy": result.strategy,
             "request_id": result.id,
+            "context_tokens": ctx.tokens_used if ctx is not None else None,
+            "context_budget": ctx.budget if ctx is not None else None,
+            "dropped": [dict(d) for d in dropped] if dropped is not None else None,
         }
         out.append((index, {METADATA_PREFIX + k: v for k, v in meta.items()}))
     return out
@@ -73,6 +104,8 @@ class AdapterSettings(Protocol):
     design: dict[str, Any] | None
     top_n: int | None
     options: dict[str, Any] | None
+    max_context_tokens: int | None
+    context: dict[str, Any] | None
 
 
 def client_kwargs(adapter: AdapterSettings, api_key: str | None) -> dict[str, Any]:
@@ -93,6 +126,8 @@ def request_options(adapter: AdapterSettings, top_n: int | None = None) -> dict[
         "design": adapter.design,
         "top_n": top_n if top_n is not None else adapter.top_n,
         "options": adapter.options,
+        "max_context_tokens": adapter.max_context_tokens,
+        "context": adapter.context,
     }
 
 

@@ -18,6 +18,8 @@ from rag_reorder._version import __version__
 from rag_reorder.types import (
     BatchItem,
     BatchReordering,
+    ContextReport,
+    DroppedPassage,
     Passage,
     Placement,
     PositionBias,
@@ -54,7 +56,7 @@ def _passage_json(p: str | Passage) -> str | dict[str, object]:
     if isinstance(p, str):
         return p
     out: dict[str, object] = {"text": p.text}
-    for key in ("title", "id", "score"):
+    for key in ("title", "id", "score", "source", "offset"):
         value = getattr(p, key)
         if value is not None:
             out[key] = value
@@ -67,9 +69,16 @@ def _options(
     placement: Placement | None,
     design: Mapping[str, object] | None,
     options: Mapping[str, object] | None,
+    max_context_tokens: int | None = None,
+    context: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     # Only what the caller set: everything else takes the server's configured default.
     out: dict[str, object] = dict(options or {})
+    if context is not None or max_context_tokens is not None:
+        ctx = dict(context or {})
+        if max_context_tokens is not None:
+            ctx["max_context_tokens"] = max_context_tokens
+        out["context"] = ctx
     if strategy is not None:
         out["strategy"] = strategy
     if placement is not None:
@@ -117,6 +126,8 @@ def reorder_request(
     top_n: int | None = None,
     options: Mapping[str, object] | None = None,
     request_id: str | None = None,
+    max_context_tokens: int | None = None,
+    context: Mapping[str, object] | None = None,
 ) -> Request[Reordering]:
     """``POST /v1/reorder`` (the arguments of ``Client.reorder``)."""
     body = reorder_item(
@@ -127,6 +138,8 @@ def reorder_request(
         design=design,
         top_n=top_n,
         options=options,
+        max_context_tokens=max_context_tokens,
+        context=context,
     )
     return Request("POST", "/v1/reorder", body, _call_headers(request_id), parse_reordering)
 
@@ -140,13 +153,22 @@ def reorder_item(
     design: Mapping[str, object] | None = None,
     top_n: int | None = None,
     options: Mapping[str, object] | None = None,
+    max_context_tokens: int | None = None,
+    context: Mapping[str, object] | None = None,
 ) -> dict[str, object]:
     """The native body ``Client.reorder`` sends (its arguments): one item of
     ``Client.reorder_batch``."""
     body: dict[str, object] = {
         "query": query,
         "passages": [_passage_json(p) for p in passages],
-        **_options(strategy=strategy, placement=placement, design=design, options=options),
+        **_options(
+            strategy=strategy,
+            placement=placement,
+            design=design,
+            options=options,
+            max_context_tokens=max_context_tokens,
+            context=context,
+        ),
     }
     if top_n is not None:
         body["top_n"] = top_n
@@ -211,9 +233,18 @@ def rerank_request(
     design: Mapping[str, object] | None = None,
     options: Mapping[str, object] | None = None,
     request_id: str | None = None,
+    max_context_tokens: int | None = None,
+    context: Mapping[str, object] | None = None,
 ) -> Request[Reranking]:
     """``POST /v1/rerank`` (the arguments of ``Client.rerank``)."""
-    reorder = _options(strategy=strategy, placement=placement, design=design, options=options)
+    reorder = _options(
+        strategy=strategy,
+        placement=placement,
+        design=design,
+        options=options,
+        max_context_tokens=max_context_tokens,
+        context=context,
+    )
     if results_order is not None:
         reorder["results_order"] = results_order
     body: dict[str, object] = {
@@ -268,11 +299,33 @@ def parse_reordering(body: Mapping[str, Any]) -> Reordering:
             placement=diagnostics.get("placement"),
             warnings=tuple(str(w) for w in diagnostics.get("warnings", ())),
             raw=body,
+            context=parse_context(body.get("context")),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise RagReorderError(
             f"unexpected /v1/reorder response: {exc!r}", code="invalid_response"
         ) from exc
+
+
+def parse_context(ctx: Mapping[str, Any] | None) -> ContextReport | None:
+    """The response's ``context`` (None: the request set none, or an older server)."""
+    if not ctx:
+        return None
+    return ContextReport(
+        tokens_used=int(ctx["tokens_used"]),
+        budget=None if ctx.get("budget") is None else int(ctx["budget"]),
+        tokenizer=str(ctx.get("tokenizer", "")),
+        tokenizer_is_generator=bool(ctx.get("tokenizer_is_generator", False)),
+        dropped=tuple(
+            DroppedPassage(
+                index=int(d["index"]),
+                reason=str(d["reason"]),
+                detail=str(d.get("detail", "")),
+                into=None if d.get("into") is None else int(d["into"]),
+            )
+            for d in ctx.get("dropped", ())
+        ),
+    )
 
 
 def parse_reranking(body: Mapping[str, Any]) -> Reranking:
@@ -297,6 +350,7 @@ def parse_reranking(body: Mapping[str, Any]) -> Reranking:
             ranking=tuple(int(i) for i in reorder.get("ranking", ())),
             total_tokens=int((body.get("usage") or {}).get("total_tokens", 0)),
             raw=body,
+            context=parse_context(reorder.get("context")),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise RagReorderError(

@@ -131,6 +131,8 @@ class Client:
         top_n: int | None = None,
         options: Mapping[str, object] | None = None,
         request_id: str | None = None,
+        max_context_tokens: int | None = None,
+        context: Mapping[str, object] | None = None,
     ) -> Reordering:
         """``POST /v1/reorder``: the order to put into the prompt, with utilities, position
         bias and confidences.
@@ -147,6 +149,12 @@ class Client:
                 ``order[:k]``: the first slots are not the best passages.
             options: any other option of the native body (``joint``, ``template``, ...).
             request_id: sent as ``X-Request-Id`` (the service logs and echoes it).
+            max_context_tokens: the generator's token budget for the passages (docs/context.md):
+                ``order`` then holds only the passages that fit, best first by utility, and
+                ``Reordering.context`` each dropped one with why. Never exceeded; below the
+                best passage's tokens: a 422 ``context_budget_too_small``.
+            context: the other context options (``{"distractors": {}}``, ``{"dedup": True}``,
+                ``{"order": "document"}`` with ``Passage.source``/``offset``).
 
         Returns:
             The parsed response; ``raw`` holds the whole body.
@@ -165,6 +173,8 @@ class Client:
                 top_n=top_n,
                 options=options,
                 request_id=request_id,
+                max_context_tokens=max_context_tokens,
+                context=context,
             )
         )
 
@@ -181,6 +191,8 @@ class Client:
         design: Mapping[str, object] | None = None,
         options: Mapping[str, object] | None = None,
         request_id: str | None = None,
+        max_context_tokens: int | None = None,
+        context: Mapping[str, object] | None = None,
     ) -> Reranking:
         """``POST /v1/rerank`` (the Cohere shape); ``results_order="placement"`` returns the
         results in prompt order, and with ``top_n`` the ``top_n`` best in their prompt order
@@ -202,6 +214,8 @@ class Client:
                 design=design,
                 options=options,
                 request_id=request_id,
+                max_context_tokens=max_context_tokens,
+                context=context,
             )
         )
 
@@ -303,6 +317,8 @@ class AsyncClient:
         top_n: int | None = None,
         options: Mapping[str, object] | None = None,
         request_id: str | None = None,
+        max_context_tokens: int | None = None,
+        context: Mapping[str, object] | None = None,
     ) -> Reordering:
         """``POST /v1/reorder``; see ``Client.reorder``."""
         return await self._send(
@@ -315,6 +331,8 @@ class AsyncClient:
                 top_n=top_n,
                 options=options,
                 request_id=request_id,
+                max_context_tokens=max_context_tokens,
+                context=context,
             )
         )
 
@@ -331,6 +349,8 @@ class AsyncClient:
         design: Mapping[str, object] | None = None,
         options: Mapping[str, object] | None = None,
         request_id: str | None = None,
+        max_context_tokens: int | None = None,
+        context: Mapping[str, object] | None = None,
     ) -> Reranking:
         """``POST /v1/rerank``; see ``Client.rerank``."""
         return await self._send(
@@ -345,6 +365,8 @@ class AsyncClient:
                 design=design,
                 options=options,
                 request_id=request_id,
+                max_context_tokens=max_context_tokens,
+                context=context,
             )
         )
 

@@ -35,6 +35,7 @@ from rag_reorder._adapter import (
     placed,
     reorder_async,
     request_options,
+    source_of,
 )
 from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S
 from rag_reorder.types import Passage, Placement, Reordering, Strategy
@@ -75,6 +76,8 @@ class RagReorderRanker:
         send_scores: bool = True,
         timeout: float = DEFAULT_TIMEOUT_S,
         max_retries: int = 3,
+        max_context_tokens: int | None = None,
+        context: dict[str, Any] | None = None,
     ) -> None:
         """Args:
         base_url: root URL of the rag-reorder service.
@@ -90,7 +93,13 @@ class RagReorderRanker:
             orders by it, MoI uses it for ties and never-shown passages.
         timeout: seconds to wait for an answer: above the service's deadline (120 s).
         max_retries: retries of 503/429 and of connection errors before sending.
+        max_context_tokens: the generator's token budget for the documents: only those that
+            fit are returned, each with ``rag_reorder_dropped`` in ``meta`` listing the
+            left-out ones and why (docs/context.md).
+        context: other context options (``{"distractors": {}}``, ``{"dedup": True}``).
         """
+        if max_context_tokens is not None and max_context_tokens < 1:
+            raise ValueError(f"max_context_tokens must be >= 1 or None, got {max_context_tokens}")
         if top_n is not None and top_n < 1:
             raise ValueError(f"top_n must be >= 1 or None, got {top_n}")
         self.base_url = base_url
@@ -103,6 +112,8 @@ class RagReorderRanker:
         self.send_scores = send_scores
         self.timeout = timeout
         self.max_retries = max_retries
+        self.max_context_tokens = max_context_tokens
+        self.context = context
         self._owned = OwnedClient()
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,6 +130,8 @@ class RagReorderRanker:
             send_scores=self.send_scores,
             timeout=self.timeout,
             max_retries=self.max_retries,
+            max_context_tokens=self.max_context_tokens,
+            context=self.context,
         )
 
     @classmethod
@@ -192,7 +205,10 @@ class RagReorderRanker:
             score = doc.score if self.send_scores else None
             if score is not None and not math.isfinite(score):
                 score = None
-            out.append(Passage(text=doc.content, id=doc.id, score=score))
+            # Haystack's DocumentSplitter names each split's document and start.
+            meta = doc.meta or {}
+            where = source_of(meta.get("source_id"), meta.get("split_idx_start"))
+            out.append(Passage(text=doc.content, id=doc.id, score=score, **where))
         return out
 
 

@@ -36,6 +36,7 @@ from rag_reorder._adapter import (
     placed,
     reorder_async,
     request_options,
+    source_of,
 )
 from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S, AsyncClient, Client
 from rag_reorder.types import Passage, Placement, Reordering, Strategy
@@ -77,6 +78,12 @@ class RagReorderCompressor(BaseDocumentCompressor):
     """MoI's permutation design, e.g. `{"kind": "pruned_random", "seed": 7}`."""
     options: dict[str, Any] | None = None
     """Any other option of the native body (`joint`, `template`, strategy options)."""
+    max_context_tokens: int | None = Field(default=None, ge=1)
+    """The generator's token budget for the documents: only those that fit are returned (best
+    first by utility, then placed), each with `rag_reorder_dropped` listing the left-out ones
+    and why (docs/context.md)."""
+    context: dict[str, Any] | None = None
+    """Other context options: `{"distractors": {}}`, `{"dedup": True}`, `{"order": "document"}`."""
     timeout: float = Field(default=DEFAULT_TIMEOUT_S, gt=0)
     """Seconds to wait for an answer: above the service's deadline (120 s by default)."""
     max_retries: int = Field(default=3, ge=0)
@@ -142,7 +149,10 @@ class RagReorderCompressor(BaseDocumentCompressor):
                     f"retriever's score), got {value!r}; set score_key to another key or None"
                 )
             score = float(value) if value is not None and math.isfinite(value) else None
-            out.append(Passage(text=doc.page_content, score=score))
+            # LangChain's loaders name the document `source`; its splitters with
+            # `add_start_index=True` give each chunk's `start_index`.
+            where = source_of(doc.metadata.get("source"), doc.metadata.get("start_index"))
+            out.append(Passage(text=doc.page_content, score=score, **where))
         return out
 
     def compress_documents(

@@ -33,6 +33,7 @@ from rag_reorder._adapter import (
     placed,
     reorder_async,
     request_options,
+    source_of,
 )
 from rag_reorder.client import DEFAULT_BASE_URL, DEFAULT_TIMEOUT_S, AsyncClient, Client
 from rag_reorder.types import Passage, Placement, Reordering, Strategy
@@ -71,6 +72,12 @@ class RagReorderPostprocessor(BaseNodePostprocessor):
     """MoI's permutation design, e.g. `{"kind": "pruned_random", "seed": 7}`."""
     options: dict[str, Any] | None = None
     """Any other option of the native body (`joint`, `template`, strategy options)."""
+    max_context_tokens: int | None = Field(default=None, ge=1)
+    """The generator's token budget for the documents: only those that fit are returned (best
+    first by utility, then placed), each with `rag_reorder_dropped` listing the left-out ones
+    and why (docs/context.md)."""
+    context: dict[str, Any] | None = None
+    """Other context options: `{"distractors": {}}`, `{"dedup": True}`, `{"order": "document"}`."""
     metadata_mode: MetadataMode = MetadataMode.NONE
     """Which of a node's metadata goes into the text sent (default: none, the text only)."""
     send_scores: bool = True
@@ -105,6 +112,11 @@ class RagReorderPostprocessor(BaseNodePostprocessor):
                 Passage(
                     text=n.node.get_content(metadata_mode=self.metadata_mode),
                     score=float(score) if score is not None and math.isfinite(score) else None,
+                    # The node's document and where in it the node starts.
+                    **source_of(
+                        getattr(n.node, "ref_doc_id", None),
+                        getattr(n.node, "start_char_idx", None),
+                    ),
                 )
             )
         return out

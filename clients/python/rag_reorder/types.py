@@ -151,6 +151,43 @@ class Passage:
     score: float | None = None
     """The retriever's score (optional): variable pruning, ties and never-shown passages use it,
     and the ``retriever`` strategy orders by it."""
+    source: str | None = None
+    """The document it was cut from: ``context={"order": "document"}`` keeps one source's
+    passages together, in ``offset`` order."""
+    offset: int | None = None
+    """Where in its source it starts (characters, chunk number: any non-negative integer)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DroppedPassage:
+    """A passage the service left out of the context (``context.dropped[]``), and why."""
+
+    index: int
+    """Its position in the request's passages."""
+    reason: str
+    """``budget``, ``distractor``, ``duplicate`` or ``top_n``."""
+    detail: str
+    into: int | None = None
+    """``duplicate``: the kept passage it merged into."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContextReport:
+    """What went into the prompt (the response's ``context``, with the request's
+    ``max_context_tokens`` or ``context``): tokens and budget, who counted, and each drop."""
+
+    tokens_used: int
+    budget: int | None
+    tokenizer: str
+    tokenizer_is_generator: bool
+    dropped: tuple[DroppedPassage, ...]
+
+    def reason(self, index: int) -> str | None:
+        """Why the passage with this input index was dropped (None: it was kept)."""
+        for d in self.dropped:
+            if d.index == index:
+                return d.reason
+        return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +247,9 @@ class Reordering:
     warnings: tuple[str, ...]
     raw: Mapping[str, object] = field(repr=False, compare=False)
     """The whole response body, for the fields not lifted into this class."""
+    context: ContextReport | None = None
+    """With ``max_context_tokens`` or ``context``: ``order`` holds only the kept passages, and
+    this says what was dropped and why."""
 
     def passage(self, index: int) -> ScoredPassage:
         """The scored passage with this input index."""
@@ -249,6 +289,9 @@ class Reranking:
     ranking: tuple[int, ...]
     total_tokens: int
     raw: Mapping[str, object] = field(repr=False, compare=False)
+    context: ContextReport | None = None
+    """With ``max_context_tokens`` or ``context``: ``results`` hold only the kept documents,
+    and this says what was dropped and why (``meta.reorder.context``)."""
 
     def top(self, k: int) -> list[RerankResult]:
         """The results of the ``k`` best documents, in prompt order (``top_n=k`` in the

@@ -31,10 +31,10 @@ from typing import Any
 import anyio
 import httpx
 import numpy as np
-from service.backends.fakes.fake import FakeBackend
 
 from app.main import create_app
 from bench import report
+from service.backends.fakes.fake import FakeBackend
 from service.config.settings import Settings
 from service.state.profile_store import ProfileStore
 

@@ -6,7 +6,7 @@ from dataclasses import replace
 
 from fastapi import APIRouter, Request, Response
 
-from app.context import ContextPlan
+from app.context_plan import ContextPlan
 from app.conversions import caller_of, reorder_response, selected_order, to_passages
 from app.dependencies import Ctx, RequestId
 from app.errors import POST_ERRORS

@@ -14,7 +14,7 @@ from typing import Final
 
 from fastapi import APIRouter, Request, Response
 
-from app.context import ContextPlan
+from app.context_plan import ContextPlan
 from app.conversions import caller_of, relevance_scores, reorder_meta, selected_order, to_passages
 from app.dependencies import Ctx, RequestId
 from app.errors import POST_ERRORS

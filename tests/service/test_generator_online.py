@@ -240,15 +240,17 @@ async def test_served_requests_are_kept_for_a_bounded_time_count_and_size() -> N
     now = [0.0]
     records = MemoryRecords(2, 2**20, 60.0, clock=lambda: now[0])
     kept = ServedRequests(records)
-    for i in range(3):
-        assert await kept.keep(f"r{i}", "q", passages(i), (1, 0), "shuffle")
-    assert await kept.get("r0") is None and await kept.get("r1") is not None
+    # Each is kept under the token the server makes (the response's feedback_id).
+    t = [await kept.keep(f"r{i}", "q", passages(i), (1, 0), "shuffle") for i in range(3)]
+    assert all(t) and len(set(t)) == 3
+    assert await kept.get(t[0]) is None and await kept.get(t[1]) is not None
     assert (await kept.held() or (0, 0))[0] == 2
     now[0] = 59.0
-    await kept.keep("r3", "q", passages(3), (0, 1), "auto")
-    assert await kept.get("r1") is None and await kept.get("r2") is not None  # the count
+    t3 = await kept.keep("r3", "q", passages(3), (0, 1), "auto")
+    assert t3 is not None
+    assert await kept.get(t[1]) is None and await kept.get(t[2]) is not None  # the count
     now[0] = 61.0
-    assert await kept.get("r2") is None and await kept.get("r3") is not None  # r2: expired
+    assert await kept.get(t[2]) is None and await kept.get(t3) is not None  # t[2]: expired
     off = ServedRequests(None)
     assert not await off.keep("r", "q", passages(0), (0, 1), "shuffle")
     assert await off.held() == (0, 0) and off.max_requests == 0
@@ -261,18 +263,20 @@ async def test_a_served_request_keeps_its_passages_only_if_feedback_on_it_can_be
     records = MemoryRecords(100, 2**20, 60.0)
     kept = ServedRequests(records)
     big = [Passage(text=f"passage {i} " + "word " * 2000, title=f"T{i}") for i in range(4)]
-    await kept.keep("ranked", "the query", big, (2, 0, 1, 3), "moi")
-    raw = records.get(record_key(None, "ranked"))
+    ranked = await kept.keep("ranked", "the query", big, (2, 0, 1, 3), "moi")
+    assert ranked is not None
+    raw = records.get(record_key(None, ranked))
     assert raw is not None and len(raw) < 100 and "word" not in raw and "the query" not in raw
-    assert await kept.get("ranked") == ServedRequest("moi", 4)
-    await kept.keep("shuffled", "the query", big, (3, 1), "shuffle")  # top_n = 2
-    served = await kept.get("shuffled")
+    assert await kept.get(ranked) == ServedRequest("moi", 4)
+    shuffled = await kept.keep("shuffled", "the query", big, (3, 1), "shuffle")  # top_n = 2
+    assert shuffled is not None
+    served = await kept.get(shuffled)
     assert served == ServedRequest(
         "shuffle", 2, "the query", (Passage(big[3].text, "T3"), Passage(big[1].text, "T1"))
     )
     assert (await kept.held() or (0, 0))[1] == sum(
         size_of(k, records.get(k) or "")
-        for k in (record_key(None, "ranked"), record_key(None, "shuffled"))
+        for k in (record_key(None, ranked), record_key(None, shuffled))
     )
 
 
@@ -593,18 +597,25 @@ async def test_a_caller_can_neither_replace_nor_answer_on_another_callers_served
     """Issue 90 (found in its review): the record was keyed by the response id, which is the
     caller's X-Request-Id when it sends one. A caller that knew another's id replaced that
     request's record with a shuffle of its own passages, and its answer was then learned as
-    the other's; or it answered on the other's request. Scoped by caller, neither can."""
+    the other's; or it answered on the other's request. Now each record is kept under a token
+    the server makes, in its caller's scope: reusing an id names nothing, and even a caller
+    that learned another's token cannot read or take it."""
     kept = ServedRequests(MemoryRecords(100, 2**20, 60.0))
     mine, theirs = passages(1), passages(2)
-    assert await kept.keep("req-1", "q", mine, (1, 0), "shuffle", caller="10.0.0.1")
-    # The hostile caller reuses the id: its own record, the first caller's stays whole.
-    assert await kept.keep("req-1", "q", theirs, (0, 1), "shuffle", caller="10.0.0.2")
-    first = await kept.get("req-1", "10.0.0.1")
+    t1 = await kept.keep("req-1", "q", mine, (1, 0), "shuffle", caller="10.0.0.1")
+    # The hostile caller reuses the id: its own record and token, the first caller's stays whole.
+    t2 = await kept.keep("req-1", "q", theirs, (0, 1), "shuffle", caller="10.0.0.2")
+    assert t1 and t2 and t1 != t2 and "req-1" not in (t1, t2)
+    first = await kept.get(t1, "10.0.0.1")
     assert first is not None and first.shown == (mine[1], mine[0])
-    # It cannot read or take the first caller's record under that id: only its own.
-    other = await kept.take("req-1", "10.0.0.2")
+    # The request id names no record, whoever asks.
+    assert await kept.get("req-1", "10.0.0.1") is None
+    assert await kept.get("req-1", "10.0.0.2") is None
+    # It cannot read or take the first caller's record, even by its token: only its own.
+    assert await kept.take(t1, "10.0.0.2") is None
+    other = await kept.take(t2, "10.0.0.2")
     assert other is not None and other.shown == (theirs[0], theirs[1])
-    assert await kept.take("req-1", "10.0.0.2") is None
-    assert await kept.get("req-1", "10.0.0.1") == first
+    assert await kept.take(t2, "10.0.0.2") is None
+    assert await kept.get(t1, "10.0.0.1") == first
     # A caller name cannot forge another's scope with a separator.
-    assert await kept.get("req-1", "10.0.0.1:x") is None
+    assert await kept.get(t1, "10.0.0.1:x") is None

@@ -284,7 +284,9 @@ async def test_a_cold_auto_answers_at_once_and_learns_in_the_background(tmp_path
             if auto["path"] == "cold":
                 assert auto["ranker"] == "retriever" and r.json()["order"] == list(range(10))
                 assert r.json()["usage"]["prompt_tokens"] == 0
-                assert time.perf_counter() - t < 0.5
+                # prompt_tokens 0 says it waited for no scoring; the time only that nothing else
+                # held it (2 s: beside another suite on 2 cores one took 1.07 s).
+                assert time.perf_counter() - t < 2.0
             if auto["path"] == "profile":
                 break
             # The engine idles between callers: the background run gets its turn.

@@ -2,8 +2,8 @@
 # The holdout on a live stream through the deployed path (bench/outcome_stream.py): SmolLM2
 # behind vLLM's OpenAI server (float32, as eval/deployed.sh runs it), a rag-reorder server on
 # the defaults with outcome feedback on (so the holdout at its default rate is too), started
-# from the profile eval/deployed.sh's server learned (results/eval/deployed/state/profiles,
-# copied: auto places from the first request, as a restarted replica would), then the client.
+# from the profile eval/deployed.sh's server learned (eval/results/deployed/state/profiles at 3644731,
+# read from git history: auto places from the first request, as a restarted replica would), then the client.
 # Resumable: run it again after an interruption (the server's state and the rows are kept).
 #
 #   bench/outcome_stream.sh [OUT]      # default results/bench/outcome_stream
@@ -16,7 +16,10 @@ RPORT=${RPORT:-8797}
 STATE=${STATE:-/tmp/outcome-stream-state}
 export HF_HUB_OFFLINE=1
 mkdir -p "$OUT" "$STATE"
-[ -d "$STATE/profiles" ] || cp -r results/eval/deployed/state/profiles "$STATE/profiles"
+# The deployed evaluation's learned state is runtime output, kept out of the tree since the
+# results moved; it is read from the commit that still held it.
+[ -d "$STATE/profiles" ] || git archive "${PROFILES_COMMIT:-3644731}" eval/results/deployed/state/profiles \
+    | tar -x -C "$STATE" --strip-components=4
 folder=$(RAG_REORDER_MODEL=$MODEL .venv/bin/python -c 'from service.model_assets import resolve_model; from service.config.settings import Settings; print(resolve_model(Settings()))')
 VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} VLLM_ENABLE_V1_MULTIPROCESSING=0 \
     OMP_NUM_THREADS=${VLLM_THREADS:-2} \
@@ -33,7 +36,7 @@ RAG_REORDER_MODEL=$MODEL RAG_REORDER_BIAS_PROFILE_DIR=$STATE/profiles \
     RAG_REORDER_FEEDBACK_MAX_REQUESTS=10000 RAG_REORDER_GENERATOR_MODEL=smollm2-generator \
     RAG_REORDER_AUTO_LEARN_FROM_SCORER=true \
     RAG_REORDER_REQUEST_TIMEOUT_S=600 OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=1 \
-    PYTHONPATH=$PWD .venv/bin/python -m app serve --host 127.0.0.1 --port "$RPORT" \
+    PYTHONPATH=$PWD .venv/bin/python -m entrypoints serve --host 127.0.0.1 --port "$RPORT" \
     >>"$STATE/server.log" 2>&1 &
 server=$!
 trap 'kill $vllm $server 2>/dev/null || true' EXIT

@@ -1,7 +1,7 @@
 """The no-model default path's CPU per request with ``auto``'s randomized holdout on and off,
 in one run (issue 92, docs/outcomes.md "Cost").
 
-``bench/default_path.py``'s ``auto_scores`` case (a real ``python -m app serve`` on the
+``bench/default_path.py``'s ``auto_scores`` case (a real ``python -m entrypoints serve`` on the
 ``paced`` backend, a trusted 5-slot profile written before the start, the caller's scores on
 every passage: ranked by them, placed by the profile, no model of any kind), three ways:
 

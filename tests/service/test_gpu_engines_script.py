@@ -179,7 +179,7 @@ def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_di
     # server bench/load.py (five) and bench/default_path.py (two) started, vLLM's OpenAI
     # server.
     started = probe.read_text().splitlines()
-    assert sum("-m app serve" in line for line in started) == 7, started
+    assert sum("-m entrypoints serve" in line for line in started) == 7, started
     assert any("scripts/vllm_serve.py" in line for line in started), started
     assert sum("-m bench.load " in line for line in started) == 5, started
     # The headline figures are in the output too (the tool returns its last 12,000 chars).

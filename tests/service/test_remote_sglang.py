@@ -356,7 +356,10 @@ def test_the_service_on_sglang_answers_faults_as_documented_and_recovers(
 async def _post_while_cut(
     client: httpx.Client, base: str, body: dict[str, Any], proxy: FaultProxy
 ) -> httpx.Response:
-    """Send a request, and cut the engine's connections while it is being scored."""
+    """Send a request, and cut the engine's connections while it is being scored. The engine
+    stalls first, so the request is surely in flight at the cut: on a quiet machine the fake
+    engine scored the whole request within the 0.3 s before it (200, CI 2026-12-07)."""
+    proxy.set("stall")
     loop = asyncio.get_running_loop()
     pending = loop.run_in_executor(
         None, lambda: client.post(f"{base}/v1/reorder", json=body, timeout=60)

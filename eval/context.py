@@ -49,7 +49,7 @@ from service.prompting.templates import get_template
 from service.strategies.request import DesignSpec, ReorderRequest
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "eval" / "results" / "context"
+OUT = ROOT / "results" / "eval" / "context"
 MAX_PASSAGES = 10
 MAX_ANSWER_TOKENS = 32
 VARIANTS = (
@@ -155,7 +155,7 @@ async def run(args: argparse.Namespace) -> None:
         model=EMBEDDED_MODEL,
         device="cpu",
         dtype="float32",
-        bias_profile_dir=ROOT / "eval" / "results" / "profiles" / args.set,
+        bias_profile_dir=ROOT / "results" / "eval" / "profiles" / args.set,
     )
     from service.backends.factory import create_backend
 

@@ -6,6 +6,7 @@ manifest, not what they rebuild, and a committed report is rebuilt byte for byte
 from __future__ import annotations
 
 import filecmp
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -45,6 +46,21 @@ def test_results_live_in_one_home_apart_from_the_code() -> None:
     code = ("bench", "eval", "scripts", "app", "service", "solver", "offline")
     stray = [f for f in tracked(*code) if "results" in f.relative_to(ROOT).parts[:-1]]
     assert not stray, "results outside results/:\n" + "\n".join(map(str, stray))
+
+
+def test_no_script_reads_or_writes_the_old_results_homes() -> None:
+    # eval/context.py kept writing to eval/results/context after the move (and read its bias
+    # profiles from a folder that no longer existed, so MoI placed by the data's own fit).
+    old = re.compile(r"""(eval|bench)/results|["'](eval|bench)["']\s*/\s*["']results["']""")
+    code = ("bench", "eval", "scripts", "app", "service", "solver", "offline", "entrypoints")
+    stale = [
+        f"{f.relative_to(ROOT)}:{n}: {line.strip()}"
+        for f in tracked(*code)
+        if f.suffix == ".py"
+        for n, line in enumerate(f.read_text().splitlines(), 1)
+        if old.search(line)
+    ]
+    assert not stale, "the results moved to results/:\n" + "\n".join(stale)
 
 
 def test_no_runtime_logs_or_state_are_committed() -> None:

@@ -28,9 +28,12 @@ VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-2} VLLM_ENABLE_V1_MULTIPROCESSI
     --host 127.0.0.1 --port "$VPORT" >>"$STATE/vllm.log" 2>&1 &
 vllm=$!
 # The defaults, with outcome feedback on: served requests kept (RAG_REORDER_FEEDBACK_MAX_
-# REQUESTS, which names the generator: RAG_REORDER_GENERATOR_MODEL, and auto then places by
-# the scorer's profile only with RAG_REORDER_AUTO_LEARN_FROM_SCORER, the scorer being the
-# generator here under another name).
+# REQUESTS). The stream began when feedback also needed RAG_REORDER_GENERATOR_MODEL (another
+# name for the scorer here, so auto placed by the scorer's profile only with
+# RAG_REORDER_AUTO_LEARN_FROM_SCORER); it keeps that configuration to its end so that every
+# request is served alike. Feedback alone needs neither now: the same placement, the same
+# holdout, the answers not learned from (the holdout's control is the retriever's order,
+# which is never learned from either).
 RAG_REORDER_MODEL=$MODEL RAG_REORDER_BIAS_PROFILE_DIR=$STATE/profiles \
     RAG_REORDER_CACHE_DIR=$STATE/cache \
     RAG_REORDER_FEEDBACK_MAX_REQUESTS=10000 RAG_REORDER_GENERATOR_MODEL=smollm2-generator \

@@ -38,8 +38,7 @@ async def feedback(body: FeedbackBody, request: Request, ctx: Ctx) -> FeedbackOu
     sampler = ctx.engine.learner.generator
     if sampler is None:
         raise NotFound(
-            "feedback is off: set RAG_REORDER_FEEDBACK_MAX_REQUESTS (and "
-            "RAG_REORDER_GENERATOR_MODEL) to keep served requests for it",
+            "feedback is off: set RAG_REORDER_FEEDBACK_MAX_REQUESTS to keep served requests for it",
             param="id",
         )
     caller = caller_of(request, ctx.settings.auto_caller_header)

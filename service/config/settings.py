@@ -238,12 +238,13 @@ class Settings(BaseSettings):
     (a refit of 2,000 answers x 100 slots took 17-20 s of a loaded CPU). The drift test still
     runs after every answer. 0: refit after every answer."""
     feedback_max_requests: int = Field(default=0, ge=0, le=1_000_000)
-    """Served `/v1/reorder` requests kept (the latest) so that `POST /v1/feedback` can take the
-    generator's answer to them, with `generator_model`: in the state store, so every worker
-    (and, with `state_url`, every replica) finds them. Only a `shuffle` (a uniformly random
-    placement, the only one learned from) keeps its query and served passages; any other
-    strategy keeps its name only (docs/generator-profile.md, "Feedback"). 0: feedback off
-    (404), nothing kept."""
+    """Served `/v1/reorder` requests kept (the latest) so that `POST /v1/feedback` can take
+    their outcome (`auto`'s holdout, docs/outcomes.md) and the generator's answer to them: in
+    the state store, so every worker (and, with `state_url`, every replica) finds them.
+    Answers are learned from only with `generator_model` naming another model than the
+    scorer, and only a `shuffle` (a uniformly random placement, the only one learned from)
+    then keeps its query and served passages; any other request keeps its name and arm only
+    (docs/generator-profile.md, "Feedback"). 0: feedback off (404), nothing kept."""
     feedback_ttl_s: float = Field(default=3600.0, gt=0.0, le=7 * 86_400.0)
     """Seconds a served request is kept for feedback; later feedback on it is refused (404)."""
     feedback_max_bytes: int = Field(default=64 * 2**20, ge=2**16, le=2**40)
@@ -636,17 +637,14 @@ class Settings(BaseSettings):
     def _generator_url_needs_another_model(self) -> Settings:
         # The profile is stored under the generator's name: without one, or under the
         # scorer's, it would share (and overwrite) the keys of the profile auto learns from
-        # the scorer's log-probs, which already describe that model.
-        if self.generator_url is None and self.feedback_max_requests == 0:
+        # the scorer's log-probs, which already describe that model. Feedback alone needs no
+        # generator name: with the scorer as the generator its answers are not learned from,
+        # and outcomes are counted all the same (docs/outcomes.md).
+        if self.generator_url is None:
             return self
         if self.generator_model is None or self.generator_model == self.model:
-            what = (
-                "RAG_REORDER_GENERATOR_URL"
-                if self.generator_url is not None
-                else "RAG_REORDER_FEEDBACK_MAX_REQUESTS > 0"
-            )
             raise ValueError(
-                f"{what} needs RAG_REORDER_GENERATOR_MODEL naming the "
+                "RAG_REORDER_GENERATOR_URL needs RAG_REORDER_GENERATOR_MODEL naming the "
                 f"generator, another model than the scoring model {self.model!r} (got "
                 f"{self.generator_model!r}); when the scorer is the generator, auto learns its "
                 "profile from the log-probs it scores"

@@ -251,8 +251,11 @@ class ServedRequests:
 
     Every call but a ``MemoryRecords``' runs in a thread: the folder's and Redis's block."""
 
-    def __init__(self, records: ExpiringRecords | None) -> None:
+    def __init__(self, records: ExpiringRecords | None, *, keep_passages: bool = True) -> None:
         self.records = records
+        self.keep_passages = keep_passages
+        """Whether a random placement keeps its query and passages: only where an answer to
+        it can be learned from (the generator is another model than the scorer)."""
 
     @property
     def max_requests(self) -> int:
@@ -283,7 +286,7 @@ class ServedRequests:
             return None
         if arm is not None and arm.arm == "holdout" and arm.control == "shuffle":
             strategy = "shuffle"  # what served it: a uniformly random placement
-        random_placement = strategy in RANDOM_PLACEMENTS and len(shown) >= 2
+        random_placement = self.keep_passages and strategy in RANDOM_PLACEMENTS and len(shown) >= 2
         served = ServedRequest(
             strategy,
             len(shown),
@@ -544,7 +547,7 @@ class GeneratorSampler:
             default, with ``feedback_max_requests`` > 0: this process's memory.
 
     Raises:
-        ValueError: ``generator_url`` or ``generator_model`` unset.
+        ValueError: ``generator_url`` set without ``generator_model``.
         InvalidRequest: ``generator_template`` is not a registered template.
     """
 
@@ -561,9 +564,15 @@ class GeneratorSampler:
         likelihood: Likelihood | None = None,
         served: ExpiringRecords | None = None,
     ) -> None:
-        url, model = settings.generator_url, settings.generator_model
-        if model is None:
+        url, named = settings.generator_url, settings.generator_model
+        if url is not None and named is None:
             raise ValueError("the generator's profile needs generator_model")
+        self.learns_answers = named is not None and named != settings.model
+        """Whether answers are learned from: only for a generator other than the scoring
+        model. When they are one model (``generator_model`` unset or the same), ``auto``
+        learns its profile from the log-probs it scores, and the sampler only keeps served
+        requests for their outcomes (docs/outcomes.md)."""
+        model = named if named is not None else settings.model
         self.settings = settings
         self.profiles = profiles
         self.spool = spool
@@ -602,7 +611,7 @@ class GeneratorSampler:
             served = MemoryRecords(
                 settings.feedback_max_requests, settings.feedback_max_bytes, settings.feedback_ttl_s
             )
-        self.served = ServedRequests(served)
+        self.served = ServedRequests(served, keep_passages=self.learns_answers)
         """Served requests kept for ``POST /v1/feedback`` (none while it is off)."""
         self.counters = GeneratorCounters()
         # The draws and the orders shown come from the OS, never from anything a caller sends
@@ -678,7 +687,10 @@ class GeneratorSampler:
     def placing(self, n_passages: int) -> StoredProfile | None:
         """The generator's trusted profile for ``n_passages`` passages, or ``None``. The
         store is read at most once per ``state_refresh_s`` per passage count (the server's
-        store answers from memory), so another replica's store is seen as soon."""
+        store answers from memory), so another replica's store is seen as soon. Always
+        ``None`` when the scorer is the generator: its profile is the one ``auto`` learns."""
+        if not self.learns_answers:
+            return None
         st = self._status.get(n_passages)
         if st is None:
             st = self._status[n_passages] = OnlineStatus(n_passages)
@@ -702,6 +714,9 @@ class GeneratorSampler:
         answers already pooled (a restart, other replicas) are fitted, so ``/info`` and
         ``auto`` know them before the first new sample."""
         self._wake = anyio.Event()
+        if not self.learns_answers:
+            # Outcomes only: no answer is pooled, no call is made (no URL), nothing to fit.
+            await anyio.sleep_forever()
         try:
             await self._load()
         except Exception as exc:  # the pooled answers are read again at the next sample
@@ -815,11 +830,11 @@ class GeneratorSampler:
                 "served request (send its outcome and the generator's answer together)",
                 param="id",
             )
-        if outcome is None and answer is not None and not _learnable(served):
+        if outcome is None and answer is not None and not self._learnable(served):
             # An answer alone on an order it cannot be learned from: nothing is taken, so
             # the request's outcome can still be reported.
             self.counters.feedback["unused"] += 1
-            return Feedback(False, _why_not(served), None, ())
+            return Feedback(False, self._why_not(served), None, ())
         # One report per served request: taken, so a report sent to two workers at once is
         # counted once, and a second is refused.
         try:
@@ -829,10 +844,10 @@ class GeneratorSampler:
         counted: OutcomeTaken | None = None
         if outcome is not None:
             counted = await _count_outcome(served, outcome, outcomes)
-        if answer is None or not _learnable(served):
+        if answer is None or not self._learnable(served):
             if answer is not None:
                 self.counters.feedback["unused"] += 1
-            return Feedback(False, _why_not(served) if answer else "", None, (), counted)
+            return Feedback(False, self._why_not(served) if answer else "", None, (), counted)
         n = len(served.shown)
         found = await self._learn(served.query, served.shown, tuple(range(n)), answer)
         self.counters.feedback["used"] += 1
@@ -844,6 +859,17 @@ class GeneratorSampler:
             tuple(sorted(found.passages)),
             counted,
         )
+
+    def _learnable(self, served: ServedRequest) -> bool:
+        return self.learns_answers and _learnable(served)
+
+    def _why_not(self, served: ServedRequest) -> str:
+        if not self.learns_answers:
+            return (
+                "the scoring model is the generator (RAG_REORDER_GENERATOR_MODEL unset or the "
+                "same): auto learns its profile from the log-probs it scores, not from answers"
+            )
+        return _why_not(served)
 
     def _not_kept(self, response_id: str) -> str:
         s = self.served

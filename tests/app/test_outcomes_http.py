@@ -210,3 +210,45 @@ async def test_a_holdout_shuffle_with_its_answer_feeds_the_generators_profile(
         assert used["holdout"] > 0
         info = (await h.client.get("/info")).json()["auto"]["generator_online"]
         assert info["feedback"]["used"] == used["holdout"]
+
+
+async def test_outcomes_need_no_generator_name_when_the_scorer_answers(tmp_path: Path) -> None:
+    """The embedded default (the scoring model is the generator) measures its uplift with
+    feedback on alone: before, the settings refused RAG_REORDER_FEEDBACK_MAX_REQUESTS without
+    another model named as the generator, so a team had to invent one. Outcomes are counted;
+    an answer is not learned from (the scorer's log-probs are its profile) and says why; a
+    holdout's shuffle keeps no query or passages; auto places by the scorer's side, never by
+    a generator profile of its own name."""
+    settings = {**_settings(tmp_path, holdout_rate=0.5, holdout_order="shuffle")}
+    del settings["generator_model"]
+    async with serving(tmp_path, **settings) as h:
+        sampler = h.ctx.engine.learner.generator
+        assert sampler is not None and not sampler.learns_answers
+        arms: dict[str, list[str]] = {"placed": [], "holdout": []}
+        for _ in range(40):
+            r = await serve(h)
+            arms[r["auto"]["arm"]].append(r["feedback_id"])
+            assert r["auto"]["path"] in ("profile", "holdout")
+        assert arms["placed"] and arms["holdout"], arms
+        for arm, tokens in arms.items():
+            r = await h.client.post(
+                "/v1/feedback",
+                json={"id": tokens[0], "outcome": True, "answer": "Paris"},
+                headers={"X-Tenant": "a"},
+            )
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["outcome"]["counted"] and out["outcome"]["arm"] == arm
+            assert not out["used"] and "scoring model is the generator" in out["reason"]
+        # Nothing of a request's content is kept: a holdout shuffle's record has no passages.
+        for token in arms["holdout"][1:]:
+            kept = await sampler.served.get(token, "header:a")
+            assert kept is not None and kept.strategy == "shuffle", kept
+            assert (kept.query, kept.shown) == ("", ()), kept
+        info = (await h.client.get("/info")).json()["auto"]
+        assert info["scorer_is_generator"] and info["outcomes"]["keys"][0]["outcomes"] == {
+            "placed": 1,
+            "holdout": 1,
+            "pass_through": 0,
+        }
+        assert sampler.counters.feedback["used"] == 0

@@ -160,52 +160,77 @@ class _Pool:
         if len(slots) > 1:
             raise SolverError(f"runs have different slot counts {sorted(slots)}")
         self.slots = slots.pop() if slots else 0
-        self.designs = [perms for perms, _ in groups.values()]
         self.columns = [np.stack(cols, axis=1) for _, cols in groups.values()]
         self.runs = sum(c.shape[1] for c in self.columns)
         # Each run's index (the group, its column), in a fixed order for the bootstrap.
         self.index = [(g, c) for g, cols in enumerate(self.columns) for c in range(cols.shape[1])]
+        # The groups' designs stacked by shape (prompts, passages): one evaluation of the
+        # objective is then a few batched array operations per shape, not a Python loop over
+        # designs (calibrate's 12 queries are 12 designs of one shape).
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for g, (perms, _) in enumerate(groups.values()):
+            shapes.setdefault((perms.shape[0], int(perms.max()) + 1), []).append(g)
+        perms_of = [perms for perms, _ in groups.values()]
+        self.members = list(shapes.values())
+        self.designs = [_Stack([perms_of[g] for g in members]) for members in self.members]
 
     def grams(self, weights: FloatArray | None = None) -> list[FloatArray]:
-        """``G = sum_r w_r s_r s_r^T`` per group (``w`` per run in ``index`` order)."""
+        """``G = sum_r w_r s_r s_r^T`` per group (``w`` per run in ``index`` order), stacked
+        as ``designs`` are (one ``B x M x M`` array per shape)."""
         if weights is None:
-            return [c @ c.T for c in self.columns]
-        out = []
-        start = 0
-        for c in self.columns:
-            w = weights[start : start + c.shape[1]]
-            out.append((c * w) @ c.T)
-            start += c.shape[1]
-        return out
+            per_group = [c @ c.T for c in self.columns]
+        else:
+            per_group = []
+            start = 0
+            for c in self.columns:
+                w = weights[start : start + c.shape[1]]
+                per_group.append((c * w) @ c.T)
+                start += c.shape[1]
+        return [np.stack([per_group[g] for g in members]) for members in self.members]
 
 
-def _matrix(perms: np.ndarray, a: FloatArray) -> FloatArray:
-    m = perms.shape[0]
-    n = int(perms.max()) + 1
-    x = np.zeros((m, n))
-    rows = np.repeat(np.arange(m), perms.shape[1])
-    np.add.at(x, (rows, perms.ravel()), np.tile(a, m))
-    return x
+class _Stack:
+    """``B`` designs of one shape (``M`` prompts of ``L`` slots over ``N`` passages), with the
+    one-hot map that builds every ``X(a)`` (``X[i, pi_i(j)] = a_j``) in one product."""
+
+    def __init__(self, designs: list[np.ndarray]) -> None:
+        perms = np.stack(designs)  # B x M x L
+        b, m, slots = perms.shape
+        n = int(perms.max()) + 1
+        # onehot[b, i, k, j] = 1 where prompt i of design b shows passage k in slot j.
+        onehot = perms[:, :, None, :] == np.arange(n)[None, None, :, None]
+        self.onehot = onehot.reshape(b * m * n, slots).astype(np.float64)
+        self.shape = (b, m, n)
+
+    def matrices(self, a: FloatArray) -> FloatArray:
+        """Every design's ``X(a)``: ``B x M x N``, each entry exactly its slot's ``a_j`` (or 0)."""
+        return np.asarray((self.onehot @ a).reshape(self.shape), dtype=np.float64)
+
+    def slot_sums(self, w: FloatArray) -> FloatArray:
+        """``sum_b sum_i W_b[i, pi_bi(j)]`` per slot ``j``, for ``W`` of shape ``B x M x N``."""
+        return np.asarray(w.reshape(-1) @ self.onehot, dtype=np.float64)
 
 
 def _rss_grad(
-    a: FloatArray, designs: list[np.ndarray], grams: list[FloatArray]
+    a: FloatArray, designs: list[_Stack], grams: list[FloatArray]
 ) -> tuple[float, FloatArray]:
     """The pooled residual sum of squares at ``a`` and its gradient in ``a``.
 
     With ``X^+`` the pseudo-inverse and ``P = X X^+``: ``RSS = tr(G) - tr(P G)``, and by the
     variable-projection identity ``dRSS/da_j = -2 sum_i W[i, pi_i(j)]`` with
     ``W = (I - P) G X^+T`` (the residuals times the fitted utilities, summed over runs).
+    Computed for each shape's stack of designs at once (``_Stack``).
     """
     total = 0.0
     grad = np.zeros_like(a)
-    for perms, g in zip(designs, grams, strict=True):
-        x = _matrix(perms, a)
+    for stack, g in zip(designs, grams, strict=True):
+        x = stack.matrices(a)
         xp = np.linalg.pinv(x, rcond=1e-10)
-        gx = g @ xp.T
+        gx = g @ xp.transpose(0, 2, 1)
         w = gx - x @ (xp @ gx)
-        total += float(np.trace(g) - np.trace(x @ (xp @ g)))
-        grad -= 2.0 * w[np.arange(perms.shape[0])[:, None], perms].sum(axis=0)
+        total += float(np.trace(g, axis1=1, axis2=2).sum())
+        total -= float(np.trace(x @ (xp @ g), axis1=1, axis2=2).sum())
+        grad -= 2.0 * stack.slot_sums(w)
     return total, grad
 
 
@@ -215,7 +240,7 @@ def _to_simplex(theta: FloatArray) -> FloatArray:
 
 
 def _fit(
-    designs: list[np.ndarray],
+    designs: list[_Stack],
     grams: list[FloatArray],
     slots: int,
     starts: list[FloatArray],
@@ -399,7 +424,7 @@ def assess(
     L = pool.slots
     starts = [np.full(L, 1.0 / L), *start_shapes(L)]
     a_hat, rss = _fit(pool.designs, pool.grams(), L, starts)
-    total = sum(float(np.trace(g)) for g in pool.grams())
+    total = sum(float(np.trace(g, axis1=1, axis2=2).sum()) for g in pool.grams())
     boot = _bootstrap(pool, a_hat, rules.resamples, seed)
     cov = np.cov(boot, rowvar=False)
     flat_p = _wald(a_hat - 1.0 / L, cov, L - 1)

@@ -53,9 +53,12 @@ def exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
 def _start(nice: int, parent: int) -> None:
     exit_with_parent(parent)
     if nice:
-        # The whole worker process: every thread it starts (BLAS's) inherits it.
+        # The whole worker process: every thread it starts (BLAS's) inherits it. Never above
+        # its server's own priority: a server already at a higher nice (a niced `make check`,
+        # run as root, which may lower a nice) would otherwise hand its background work the
+        # CPU before its requests.
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, 0, nice)
+            os.setpriority(os.PRIO_PROCESS, 0, max(nice, os.getpriority(os.PRIO_PROCESS, 0)))
 
 
 class WorkerProcesses:

@@ -35,6 +35,23 @@ def test_pooled_fit_matches_calibrate_and_recovers_the_truth(rng: np.random.Gene
     assert fast.sum() == pytest.approx(1.0)
 
 
+def test_pooled_fit_over_designs_of_several_shapes_matches_calibrate(
+    rng: np.random.Generator,
+) -> None:
+    # Designs of 9 and of 10 passages (their X(a) differ in shape) pooled in one fit: the
+    # objective is evaluated per shape on stacked designs, and must still be calibrate's.
+    truth = bias_shape("recency", 5)
+    runs = []
+    for r in range(12):
+        n = 9 + r % 2
+        perms = solver.plan("pruned_random", n, prompt_passages=5, seed=r % 4)
+        runs.append((perms, synthesize(perms, rng.normal(size=n) * 2.0, truth, 0.1, rng)))
+    assert len({p.shape for p, _ in runs}) == 2
+    fast = trust.pooled_fit(runs)
+    np.testing.assert_allclose(fast, solver.calibrate(runs).coefficients, atol=2e-3)
+    np.testing.assert_allclose(fast, truth, atol=0.03)
+
+
 def test_a_clear_profile_is_shaped_with_its_strongest_slots(rng: np.random.Generator) -> None:
     t = trust.assess(runs_of(bias_shape("recency", 5), 8, rng), placement_slots=N)
     assert t.verdict == "shaped" and t.trusted

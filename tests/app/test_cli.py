@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.support.short_data import short_dev_set
+
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT.parent / "shared" / "data" / "nq_open_dev.jsonl"
 
@@ -66,12 +68,14 @@ def test_reorder_calibrate_and_cyclic_on_smollm2(tmp_path: Path, smollm2_dir: Pa
     assert json.loads(refused.stderr.strip().splitlines()[-1])["error"]["type"] == (
         "unidentifiable_design"
     )
-    # Calibrate a 2-slot profile from real NQ queries, then the same request is served.
+    # Calibrate a 2-slot profile from real NQ queries (their passages cut to 12 words: the
+    # same prompts planned, each scored, a fraction of the tokens), then the same request is
+    # served.
     cal = _run(
         [
             "calibrate",
             "--data",
-            str(DATA),
+            str(short_dev_set(tmp_path / "nq_open_dev.jsonl", 3, source=DATA)),
             "--limit",
             "3",
             "--max-passages",

@@ -28,6 +28,7 @@ import pytest
 
 from bench.report import DATA
 from bench.server_process import free_port
+from tests.support.short_data import short_dev_set
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -42,6 +43,11 @@ STAGES = [
     "load_workers_vllm",
     "default_path",
 ]
+# Each passage's first 12 words (the dev set's are about 100): every engine's prompts are a
+# quarter as long, so each scoring pass, ceiling and request costs a quarter of the tokens;
+# every stage still scores each of its requests through its engine, which is what is checked
+# here, not the figures (2026-12-07, docs/development.md, Tests).
+PASSAGE_WORDS = 12
 SERVER_LOGS = [f"{name}.server.log" for name in STAGES if name.startswith("load_")]
 
 
@@ -63,9 +69,8 @@ def stage_rows(stages_tsv: str) -> dict[str, str]:
 
 
 def test_the_device_script_runs_end_to_end_on_the_cpu(tmp_path: Path, smollm2_dir: Path) -> None:
-    data = tmp_path / "data" / "nq_open_dev.jsonl"  # not ../shared: the device has none
-    data.parent.mkdir()
-    data.write_text("".join(DATA.read_text().splitlines(keepends=True)[:2]))
+    # Not ../shared: the device has none.
+    data = short_dev_set(tmp_path / "data" / "nq_open_dev.jsonl", 2, PASSAGE_WORDS, DATA)
     # The device's /tmp/site stand-in: there the service's own packages are reachable only
     # through PYTHONPATH, and a server started without it died on `import pydantic`
     # (2026-11-27, H200). Every Python process that reaches this folder says so.

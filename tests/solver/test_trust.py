@@ -185,3 +185,34 @@ def test_a_trusted_profile_holds_while_its_refit_keeps_its_top_slots_and_shape()
     assert trust.holds("flat", (3,), flat_p=0.4, stability=0.1, top=(7,), rules=rules)[0]
     assert not trust.holds("flat", (3,), flat_p=0.01, stability=1.0, top=(3,), rules=rules)[0]
     assert not trust.holds("undecided", (3,), flat_p=0.001, stability=1.0, top=(3,), rules=rules)[0]
+
+
+def test_the_stacked_designs_take_memory_by_prompt_cell_not_by_passage_and_slot() -> None:
+    """200 pooled runs of 100 passages (``auto_max_runs``' default at ``max_passages``'): the
+    stacked designs build every ``X(a)`` exactly, within tens of MB. A one-hot map of
+    (design, prompt, passage) x slot took 1.7 GB here before (found in review)."""
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    runs, prompts, n, slots = 200, 200, 100, 50
+    every = rng.permuted(np.tile(np.arange(n), (runs * prompts, 1)), axis=1)
+    designs = list(every[:, :slots].reshape(runs, prompts, slots))
+    tracemalloc.start()
+    try:
+        stack = trust._Stack(designs)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 * 2**20, f"{peak / 2**20:.0f} MiB to stack the designs"
+    a = rng.random(slots)
+    x = stack.matrices(a)
+    w = np.zeros((runs, prompts, n))
+    want = np.zeros(slots)
+    for b in (0, 117, 199):
+        xb = np.zeros((prompts, n))
+        for i in range(prompts):
+            xb[i, designs[b][i]] = a
+        assert np.array_equal(x[b], xb)
+        w[b] = rng.random((prompts, n))
+        want += w[b][np.arange(prompts)[:, None], designs[b]].sum(axis=0)
+    assert np.allclose(stack.slot_sums(w), want, rtol=1e-12, atol=1e-9)

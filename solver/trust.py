@@ -167,10 +167,10 @@ class _Pool:
         # The groups' designs stacked by shape (prompts, passages): one evaluation of the
         # objective is then a few batched array operations per shape, not a Python loop over
         # designs (calibrate's 12 queries are 12 designs of one shape).
-        shapes: dict[tuple[int, int], list[int]] = {}
-        for g, (perms, _) in enumerate(groups.values()):
-            shapes.setdefault((perms.shape[0], int(perms.max()) + 1), []).append(g)
         perms_of = [perms for perms, _ in groups.values()]
+        shapes: dict[tuple[int, int], list[int]] = {}
+        for g, perms in enumerate(perms_of):
+            shapes.setdefault((perms.shape[0], int(perms.max()) + 1), []).append(g)
         self.members = list(shapes.values())
         self.designs = [_Stack([perms_of[g] for g in members]) for members in self.members]
 
@@ -193,7 +193,8 @@ class _Stack:
     """``B`` designs of one shape (``M`` prompts of ``L`` slots over ``N`` passages), with the
     flat index of every (design, prompt, slot)'s cell, which builds every ``X(a)``
     (``X[i, pi_i(j)] = a_j``) in one ``bincount``. An index, not a one-hot map: the map is
-    ``B x M x N x L`` (1.6 GB for 200 pooled runs of 100 passages), the index ``B x M x L``."""
+    ``B x M x N x L`` (1.7 GB at its peak for 200 pooled runs of 100 passages), the index
+    ``B x M x L`` (15 MiB there)."""
 
     def __init__(self, designs: list[np.ndarray]) -> None:
         perms = np.stack(designs).astype(np.int64)  # B x M x L

@@ -31,6 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -47,6 +48,7 @@ from service.passage import Passage
 from service.pipeline import Reorderer
 from service.prompting.templates import get_template
 from service.strategies.request import DesignSpec, ReorderRequest
+from solver import place_ranking
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "eval" / "context"
@@ -64,19 +66,45 @@ VARIANTS = (
 )
 
 
-def block_tokens(tok: Any, passages: list[Passage], order: list[int]) -> int:
-    tpl = get_template("qa_default")
+def block_tokens(tok: Any, passages: list[Passage], order: list[int], template: str) -> int:
+    tpl = get_template(template)
     text = tpl.separator.join(tpl.render_document(k, passages[i])[0] for k, i in enumerate(order))
     return len(tok.encode(text).ids)
 
 
-async def one(reorderer: Reorderer, q: Any, is_hotpot: bool) -> dict[str, Any]:
+def fit_record(ranking: list[int], fit: Any) -> dict[str, Any]:
+    """What the budget and distractor rules read of MoI's fit, kept so another generator's
+    pass (``--generator``) reuses it instead of scoring the question again."""
+    return {
+        "ranking": list(ranking),
+        "utilities": np.asarray(fit.utilities, dtype=float).tolist(),
+        "stderr": None
+        if fit.utility_stderr is None
+        else np.asarray(fit.utility_stderr, dtype=float).tolist(),
+        "cov": None if fit.utility_cov is None else np.asarray(fit.utility_cov).tolist(),
+    }
+
+
+def stored_fit(rec: dict[str, Any]) -> Any:
+    f = rec["fit"]
+    return SimpleNamespace(
+        utilities=np.asarray(f["utilities"]),
+        utility_stderr=None if f["stderr"] is None else np.asarray(f["stderr"]),
+        utility_cov=None if f["cov"] is None else np.asarray(f["cov"]),
+    )
+
+
+def source_passages(q: Any, is_hotpot: bool) -> list[Passage]:
     passages = list(q.passages)
     if is_hotpot:
         # Titles as sources (OP-RAG's document order needs them); offsets: input position.
         passages = [
             Passage(p.text, p.title, source=p.title, offset=k) for k, p in enumerate(passages)
         ]
+    return passages
+
+
+async def moi(reorderer: Reorderer, q: Any, passages: list[Passage]) -> tuple[Any, float]:
     t0 = time.perf_counter()
     result = await reorderer.reorder(
         ReorderRequest(
@@ -88,31 +116,45 @@ async def one(reorderer: Reorderer, q: Any, is_hotpot: bool) -> dict[str, Any]:
             request_id=f"ctx-{q.id}",
         )
     )
-    moi_s = time.perf_counter() - t0
-    tok = reorderer.backend.tokenizer
-    tpl = get_template("qa_default")
+    return result, time.perf_counter() - t0
+
+
+async def answer(
+    gen: Reorderer,
+    template: str,
+    q: Any,
+    passages: list[Passage],
+    placed: list[int],
+    ranking: list[int],
+    fit: Any,
+    is_hotpot: bool,
+) -> dict[str, Any]:
+    """Every context of the module docstring, built by the service's rules in ``gen``'s
+    tokenizer and template, answered by ``gen``'s model."""
+    tok = gen.backend.tokenizer
+    tpl = get_template(template)
 
     def window(options: ContextOptions) -> list[int]:
         return build_window(
-            order=result.order,
-            ranking=result.ranking,
-            fit=result.fit,
+            order=placed,
+            ranking=ranking,
+            fit=fit,
             passages=passages,
             options=options,
             tokenizer=tok,
-            tokenizer_name=reorderer.backend.model_id,
+            tokenizer_name=gen.backend.model_id,
             tokenizer_is_generator=True,
             template=tpl,
         ).order
 
     n = len(passages)
     orders: dict[str, list[int]] = {
-        "all": list(result.order),
+        "all": list(placed),
         "top3": list(range(min(3, n))),
         "top5": list(range(min(5, n))),
     }
     for k in (3, 5):
-        budget = block_tokens(tok, passages, list(range(min(k, n))))
+        budget = block_tokens(tok, passages, list(range(min(k, n))), template)
         orders[f"budget@top{k}"] = window(ContextOptions(max_context_tokens=budget))
     orders["distractors"] = window(ContextOptions(distractors=DistractorOptions()))
     orders["distractors_above"] = window(
@@ -120,19 +162,28 @@ async def one(reorderer: Reorderer, q: Any, is_hotpot: bool) -> dict[str, Any]:
     )
     if is_hotpot:
         orders["document"] = window(ContextOptions(order="document"))
-    work = reorderer.work(f"ctx-gen-{q.id}")
+    work = gen.work(f"ctx-gen-{q.id}")
     names = list(orders)
     prompts = await work.generation_prompts(
-        q.question, passages, [orders[v] for v in names], room=MAX_ANSWER_TOKENS
+        q.question, passages, [orders[v] for v in names], template=template, room=MAX_ANSWER_TOKENS
     )
-    answers = await work.generate(prompts, max_new_tokens=MAX_ANSWER_TOKENS)
-    rec: dict[str, Any] = {"id": q.id, "gold": list(q.gold), "moi_s": moi_s, "variants": {}}
+    # Contexts that render the same prompt (a rule that dropped nothing, document order on
+    # sets with one passage a source) are answered once: greedy decoding gives them one answer.
+    distinct: dict[tuple[int, ...], int] = {}
+    for prompt in prompts:
+        distinct.setdefault(tuple(prompt.token_ids), len(distinct))
+    first = {key: next(p for p in prompts if tuple(p.token_ids) == key) for key in distinct}
+    t0 = time.perf_counter()
+    generated = await work.generate(list(first.values()), max_new_tokens=MAX_ANSWER_TOKENS)
+    gen_s = time.perf_counter() - t0
+    answers = [generated[distinct[tuple(p.token_ids)]] for p in prompts]
+    variants: dict[str, Any] = {}
     for v, prompt, ans in zip(names, prompts, answers, strict=True):
         text = ans.text if ans is not None else ""
         s = score_answer(text, q.answers)
-        rec["variants"][v] = {
+        variants[v] = {
             "order": orders[v],
-            "documents_tokens": block_tokens(tok, passages, orders[v]),
+            "documents_tokens": block_tokens(tok, passages, orders[v], template),
             "prompt_tokens": len(prompt.token_ids),
             "gold_kept": len(set(q.gold) & set(orders[v])),
             "answer": text,
@@ -140,43 +191,98 @@ async def one(reorderer: Reorderer, q: Any, is_hotpot: bool) -> dict[str, Any]:
             "em": s.em,
             "f1": s.f1,
         }
-    return rec
+    return {"generate_s": gen_s, "variants": variants}
+
+
+def out_path(args: argparse.Namespace) -> Path:
+    if args.generator is None:
+        return OUT / f"{args.set}.jsonl"
+    return OUT / f"{args.set}__{args.generator.rsplit('/', 1)[-1].lower()}.jsonl"
+
+
+def _done(path: Path) -> dict[str, dict[str, Any]]:
+    if not path.exists():
+        return {}
+    return {r["id"]: r for r in map(json.loads, path.read_text().splitlines())}
 
 
 async def run(args: argparse.Namespace) -> None:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    data = Path(args.data) / f"{args.set}.jsonl"
-    out = OUT / f"{args.set}.jsonl"
+    from service.backends.factory import create_backend
+
+    if args.threads:
+        import torch
+
+        # Two runs side by side (one a set) on a 2-core host: one thread each, no contention.
+        torch.set_num_threads(args.threads)
+    is_hotpot = args.set.startswith("hotpot")
+    profiles = ROOT / "results" / "eval" / "profiles"
+    out = out_path(args)
     out.parent.mkdir(parents=True, exist_ok=True)
-    done = (
-        {json.loads(line)["id"] for line in out.read_text().splitlines()} if out.exists() else set()
-    )
-    settings = Settings(
+    done = _done(out)
+    scorer_settings = Settings(
         model=EMBEDDED_MODEL,
         device="cpu",
         dtype="float32",
-        bias_profile_dir=ROOT / "results" / "eval" / "profiles" / args.set,
+        bias_profile_dir=profiles / args.set,
     )
-    from service.backends.factory import create_backend
-
-    backend = create_backend(settings)
-    reorderer = Reorderer(backend, settings)
-    examples = load_examples(data, limit=args.limit)
-    for ex in examples:
+    scorer: Reorderer | None = None
+    gen: Reorderer | None = None
+    template = "qa_default"
+    coefficients: np.ndarray | None = None
+    if args.generator is not None:
+        # Another generator: MoI's fit is the scorer's (SmolLM2), read from the SmolLM2 run's
+        # records where it kept one; placed by the generator's own stored profile (what
+        # ``moi:<design>:generator_bias`` does in ``rag-reorder eval``); contexts counted in the
+        # generator's tokens and rendered in its template.
+        gen_settings = Settings(model=args.generator, device="cpu", dtype="float32")
+        template = gen_settings.chat_template
+        name = args.generator.rsplit("/", 1)[-1].lower()
+        folder = profiles / f"{args.set}__smollm2-135m__{name}"
+        [path] = folder.glob(f"*__{template}__L{MAX_PASSAGES}.json")
+        coefficients = np.asarray(json.loads(path.read_text())["coefficients"])
+        gen = Reorderer(create_backend(gen_settings), gen_settings)
+        scored = _done(OUT / f"{args.set}.jsonl")
+        fits = {k: r for k, r in scored.items() if "fit" in r}
+    else:
+        scored, fits = {}, {}
+    data = Path(args.data) / f"{args.set}.jsonl"
+    for ex in load_examples(data, limit=args.limit):
         q = prepare(ex, MAX_PASSAGES)
-        if q.id in done:
+        if q.id in done or (args.only_scored and q.id not in scored):
             continue
-        rec = await one(reorderer, q, args.set.startswith("hotpot"))
+        passages = source_passages(q, is_hotpot)
+        rec: dict[str, Any] = {"id": q.id, "gold": list(q.gold)}
+        placed: list[int] = []
+        if q.id in fits:
+            fit = stored_fit(fits[q.id])
+            ranking = fits[q.id]["fit"]["ranking"]
+            rec["moi_s"] = None
+        else:
+            if scorer is None:
+                scorer = Reorderer(create_backend(scorer_settings), scorer_settings)
+            result, rec["moi_s"] = await moi(scorer, q, passages)
+            fit, ranking = result.fit, list(result.ranking)
+            rec["fit"] = fit_record(ranking, fit)
+            placed = list(result.order)
+        if coefficients is not None:
+            placed = place_ranking(ranking, "bias_matched", coefficients)
+        if gen is None:
+            assert scorer is not None
+            gen = scorer
+        rec.update(await answer(gen, template, q, passages, placed, ranking, fit, is_hotpot))
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")
         print(q.id, {v: r["accuracy"] for v, r in rec["variants"].items()}, flush=True)
 
 
 def report(args: argparse.Namespace) -> str:
-    recs = [json.loads(line) for line in (OUT / f"{args.set}.jsonl").read_text().splitlines()]
+    recs = [json.loads(line) for line in out_path(args).read_text().splitlines()]
     metric = "f1" if args.set.startswith("hotpot") else "accuracy"
+    answering = args.generator or EMBEDDED_MODEL
     lines = [
-        f"{args.set}: {len(recs)} questions, metric {metric} (HotpotQA also EM)",
+        f"{args.set}: {len(recs)} questions, {answering} answering, metric {metric} "
+        "(HotpotQA also EM)",
         "",
         f"| context | {metric} | EM | documents tokens | prompt tokens | tokens vs all "
         f"| gold kept | {metric} - all [95% CI] p |",
@@ -206,6 +312,19 @@ def main() -> None:
     p.add_argument("--data", default=str(ROOT.parent / "shared" / "data"))
     p.add_argument("--limit", type=int, default=None)
     p.add_argument("--report", action="store_true")
+    p.add_argument(
+        "--generator",
+        default=None,
+        help="another generator answering (google/gemma-3-270m): MoI's fits from the SmolLM2 "
+        "run's records, placed by the generator's stored profile",
+    )
+    p.add_argument(
+        "--only-scored",
+        action="store_true",
+        help="with --generator: only the questions the SmolLM2 run has finished (a pass that "
+        "follows a running one)",
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     args = p.parse_args()
     if args.report:
         print(report(args))

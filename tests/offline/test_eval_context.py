@@ -68,7 +68,9 @@ def test_the_stored_fit_gives_the_live_fits_windows(context: ModuleType) -> None
     assert all(len(w.order) < n for w in windows[0])
 
 
-def test_the_report_pairs_each_context_with_all(context: ModuleType, tmp_path: Path) -> None:
+def test_the_report_pairs_each_context_with_all(
+    context: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def variant(acc: float, tokens: int) -> dict[str, float | int]:
         return {
             "accuracy": acc,
@@ -86,7 +88,7 @@ def test_the_report_pairs_each_context_with_all(context: ModuleType, tmp_path: P
         }
         for k in range(10)
     ]
-    context.OUT = tmp_path
+    monkeypatch.setattr(context, "OUT", tmp_path)
     (tmp_path / "nq_open_dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
     args = argparse.Namespace(set="nq_open_dev", generator=None)
     table = context.report(args).splitlines()

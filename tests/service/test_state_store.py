@@ -502,9 +502,12 @@ def test_redis_killed_and_restarted_during_traffic(tmp_path: Path) -> None:
         eventually(lambda: b.profiles.get("n", "qa_default", 3) == second)
         # a wrote back what it held: the first profile too, though Redis lost it
         eventually(lambda: b.profiles.get("m", "qa_default", 3) == first)
+        # Past the spool's bound before stopping: on a busy host the outage and recovery can
+        # take fewer than 100 requests of this loop (72 and 96 were seen), and the bound below
+        # would then count what was served, not what was kept.
+        eventually(lambda: served[0] > 150, timeout=60)
         stop.set()
         thread.join()
-        assert served[0] > 50
         assert a.flush(5)
         assert len(b.spool("sample", 100, "b").runs(KEY)) == 100  # bounded, oldest out
         assert a.up and b.up and a.dropped == 0

@@ -52,6 +52,14 @@ async def started(backend: PacedBackend, path: Path) -> tuple[asyncio.Event, asy
     return stop, task
 
 
+async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for ``check`` (a state that crosses the socket), failing after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "not within the timeout"
+        await asyncio.sleep(0.01)
+
+
 def test_two_workers_share_the_engines_forwards_and_get_its_answers() -> None:
     async def main() -> None:
         path = socket_path()
@@ -264,12 +272,15 @@ def test_the_warm_ups_seed_reaches_the_engines_meter_until_a_call_completes() ->
         worker = SocketBackend(path, ByteTokenizer(), model_id="m")
         await worker.connect()
         worker.meter.seed(300, 0.1)
-        await asyncio.sleep(0.1)
+        # Polled, not slept: the seed crosses the socket and the engine's meter comes back,
+        # which took longer than a fixed 0.1 s on a busy host.
+        await until(lambda: worker.meter.tokens_per_s is not None)
         assert worker.meter.tokens_per_s == pytest.approx(3000.0)
         assert worker.meter.completed == 0
         await worker.score([req(1)])
+        await until(lambda: worker.meter.completed == 1)
         worker.meter.seed(10, 10.0)  # ignored once a real call completed
-        await asyncio.sleep(0.1)
+        await asyncio.sleep(0.2)  # time for a seed that was not ignored to come back
         assert worker.meter.completed == 1 and (worker.meter.tokens_per_s or 0.0) > 3000.0
         await worker.aclose()
         stop.set()

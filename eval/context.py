@@ -276,6 +276,16 @@ async def run(args: argparse.Namespace) -> None:
         print(q.id, {v: r["accuracy"] for v, r in rec["variants"].items()}, flush=True)
 
 
+GOAL_TOKENS = -0.30  # the goal: at least 30% fewer prompt tokens than all placed ...
+GOAL_LOSS = -0.02  # ... with the paired interval's lower bound no lower than this
+
+
+def _paired(recs: list[dict[str, Any]], v: str, base: str, metric: str) -> Any:
+    rows = [r for r in recs if v in r["variants"] and base in r["variants"]]
+    pairs = [(r["variants"][v][metric], r["variants"][base][metric]) for r in rows]
+    return paired_comparison(metric, v, base, pairs, seed=0)
+
+
 def report(args: argparse.Namespace) -> str:
     recs = [json.loads(line) for line in out_path(args).read_text().splitlines()]
     metric = "f1" if args.set.startswith("hotpot") else "accuracy"
@@ -285,22 +295,48 @@ def report(args: argparse.Namespace) -> str:
         "(HotpotQA also EM)",
         "",
         f"| context | {metric} | EM | documents tokens | prompt tokens | tokens vs all "
-        f"| gold kept | {metric} - all [95% CI] p |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        f"| gold kept | {metric} - all [95% CI] p | goal |",
+        "|---|---:|---:|---:|---:|---:|---:|---|---|",
     ]
     base_tok = np.mean([r["variants"]["all"]["prompt_tokens"] for r in recs])
     for v in VARIANTS:
-        rows = [r for r in recs if v in r["variants"]]
-        if not rows:
+        x = [r["variants"][v] for r in recs if v in r["variants"]]
+        if not x:
             continue
-        x = [r["variants"][v] for r in rows]
-        pairs = [(r["variants"][v][metric], r["variants"]["all"][metric]) for r in rows]
-        c = paired_comparison(metric, v, "all", pairs, seed=0)
+        c = _paired(recs, v, "all", metric)
         tok = np.mean([y["prompt_tokens"] for y in x])
+        saved = tok / base_tok - 1
+        goal = (
+            "-"
+            if v == "all"
+            else "met"
+            if saved <= GOAL_TOKENS and c.ci_low >= GOAL_LOSS
+            else "not shown"
+            if saved <= GOAL_TOKENS
+            else "too few tokens saved"
+        )
         lines.append(
             f"| {v} | {np.mean([y[metric] for y in x]):.3f} | {np.mean([y['em'] for y in x]):.3f} "
             f"| {np.mean([y['documents_tokens'] for y in x]):.0f} | {tok:.0f} "
-            f"| {tok / base_tok - 1:+.1%} | {np.mean([y['gold_kept'] for y in x]):.2f} "
+            f"| {saved:+.1%} | {np.mean([y['gold_kept'] for y in x]):.2f} "
+            f"| {c.mean_diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] p={c.p_value:.3g} "
+            f"| {goal} |"
+        )
+    lines += [
+        "",
+        "At equal tokens (the budget rule at the retriever's top-K tokens against that top-K):",
+        "",
+        f"| K | {metric} budget / top-K | prompt tokens budget / top-K "
+        f"| {metric} budget - top-K [95% CI] p |",
+        "|---:|---|---|---|",
+    ]
+    for k in (3, 5):
+        b, t = f"budget@top{k}", f"top{k}"
+        c = _paired(recs, b, t, metric)
+        mb, mt = (np.mean([r["variants"][v][metric] for r in recs]) for v in (b, t))
+        tb, tt = (np.mean([r["variants"][v]["prompt_tokens"] for r in recs]) for v in (b, t))
+        lines.append(
+            f"| {k} | {mb:.3f} / {mt:.3f} | {tb:.0f} / {tt:.0f} "
             f"| {c.mean_diff:+.3f} [{c.ci_low:+.3f}, {c.ci_high:+.3f}] p={c.p_value:.3g} |"
         )
     return "\n".join(lines)

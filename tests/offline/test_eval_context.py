@@ -84,7 +84,13 @@ def test_the_report_pairs_each_context_with_all(
     recs = [
         {
             "id": f"q{k}",
-            "variants": {"all": variant(1.0 if k % 2 else 0.0, 1000), "top3": variant(0.0, 400)},
+            "variants": {
+                "all": variant(1.0 if k % 2 else 0.0, 1000),
+                "top3": variant(0.0, 400),
+                "top5": variant(0.0, 600),
+                "budget@top3": variant(1.0 if k % 2 else 0.0, 380),  # all's answers, -62%
+                "budget@top5": variant(1.0 if k % 3 else 0.0, 590),
+            },
         }
         for k in range(10)
     ]
@@ -97,3 +103,9 @@ def test_the_report_pairs_each_context_with_all(
     top3 = next(r for r in table if r.startswith("| top3 |"))
     assert "| 0.500 |" in all_row and "+0.0%" in all_row
     assert "| 0.000 |" in top3 and "-60.0%" in top3 and "-0.500 [" in top3
+    # The goal: >= 30% fewer tokens and the interval's lower bound >= -0.02.
+    assert top3.endswith("| not shown |")
+    assert next(r for r in table if r.startswith("| budget@top3 |")).endswith("| met |")
+    # The budget rule against the retriever's top-K at (about) equal tokens.
+    k3 = next(r for r in table if r.startswith("| 3 |"))
+    assert "0.500 / 0.000" in k3 and "380 / 400" in k3 and "+0.500 [" in k3

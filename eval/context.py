@@ -230,6 +230,7 @@ async def run(args: argparse.Namespace) -> None:
     gen: Reorderer | None = None
     template = "qa_default"
     coefficients: np.ndarray | None = None
+    gen_settings: Settings | None = None
     if args.generator is not None:
         # Another generator: MoI's fit is the scorer's (SmolLM2), read from the SmolLM2 run's
         # records where it kept one; placed by the generator's own stored profile (what
@@ -241,7 +242,6 @@ async def run(args: argparse.Namespace) -> None:
         folder = profiles / f"{args.set}__smollm2-135m__{name}"
         [path] = folder.glob(f"*__{template}__L{MAX_PASSAGES}.json")
         coefficients = np.asarray(json.loads(path.read_text())["coefficients"])
-        gen = Reorderer(create_backend(gen_settings), gen_settings)
         scored = _done(OUT / f"{args.set}.jsonl")
         fits = {k: r for k, r in scored.items() if "fit" in r}
     else:
@@ -267,9 +267,9 @@ async def run(args: argparse.Namespace) -> None:
             placed = list(result.order)
         if coefficients is not None:
             placed = place_ranking(ranking, "bias_matched", coefficients)
-        if gen is None:
-            assert scorer is not None
-            gen = scorer
+        if gen is None:  # loaded on the first question to answer: a follower often has none
+            gen = Reorderer(create_backend(gen_settings), gen_settings) if gen_settings else scorer
+        assert gen is not None
         rec.update(await answer(gen, template, q, passages, placed, ranking, fit, is_hotpot))
         with out.open("a") as f:
             f.write(json.dumps(rec) + "\n")

@@ -286,6 +286,16 @@ def _paired(recs: list[dict[str, Any]], v: str, base: str, metric: str) -> Any:
     return paired_comparison(metric, v, base, pairs, seed=0)
 
 
+def _needed(recs: list[dict[str, Any]], v: str, metric: str) -> str:
+    """About how many questions the goal's interval would need at this row's mean and spread
+    of paired differences (normal approximation), or that the mean itself is a loss."""
+    d = np.array([r["variants"][v][metric] - r["variants"]["all"][metric] for r in recs])
+    if d.mean() <= GOAL_LOSS:
+        return ": a loss beyond 0.02"
+    sd = d.std(ddof=1) if len(d) > 1 else 0.0
+    return f" (about {int(np.ceil((1.96 * sd / (d.mean() - GOAL_LOSS)) ** 2))} questions)"
+
+
 def report(args: argparse.Namespace) -> str:
     recs = [json.loads(line) for line in out_path(args).read_text().splitlines()]
     metric = "f1" if args.set.startswith("hotpot") else "accuracy"
@@ -311,7 +321,7 @@ def report(args: argparse.Namespace) -> str:
             if v == "all"
             else "met"
             if saved <= GOAL_TOKENS and c.ci_low >= GOAL_LOSS
-            else "not shown"
+            else f"not shown{_needed(recs, v, metric)}"
             if saved <= GOAL_TOKENS
             else "too few tokens saved"
         )

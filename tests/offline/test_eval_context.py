@@ -104,7 +104,7 @@ def test_the_report_pairs_each_context_with_all(
     assert "| 0.500 |" in all_row and "+0.0%" in all_row
     assert "| 0.000 |" in top3 and "-60.0%" in top3 and "-0.500 [" in top3
     # The goal: >= 30% fewer tokens and the interval's lower bound >= -0.02.
-    assert top3.endswith("| not shown |")
+    assert top3.endswith("| not shown: a loss beyond 0.02 |")
     assert next(r for r in table if r.startswith("| budget@top3 |")).endswith("| met |")
     # The budget rule against the retriever's top-K at (about) equal tokens.
     k3 = next(r for r in table if r.startswith("| 3 |"))

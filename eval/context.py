@@ -13,6 +13,11 @@ generator (the same SmolLM2, greedy, 32 tokens, ``qa_default``) answers these co
 - ``distractors_above``: ``credibly_above`` (floor = mean, 0.9);
 - ``document`` (HotpotQA: titles as sources): ``all`` with each title's passages together.
 
+``--generator google/gemma-3-270m`` has another generator answer: MoI's fit is read from the
+SmolLM2 run's records (``fit``: ranking, utilities, standard errors, covariance), placed by
+that generator's stored profile (``results/eval/profiles/<set>__smollm2-135m__<generator>``),
+and the contexts are counted in its tokenizer and rendered in its template.
+
 Each record keeps the context's order, its documents-block tokens, the generator's full
 prompt tokens, the answer and its scores. Output is one JSON line a question, appended as it
 finishes (a rerun skips finished questions); ``--report`` prints the table with paired
@@ -169,14 +174,14 @@ async def answer(
     )
     # Contexts that render the same prompt (a rule that dropped nothing, document order on
     # sets with one passage a source) are answered once: greedy decoding gives them one answer.
-    distinct: dict[tuple[int, ...], int] = {}
+    unique: dict[tuple[int, ...], Any] = {}
     for prompt in prompts:
-        distinct.setdefault(tuple(prompt.token_ids), len(distinct))
-    first = {key: next(p for p in prompts if tuple(p.token_ids) == key) for key in distinct}
+        unique.setdefault(tuple(prompt.token_ids), prompt)
     t0 = time.perf_counter()
-    generated = await work.generate(list(first.values()), max_new_tokens=MAX_ANSWER_TOKENS)
+    generated = await work.generate(list(unique.values()), max_new_tokens=MAX_ANSWER_TOKENS)
     gen_s = time.perf_counter() - t0
-    answers = [generated[distinct[tuple(p.token_ids)]] for p in prompts]
+    by_prompt = dict(zip(unique, generated, strict=True))
+    answers = [by_prompt[tuple(p.token_ids)] for p in prompts]
     variants: dict[str, Any] = {}
     for v, prompt, ans in zip(names, prompts, answers, strict=True):
         text = ans.text if ans is not None else ""

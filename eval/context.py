@@ -199,10 +199,15 @@ async def answer(
     return {"generate_s": gen_s, "variants": variants}
 
 
+def short_name(model: str) -> str:
+    """``google/gemma-3-270m`` -> ``gemma-3-270m``: the name in result and profile folders."""
+    return model.rsplit("/", 1)[-1].lower()
+
+
 def out_path(args: argparse.Namespace) -> Path:
     if args.generator is None:
         return OUT / f"{args.set}.jsonl"
-    return OUT / f"{args.set}__{args.generator.rsplit('/', 1)[-1].lower()}.jsonl"
+    return OUT / f"{args.set}__{short_name(args.generator)}.jsonl"
 
 
 def _done(path: Path) -> dict[str, dict[str, Any]]:
@@ -243,8 +248,7 @@ async def run(args: argparse.Namespace) -> None:
         # generator's tokens and rendered in its template.
         gen_settings = Settings(model=args.generator, device="cpu", dtype="float32")
         template = gen_settings.chat_template
-        name = args.generator.rsplit("/", 1)[-1].lower()
-        folder = profiles / f"{args.set}__smollm2-135m__{name}"
+        folder = profiles / f"{args.set}__smollm2-135m__{short_name(args.generator)}"
         [path] = folder.glob(f"*__{template}__L{MAX_PASSAGES}.json")
         coefficients = np.asarray(json.loads(path.read_text())["coefficients"])
         scored = _done(OUT / f"{args.set}.jsonl")

@@ -128,7 +128,15 @@ def test_a_busy_neighbour_at_start_leaves_no_lasting_refusal(
     print(json.dumps({"requests": seen, "capacity": info["capacity"], "cpus": info["cpus"],
                       "background": info["auto"]["background"]}, indent=1))  # fmt: skip
     assert not [r for r in seen if r[1] == 422], seen
-    assert "engine rate measured (start)" in server.log()  # the canary ran, under the hog
+    # The rate canary ran at start, under the hog: measured, or over its deadline there (CI,
+    # 2026-12-07: three busy loops on two cores held it past canary_timeout_s) and asked again
+    # once the engine is idle. Either way it was counted, and refused nothing (below).
+    started = [
+        line
+        for line in metrics.splitlines()
+        if line.startswith('rag_reorder_rate_probes_total{reason="start"')
+    ]
+    assert sum(float(line.split()[-1]) for line in started) >= 1, (started, server.log()[-4000:])
     assert info["capacity"]["calls"] >= 1 and info["capacity"]["prefill_tokens_per_s"] > 0
     assert info["cpus"]["cpus"] >= 1 and info["cpus"]["torch_threads"] >= 1
     assert "rag_reorder_engine_rate_calls" in metrics

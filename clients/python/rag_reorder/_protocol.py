@@ -7,7 +7,10 @@ the two clients cannot behave differently.
 
 from __future__ import annotations
 
+import functools
+import os
 import random
+import ssl
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
@@ -388,6 +391,22 @@ def timeout_of(timeout: float | httpx.Timeout) -> httpx.Timeout:
     if isinstance(timeout, httpx.Timeout):
         return timeout
     return httpx.Timeout(timeout, connect=min(timeout, CONNECT_TIMEOUT_S))
+
+
+def tls_context() -> ssl.SSLContext:
+    """httpx's default verification context (certifi's CAs, or the ``SSL_CERT_FILE`` or
+    ``SSL_CERT_DIR`` it trusts), built once per process and per value of those variables and
+    shared by every client the library creates. httpx builds one per client by reading the
+    whole CA bundle: 20-90 ms of CPU, which a service that builds an adapter per request paid
+    on every request (``clients/python/CHANGELOG.md``). A context is safe to share between
+    clients and threads; a caller who needs another passes its own ``http_client``."""
+    return _tls_context(os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+
+
+@functools.lru_cache(maxsize=4)
+def _tls_context(cert_file: str | None, cert_dir: str | None) -> ssl.SSLContext:
+    # The arguments are the cache's key; httpx reads the same variables itself.
+    return httpx.create_ssl_context()
 
 
 def _error_code(response: httpx.Response) -> str | None:

@@ -41,6 +41,7 @@ from rag_reorder._protocol import (
     reorder_item,
     reorder_request,
     rerank_request,
+    tls_context,
 )
 from rag_reorder.types import (
     BatchItem,
@@ -117,7 +118,7 @@ class Client:
         )
         self._owned = http_client is None
         self._http = http_client or httpx.Client(
-            base_url=self._policy.base_url, timeout=self._policy.timeout
+            base_url=self._policy.base_url, timeout=self._policy.timeout, verify=tls_context()
         )
 
     def reorder(
@@ -303,7 +304,7 @@ class AsyncClient:
         )
         self._owned = http_client is None
         self._http = http_client or httpx.AsyncClient(
-            base_url=self._policy.base_url, timeout=self._policy.timeout
+            base_url=self._policy.base_url, timeout=self._policy.timeout, verify=tls_context()
         )
 
     async def reorder(

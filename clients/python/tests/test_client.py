@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import inspect
 import json
+import ssl
+import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from email.utils import formatdate
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,6 +28,7 @@ from rag_reorder import (
     __version__,
     reorder_item,
 )
+from rag_reorder import _protocol
 from rag_reorder._protocol import reorder_request, rerank_request
 from servers import API_KEY, BEST_FIRST, ServerProcess, free_port
 from servers import FAKE_PASSAGES as PASSAGES
@@ -156,10 +160,13 @@ def test_a_timeout_is_reported_as_such(fake_service: ServerProcess) -> None:
 
 @contextmanager
 def scripted(
-    responses: list[tuple[int, dict[str, str], bytes]], delay_s: float = 0.0
+    responses: list[tuple[int, dict[str, str], bytes]],
+    delay_s: float = 0.0,
+    tls: ssl.SSLContext | None = None,
 ) -> Iterator[tuple[str, list[dict[str, str]]]]:
-    """A real HTTP server answering POSTs from ``responses`` in turn (the last one repeats),
-    each after ``delay_s``; yields its base URL and the headers of the requests it saw."""
+    """A real HTTP server (HTTPS with ``tls``) answering POSTs from ``responses`` in turn (the
+    last one repeats), each after ``delay_s``; yields its base URL and the headers of the
+    requests it saw."""
     seen: list[dict[str, str]] = []
 
     class Handler(BaseHTTPRequestHandler):
@@ -178,10 +185,12 @@ def scripted(
             pass
 
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    if tls is not None:
+        httpd.socket = tls.wrap_socket(httpd.socket, server_side=True)
     thread = threading.Thread(target=httpd.serve_forever, daemon=True)
     thread.start()
     try:
-        yield f"http://127.0.0.1:{httpd.server_address[1]}", seen
+        yield f"{'https' if tls else 'http'}://127.0.0.1:{httpd.server_address[1]}", seen
     finally:
         httpd.shutdown()
         httpd.server_close()
@@ -274,6 +283,44 @@ async def test_a_supplied_async_http_client_still_sends_the_key_the_agent_and_th
             await c.reorder("q", ["a", "b"])
     assert seen[0]["authorization"] == "Bearer k" and seen[0]["x-tenant"] == "t1"
     assert seen[0]["user-agent"] == f"rag-reorder-python/{__version__}"
+
+
+async def test_https_trusts_what_httpx_trusts_and_every_client_shares_one_tls_context(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A service behind TLS with its own CA, trusted through SSL_CERT_FILE as httpx trusts it.
+    # The clients build that verification context once per process, not once each (reading
+    # the CA bundle was 20-90 ms of CPU a client: an adapter built per request paid it).
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key),
+         "-out", str(cert), "-days", "1", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server_tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    server_tls.load_cert_chain(cert, key)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    with scripted([OK], tls=server_tls) as (base, seen):
+        with Client(base, max_retries=0) as c, pytest.raises(RagReorderError) as e:
+            c.reorder("q", ["a", "b"])  # certifi's CAs do not hold this one
+        assert e.value.code == "connection_error" and "CERTIFICATE_VERIFY_FAILED" in str(e.value)
+        built: list[ssl.SSLContext] = []
+        real = httpx.create_ssl_context
+
+        def counted() -> ssl.SSLContext:
+            built.append(real())
+            return built[-1]
+
+        monkeypatch.setattr(_protocol.httpx, "create_ssl_context", counted)
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        for _ in range(3):
+            with Client(base, max_retries=0) as c:
+                assert list(c.reorder("q", ["a", "b"]).order) == [1, 0]
+        async with AsyncClient(base, max_retries=0) as ac:
+            assert list((await ac.reorder("q", ["a", "b"])).order) == [1, 0]
+    assert len(built) == 1 and len(seen) == 4
 
 
 def test_the_default_timeout_outlasts_the_services_deadline() -> None:

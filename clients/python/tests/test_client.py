@@ -26,9 +26,9 @@ from rag_reorder import (
     Passage,
     RagReorderError,
     __version__,
+    _protocol,
     reorder_item,
 )
-from rag_reorder import _protocol
 from rag_reorder._protocol import reorder_request, rerank_request
 from servers import API_KEY, BEST_FIRST, ServerProcess, free_port
 from servers import FAKE_PASSAGES as PASSAGES

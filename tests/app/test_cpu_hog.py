@@ -134,7 +134,7 @@ def test_a_busy_neighbour_at_start_leaves_no_lasting_refusal(
     started = [
         line
         for line in metrics.splitlines()
-        if line.startswith('rag_reorder_rate_probes_total{reason="start"')
+        if line.startswith("rag_reorder_rate_probes_total{") and 'reason="start"' in line
     ]
     assert sum(float(line.split()[-1]) for line in started) >= 1, (started, server.log()[-4000:])
     assert info["capacity"]["calls"] >= 1 and info["capacity"]["prefill_tokens_per_s"] > 0

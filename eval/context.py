@@ -53,7 +53,7 @@ from service.passage import Passage
 from service.pipeline import Reorderer
 from service.prompting.templates import get_template
 from service.strategies.request import DesignSpec, ReorderRequest
-from solver import place_ranking
+from solver import place_ranking, resample
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "results" / "eval" / "context"
@@ -204,10 +204,24 @@ def short_name(model: str) -> str:
     return model.rsplit("/", 1)[-1].lower()
 
 
-def out_path(args: argparse.Namespace) -> Path:
-    if args.generator is None:
-        return OUT / f"{args.set}.jsonl"
-    return OUT / f"{args.set}__{short_name(args.generator)}.jsonl"
+def out_path(args: argparse.Namespace, generator: str | None = None) -> Path:
+    """``<set>[__<generator>][__p<passages>].jsonl``: 10 passages carry no suffix."""
+    name = args.set
+    generator = args.generator if generator is None else generator
+    if generator:
+        name += f"__{short_name(generator)}"
+    if args.passages != MAX_PASSAGES:
+        name += f"__p{args.passages}"
+    return OUT / f"{name}.jsonl"
+
+
+def _append(path: Path, rec: dict[str, Any]) -> None:
+    # One write of the whole line on an O_APPEND file: shards (--shard) append side by side.
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, (json.dumps(rec) + "\n").encode())
+    finally:
+        os.close(fd)
 
 
 def _done(path: Path) -> dict[str, dict[str, Any]]:
@@ -251,14 +265,19 @@ async def run(args: argparse.Namespace) -> None:
         folder = profiles / f"{args.set}__smollm2-135m__{short_name(args.generator)}"
         [path] = folder.glob(f"*__{template}__L{MAX_PASSAGES}.json")
         coefficients = np.asarray(json.loads(path.read_text())["coefficients"])
-        scored = _done(OUT / f"{args.set}.jsonl")
+        if args.passages != MAX_PASSAGES:
+            # No profile is stored at other slot counts: the 10-slot one resampled, as MoI's
+            # adaptive design fixes a stored profile of another slot count.
+            coefficients = np.asarray(resample(coefficients, args.passages))
+        scored = _done(out_path(args, generator=""))
         fits = {k: r for k, r in scored.items() if "fit" in r}
     else:
         scored, fits = {}, {}
     data = Path(args.data) / f"{args.set}.jsonl"
-    for ex in load_examples(data, limit=args.limit):
-        q = prepare(ex, MAX_PASSAGES)
-        if q.id in done or (args.only_scored and q.id not in scored):
+    shard, shards = args.shard
+    for k, ex in enumerate(load_examples(data, limit=args.limit)):
+        q = prepare(ex, args.passages)
+        if k % shards != shard or q.id in done or (args.only_scored and q.id not in scored):
             continue
         passages = source_passages(q, is_hotpot)
         rec: dict[str, Any] = {"id": q.id, "gold": list(q.gold)}
@@ -280,8 +299,7 @@ async def run(args: argparse.Namespace) -> None:
             gen = Reorderer(create_backend(gen_settings), gen_settings) if gen_settings else scorer
         assert gen is not None
         rec.update(await answer(gen, template, q, passages, placed, ranking, fit, is_hotpot))
-        with out.open("a") as f:
-            f.write(json.dumps(rec) + "\n")
+        _append(out, rec)
         print(q.id, {v: r["accuracy"] for v, r in rec["variants"].items()}, flush=True)
 
 
@@ -310,7 +328,8 @@ def report(args: argparse.Namespace) -> str:
     metric = "f1" if args.set.startswith("hotpot") else "accuracy"
     answering = args.generator or EMBEDDED_MODEL
     lines = [
-        f"{args.set}: {len(recs)} questions, {answering} answering, metric {metric} "
+        f"{args.set}{'' if args.passages == MAX_PASSAGES else f' at {args.passages} passages'}"
+        f": {len(recs)} questions, {answering} answering, metric {metric} "
         "(HotpotQA also EM)",
         "",
         f"| context | {metric} | EM | documents tokens | prompt tokens | tokens vs all "
@@ -361,6 +380,13 @@ def report(args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def _shard(text: str) -> tuple[int, int]:
+    k, n = (int(x) for x in text.split("/"))
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"K/N with 0 <= K < N, not {text!r}")
+    return k, n
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--set", required=True, choices=["nq_open_dev", "hotpot_dev"])
@@ -380,6 +406,20 @@ def main() -> None:
         "follows a running one)",
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    p.add_argument(
+        "--passages",
+        type=int,
+        default=MAX_PASSAGES,
+        help="passages a question (the sets' first N; 20 is NQ-Open's whole list); results in "
+        "<set>[__<generator>]__p<N>.jsonl when not 10",
+    )
+    p.add_argument(
+        "--shard",
+        type=_shard,
+        default=(0, 1),
+        metavar="K/N",
+        help="only the questions whose index is K modulo N (N processes side by side, one file)",
+    )
     args = p.parse_args()
     if args.report:
         print(report(args))

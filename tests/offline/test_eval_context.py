@@ -96,7 +96,7 @@ def test_the_report_pairs_each_context_with_all(
     ]
     monkeypatch.setattr(context, "OUT", tmp_path)
     (tmp_path / "nq_open_dev.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
-    args = argparse.Namespace(set="nq_open_dev", generator=None)
+    args = argparse.Namespace(set="nq_open_dev", generator=None, passages=10)
     table = context.report(args).splitlines()
     assert table[0].startswith("nq_open_dev: 10 questions")
     all_row = next(r for r in table if r.startswith("| all |"))
@@ -109,3 +109,24 @@ def test_the_report_pairs_each_context_with_all(
     # The budget rule against the retriever's top-K at (about) equal tokens.
     k3 = next(r for r in table if r.startswith("| 3 |"))
     assert "0.500 / 0.000" in k3 and "380 / 400" in k3 and "+0.500 [" in k3
+
+
+def test_result_files_name_the_generator_and_any_passage_count_but_ten(
+    context: ModuleType,
+) -> None:
+    def path(**kw: object) -> str:
+        args = argparse.Namespace(**{"set": "nq_open_dev", "generator": None, "passages": 10, **kw})
+        return context.out_path(args).name
+
+    assert path() == "nq_open_dev.jsonl"  # the committed 10-passage runs keep their names
+    assert path(passages=20) == "nq_open_dev__p20.jsonl"
+    assert path(generator="google/gemma-3-270m") == "nq_open_dev__gemma-3-270m.jsonl"
+    assert path(generator="google/gemma-3-270m", passages=20) == (
+        "nq_open_dev__gemma-3-270m__p20.jsonl"
+    )
+    # The SmolLM2 run a generator's pass reads its fits from: the same passage count.
+    args = argparse.Namespace(set="nq_open_dev", generator="google/gemma-3-270m", passages=20)
+    assert context.out_path(args, generator="").name == "nq_open_dev__p20.jsonl"
+    assert context._shard("1/2") == (1, 2)
+    with pytest.raises(argparse.ArgumentTypeError):
+        context._shard("2/2")

@@ -1,7 +1,8 @@
 """Issue 93's evidence: fewer generator prompt tokens at no loss of accuracy?
 
-Per question of a development set (cut to 10 passages as ``rag-reorder eval`` cuts them), MoI
-runs once (``pruned_random``, ``bias_matched``, the committed bias profiles of
+Per question of a development set (cut to 10 passages as ``rag-reorder eval`` cuts them, or
+to ``--passages N``), MoI runs once (``pruned_random``, ``bias_matched``, the committed bias
+profiles of
 ``results/eval/profiles/<set>``, as in ``results/eval/<set>``'s best committed row) and the
 generator (the same SmolLM2, greedy, 32 tokens, ``qa_default``) answers these contexts:
 
@@ -204,12 +205,12 @@ def short_name(model: str) -> str:
     return model.rsplit("/", 1)[-1].lower()
 
 
-def out_path(args: argparse.Namespace, generator: str | None = None) -> Path:
-    """``<set>[__<generator>][__p<passages>].jsonl``: 10 passages carry no suffix."""
+def out_path(args: argparse.Namespace, *, scorer: bool = False) -> Path:
+    """``<set>[__<generator>][__p<passages>].jsonl``, 10 passages without the suffix;
+    ``scorer``: the SmolLM2 run's file (where another generator's pass reads the fits)."""
     name = args.set
-    generator = args.generator if generator is None else generator
-    if generator:
-        name += f"__{short_name(generator)}"
+    if args.generator and not scorer:
+        name += f"__{short_name(args.generator)}"
     if args.passages != MAX_PASSAGES:
         name += f"__p{args.passages}"
     return OUT / f"{name}.jsonl"
@@ -269,7 +270,7 @@ async def run(args: argparse.Namespace) -> None:
             # No profile is stored at other slot counts: the 10-slot one resampled, as MoI's
             # adaptive design fixes a stored profile of another slot count.
             coefficients = np.asarray(resample(coefficients, args.passages))
-        scored = _done(out_path(args, generator=""))
+        scored = _done(out_path(args, scorer=True))
         fits = {k: r for k, r in scored.items() if "fit" in r}
     else:
         scored, fits = {}, {}

@@ -126,7 +126,7 @@ def test_result_files_name_the_generator_and_any_passage_count_but_ten(
     )
     # The SmolLM2 run a generator's pass reads its fits from: the same passage count.
     args = argparse.Namespace(set="nq_open_dev", generator="google/gemma-3-270m", passages=20)
-    assert context.out_path(args, generator="").name == "nq_open_dev__p20.jsonl"
+    assert context.out_path(args, scorer=True).name == "nq_open_dev__p20.jsonl"
     assert context._shard("1/2") == (1, 2)
     with pytest.raises(argparse.ArgumentTypeError):
         context._shard("2/2")

@@ -75,8 +75,8 @@ check: lint
 # What CI runs. Steps that share no files run side by side (make -j; -O keeps each one's output
 # together): the vLLM and client virtualenvs are mostly downloads and unpacking, built while
 # the main virtualenv is (they do not need it: before, on a fresh machine, they waited for its
-# 115 s) and while lint and the docs use the CPU; then two lanes, each one suite after another. The heavy lane
-# holds the two suites that keep more than a core busy (the GPU script's rehearsal, 1.3 cores;
+# 115 s) and while lint and the docs use the CPU; then two lanes, each one suite after another.
+# The heavy lane holds the two suites that keep more than a core busy (the GPU script's rehearsal, 1.3 cores;
 # the slow tests, 1.4), one after the other, never side by side: their timing checks failed at
 # random with two real-server suites sharing the two cores. The light lane fills the rest of
 # the CPU beside them (docs/development.md, Tests).

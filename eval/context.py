@@ -2,9 +2,9 @@
 
 Per question of a development set (cut to 10 passages as ``rag-reorder eval`` cuts them, or
 to ``--passages N``), MoI runs once (``pruned_random``, ``bias_matched``, the committed bias
-profiles of
-``results/eval/profiles/<set>``, as in ``results/eval/<set>``'s best committed row) and the
-generator (the same SmolLM2, greedy, 32 tokens, ``qa_default``) answers these contexts:
+profiles of ``results/eval/profiles/<set>``, as in ``results/eval/<set>``'s best committed
+row) and the generator (the same SmolLM2, greedy, 32 tokens, ``qa_default``) answers these
+contexts:
 
 - ``all``: all 10 passages, placed by the profile (MoI ``bias_matched``);
 - ``top3``, ``top5``: the retriever's first K passages, in the retriever's order;
